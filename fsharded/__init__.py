@@ -1,0 +1,67 @@
+"""fsharded: DeepSpeed's capabilities as JAX-style functional transforms on PyTorch.
+
+>>> import torch, fsharded as fs
+>>> from fsharded import P
+>>> mesh = fs.Mesh({"data": 2})
+>>> f = fs.shard_map(lambda x: fs.psum(x.sum(), "data"), mesh=mesh, in_specs=P("data"), out_specs=P())
+>>> f(torch.arange(4.0))
+tensor(6.)
+"""
+
+from fsharded import distributed
+from fsharded._manifest import Entry, Manifest
+from fsharded._shard_map import ShardMapped, shard_map
+from fsharded._tree import rules, tree_flatten_with_paths, tree_map_with_path
+from fsharded.collectives import (
+    all_gather,
+    all_to_all,
+    axis_index,
+    axis_size,
+    pmax,
+    pmean,
+    ppermute,
+    psum,
+    psum_scatter,
+    pvary,
+)
+from fsharded.mesh import (
+    Mesh,
+    NamedSharding,
+    P,
+    PartitionSpec,
+    from_dtensor,
+    shard,
+    to_dtensor,
+    unshard,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Mesh",
+    "PartitionSpec",
+    "P",
+    "NamedSharding",
+    "shard",
+    "unshard",
+    "to_dtensor",
+    "from_dtensor",
+    "shard_map",
+    "ShardMapped",
+    "psum",
+    "pmean",
+    "pmax",
+    "pvary",
+    "all_gather",
+    "psum_scatter",
+    "all_to_all",
+    "ppermute",
+    "axis_index",
+    "axis_size",
+    "rules",
+    "tree_flatten_with_paths",
+    "tree_map_with_path",
+    "Entry",
+    "Manifest",
+    "distributed",
+]

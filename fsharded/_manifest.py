@@ -1,0 +1,110 @@
+"""Recording of the collectives a shard_map'ed function runs: the collective manifest.
+
+Every collective passes through ``record``; while a ``recording()`` context is open each
+call is appended, in program order, as an ``Entry``. ``shard_map(...).collectives(*args)``
+runs the function on the virtual mesh over meta tensors (shapes only, no data, no
+communication) inside such a context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Entry", "Manifest", "recording"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One collective call: ``op`` over ``axis`` on a per-shard tensor of ``shape``."""
+
+    op: str
+    axis: str
+    axis_size: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    bytes_sent: int  # per rank, ring algorithms
+    phase: str  # "forward" or "backward"
+    params: tuple = ()
+
+    def __str__(self) -> str:
+        return (
+            f"{self.phase:8s} {self.op:12s} {self.axis:>14s} {str(self.dtype).replace('torch.', ''):9s} "
+            f"{str(list(self.shape)):>18s} {self.bytes_sent:>12,d}"
+        )
+
+
+class Manifest(tuple):
+    """An ordered tuple of ``Entry``; prints as a table with totals per axis."""
+
+    def total_bytes(self, axis: str | None = None) -> int:
+        return sum(e.bytes_sent for e in self if axis is None or e.axis == axis)
+
+    def by_axis(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self:
+            out[e.axis] = out.get(e.axis, 0) + e.bytes_sent
+        return out
+
+    def ops(self) -> list[tuple[str, str]]:
+        return [(e.op, e.axis) for e in self]
+
+    def __str__(self) -> str:
+        head = f"{'phase':8s} {'op':12s} {'axis':>14s} {'dtype':9s} {'local shape':>18s} {'bytes/rank':>12s}"
+        lines = [head, "-" * len(head)]
+        lines += [str(e) for e in self]
+        lines.append("-" * len(head))
+        for ax, b in self.by_axis().items():
+            lines.append(f"total over {ax}: {b:,d} bytes sent per rank")
+        if not self:
+            lines.append("(no collectives)")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"Manifest({len(self)} collectives, {self.total_bytes():,d} bytes/rank)"
+
+
+_REC: contextvars.ContextVar[list | None] = contextvars.ContextVar("fsharded_manifest", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+    entries: list = []
+    tok = _REC.set(entries)
+    try:
+        yield entries
+    finally:
+        _REC.reset(tok)
+
+
+def _phase() -> str:
+    try:
+        node = torch._C._current_autograd_node()
+    except AttributeError:  # pragma: no cover - older torch
+        node = None
+    return "backward" if node is not None else "forward"
+
+
+def record(prim: Any, params: tuple, axes: Any, x: torch.Tensor) -> None:
+    entries = _REC.get()
+    if entries is None:
+        return
+    n = axes.size
+    shape = tuple(x.shape)
+    entries.append(
+        Entry(
+            op=prim.name,
+            axis=axes.label,
+            axis_size=n,
+            dtype=x.dtype,
+            shape=shape,
+            bytes_sent=int(prim.sent(shape, x.element_size(), n, params)) if n > 1 else 0,
+            phase=_phase(),
+            params=params,
+        )
+    )

@@ -1,0 +1,134 @@
+"""Pytree helpers over optree: dotted key paths, spec trees as prefixes, path rules.
+
+A leaf is addressed by its key path joined with dots: ``params["blocks"][0]["attn"]["w"]``
+is ``"blocks.0.attn.w"``. Spec trees may be prefixes of value trees, as in JAX: a single
+``P()`` stands for every leaf below it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optree
+
+__all__ = [
+    "path_str",
+    "tree_flatten_with_paths",
+    "tree_map_with_path",
+    "broadcast_prefix",
+    "rules",
+]
+
+
+def path_str(path: tuple) -> str:
+    """Join an optree key path into a dotted string (``()`` is the root, ``"<root>"``)."""
+    return ".".join(str(k) for k in path) if path else "<root>"
+
+
+def tree_flatten_with_paths(tree: Any, *, is_leaf: Callable[[Any], bool] | None = None):
+    """``(paths, leaves, treespec)`` with paths as dotted strings."""
+    paths, leaves, treespec = optree.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return [path_str(p) for p in paths], leaves, treespec
+
+
+def tree_map_with_path(fn: Callable[[str, Any], Any], tree: Any, *rest: Any) -> Any:
+    """Map ``fn(path, leaf, *other_leaves)`` over ``tree`` (and trees of the same structure)."""
+    return optree.tree_map_with_path(lambda p, *xs: fn(path_str(p), *xs), tree, *rest)
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    from fsharded.mesh._spec import PartitionSpec
+
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def broadcast_prefix(specs: Any, tree: Any, *, what: str = "specs") -> list:
+    """Expand a spec tree that is a prefix of ``tree`` into one spec per leaf of ``tree``.
+
+    ``None`` in a spec tree means replicated, like ``P()``. Returns a list aligned with
+    ``optree.tree_leaves(tree)``. A spec tree that does not match raises ``ValueError``
+    listing every mismatch with its path.
+    """
+    from fsharded.mesh._spec import PartitionSpec
+
+    out: list = []
+    errors: list[str] = []
+
+    def walk(spec: Any, sub: Any, path: tuple) -> None:
+        if _is_spec_leaf(spec):
+            n = optree.tree_structure(sub).num_leaves
+            out.extend([spec if spec is not None else PartitionSpec()] * n)
+            return
+        try:
+            s_kids, _, s_keys, _ = optree.tree_flatten_one_level(spec, none_is_leaf=True)
+        except ValueError:
+            errors.append(
+                f"  {path_str(path)}: expected a PartitionSpec or a subtree, got "
+                f"{type(spec).__name__} {spec!r}"
+            )
+            out.extend([PartitionSpec()] * optree.tree_structure(sub).num_leaves)
+            return
+        try:
+            v_kids, _, v_keys, _ = optree.tree_flatten_one_level(sub)
+        except ValueError:
+            v_kids, v_keys = None, None
+        if v_kids is None or type(spec) is not type(sub) or list(s_keys) != list(v_keys):
+            errors.append(
+                f"  {path_str(path)}: {what} have {type(spec).__name__} with keys "
+                f"{list(s_keys)} but the values have {type(sub).__name__}"
+                + (f" with keys {list(v_keys)}" if v_keys is not None else " (a leaf)")
+            )
+            out.extend([PartitionSpec()] * optree.tree_structure(sub).num_leaves)
+            return
+        for key, s, v in zip(s_keys, s_kids, v_kids):
+            walk(s, v, (*path, key))
+
+    walk(specs, tree, ())
+    if errors:
+        raise ValueError(
+            f"{what} do not match the value tree (a spec tree must be a prefix of it):\n"
+            + "\n".join(errors)
+        )
+    return out
+
+
+def rules(
+    tree: Any,
+    table: Mapping[str | re.Pattern, Any],
+    *,
+    default: Any = None,
+) -> Any:
+    """Build a spec tree from ``{pattern: spec}``, matched against each leaf's dotted path.
+
+    Patterns are globs (``"blocks.*.mlp.w1"``), or regular expressions when given as a
+    compiled ``re.Pattern`` or a string starting with ``"re:"``. The first matching rule
+    wins; leaves that match nothing get ``default`` (``P()`` when ``None``).
+
+    >>> from fsharded import P
+    >>> params = {"mlp": {"w1": torch.zeros(4, 8), "b1": torch.zeros(8)}}
+    >>> rules(params, {"*.w1": P(None, "tensor")})
+    {'mlp': {'b1': PartitionSpec(), 'w1': PartitionSpec(None, 'tensor')}}
+    """
+    from fsharded.mesh._spec import PartitionSpec
+
+    compiled: list[tuple[Callable[[str], bool], Any]] = []
+    for pat, spec in table.items():
+        if isinstance(pat, re.Pattern):
+            compiled.append((lambda p, r=pat: r.fullmatch(p) is not None, spec))
+        elif pat.startswith("re:"):
+            r = re.compile(pat[3:])
+            compiled.append((lambda p, r=r: r.fullmatch(p) is not None, spec))
+        else:
+            compiled.append((lambda p, g=pat: fnmatch.fnmatchcase(p, g), spec))
+    fallback = PartitionSpec() if default is None else default
+
+    def pick(path: str, _leaf: Any) -> Any:
+        for match, spec in compiled:
+            if match(path):
+                return spec
+        return fallback
+
+    return tree_map_with_path(pick, tree)
