@@ -231,7 +231,8 @@ class _AllToAll(_Prim):
             xs = xs[_inverse(g.to_group)]
         chunk_shape = xs.shape[1:]
         flat = xs.reshape(-1, *chunk_shape[1:]).contiguous()
-        out = _funcol().all_to_all_single(flat, None, None, g.group_name)
+        splits = [chunk_shape[0]] * g.size
+        out = _funcol().all_to_all_single(flat, splits, splits, g.group_name)
         out = _wait(out).view(g.size, *chunk_shape)  # (n_src in group order, c, ...)
         if not g.identity_order:
             out = out[list(g.to_group)]

@@ -107,6 +107,16 @@ def device_mesh(mesh: Mesh, *, device_type: str | None = None) -> Any:
     return _DEVICE_MESHES[key]
 
 
+def remember_device_mesh(mesh: Mesh, dm: Any) -> None:
+    """Reuse a user's ``DeviceMesh`` for ``mesh`` (called by ``Mesh.from_torch``).
+
+    Only when a process group is initialised and ``dm`` spans the whole world; otherwise
+    nothing is recorded and ``device_mesh`` builds its own on demand.
+    """
+    if is_initialized() and mesh.size == dist.get_world_size():
+        _DEVICE_MESHES.setdefault((mesh, dm.device_type), dm)
+
+
 def axis_group(mesh: Mesh, axes: tuple[str, ...]) -> AxisGroup:
     """The group for ``axes`` (one name or several, major first); collective on first use."""
     key = (mesh, tuple(axes))

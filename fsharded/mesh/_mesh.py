@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -88,23 +89,48 @@ class Mesh:
         return "Mesh(" + ", ".join(f"{n}={s}" for n, s in self._axes) + ")"
 
     def __reduce__(self):
-        return (Mesh, (dict(self._axes),), None)
+        # Keep device_type (set by from_torch) across pickling / torch.save.
+        return (functools.partial(Mesh, device_type=self._device_type), (dict(self._axes),))
 
     # torch.distributed interop ------------------------------------------------------------
 
     @classmethod
     def from_torch(cls, device_mesh: Any) -> Mesh:
-        """The ``Mesh`` of a ``torch.distributed.device_mesh.DeviceMesh`` (named dims required)."""
+        """The ``Mesh`` of a ``torch.distributed.device_mesh.DeviceMesh`` (named dims required).
+
+        The DeviceMesh must lay the global ranks ``0 .. n-1`` out row-major, as
+        ``init_device_mesh`` does, because a ``Mesh`` places rank ``r`` at
+        ``coords(r)``. Under an initialised process group the DeviceMesh is remembered, so
+        ``Mesh.from_torch(dm).to_torch()`` is ``dm`` (no new process groups).
+        """
         names = device_mesh.mesh_dim_names
         if names is None:
             raise ValueError(
-                "DeviceMesh has no mesh_dim_names; build it with "
-                "init_device_mesh(..., mesh_dim_names=(...)) so axes can be named"
+                f"Mesh.from_torch: {device_mesh!r} has no mesh_dim_names; build it with "
+                f"init_device_mesh(..., mesh_dim_names=(...)) so axes can be named"
             )
-        return cls(dict(zip(names, device_mesh.mesh.shape)), device_type=device_mesh.device_type)
+        ranks = device_mesh.mesh.flatten().tolist()
+        if ranks != list(range(len(ranks))):
+            raise ValueError(
+                f"Mesh.from_torch: {device_mesh!r} holds ranks {ranks}, but a Mesh lays out "
+                f"ranks 0..{len(ranks) - 1} row-major; pass the whole-world mesh from "
+                f"init_device_mesh (not a sub-mesh such as dm[{names[-1]!r}])"
+            )
+        mesh = cls(
+            dict(zip(names, (int(s) for s in device_mesh.mesh.shape))),
+            device_type=device_mesh.device_type,
+        )
+        from fsharded import distributed
+
+        distributed.remember_device_mesh(mesh, device_mesh)
+        return mesh
 
     def to_torch(self, device_type: str | None = None) -> Any:
-        """A ``DeviceMesh`` with the same axes over the initialised process group."""
+        """A ``DeviceMesh`` with the same axes over the initialised process group.
+
+        Created once per (mesh, device type) and reused; the mesh size must equal the
+        world size.
+        """
         from fsharded.distributed import device_mesh
 
         return device_mesh(self, device_type=device_type)

@@ -112,25 +112,81 @@ def shard(tree: Any, specs: Any, mesh: Mesh, *, backend: str | None = None) -> A
     flat_specs = _tree.broadcast_prefix(specs, tree)
     check_tree(leaves, flat_specs, paths, mesh, "shard")
     if backend == "virtual":
-        out = [to_stacked(x, s, mesh) for x, s in zip(leaves, flat_specs)]
+        out = [
+            to_stacked(x, s, mesh) if isinstance(x, torch.Tensor) else x
+            for x, s in zip(leaves, flat_specs)
+        ]
     else:
         import torch.distributed as dist
 
         coords = mesh.coords(dist.get_rank())
-        out = [local_slice(x, s, mesh, coords).contiguous() for x, s in zip(leaves, flat_specs)]
+        out = [
+            local_slice(x, s, mesh, coords).contiguous() if isinstance(x, torch.Tensor) else x
+            for x, s in zip(leaves, flat_specs)
+        ]
     return optree.tree_unflatten(treedef, out)
 
 
 def unshard(tree: Any, specs: Any, mesh: Mesh, *, backend: str | None = None) -> Any:
-    """The backend's sharded form -> global tensors (all-gathers on the distributed backend)."""
+    """The backend's sharded form -> global tensors; the inverse of ``shard``.
+
+    Virtual backend: stacked tensors (leading dim per mesh axis the spec names, mesh
+    order) are merged back (differentiable). Distributed backend: every rank's local shard
+    is all-gathered, so each rank gets the whole global tensor (not differentiable: the
+    result is detached). Shapes that cannot be a shard of their spec are a ``ValueError``.
+    """
     backend = _backend(mesh, backend)
-    leaves, treedef = optree.tree_flatten(tree)
+    paths, leaves, treedef = _tree.tree_flatten_with_paths(tree)
     flat_specs = _tree.broadcast_prefix(specs, tree)
-    if backend == "virtual":
-        out = [from_stacked(y, s, mesh) for y, s in zip(leaves, flat_specs)]
-    else:
-        out = [gather_global(y, s, mesh) for y, s in zip(leaves, flat_specs)]
+    check_sharded_tree(leaves, flat_specs, paths, mesh, backend)
+    out = []
+    for y, s in zip(leaves, flat_specs):
+        if not isinstance(y, torch.Tensor):
+            out.append(y)
+        elif backend == "virtual":
+            out.append(from_stacked(y, s, mesh))
+        else:
+            out.append(gather_global(y.detach(), s, mesh))
     return optree.tree_unflatten(treedef, out)
+
+
+def check_sharded_tree(leaves: list, specs: list, paths: list[str], mesh: Mesh, backend: str) -> None:
+    """Validate leaves in the backend's sharded form against their specs (for ``unshard``)."""
+    bad = []
+    for path, y, spec in zip(paths, leaves, specs):
+        if not isinstance(y, torch.Tensor):
+            if len(spec):
+                bad.append((path, spec, (), [f"{type(y).__name__} is not a tensor"]))
+            continue
+        shape = tuple(y.shape)
+        unknown = [a for a in spec.axes if a not in mesh.shape]
+        if unknown:
+            errs = spec_errors(spec, shape, mesh)  # names the unknown axes
+        elif backend == "virtual":
+            lead = spec_mesh_axes(spec, mesh)
+            want = tuple(mesh.shape[a] for a in lead)
+            if shape[: len(lead)] != want:
+                errs = [
+                    f"a stacked shard must start with one dim per mesh axis the spec names "
+                    f"({', '.join(f'{a}={mesh.shape[a]}' for a in lead) or 'none'}), "
+                    f"got leading dims {shape[: len(lead)]}"
+                ]
+            else:
+                errs = spec_errors(spec, _global_shape(spec, shape[len(lead):], mesh), mesh)
+        else:
+            errs = spec_errors(spec, _global_shape(spec, shape, mesh), mesh)
+        if errs:
+            bad.append((path, spec, shape, errs))
+    if bad:
+        raise ValueError("unshard: " + format_spec_errors(bad, mesh))
+
+
+def _global_shape(spec: PartitionSpec, local_shape: tuple, mesh: Mesh) -> tuple[int, ...]:
+    """The global shape whose shard has ``local_shape`` (axes must be in the mesh)."""
+    out = list(local_shape)
+    for d, e in enumerate(spec[: len(out)]):
+        out[d] *= math.prod(mesh.shape[a] for a in _entry_axes(e))
+    return tuple(out)
 
 
 def gather_global(local: torch.Tensor, spec: PartitionSpec, mesh: Mesh) -> torch.Tensor:
@@ -139,10 +195,13 @@ def gather_global(local: torch.Tensor, spec: PartitionSpec, mesh: Mesh) -> torch
     from fsharded.collectives import ALL_GATHER
 
     x = local
-    for d, axes in enumerate(_dims(spec, local.dim())):
-        if axes:
-            g = distributed.axis_group(mesh, axes)
-            x = ALL_GATHER.dist(x, g, (d,))
+    # Callers differentiate around this themselves: keep the functional collectives'
+    # own autograd (which torch.func rejects) out of it.
+    with torch.no_grad():
+        for d, axes in enumerate(_dims(spec, local.dim())):
+            if axes:
+                g = distributed.axis_group(mesh, axes)
+                x = ALL_GATHER.dist(x, g, (d,))
     return x
 
 
@@ -170,11 +229,23 @@ def placements(spec: PartitionSpec, mesh: Mesh, ndim: int) -> list:
 
 
 def to_dtensor(local: torch.Tensor, spec: PartitionSpec, mesh: Mesh) -> Any:
-    """Wrap this rank's shard as a ``DTensor`` on ``mesh.to_torch()`` (no copy)."""
+    """Wrap this rank's shard as a ``DTensor`` on ``mesh.to_torch()`` (no copy).
+
+    ``local`` is what ``shard(x, spec, mesh)`` gives on the distributed backend; the
+    result's ``full_tensor()`` is ``x``. Differentiable (``DTensor.from_local``).
+    """
     from torch.distributed.tensor import DTensor
 
+    if not isinstance(spec, PartitionSpec):
+        spec = PartitionSpec(*spec)
+    check_sharded_tree([local], [spec], ["<root>"], mesh, "distributed")
+    pl = placements(spec, mesh, local.dim())
     dm = mesh.to_torch()
-    return DTensor.from_local(local, dm, placements(spec, mesh, local.dim()), run_check=False)
+    gshape = _global_shape(spec, tuple(local.shape), mesh)
+    return DTensor.from_local(
+        local, dm, pl, run_check=False, shape=torch.Size(gshape),
+        stride=torch.empty(gshape, device="meta").stride(),
+    )
 
 
 def from_dtensor(dt: Any) -> tuple[torch.Tensor, PartitionSpec, Mesh]:
@@ -184,14 +255,20 @@ def from_dtensor(dt: Any) -> tuple[torch.Tensor, PartitionSpec, Mesh]:
     mesh = Mesh.from_torch(dt.device_mesh)
     entries: list[list[str]] = [[] for _ in range(dt.dim())]
     for axis, pl in zip(mesh.axis_names, dt.placements):
-        if isinstance(pl, Shard):
-            entries[pl.dim].append(axis)
+        # type() and not isinstance(): _StridedShard (a non-default shard order) is not a
+        # Shard today, but must never be read as one; its layout is not major-first.
+        if type(pl) is Shard:
+            entries[pl.dim % max(dt.dim(), 1)].append(axis)
         elif not isinstance(pl, Replicate):
             raise ValueError(
-                f"from_dtensor: placement {pl} on mesh axis {axis!r} has no PartitionSpec; "
-                f"redistribute to Shard/Replicate first (e.g. dt.redistribute(...))"
+                f"from_dtensor: placement {type(pl).__name__} ({pl}) on mesh axis {axis!r} has no PartitionSpec; "
+                f"redistribute to Shard/Replicate (with multi-axis dims in mesh order) first, "
+                f"e.g. dt.redistribute(dt.device_mesh, [Replicate()] * {len(mesh.axis_names)})"
             )
     while entries and not entries[-1]:
         entries.pop()
     spec = PartitionSpec(*[tuple(e) if e else None for e in entries])
+    errs = spec_errors(spec, tuple(dt.shape), mesh)
+    if errs:
+        raise ValueError("from_dtensor: " + format_spec_errors([("<root>", spec, tuple(dt.shape), errs)], mesh))
     return dt.to_local(), spec, mesh

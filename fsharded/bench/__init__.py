@@ -1,0 +1,283 @@
+"""Benchmarks: ours side by side with the peer a user would otherwise pick, in one run.
+
+Run one with the CLI (``fsharded bench --list`` names them all)::
+
+    fsharded bench spmd --quick
+    python -m fsharded bench spmd --markdown > fsharded/bench/RESULTS_spmd.md
+
+Each benchmark is a module ``fsharded.bench.<name>`` with ``main(argv, *, prog) -> int``,
+registered in ``BENCHMARKS``. Benchmarks never run as tests. This package also holds the
+pieces every benchmark reports with: alternating timing, medians, ratio tables (plain text,
+Markdown, or rich when it is installed) and the machine's load average.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+
+__all__ = [
+    "Benchmark",
+    "BENCHMARKS",
+    "get",
+    "Row",
+    "Section",
+    "Report",
+    "alternate",
+    "calibrate",
+    "format_time",
+    "invocation",
+]
+
+
+# -- registry ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """A registered benchmark: ``fsharded bench <name>`` runs ``<module>.main``."""
+
+    name: str
+    module: str
+    summary: str
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+    def main(self, argv: Sequence[str], *, prog: str | None = None) -> int:
+        return int(self.load().main(list(argv), prog=prog or f"fsharded bench {self.name}"))
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in (
+        Benchmark(
+            "spmd",
+            "fsharded.bench.spmd",
+            "shard_map on the virtual mesh vs plain torch; collectives on 2 gloo ranks vs "
+            "torch.distributed",
+        ),
+    )
+}
+
+
+def get(name: str) -> Benchmark:
+    """The registered benchmark ``name``; ``KeyError`` naming the known ones otherwise."""
+    try:
+        return BENCHMARKS[name]
+    except KeyError:
+        raise KeyError(
+            f"no benchmark named {name!r}; known: {', '.join(sorted(BENCHMARKS))} "
+            f"(`fsharded bench --list`)"
+        ) from None
+
+
+# -- timing --------------------------------------------------------------------------------
+
+
+def calibrate(fn: Callable[[], object], target_s: float, *, lo: int = 1, hi: int = 1000) -> int:
+    """How many calls of ``fn`` take about ``target_s`` (one warm call measured)."""
+    t0 = time.perf_counter()
+    fn()
+    dt = max(time.perf_counter() - t0, 1e-7)
+    return max(lo, min(hi, round(target_s / dt)))
+
+
+def alternate(
+    ours: Callable[[], float], peer: Callable[[], float], rounds: int
+) -> tuple[list[float], list[float]]:
+    """Run ``ours`` and ``peer`` (each returns seconds per call for one timed block) in
+    ``rounds`` alternating rounds, swapping which goes first every round so slow drifts
+    in the machine's load fall on both alike. Returns the two lists of per-round times."""
+    a: list[float] = []
+    b: list[float] = []
+    for r in range(rounds):
+        if r % 2 == 0:
+            a.append(ours())
+            b.append(peer())
+        else:
+            b.append(peer())
+            a.append(ours())
+    return a, b
+
+
+def format_time(s: float) -> str:
+    if s != s:  # NaN
+        return "n/a"
+    if s >= 1.0:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+# -- reporting -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    """One comparison: median seconds per call of ours and of the peer."""
+
+    case: str
+    size: str
+    ours_s: float
+    peer_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.ours_s / self.peer_s if self.peer_s > 0 else float("nan")
+
+    @classmethod
+    def from_samples(cls, case: str, size: str, ours: Sequence[float], peer: Sequence[float]) -> Row:
+        return cls(case, size, statistics.median(ours), statistics.median(peer))
+
+
+@dataclass(frozen=True)
+class Section:
+    """A table of rows against one peer; ``target`` is the ours/peer ratio aimed for."""
+
+    title: str
+    peer: str
+    rows: tuple[Row, ...]
+    target: float | None = None
+    notes: tuple[str, ...] = ()
+
+    def summary(self) -> str | None:
+        if self.target is None or not self.rows:
+            return None
+        met = sum(r.ratio <= self.target for r in self.rows)
+        return f"target ours/peer <= {self.target:.2f}: met by {met} of {len(self.rows)} rows"
+
+
+def _loadavg() -> tuple[float, float, float] | None:
+    try:
+        return os.getloadavg()
+    except OSError:  # pragma: no cover - not on every platform
+        return None
+
+
+def invocation() -> str:
+    """The command line this process was started with, as a user would retype it."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        name = spec.name.removesuffix(".__main__")
+        head = ["python", "-m", name]
+    else:
+        head = [os.path.basename(sys.argv[0]) or "python"]
+    return shlex.join(head + sys.argv[1:])
+
+
+@dataclass
+class Report:
+    """Sections plus the conditions they were measured under (load average before/after)."""
+
+    name: str
+    sections: list[Section] = field(default_factory=list)
+    params: dict[str, object] = field(default_factory=dict)
+    started: datetime.datetime = field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc)
+    )
+    load_before: tuple[float, float, float] | None = field(default_factory=_loadavg)
+    load_after: tuple[float, float, float] | None = None
+    command: str = field(default_factory=invocation)
+
+    def finish(self) -> None:
+        self.load_after = _loadavg()
+
+    def header_lines(self) -> list[str]:
+        def la(x: tuple[float, float, float] | None) -> str:
+            return "n/a" if x is None else " ".join(f"{v:.2f}" for v in x)
+
+        lines = [
+            f"date: {self.started:%Y-%m-%d %H:%M} UTC",
+            f"command: {self.command}",
+            f"machine: nproc={os.cpu_count()}, {platform.machine()}, "
+            f"python {platform.python_version()}",
+            f"load average (1/5/15 min): before {la(self.load_before)}, after {la(self.load_after)}",
+        ]
+        lines += [f"{k}: {v}" for k, v in self.params.items()]
+        return lines
+
+    # -- renderers ---------------------------------------------------------------------------
+
+    def markdown(self) -> str:
+        out = [f"## fsharded bench {self.name}", ""]
+        out += [f"- {line}" for line in self.header_lines()]
+        for s in self.sections:
+            out += ["", f"### {s.title}", "", f"peer: {s.peer}", ""]
+            out += ["| case | size | ours | peer | ours/peer |", "|---|---|---:|---:|---:|"]
+            for r in s.rows:
+                out.append(
+                    f"| {r.case} | {r.size} | {format_time(r.ours_s)} | "
+                    f"{format_time(r.peer_s)} | {r.ratio:.2f} |"
+                )
+            extra = [x for x in (s.summary(), *s.notes) if x]
+            if extra:
+                out.append("")
+                out += [f"- {x}" for x in extra]
+        return "\n".join(out) + "\n"
+
+    def text(self) -> str:
+        out = [f"fsharded bench {self.name}"] + [f"  {line}" for line in self.header_lines()]
+        head = ("case", "size", "ours", "peer", "ours/peer")
+        for s in self.sections:
+            cells = [
+                (r.case, r.size, format_time(r.ours_s), format_time(r.peer_s), f"{r.ratio:.2f}")
+                for r in s.rows
+            ]
+            widths = [max(len(c[i]) for c in [head, *cells]) for i in range(len(head))]
+
+            def fmt(c: tuple[str, ...], widths: list[int] = widths) -> str:
+                left = [c[i].ljust(widths[i]) for i in range(2)]
+                right = [c[i].rjust(widths[i]) for i in range(2, len(c))]
+                return "  ".join(left + right)
+
+            out += ["", s.title, f"peer: {s.peer}", fmt(head), "-" * len(fmt(head))]
+            out += [fmt(c) for c in cells]
+            out += [x for x in (s.summary(), *s.notes) if x]
+        return "\n".join(out) + "\n"
+
+    def print(self, *, markdown: bool = False, file=None) -> None:
+        """Markdown when asked; rich when installed and writing to a terminal; else text."""
+        file = file or sys.stdout
+        if markdown:
+            file.write(self.markdown())
+            return
+        if file.isatty():
+            try:
+                self._print_rich(file)
+                return
+            except ImportError:
+                pass
+        file.write(self.text())
+
+    def _print_rich(self, file) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = Console(file=file)
+        for line in [f"fsharded bench {self.name}", *self.header_lines()]:
+            console.print(line, highlight=False)
+        for s in self.sections:
+            t = Table(title=s.title, caption=f"peer: {s.peer}")
+            for col, just in (("case", "left"), ("size", "left"), ("ours", "right"),
+                              ("peer", "right"), ("ours/peer", "right")):
+                t.add_column(col, justify=just)
+            for r in s.rows:
+                style = "red" if s.target is not None and r.ratio > s.target else None
+                t.add_row(r.case, r.size, format_time(r.ours_s), format_time(r.peer_s),
+                          f"{r.ratio:.2f}", style=style)
+            console.print(t)
+            for x in (s.summary(), *s.notes):
+                if x:
+                    console.print(x, highlight=False)

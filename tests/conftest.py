@@ -1,0 +1,23 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+_CACHE: dict[int, list] = {}
+
+
+@pytest.fixture(scope="session")
+def gloo_results():
+    """``gloo_results(world)``: every rank's results of ``spmd_cases.all_for_world`` (one
+    spawn per world size per session; spawning costs ~10 s on 2 cores)."""
+    import spmd_cases
+    from fsharded.testing import run_on_ranks
+
+    def get(world: int) -> list:
+        if world not in _CACHE:
+            _CACHE[world] = run_on_ranks(spmd_cases.all_for_world, world, world)
+        return _CACHE[world]
+
+    return get
