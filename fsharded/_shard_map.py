@@ -21,7 +21,6 @@ from fsharded.mesh._shard import (
     _backend,
     check_tree,
     from_stacked,
-    spec_mesh_axes,
     to_stacked,
 )
 from fsharded.mesh._spec import PartitionSpec
@@ -87,13 +86,14 @@ class ShardMapped:
             )
         paths, leaves, treedef = _tree.tree_flatten_with_paths(args)
         paths = [_argpath(p) for p in paths]
-        flat_specs = _tree.broadcast_prefix(specs, args, what="in_specs")
+        flat_specs = _tree.broadcast_prefix(specs, args, what="in_specs", name=_argpath)
         check_tree(leaves, flat_specs, paths, self.mesh, "shard_map in_specs")
         return leaves, flat_specs, treedef, paths
 
     def _flat_out(self, out: Any) -> tuple[list, list, Any, list[str]]:
         paths, leaves, treedef = _tree.tree_flatten_with_paths(out)
-        flat_specs = _tree.broadcast_prefix(self.out_specs, out, what="out_specs")
+        paths = [_outpath(p) for p in paths]
+        flat_specs = _tree.broadcast_prefix(self.out_specs, out, what="out_specs", name=_outpath)
         bad = [p for p, x in zip(paths, leaves) if not isinstance(x, torch.Tensor)]
         if bad:
             raise ValueError(f"shard_map: outputs must be tensors; not tensors at {bad}")
@@ -180,8 +180,14 @@ class ShardMapped:
 
 def _argpath(p: str) -> str:
     # "0.w" -> "args[0].w": name the positional argument in error messages.
+    if p == "<root>":
+        return "args"
     head, _, rest = p.partition(".")
     return f"args[{head}]" + (f".{rest}" if rest else "")
+
+
+def _outpath(p: str) -> str:
+    return "output" if p == "<root>" else f"output.{p}"
 
 
 def check_tree_local(leaves, specs, paths, mesh) -> None:
@@ -210,8 +216,8 @@ def _spec_axis_errors(spec, mesh):
 
 
 def _take_replica(y, frame, axis):
-    from fsharded.collectives import _Collective, _REPLICA
     from fsharded._env import Axes
+    from fsharded.collectives import _REPLICA, _Collective
 
     axes = Axes((axis,), (frame.mesh.shape[axis],), frame)
     return _Collective.apply(_REPLICA, (), axes, y, frame.tokens[axis])

@@ -45,12 +45,14 @@ def _is_spec_leaf(x: Any) -> bool:
     return x is None or isinstance(x, PartitionSpec)
 
 
-def broadcast_prefix(specs: Any, tree: Any, *, what: str = "specs") -> list:
+def broadcast_prefix(
+    specs: Any, tree: Any, *, what: str = "specs", name: Callable[[str], str] = lambda p: p
+) -> list:
     """Expand a spec tree that is a prefix of ``tree`` into one spec per leaf of ``tree``.
 
     ``None`` in a spec tree means replicated, like ``P()``. Returns a list aligned with
     ``optree.tree_leaves(tree)``. A spec tree that does not match raises ``ValueError``
-    listing every mismatch with its path.
+    listing every mismatch with its path (``name`` renders a dotted path for messages).
     """
     from fsharded.mesh._spec import PartitionSpec
 
@@ -66,7 +68,7 @@ def broadcast_prefix(specs: Any, tree: Any, *, what: str = "specs") -> list:
             s_kids, _, s_keys, _ = optree.tree_flatten_one_level(spec, none_is_leaf=True)
         except ValueError:
             errors.append(
-                f"  {path_str(path)}: expected a PartitionSpec or a subtree, got "
+                f"  {name(path_str(path))}: expected a PartitionSpec or a subtree, got "
                 f"{type(spec).__name__} {spec!r}"
             )
             out.extend([PartitionSpec()] * optree.tree_structure(sub).num_leaves)
@@ -77,7 +79,7 @@ def broadcast_prefix(specs: Any, tree: Any, *, what: str = "specs") -> list:
             v_kids, v_keys = None, None
         if v_kids is None or type(spec) is not type(sub) or list(s_keys) != list(v_keys):
             errors.append(
-                f"  {path_str(path)}: {what} have {type(spec).__name__} with keys "
+                f"  {name(path_str(path))}: {what} have {type(spec).__name__} with keys "
                 f"{list(s_keys)} but the values have {type(sub).__name__}"
                 + (f" with keys {list(v_keys)}" if v_keys is not None else " (a leaf)")
             )

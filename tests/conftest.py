@@ -13,6 +13,7 @@ def gloo_results():
     """``gloo_results(world)``: every rank's results of ``spmd_cases.all_for_world`` (one
     spawn per world size per session; spawning costs ~10 s on 2 cores)."""
     import spmd_cases
+
     from fsharded.testing import run_on_ranks
 
     def get(world: int) -> list:

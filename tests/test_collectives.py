@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-
 import spmd_cases as C
+import torch
 
 # float64 throughout: references are exact up to summation order (~1e-15 relative).
 TOL = dict(rtol=1e-10, atol=1e-10)

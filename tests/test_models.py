@@ -5,9 +5,8 @@ on the virtual mesh and on gloo ranks."""
 from __future__ import annotations
 
 import pytest
-import torch
-
 import spmd_cases as C
+import torch
 
 # float64: sharded and unsharded differ only by summation order.
 TOL = dict(rtol=1e-10, atol=1e-12)

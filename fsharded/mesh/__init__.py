@@ -1,7 +1,7 @@
 """Meshes, partition specs and moving tensors between global and sharded form."""
 
 from fsharded.mesh._mesh import Mesh
-from fsharded.mesh._shard import shard, to_dtensor, from_dtensor, unshard
+from fsharded.mesh._shard import from_dtensor, shard, to_dtensor, unshard
 from fsharded.mesh._spec import NamedSharding, P, PartitionSpec
 
 __all__ = [

@@ -24,7 +24,7 @@ class Mesh:
     __slots__ = ("_axes", "_device_type")
 
     def __init__(self, axes: Mapping[str, int] | Iterable[tuple[str, int]], *, device_type: str | None = None):
-        items = tuple((axes.items() if isinstance(axes, Mapping) else axes))
+        items = tuple(axes.items() if isinstance(axes, Mapping) else axes)
         names = [n for n, _ in items]
         if len(set(names)) != len(names):
             raise ValueError(f"mesh axis names must be unique, got {names}")
