@@ -104,7 +104,10 @@ def _enter(x: Any, spec: Any, mesh: Any, coords: dict, path: str) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
     if _is_dtensor(x):
-        _, dspec, dmesh = from_dtensor(x)
+        try:
+            _, dspec, dmesh = from_dtensor(x)
+        except ValueError as e:
+            raise ValueError(f"shard_map: DTensor argument {path}: {e}") from None
         if dmesh != mesh or _dims(dspec, x.dim()) != _dims(spec, x.dim()):
             raise ValueError(
                 f"shard_map: DTensor argument {path} is laid out as {dspec!r} on {dmesh!r} "

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import fsharded as fs
 from fsharded import P
@@ -41,7 +42,7 @@ def expected_block(x: torch.Tensor, spec, mesh: fs.Mesh, coords: dict) -> torch.
     """This device's block, written independently of fsharded: chunk each dim over its
     axes major first (so the block index is major-first over the tuple)."""
     for d, e in enumerate(spec):
-        for a in (() if e is None else (e,) if isinstance(e, str) else e):
+        for a in () if e is None else (e,) if isinstance(e, str) else e:
             x = x.chunk(mesh.shape[a], d)[coords[a]]
     return x
 
@@ -77,13 +78,18 @@ def _roundtrips(mesh: fs.Mesh, specs: list, placements_of: dict | None) -> dict:
         back = fs.unshard(tree, {"x": spec, "n": P()}, mesh)
         assert back["n"] == 3 and torch.equal(back["x"], x)
 
-        pl = placements_of[spec] if placements_of is not None else [
-            Shard(0) if spec.axes else Replicate()
-        ]
+        pl = (
+            placements_of[spec]
+            if placements_of is not None
+            else [Shard(0) if spec.axes else Replicate()]
+        )
         if pl is None:
             # DTensor shards a dim over several mesh dims in mesh order only.
-            _raises(ValueError, lambda spec=spec, local=local: fs.to_dtensor(local, spec, mesh),
-                    "mesh order")
+            _raises(
+                ValueError,
+                lambda spec=spec, local=local: fs.to_dtensor(local, spec, mesh),
+                "mesh order",
+            )
             out[spec] = local
             continue
         dt = fs.to_dtensor(local, spec, mesh)
@@ -138,8 +144,9 @@ def case_2ranks() -> dict:
     dm = mesh.to_torch()
     x = global_x(1)
     w = torch.randn(4, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    sm = fs.shard_map(lambda x, w: torch.tanh(x @ w), mesh=mesh,
-                      in_specs=(P("data"), P()), out_specs=P("data"))
+    sm = fs.shard_map(
+        lambda x, w: torch.tanh(x @ w), mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data")
+    )
     xd = distribute_tensor(x, dm, [Shard(0)]).requires_grad_()
     wd = DTensor.from_local(w.clone(), dm, [Replicate()]).requires_grad_()
     y = sm(xd, wd)
@@ -167,7 +174,9 @@ MEGATRON_SPECS = (P(None, "tensor"), P("tensor", None), P("data", None))
 
 def megatron_inputs():
     g = torch.Generator().manual_seed(3)
-    return tuple(torch.randn(*s, generator=g, dtype=torch.float64) for s in ((4, 8), (8, 4), (8, 4)))
+    return tuple(
+        torch.randn(*s, generator=g, dtype=torch.float64) for s in ((4, 8), (8, 4), (8, 4))
+    )
 
 
 def case_4ranks() -> dict:
@@ -182,8 +191,9 @@ def case_4ranks() -> dict:
     w1, w2, x = megatron_inputs()
     sm = fs.shard_map(_megatron, mesh=mesh, in_specs=MEGATRON_SPECS, out_specs=P("data", None))
     y_global = sm(w1, w2, x)
-    d1 = DTensor.from_local(fs.shard(w1, MEGATRON_SPECS[0], mesh).clone(), dm,
-                            [Replicate(), Shard(1)]).requires_grad_()
+    d1 = DTensor.from_local(
+        fs.shard(w1, MEGATRON_SPECS[0], mesh).clone(), dm, [Replicate(), Shard(1)]
+    ).requires_grad_()
     d2 = distribute_tensor(w2, dm, [Replicate(), Shard(0)]).requires_grad_()
     dx = distribute_tensor(x, dm, [Shard(0), Replicate()]).requires_grad_()
     y = sm(d1, d2, dx)
@@ -198,8 +208,12 @@ def case_4ranks() -> dict:
     ref = torch.tanh(rx @ r1) @ r2
     torch.testing.assert_close(y, ref.detach())
     ref.pow(2).sum().backward()
-    for dt, r, spec in ((d1, r1, MEGATRON_SPECS[0]), (d2, r2, MEGATRON_SPECS[1]),
-                        (dx, rx, MEGATRON_SPECS[2]), (e1, r1, MEGATRON_SPECS[0])):
+    for dt, r, spec in (
+        (d1, r1, MEGATRON_SPECS[0]),
+        (d2, r2, MEGATRON_SPECS[1]),
+        (dx, rx, MEGATRON_SPECS[2]),
+        (e1, r1, MEGATRON_SPECS[0]),
+    ):
         assert isinstance(dt.grad, DTensor) and dt.grad.placements == dt.placements
         torch.testing.assert_close(dt.grad.to_local(), fs.shard(r.grad, spec, mesh))
         torch.testing.assert_close(dt.grad.full_tensor(), r.grad)
@@ -210,8 +224,12 @@ def case_4ranks() -> dict:
     # Multi-axis dim as DTensor: P(("data","tensor")) == [Shard(0), Shard(0)].
     z = torch.arange(16.0, dtype=torch.float64).reshape(8, 2)
     zd = distribute_tensor(z, dm, [Shard(0), Shard(0)]).requires_grad_()
-    sm2 = fs.shard_map(lambda v: v * (1 + fs.axis_index("data") + 10 * fs.axis_index("tensor")),
-                       mesh=mesh, in_specs=P(("data", "tensor")), out_specs=P(("data", "tensor")))
+    sm2 = fs.shard_map(
+        lambda v: v * (1 + fs.axis_index("data") + 10 * fs.axis_index("tensor")),
+        mesh=mesh,
+        in_specs=P(("data", "tensor")),
+        out_specs=P(("data", "tensor")),
+    )
     y2 = sm2(zd)
     torch.testing.assert_close(y2, sm2(z), rtol=0, atol=0)
     scale = torch.tensor([1.0, 11.0, 2.0, 12.0], dtype=torch.float64).repeat_interleave(2)
@@ -220,12 +238,20 @@ def case_4ranks() -> dict:
     torch.testing.assert_close(zd.grad.full_tensor(), scale[:, None].expand(8, 2))
 
     # -- errors ---------------------------------------------------------------------------
-    bad = distribute_tensor(w1, dm, [Shard(0), Replicate()])  # P('data'), specs say P(None,'tensor')
+    bad = distribute_tensor(
+        w1, dm, [Shard(0), Replicate()]
+    )  # P('data'), specs say P(None,'tensor')
     _raises(ValueError, lambda: sm(bad, w2, x), "args[0]", "in_specs")
     bad2 = distribute_tensor(x, dm, [Shard(0), Shard(1)])
     _raises(ValueError, lambda: sm(w1, w2, bad2), "args[2]")
     part = DTensor.from_local(torch.ones(2, 2), dm, [Partial(), Replicate()])
     _raises(ValueError, lambda: fs.from_dtensor(part), "Partial", "'data'")
+    # torch's right-to-left (FSDP2 + TP) order is our P(("tensor","data")); it has no
+    # Shard/Replicate form, so from_dtensor refuses it rather than misread it as mesh order.
+    xs = global_x()
+    strided = distribute_tensor(xs, dm, [_StridedShard(0, split_factor=2), Shard(0)])
+    assert torch.equal(strided.to_local(), fs.shard(xs, P(("tensor", "data")), mesh))
+    _raises(ValueError, lambda: fs.from_dtensor(strided), "_StridedShard", "'data'")
     uneven = distribute_tensor(torch.ones(3, 4), dm, [Shard(0), Replicate()])
     _raises(ValueError, lambda: fs.from_dtensor(uneven), "not divisible")
     _raises(ValueError, lambda: fs.to_dtensor(torch.ones(2, 2), P("pipe"), mesh), "'pipe'")

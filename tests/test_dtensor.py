@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 
+import dtensor_cases as cases
 import pytest
 import torch
 
@@ -16,10 +17,11 @@ import fsharded as fs
 from fsharded import P
 from fsharded.mesh._shard import placements
 from fsharded.testing import run_on_ranks
-from tests import dtensor_cases as cases
 
 MESHES = {"data2": cases.MESH_2, "data2_tensor2": cases.MESH_4}
-VIRTUAL_CASES = [("data2", s) for s in cases.SPECS_2] + [("data2_tensor2", s) for s in cases.SPECS_4]
+VIRTUAL_CASES = [("data2", s) for s in cases.SPECS_2] + [
+    ("data2_tensor2", s) for s in cases.SPECS_4
+]
 
 
 # -- virtual backend (in process) ---------------------------------------------------------
@@ -144,8 +146,9 @@ def test_two_ranks_shard_map_on_dtensors_matches_virtual(two_ranks):
     x = cases.global_x(1).requires_grad_()
     w = torch.randn(4, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     w.requires_grad_()
-    sm = fs.shard_map(lambda x, w: torch.tanh(x @ w), mesh=mesh,
-                      in_specs=(P("data"), P()), out_specs=P("data"))
+    sm = fs.shard_map(
+        lambda x, w: torch.tanh(x @ w), mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data")
+    )
     y = sm(x, w)
     y.pow(2).sum().backward()
     for r, res in enumerate(two_ranks):
@@ -163,8 +166,9 @@ def test_four_ranks_shards_match_virtual(four_ranks):
 def test_four_ranks_shard_map_on_dtensors_matches_virtual(four_ranks):
     mesh = fs.Mesh(cases.MESH_4)
     w1, w2, x = (t.requires_grad_() for t in cases.megatron_inputs())
-    sm = fs.shard_map(cases._megatron, mesh=mesh, in_specs=cases.MEGATRON_SPECS,
-                      out_specs=P("data", None))
+    sm = fs.shard_map(
+        cases._megatron, mesh=mesh, in_specs=cases.MEGATRON_SPECS, out_specs=P("data", None)
+    )
     y = sm(w1, w2, x)
     y.pow(2).sum().backward()
     for r, res in enumerate(four_ranks):
