@@ -48,18 +48,62 @@ __all__ = [
     "axis_size",
 ]
 
-_fc = None
+def _tracing() -> bool:
+    """Under make_fx / fake tensors the functional (traceable) collectives are used;
+    in eager mode the c10d calls, which skip a dispatcher round trip and a copy."""
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    return is_in_torch_dispatch_mode() or torch.compiler.is_compiling()
 
 
-def _funcol():
-    global _fc
-    if _fc is None:
-        _fc = torch.ops._c10d_functional
-    return _fc
+def _c10d_all_reduce(x: torch.Tensor, op: str, g: Any) -> torch.Tensor:
+    if _tracing():
+        fc = torch.ops._c10d_functional
+        return fc.wait_tensor(fc.all_reduce(x.contiguous(), op, g.group_name))
+    import torch.distributed as dist
+
+    y = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=g.group)
+    return y
 
 
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return _funcol().wait_tensor(t)
+def _c10d_all_gather(x: torch.Tensor, g: Any) -> torch.Tensor:
+    """(s, ...) -> (n * s, ...) in group-rank order."""
+    if _tracing():
+        fc = torch.ops._c10d_functional
+        return fc.wait_tensor(fc.all_gather_into_tensor(x.contiguous(), g.size, g.group_name))
+    import torch.distributed as dist
+
+    out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x.contiguous(), group=g.group)
+    return out
+
+
+def _c10d_reduce_scatter(x: torch.Tensor, g: Any) -> torch.Tensor:
+    """(n * c, ...) -> (c, ...), summed, chunk = group rank."""
+    if _tracing():
+        fc = torch.ops._c10d_functional
+        return fc.wait_tensor(fc.reduce_scatter_tensor(x.contiguous(), "sum", g.size, g.group_name))
+    import torch.distributed as dist
+
+    out = x.new_empty((x.shape[0] // g.size, *x.shape[1:]))
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, x.contiguous(), group=g.group)
+    return out
+
+
+def _c10d_all_to_all(x: torch.Tensor, g: Any) -> torch.Tensor:
+    """(n * c, ...) -> (n * c, ...): chunk i goes to group rank i."""
+    if _tracing():
+        fc = torch.ops._c10d_functional
+        splits = [x.shape[0] // g.size] * g.size
+        return fc.wait_tensor(fc.all_to_all_single(x.contiguous(), splits, splits, g.group_name))
+    import torch.distributed as dist
+
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(out, x.contiguous(), group=g.group)
+    return out
 
 
 def _dim(d: int, rank: int, op: str) -> int:
@@ -101,7 +145,7 @@ class _Psum(_Prim):
         return (x * n if bdim is None else x.sum(bdim)), None
 
     def dist(self, x, g, p):
-        return _wait(_funcol().all_reduce(x.contiguous(), "sum", g.group_name))
+        return _c10d_all_reduce(x, "sum", g)
 
     def transpose(self, ctx, g):
         return g
@@ -117,7 +161,7 @@ class _Pmax(_Prim):
         return (x if bdim is None else x.amax(bdim)), None
 
     def dist(self, x, g, p):
-        return _wait(_funcol().all_reduce(x.contiguous(), "max", g.group_name))
+        return _c10d_all_reduce(x, "max", g)
 
     def save(self, ctx, x, y):
         ctx.save_for_backward(x, y)
@@ -161,7 +205,7 @@ class _AllGather(_Prim):
     def dist(self, x, g, p):
         (dim,) = p
         xs = x.movedim(dim, 0).contiguous()  # (s, rest...)
-        out = _wait(_funcol().all_gather_into_tensor(xs, g.size, g.group_name))
+        out = _c10d_all_gather(xs, g)
         out = out.view(g.size, *xs.shape)  # (n, s, rest...) in group-rank order
         if not g.identity_order:
             out = out[list(g.to_group)]
@@ -192,7 +236,7 @@ class _PsumScatter(_Prim):
         if not g.identity_order:
             xs = xs[_inverse(g.to_group)]
         flat = xs.flatten(0, 1).contiguous()
-        out = _wait(_funcol().reduce_scatter_tensor(flat, "sum", g.size, g.group_name))
+        out = _c10d_reduce_scatter(flat, g)
         return out.movedim(0, dim)
 
     def transpose(self, ctx, g):
@@ -231,9 +275,7 @@ class _AllToAll(_Prim):
             xs = xs[_inverse(g.to_group)]
         chunk_shape = xs.shape[1:]
         flat = xs.reshape(-1, *chunk_shape[1:]).contiguous()
-        splits = [chunk_shape[0]] * g.size
-        out = _funcol().all_to_all_single(flat, splits, splits, g.group_name)
-        out = _wait(out).view(g.size, *chunk_shape)  # (n_src in group order, c, ...)
+        out = _c10d_all_to_all(flat, g).view(g.size, *chunk_shape)  # (n_src in group order, c, ...)
         if not g.identity_order:
             out = out[list(g.to_group)]
         out = out.movedim(1, split + 1)  # (n_src, per-shard dims with split size c)

@@ -137,7 +137,9 @@ class Row:
         return self.ours_s / self.peer_s if self.peer_s > 0 else float("nan")
 
     @classmethod
-    def from_samples(cls, case: str, size: str, ours: Sequence[float], peer: Sequence[float]) -> Row:
+    def from_samples(
+        cls, case: str, size: str, ours: Sequence[float], peer: Sequence[float]
+    ) -> Row:
         return cls(case, size, statistics.median(ours), statistics.median(peer))
 
 
@@ -270,13 +272,24 @@ class Report:
             console.print(line, highlight=False)
         for s in self.sections:
             t = Table(title=s.title, caption=f"peer: {s.peer}")
-            for col, just in (("case", "left"), ("size", "left"), ("ours", "right"),
-                              ("peer", "right"), ("ours/peer", "right")):
+            for col, just in (
+                ("case", "left"),
+                ("size", "left"),
+                ("ours", "right"),
+                ("peer", "right"),
+                ("ours/peer", "right"),
+            ):
                 t.add_column(col, justify=just)
             for r in s.rows:
                 style = "red" if s.target is not None and r.ratio > s.target else None
-                t.add_row(r.case, r.size, format_time(r.ours_s), format_time(r.peer_s),
-                          f"{r.ratio:.2f}", style=style)
+                t.add_row(
+                    r.case,
+                    r.size,
+                    format_time(r.ours_s),
+                    format_time(r.peer_s),
+                    f"{r.ratio:.2f}",
+                    style=style,
+                )
             console.print(t)
             for x in (s.summary(), *s.notes):
                 if x:

@@ -1,0 +1,120 @@
+"""The ``fsharded`` command line.
+
+    fsharded bench --list                 # the registered benchmarks
+    fsharded bench spmd --quick           # run one; options after the name go to it
+    fsharded bench spmd --help
+    python -m fsharded bench spmd --markdown
+
+Each subcommand is a function ``_add_<name>(subparsers)`` that registers its parser and
+sets ``handler`` (``args -> exit code``); ``main`` parses and dispatches. Benchmarks
+themselves are registered in ``fsharded.bench.BENCHMARKS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["main", "build_parser"]
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _err(msg: str) -> None:
+    print(f"fsharded: {msg}", file=sys.stderr)
+
+
+# -- fsharded bench --------------------------------------------------------------------------
+
+
+def _bench_list() -> str:
+    from fsharded.bench import BENCHMARKS
+
+    width = max(len(n) for n in BENCHMARKS)
+    return "\n".join(f"  {b.name.ljust(width)}  {b.summary}" for b in BENCHMARKS.values())
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from fsharded.bench import get
+
+    if args.list:
+        print("benchmarks (run one with `fsharded bench NAME [options]`):")
+        print(_bench_list())
+        return 0
+    if args.name is None:
+        _err("bench: name a benchmark, or --list; available:\n" + _bench_list())
+        return 2
+    try:
+        bench = get(args.name)
+    except KeyError as e:
+        _err(f"bench: {e.args[0]}")
+        return 2
+    return bench.main(args.args, prog=f"fsharded bench {bench.name}")
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="run a benchmark against its peer (fsharded bench --list)",
+        description="Run a benchmark from fsharded.bench: ours and the peer a user would "
+        "otherwise pick, alternated in one run, medians and ratios printed. Options after "
+        "NAME belong to the benchmark (fsharded bench NAME --help).",
+    )
+    p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    p.add_argument("name", nargs="?", metavar="NAME", help="benchmark to run")
+    p.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(handler=_run_bench)
+
+
+# -- fsharded train (not yet) ----------------------------------------------------------------
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    # Arrives with fs.train_step (DESIGN.md, "The step"): a config dataclass whose fields
+    # map onto flags here, and a loop over fs.models.gpt. Until then say so and fail, so
+    # no script mistakes this for a training run.
+    _err("train: not available yet; it will drive fs.train_step once that exists. Nothing was run.")
+    return 2
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a model (not available yet)")
+    # Any flags are accepted for now, so every invocation gets the same clear answer.
+    p.set_defaults(handler=_run_train, takes_any_args=True)
+
+
+# -- top level -------------------------------------------------------------------------------
+
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_bench, _add_train)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fsharded import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="fsharded",
+        description="fsharded: JAX-style shard_map and differentiable collectives on PyTorch.",
+    )
+    parser.add_argument("--version", action="version", version=f"fsharded {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in _COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``fsharded`` console script; returns the exit code."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "takes_any_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    handler: Handler | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
