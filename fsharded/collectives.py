@@ -204,6 +204,8 @@ class _AllGather(_Prim):
 
     def dist(self, x, g, p):
         (dim,) = p
+        if dim == 0 and g.identity_order:
+            return _c10d_all_gather(x, g)
         xs = x.movedim(dim, 0).contiguous()  # (s, rest...)
         out = _c10d_all_gather(xs, g)
         out = out.view(g.size, *xs.shape)  # (n, s, rest...) in group-rank order
@@ -231,6 +233,8 @@ class _PsumScatter(_Prim):
 
     def dist(self, x, g, p):
         (dim,) = p
+        if dim == 0 and g.identity_order:
+            return _c10d_reduce_scatter(x, g)
         xs = x.movedim(dim, 0)
         xs = xs.unflatten(0, (g.size, xs.shape[0] // g.size))  # (n, c, rest...)
         if not g.identity_order:
@@ -269,6 +273,8 @@ class _AllToAll(_Prim):
 
     def dist(self, x, g, p):
         split, concat = p
+        if split == 0 and concat == 0 and g.identity_order:
+            return _c10d_all_to_all(x, g)
         xs = x.movedim(split, 0)
         xs = xs.unflatten(0, (g.size, xs.shape[0] // g.size))  # (n_dst, c, ...)
         if not g.identity_order:

@@ -48,6 +48,12 @@ def collective_specs(n: int):
         [(2 * n, 3, 4)], lambda X: np.stack(_chunks(X, n), axis=2))
     add("psum_scatter1", lambda ax: (lambda y: fs.psum_scatter(y, ax, dim=1), P(ax), P(None, ax)),
         [(2 * n, 2 * n, 4)], lambda Y: sum(_chunks(Y, n)))
+    add("psum_scatter0", lambda ax: (lambda y: fs.psum_scatter(y, ax), P(None, ax), P(ax)),
+        [(2 * n, 2 * n)], lambda Y: sum(_chunks(Y, n, 1)))
+    add("all_to_all00", lambda ax: (lambda x: fs.all_to_all(x, ax, split_dim=0, concat_dim=0), P(ax), P(ax)),
+        [(2 * n * n, 3)],
+        lambda X: np.concatenate(
+            [np.concatenate([_chunks(xj, n, 0)[i] for xj in _chunks(X, n)], 0) for i in range(n)], 0))
     add("psum_scatter_untiled",
         lambda ax: (lambda y: fs.psum_scatter(y, ax, dim=1, tiled=False), P(ax), P(ax)),
         [(2 * n, n, 4)],
