@@ -46,6 +46,7 @@ __all__ = [
     "ppermute",
     "axis_index",
     "axis_size",
+    "is_bound",
 ]
 
 def _tracing() -> bool:
@@ -585,3 +586,17 @@ def axis_size(axis: AxisName) -> int:
     return _env.bind(axis, "axis_size").size
 
 
+
+
+def is_bound(axis: AxisName) -> bool:
+    """Whether every axis in ``axis`` is bound by an enclosing ``shard_map``.
+
+    Model code uses it to skip collectives over axes the current mesh does not have, so
+    the same per-shard function runs unsharded, data-parallel only, or tensor-parallel:
+
+    >>> def tp_psum(x):
+    ...     return psum(x, "tensor") if is_bound("tensor") else x
+    """
+    frame = _env.current()
+    names = (axis,) if isinstance(axis, str) else tuple(axis)
+    return frame is not None and all(a in frame.mesh.shape for a in names)
