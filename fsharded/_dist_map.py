@@ -60,23 +60,28 @@ class _Assemble(torch.autograd.Function):
         return gl, None, None, None, None
 
 
-def call(sm: Any, args: tuple) -> Any:
+def call(sm: Any, args: tuple, *, local: bool = False) -> Any:
+    """Run ``sm`` on this rank. ``local=True``: arguments are already this rank's shards
+    and outputs stay shards (no slicing, no gathering) — how step functions keep state."""
     mesh = sm.mesh
     rank = dist.get_rank()
     coords = mesh.coords(rank)
-    leaves, specs, treedef, paths = sm._flat_in(args)
+    leaves, specs, treedef, paths = sm._flat_in(args, local=local)
     needs_vma = torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in leaves
     )
-    local = [_enter(x, s, mesh, coords, p) for x, s, p in zip(leaves, specs, paths)]
+    if local:
+        shards = list(leaves)
+    else:
+        shards = [_enter(x, s, mesh, coords, p) for x, s, p in zip(leaves, specs, paths)]
     frame = _env.AxisFrame(mesh, "distributed", coords=coords)
     mode = _vma.VmaMode(frame) if needs_vma else None
     with _env.enter(frame), (mode if mode is not None else contextlib.nullcontext()):
         if mode is not None:
-            for x, s in zip(local, specs):
+            for x, s in zip(shards, specs):
                 if isinstance(x, torch.Tensor):
                     mode.set(x, frozenset(s.axes))
-        out = sm.f(*optree.tree_unflatten(treedef, local))
+        out = sm.f(*optree.tree_unflatten(treedef, shards))
         o_leaves, o_specs, o_def, o_paths = sm._flat_out(out)
         flags = []
         if sm.check_rep:
@@ -94,6 +99,8 @@ def call(sm: Any, args: tuple) -> Any:
         from fsharded._shard_map import _raise_if_differs
 
         _raise_if_differs(flags, {"o_paths": o_paths, "o_specs": o_specs}, mesh.axis_names)
+    if local:
+        return optree.tree_unflatten(o_def, o_leaves)
     outs = [
         _Assemble.apply(y, s, mesh, coords, m) for y, s, m in zip(o_leaves, o_specs, masks)
     ]

@@ -73,7 +73,7 @@ class ShardMapped:
 
     # -- argument handling ----------------------------------------------------------------
 
-    def _flat_in(self, args: tuple) -> tuple[list, list, Any, list[str]]:
+    def _flat_in(self, args: tuple, *, local: bool = False) -> tuple[list, list, Any, list[str]]:
         specs = self.in_specs
         if isinstance(specs, PartitionSpec) or specs is None:
             specs = (specs,) * len(args) if len(args) == 1 else specs
@@ -87,7 +87,10 @@ class ShardMapped:
         paths, leaves, treedef = _tree.tree_flatten_with_paths(args)
         paths = [_argpath(p) for p in paths]
         flat_specs = _tree.broadcast_prefix(specs, args, what="in_specs", name=_argpath)
-        check_tree(leaves, flat_specs, paths, self.mesh, "shard_map in_specs")
+        if local:  # shard shapes: only the axes and ranks can be checked
+            check_tree_local(leaves, flat_specs, paths, self.mesh, "shard_map in_specs")
+        else:
+            check_tree(leaves, flat_specs, paths, self.mesh, "shard_map in_specs")
         return leaves, flat_specs, treedef, paths
 
     def _flat_out(self, out: Any) -> tuple[list, list, Any, list[str]]:
@@ -97,7 +100,7 @@ class ShardMapped:
         bad = [p for p, x in zip(paths, leaves) if not isinstance(x, torch.Tensor)]
         if bad:
             raise ValueError(f"shard_map: outputs must be tensors; not tensors at {bad}")
-        check_tree_local(leaves, flat_specs, paths, self.mesh)
+        check_tree_local(leaves, flat_specs, paths, self.mesh, "shard_map out_specs")
         return leaves, flat_specs, treedef, paths
 
     # -- call -----------------------------------------------------------------------------
@@ -109,6 +112,21 @@ class ShardMapped:
         from fsharded import _dist_map
 
         return _dist_map.call(self, args)
+
+    def local(self, *args: Any) -> Any:
+        """Call with this rank's shards and get this rank's shards back.
+
+        On the distributed backend nothing is sliced or gathered: arguments are the local
+        shards laid out by ``in_specs`` (as ``fsharded.shard`` makes them) and outputs are
+        left as shards. Step functions keep their state this way. On the virtual mesh the
+        whole mesh lives in one process, so this is the same as calling with global values.
+        """
+        backend = _backend(self.mesh, self.backend)
+        if backend == "virtual":
+            return self._virtual(args)
+        from fsharded import _dist_map
+
+        return _dist_map.call(self, args, local=True)
 
     def collectives(self, *args: Any) -> _manifest.Manifest:
         """The collectives one call runs, in order, without running them.
@@ -190,18 +208,22 @@ def _outpath(p: str) -> str:
     return "output" if p == "<root>" else f"output.{p}"
 
 
-def check_tree_local(leaves, specs, paths, mesh) -> None:
+def check_tree_local(leaves, specs, paths, mesh, what) -> None:
+    """Spec checks that hold for shards as well as global values: axes and ranks."""
     bad = []
     for path, y, s in zip(paths, leaves, specs):
-        errs = [e for e in _spec_axis_errors(s, mesh)]
-        if len(s) > y.dim():
-            errs.append(f"spec has {len(s)} entries but the output has rank {y.dim()}")
+        errs = list(_spec_axis_errors(s, mesh))
+        if not isinstance(y, torch.Tensor):
+            if len(s):
+                errs.append(f"{type(y).__name__} is not a tensor and cannot be sharded")
+        elif len(s) > y.dim():
+            errs.append(f"spec has {len(s)} entries but the value has rank {y.dim()}")
         if errs:
-            bad.append((path, s, tuple(y.shape), errs))
+            bad.append((path, s, tuple(getattr(y, "shape", ())), errs))
     if bad:
         from fsharded.mesh._spec import format_spec_errors
 
-        raise ValueError("shard_map out_specs: " + format_spec_errors(bad, mesh))
+        raise ValueError(f"{what}: " + format_spec_errors(bad, mesh))
 
 
 def _spec_axis_errors(spec, mesh):
