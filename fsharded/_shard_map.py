@@ -149,6 +149,8 @@ class ShardMapped:
     def _virtual(self, args: tuple, *, check: bool = True) -> Any:
         mesh = self.mesh
         names = mesh.axis_names
+        if mesh.size == 1:
+            return self._single(args)
         leaves, specs, treedef, _ = self._flat_in(args)
         is_t = [isinstance(x, torch.Tensor) for x in leaves]
         stacked = [to_stacked(x, s, mesh) if t else x for x, s, t in zip(leaves, specs, is_t)]
@@ -194,6 +196,16 @@ class ShardMapped:
                     y = y.select(k, 0)
             outs.append(from_stacked(y, s, mesh))
         return optree.tree_unflatten(out_info["o_def"], outs)
+
+
+    def _single(self, args: tuple) -> Any:
+        """A one-device mesh: every collective is the identity, so skip vmap altogether."""
+        self._flat_in(args)
+        zeros = {a: torch.zeros((), dtype=torch.int64) for a in self.mesh.axis_names}
+        with _env.enter(_env.AxisFrame(self.mesh, "virtual", tokens=zeros)):
+            out = self.f(*args)
+            self._flat_out(out)
+        return out
 
 
 def _argpath(p: str) -> str:
