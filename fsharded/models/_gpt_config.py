@@ -1,0 +1,175 @@
+"""``GPTConfig``: the hyperparameters of the reference GPT, validated at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["GPTConfig"]
+
+_CHOICES = {
+    "norm": ("layernorm", "rmsnorm"),
+    "activation": ("gelu", "swiglu"),
+    "positions": ("learned", "rotary"),
+}
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Hyperparameters of the functional GPT (``fsharded.models.gpt``).
+
+    Only ``init`` reads a config: the architecture is recoverable from the parameter tree,
+    so ``apply`` and ``loss`` take none. The defaults are the ``small`` preset, a ~0.84M
+    parameter byte-level model that learns visibly in about a minute on two CPU cores.
+
+    >>> GPTConfig(d_model=64, n_heads=4, n_kv_heads=2).head_dim
+    16
+    >>> GPTConfig.tiny(positions="rotary").positions
+    'rotary'
+    """
+
+    vocab_size: int = 256
+    """Number of token ids; 256 for byte-level text."""
+    d_model: int = 128
+    """Width of the residual stream (D)."""
+    n_layers: int = 4
+    """Number of transformer blocks (``len(params["blocks"])``)."""
+    n_heads: int = 4
+    """Query heads (H); ``d_model`` must be divisible by it, ``head_dim = d_model // n_heads``."""
+    n_kv_heads: int | None = None
+    """Key/value heads (KV) for grouped-query attention; ``None`` means ``n_heads`` (plain
+    multi-head attention), 1 means multi-query. ``n_heads`` must be divisible by it: query
+    head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)``."""
+    seq_len: int = 128
+    """Longest sequence (T): the size of the learned position table, and the window the data
+    pipeline cuts. Rotary models can run longer sequences than this."""
+    mlp_ratio: float = 4.0
+    """MLP hidden width as a multiple of ``d_model``; ``mlp_ratio * d_model`` must be a
+    whole number (``d_ff``)."""
+    norm: str = "layernorm"
+    """``"layernorm"`` (weight and bias) or ``"rmsnorm"`` (weight only); eps is 1e-5."""
+    activation: str = "gelu"
+    """``"gelu"`` (exact erf GELU MLP, ``w_in``/``w_out``) or ``"swiglu"`` (``silu(x W_gate)
+    * (x W_up)``, then ``W_down``)."""
+    positions: str = "learned"
+    """``"learned"`` (a ``(seq_len, D)`` table added to the embeddings) or ``"rotary"``
+    (RoPE on queries and keys, theta 10000, half-split layout; needs an even head_dim)."""
+    tied_embeddings: bool = True
+    """Use ``emb.T`` as the output projection; otherwise a separate ``head`` (D, V)."""
+    bias: bool = True
+    """Biases on the attention and MLP projections (GPT-2 style); ``False`` for LLaMA style."""
+    init_std: float = 0.02
+    """Std of the normal init of embeddings and weight matrices; the projections that write
+    into the residual stream (``wo``, ``w_out``/``w_down``) use ``init_std / sqrt(2 *
+    n_layers)`` so the residual variance does not grow with depth (GPT-2)."""
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        errors = []
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                errors.append(f"{name} must be a positive int, got {v!r}")
+        for name, choices in _CHOICES.items():
+            v = getattr(self, name)
+            if v not in choices:
+                errors.append(f"{name} must be one of {list(choices)}, got {v!r}")
+        for name in ("tied_embeddings", "bias"):
+            if not isinstance(getattr(self, name), bool):
+                errors.append(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not _positive_number(self.init_std):
+            errors.append(f"init_std must be a positive number, got {self.init_std!r}")
+        if not _positive_number(self.mlp_ratio):
+            errors.append(f"mlp_ratio must be a positive number, got {self.mlp_ratio!r}")
+        elif isinstance(self.d_model, int) and (
+            not float(self.mlp_ratio * self.d_model).is_integer()
+        ):
+            errors.append(
+                f"mlp_ratio * d_model = {self.mlp_ratio} * {self.d_model} = "
+                f"{self.mlp_ratio * self.d_model} is not a whole number; pick a mlp_ratio "
+                f"that gives an integer MLP width"
+            )
+        if not errors:  # the checks below need valid ints
+            if self.d_model % self.n_heads:
+                errors.append(
+                    f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+                )
+            if self.n_heads % self.n_kv_heads:
+                errors.append(
+                    f"n_heads ({self.n_heads}) must be divisible by n_kv_heads "
+                    f"({self.n_kv_heads}) for grouped-query attention"
+                )
+            elif self.positions == "rotary" and (self.d_model // self.n_heads) % 2:
+                errors.append(
+                    f"rotary positions need an even head_dim, got d_model // n_heads = "
+                    f"{self.d_model} // {self.n_heads} = {self.d_model // self.n_heads}"
+                )
+        if errors:
+            raise ValueError("invalid GPTConfig:\n" + "\n".join(f"  {e}" for e in errors))
+
+    # -- derived sizes ----------------------------------------------------------------------
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width (Dh)."""
+        return self.d_model // self.n_heads
+
+    @property
+    def d_ff(self) -> int:
+        """MLP hidden width (F)."""
+        return int(self.mlp_ratio * self.d_model)
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raise ``ValueError`` unless the model splits evenly over ``tp`` tensor shards.
+
+        Megatron sharding splits query heads, key/value heads and the MLP hidden width, so
+        all three must be divisible by ``tp`` (``shard_map`` also checks, per leaf).
+
+        >>> GPTConfig(n_heads=4, n_kv_heads=2).check_tensor_parallel(2)
+        """
+        errors = [
+            f"{name} = {v} is not divisible by the tensor-parallel size {tp}"
+            for name, v in (("n_heads", self.n_heads), ("n_kv_heads", self.n_kv_heads),
+                            ("d_ff", self.d_ff))
+            if v % tp
+        ]
+        if errors:
+            raise ValueError(
+                "GPTConfig cannot be split over the 'tensor' axis:\n"
+                + "\n".join(f"  {e}" for e in errors)
+                + "\n  use a tensor-parallel size that divides all three, or change the config"
+            )
+
+    # -- presets ----------------------------------------------------------------------------
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> GPTConfig:
+        """A model for unit tests (7,872 parameters): 2 layers, D=16, 4 heads, T=16."""
+        base = dict(vocab_size=64, d_model=16, n_layers=2, n_heads=4, seq_len=16)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def small(cls, **overrides: Any) -> GPTConfig:
+        """The default: byte-level, 4 layers, D=128, 4 heads, T=128, ~0.84M parameters."""
+        return cls(**overrides)
+
+    @classmethod
+    def llama_style(cls, **overrides: Any) -> GPTConfig:
+        """``small`` with LLaMA's choices: RMSNorm, SwiGLU (d_ff = 8/3 D rounded to 344),
+        rotary positions, grouped-query attention (2 KV heads), no biases, untied head."""
+        base = dict(norm="rmsnorm", activation="swiglu", positions="rotary", n_kv_heads=2,
+                    bias=False, tied_embeddings=False, mlp_ratio=344 / 128)
+        return cls(**{**base, **overrides})
+
+    def replace(self, **changes: Any) -> GPTConfig:
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _positive_number(v: Any) -> bool:
+    return (
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    )

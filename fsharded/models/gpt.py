@@ -1,0 +1,365 @@
+"""The reference GPT as pure functions over a parameter pytree, written once in per-shard form.
+
+The same ``loss(params, batch)`` runs on one device, data-parallel, or Megatron
+tensor-parallel inside ``shard_map``: attention heads and the MLP hidden width may be
+sharded over the mesh axis ``"tensor"``, and every collective is skipped when that axis is
+not bound. Local head counts and widths come from the local tensor shapes.
+
+>>> import torch
+>>> cfg = GPTConfig.tiny()
+>>> params = init(cfg, seed=0)
+>>> tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1))
+>>> apply(params, tokens[:, :-1]).shape
+torch.Size([2, 16, 64])
+>>> bool(abs(loss(params, {"tokens": tokens}) - math.log(cfg.vocab_size)) < 0.1)
+True
+
+Parameter tree (the architecture is read back from it; ``[tp]`` marks dims sharded by
+``tensor_parallel_specs``)::
+
+    emb          (V, D)             token embedding
+    pos          (T, D)             learned positions only (absent with rotary)
+    blocks       list, one dict per layer:
+      norm1      {w (D,), b (D,)}   LayerNorm; RMSNorm has only w
+      attn       wq (D, H[tp], Dh)  wk, wv (D, KV[tp], Dh)  wo (H[tp], Dh, D)
+                 with bias: bq (H[tp], Dh)  bk, bv (KV[tp], Dh)  bo (D,)
+      norm2      like norm1
+      mlp        GELU:   w_in (D, F[tp])  w_out (F[tp], D)   [+ b_in (F[tp],), b_out (D,)]
+                 SwiGLU: w_gate, w_up (D, F[tp])  w_down (F[tp], D)
+                         [+ b_gate, b_up (F[tp],), b_down (D,)]
+    final_norm   like norm1
+    head         (D, V)             untied only; tied models use emb.T
+
+Fixed choices (not in the tree): norm eps 1e-5, exact (erf) GELU, rotary theta 10000 in
+the half-split layout, causal attention scaled by 1/sqrt(Dh).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+import torch.nn.functional as F
+
+from fsharded._tree import rules
+from fsharded.collectives import is_bound, psum, pvary
+from fsharded.mesh import P
+from fsharded.models._gpt_config import GPTConfig
+
+__all__ = [
+    "GPTConfig",
+    "init",
+    "apply",
+    "loss",
+    "embed",
+    "block",
+    "unembed",
+    "param_count",
+    "tensor_parallel_specs",
+    "TENSOR_PARALLEL_RULES",
+]
+
+NORM_EPS = 1e-5
+ROPE_THETA = 10000.0
+TENSOR = "tensor"  # the mesh axis Megatron tensor parallelism shards over
+
+Params = dict[str, Any]
+
+
+# ------------------------------------------------------------------------------------------
+# init
+# ------------------------------------------------------------------------------------------
+
+
+def init(config: GPTConfig, seed: int = 0, *, dtype: torch.dtype = torch.float32) -> Params:
+    """Fresh parameters for ``config``: a dict pytree of tensors (see the module docstring).
+
+    Deterministic in ``seed``. Values are drawn in float32 and then cast, so
+    ``init(c, s, dtype=torch.float64)`` is exactly the float32 init, widened.
+
+    >>> params = init(GPTConfig.tiny(), seed=0)
+    >>> len(params["blocks"]), tuple(params["blocks"][0]["attn"]["wq"].shape)
+    (2, (16, 4, 4))
+    """
+    if not isinstance(config, GPTConfig):
+        raise TypeError(f"init: config must be a GPTConfig, got {type(config).__name__}")
+    c = config
+    gen = torch.Generator().manual_seed(int(seed))
+    D, H, KV, Dh, Fh, V = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size
+    std, out_std = c.init_std, c.init_std / math.sqrt(2 * c.n_layers)
+
+    def normal(*shape: int, s: float = std) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * s).to(dtype)
+
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype)
+
+    def norm() -> Params:
+        p = {"w": torch.ones(D, dtype=dtype)}
+        if c.norm == "layernorm":
+            p["b"] = zeros(D)
+        return p
+
+    params: Params = {"emb": normal(V, D)}
+    if c.positions == "learned":
+        params["pos"] = normal(c.seq_len, D)
+    blocks = []
+    for _ in range(c.n_layers):
+        attn = {"wq": normal(D, H, Dh), "wk": normal(D, KV, Dh), "wv": normal(D, KV, Dh),
+                "wo": normal(H, Dh, D, s=out_std)}
+        if c.activation == "gelu":
+            mlp = {"w_in": normal(D, Fh), "w_out": normal(Fh, D, s=out_std)}
+        else:
+            mlp = {"w_gate": normal(D, Fh), "w_up": normal(D, Fh),
+                   "w_down": normal(Fh, D, s=out_std)}
+        if c.bias:
+            attn.update(bq=zeros(H, Dh), bk=zeros(KV, Dh), bv=zeros(KV, Dh), bo=zeros(D))
+            if c.activation == "gelu":
+                mlp.update(b_in=zeros(Fh), b_out=zeros(D))
+            else:
+                mlp.update(b_gate=zeros(Fh), b_up=zeros(Fh), b_down=zeros(D))
+        blocks.append({"norm1": norm(), "attn": attn, "norm2": norm(), "mlp": mlp})
+    params["blocks"] = blocks
+    params["final_norm"] = norm()
+    if not c.tied_embeddings:
+        params["head"] = normal(D, V)
+    return params
+
+
+def param_count(params: Any) -> int:
+    """Total number of elements over every tensor leaf (global shapes if given global params).
+
+    >>> param_count(init(GPTConfig.tiny()))
+    7872
+    """
+    return sum(x.numel() for x in optree.tree_leaves(params) if isinstance(x, torch.Tensor))
+
+
+# ------------------------------------------------------------------------------------------
+# forward, per shard
+# ------------------------------------------------------------------------------------------
+
+
+def _enter_tp(x: torch.Tensor) -> torch.Tensor:
+    """Megatron's f: identity forward, all-reduce of the gradient over ``tensor`` backward,
+    so replicated inputs of column-parallel layers get their full gradient."""
+    return pvary(x, TENSOR) if is_bound(TENSOR) else x
+
+
+def _exit_tp(x: torch.Tensor) -> torch.Tensor:
+    """Megatron's g: sum the partial outputs of row-parallel layers over ``tensor``."""
+    return psum(x, TENSOR) if is_bound(TENSOR) else x
+
+
+def _norm(p: Params, x: torch.Tensor) -> torch.Tensor:
+    if "b" in p:
+        return F.layer_norm(x, x.shape[-1:], p["w"], p["b"], eps=NORM_EPS)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * p["w"]
+
+
+def _rotary(x: torch.Tensor) -> torch.Tensor:
+    """RoPE in the half-split layout: dim ``i`` pairs with ``i + Dh/2``. x: (B, T, h, Dh)."""
+    T, Dh = x.shape[1], x.shape[3]
+    # Angles in at least float32: bf16 positions would collide past a few hundred tokens.
+    dt = torch.promote_types(x.dtype, torch.float32)
+    inv_freq = ROPE_THETA ** (-torch.arange(0, Dh, 2, dtype=dt, device=x.device) / Dh)
+    ang = torch.arange(T, dtype=dt, device=x.device)[:, None] * inv_freq  # (T, Dh/2)
+    cos = ang.cos().repeat(1, 2)[:, None, :].to(x.dtype)  # (T, 1, Dh)
+    sin = ang.sin().repeat(1, 2)[:, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Explicit einsum attention: fast under vmap, where CPU SDPA loops per sample.
+
+    q: (B, T, h, Dh), k/v: (B, T, kv, Dh) with h a multiple of kv. Query head ``i`` reads
+    key/value head ``i // (h // kv)``, which holds on every tensor shard too because
+    ``tensor_parallel_specs`` splits both head dims into contiguous chunks.
+    """
+    B, T, h, Dh = q.shape
+    kv = k.shape[2]
+    q = q.reshape(B, T, kv, h // kv, Dh)  # (B, T, kv, g, Dh)
+    s = torch.einsum("btkgd,bskd->bkgts", q, k) * (Dh**-0.5)  # (B, kv, g, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~causal, float("-inf"))
+    o = torch.einsum("bkgts,bskd->btkgd", s.softmax(dim=-1), v)
+    return o.reshape(B, T, h, Dh)
+
+
+def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``scaled_dot_product_attention`` (fused kernels on GPU); same layout as above."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, h, T, Dh)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                       enable_gqa=q.shape[1] != k.shape[1])
+    return o.transpose(1, 2)
+
+
+_ATTENTION = {"einsum": _causal_attention, "sdpa": _sdpa_attention}
+
+
+def _attn(p: Params, x: torch.Tensor, rotary: bool, attention: str) -> torch.Tensor:
+    x = _enter_tp(x)  # (B, T, D)
+    q = torch.einsum("btd,dhe->bthe", x, p["wq"])  # (B, T, H/tp, Dh)
+    k = torch.einsum("btd,dhe->bthe", x, p["wk"])  # (B, T, KV/tp, Dh)
+    v = torch.einsum("btd,dhe->bthe", x, p["wv"])  # (B, T, KV/tp, Dh)
+    if "bq" in p:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    if rotary:
+        q, k = _rotary(q), _rotary(k)
+    o = _ATTENTION[attention](q, k, v)  # (B, T, H/tp, Dh)
+    y = _exit_tp(torch.einsum("bthe,hed->btd", o, p["wo"]))  # (B, T, D)
+    return y + p["bo"] if "bo" in p else y
+
+
+def _mlp(p: Params, x: torch.Tensor) -> torch.Tensor:
+    x = _enter_tp(x)  # (B, T, D)
+    if "w_gate" in p:
+        gate, up = x @ p["w_gate"], x @ p["w_up"]  # (B, T, F/tp)
+        if "b_gate" in p:
+            gate, up = gate + p["b_gate"], up + p["b_up"]
+        y = _exit_tp((F.silu(gate) * up) @ p["w_down"])  # (B, T, D)
+        return y + p["b_down"] if "b_down" in p else y
+    h = x @ p["w_in"]  # (B, T, F/tp)
+    if "b_in" in p:
+        h = h + p["b_in"]
+    y = _exit_tp(F.gelu(h) @ p["w_out"])  # (B, T, D)
+    return y + p["b_out"] if "b_out" in p else y
+
+
+def block(p: Params, x: torch.Tensor, *, rotary: bool = False,
+          attention: str = "einsum") -> torch.Tensor:
+    """One pre-norm transformer block, ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``.
+
+    ``p`` is one entry of ``params["blocks"]``; x: (B, T, D), replicated over ``tensor``.
+    Every tensor it reads is in ``p`` or ``x`` (nothing captured), so it can be wrapped by
+    remat or a ZeRO-3 gather, or placed on a pipeline stage as is.
+    """
+    x = x + _attn(p["attn"], _norm(p["norm1"], x), rotary, attention)
+    return x + _mlp(p["mlp"], _norm(p["norm2"], x))
+
+
+def embed(params: Params, tokens: torch.Tensor) -> torch.Tensor:
+    """Token (and learned position) embeddings: tokens (B, T) int -> (B, T, D)."""
+    if tokens.dim() != 2 or tokens.is_floating_point() or tokens.is_complex():
+        raise ValueError(
+            f"tokens must be an integer tensor of shape (B, T), got {tokens.dtype} "
+            f"{tuple(tokens.shape)}"
+        )
+    x = params["emb"][tokens]  # (B, T, D)
+    if "pos" in params:
+        T, T_max = tokens.shape[1], params["pos"].shape[0]
+        if T > T_max:
+            raise ValueError(
+                f"sequence length {T} exceeds the {T_max} learned positions (params['pos'] "
+                f"has shape {tuple(params['pos'].shape)}); pass at most {T_max} tokens"
+            )
+        x = x + params["pos"][:T]
+    return x
+
+
+def unembed(params: Params, x: torch.Tensor) -> torch.Tensor:
+    """Final norm and output projection: (B, T, D) -> logits (B, T, V)."""
+    x = _norm(params["final_norm"], x)
+    if "head" in params:
+        return x @ params["head"]
+    return x @ params["emb"].T
+
+
+def apply(params: Params, tokens: torch.Tensor, *, attention: str = "einsum",
+          block_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """Logits ``(B, T, V)`` for integer ``tokens`` ``(B, T)``.
+
+    ``attention``: ``"einsum"`` (default; explicit causal mask, fast on the virtual mesh)
+    or ``"sdpa"`` (``scaled_dot_product_attention``; fused kernels on GPU, but a slow
+    per-sample loop under vmap on CPU). ``block_fn(p, x, *, rotary, attention)`` replaces
+    ``block`` for every layer, e.g. a remat'ed or ZeRO-3-gathering wrapper of it.
+    """
+    if attention not in _ATTENTION:
+        raise ValueError(f"attention must be one of {list(_ATTENTION)}, got {attention!r}")
+    fn = block if block_fn is None else block_fn
+    rotary = "pos" not in params
+    x = embed(params, tokens)
+    for p in params["blocks"]:
+        x = fn(p, x, rotary=rotary, attention=attention)
+    return unembed(params, x)
+
+
+def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batch, dict) and "tokens" in batch:
+        tokens = batch["tokens"]
+        if tokens.dim() != 2 or tokens.shape[1] < 2:
+            raise ValueError(
+                f"batch['tokens'] must have shape (B, T + 1) with T >= 1, got "
+                f"{tuple(tokens.shape)}"
+            )
+        return tokens[:, :-1], tokens[:, 1:]
+    if isinstance(batch, dict) and "inputs" in batch and "targets" in batch:
+        inputs, targets = batch["inputs"], batch["targets"]
+        if inputs.shape != targets.shape:
+            raise ValueError(
+                f"batch['inputs'] {tuple(inputs.shape)} and batch['targets'] "
+                f"{tuple(targets.shape)} must have the same shape (B, T)"
+            )
+        return inputs, targets
+    got = list(batch) if isinstance(batch, dict) else type(batch).__name__
+    raise ValueError(
+        f"batch must be a dict with 'tokens' (B, T + 1) or with 'inputs' and 'targets' "
+        f"(B, T); got {got}"
+    )
+
+
+def loss(params: Params, batch: dict[str, torch.Tensor], *, attention: str = "einsum",
+         block_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy over this shard's batch (a 0-d tensor).
+
+    ``batch["tokens"]`` (B, T + 1): inputs are ``tokens[:, :-1]``, targets
+    ``tokens[:, 1:]``; or give ``batch["inputs"]`` and ``batch["targets"]`` (B, T).
+    Inside ``shard_map`` with the batch sharded over ``"data"`` this is the local mean:
+    ``pmean`` it (and the gradients) over ``"data"`` for the global mean.
+    """
+    inputs, targets = _split_batch(batch)
+    logits = apply(params, inputs, attention=attention, block_fn=block_fn)  # (B, T, V)
+    # Low-precision logits lose the small differences softmax cares about: upcast.
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# ------------------------------------------------------------------------------------------
+# sharding rules
+# ------------------------------------------------------------------------------------------
+
+TENSOR_PARALLEL_RULES: dict[str, P] = {
+    # Column-parallel: split the output features (heads / MLP hidden units) ...
+    "blocks.*.attn.w[qkv]": P(None, TENSOR, None),
+    "blocks.*.attn.b[qkv]": P(TENSOR),
+    "blocks.*.mlp.w_in": P(None, TENSOR),
+    "blocks.*.mlp.w_gate": P(None, TENSOR),
+    "blocks.*.mlp.w_up": P(None, TENSOR),
+    "blocks.*.mlp.b_in": P(TENSOR),
+    "blocks.*.mlp.b_gate": P(TENSOR),
+    "blocks.*.mlp.b_up": P(TENSOR),
+    # ... row-parallel: split the input features, outputs are psum'ed over tensor.
+    "blocks.*.attn.wo": P(TENSOR, None, None),
+    "blocks.*.mlp.w_out": P(TENSOR, None),
+    "blocks.*.mlp.w_down": P(TENSOR, None),
+}
+"""Megatron placement by parameter path; everything unmatched (embeddings, norms, the
+biases of row-parallel layers) is replicated."""
+
+
+def tensor_parallel_specs(params: Params) -> Any:
+    """The spec tree that shards ``params`` Megatron-style over the mesh axis ``"tensor"``.
+
+    Query heads, key/value heads and the MLP hidden width are split, so ``n_heads``,
+    ``n_kv_heads`` and ``d_ff`` must be divisible by the tensor-parallel size
+    (``GPTConfig.check_tensor_parallel``; ``shard_map`` names any leaf that does not fit).
+
+    >>> specs = tensor_parallel_specs(init(GPTConfig.tiny()))
+    >>> specs["blocks"][0]["attn"]["wo"], specs["emb"]
+    (PartitionSpec('tensor', None, None), PartitionSpec())
+    """
+    return rules(params, TENSOR_PARALLEL_RULES)
