@@ -1,0 +1,252 @@
+"""The core: ``GradientTransformation``, ``chain``, ``apply_updates``, learning rates.
+
+A transformation is a pure ``(init, update)`` pair over pytrees of tensors. Its state is
+data (NamedTuples of tensors and of pytrees of tensors) and every ``update`` is made of
+elementwise torch ops, ``torch.where`` and reductions, so it runs unchanged on one device,
+on a shard inside ``shard_map`` and under ``torch.func.vmap``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fsharded.optim._schedules import constant
+
+__all__ = [
+    "GradientTransformation",
+    "Optimizer",
+    "EmptyState",
+    "ScaleByScheduleState",
+    "Schedule",
+    "ScalarOrSchedule",
+    "chain",
+    "identity",
+    "apply_updates",
+    "scale",
+    "scale_by_learning_rate",
+    "as_schedule",
+    "get_lr",
+    "state_specs",
+]
+
+Params = Any
+Updates = Any
+State = Any
+# A schedule maps the optimizer step (a 0-d integer tensor, or an int) to a 0-d float tensor.
+Schedule = Callable[[Any], torch.Tensor]
+ScalarOrSchedule = float | Schedule
+
+
+class GradientTransformation(NamedTuple):
+    """A pure gradient transformation: ``init(params) -> state`` and
+    ``update(updates, state, params=None) -> (updates, state)``.
+
+    >>> tx = chain(scale(-0.1))
+    >>> params = {"w": torch.ones(2)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": torch.ones(2)}, state, params)
+    >>> apply_updates(params, updates)
+    {'w': tensor([0.9000, 0.9000])}
+    """
+
+    init: Callable[[Params], State]
+    update: Callable[..., tuple[Updates, State]]
+
+
+class Optimizer(GradientTransformation):
+    """A ``GradientTransformation`` that also carries its learning-rate schedule as ``.lr``.
+
+    Still the 2-tuple ``(init, update)``, so code written against ``GradientTransformation``
+    takes it unchanged; ``get_lr(opt, step)`` reads ``.lr``. Every optimizer in this package
+    returns one, and ``chain`` / ``MultiSteps`` keep the ``.lr`` of the optimizer inside them.
+    """
+
+    # No ``__slots__ = ()``: the instance dict holds ``lr`` beside the two tuple fields.
+
+    def __new__(cls, init: Callable, update: Callable, lr: Schedule | None = None) -> Optimizer:
+        self = super().__new__(cls, init, update)
+        self.lr = lr
+        return self
+
+    def __getnewargs__(self) -> tuple:
+        return (self.init, self.update, self.lr)
+
+    def __repr__(self) -> str:
+        return f"Optimizer(lr={self.lr!r})"
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation."""
+
+
+class ScaleByScheduleState(NamedTuple):
+    """``count``: the number of updates applied so far (0-d int64), the schedule's step."""
+
+    count: torch.Tensor
+
+
+def _count0() -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64)
+
+
+def _lr_of(tx: Any) -> Schedule | None:
+    return getattr(tx, "lr", None)
+
+
+def _wrap(init: Callable, update: Callable, lr: Schedule | None) -> GradientTransformation:
+    return Optimizer(init, update, lr) if lr is not None else GradientTransformation(init, update)
+
+
+def identity() -> GradientTransformation:
+    """Pass updates through unchanged."""
+    return GradientTransformation(lambda params: EmptyState(), lambda u, s, params=None: (u, s))
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply ``transforms`` in order; the state is the tuple of their states.
+
+    If exactly one of them carries a learning rate (an ``Optimizer``), so does the chain:
+
+    >>> from fsharded.optim import adamw, clip_by_global_norm
+    >>> tx = chain(clip_by_global_norm(1.0), adamw(1e-3))
+    >>> float(get_lr(tx, 0))
+    0.001
+    """
+    transforms = tuple(transforms)
+    lrs = [lr for lr in map(_lr_of, transforms) if lr is not None]
+
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates, state, params=None):
+        if len(state) != len(transforms):
+            raise ValueError(
+                f"chain: the state has {len(state)} entries but the chain has "
+                f"{len(transforms)} transforms; was it made by this chain's init?"
+            )
+        new_state = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return _wrap(init, update, lrs[0] if len(lrs) == 1 else None)
+
+
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """``params + updates`` leafwise, keeping each parameter's dtype.
+
+    Updates may come out in a wider dtype (an fp32 update for a bf16 parameter); the sum
+    is cast back so the parameter tree's dtypes never drift.
+    """
+    return optree.tree_map(lambda p, u: (p + u).to(p.dtype), params, updates)
+
+
+def scale(factor: float) -> GradientTransformation:
+    """Multiply every update by a constant."""
+
+    def update(updates, state, params=None):
+        return optree.tree_map(lambda u: u * factor, updates), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+# -- learning rates --------------------------------------------------------------------
+
+
+def as_schedule(lr: ScalarOrSchedule) -> Schedule:
+    """A float becomes a constant schedule; a callable is returned as is."""
+    if callable(lr):
+        return lr
+    if isinstance(lr, torch.Tensor):
+        raise TypeError(
+            "lr must be a Python float or a schedule (step -> lr tensor), not a tensor: a tensor "
+            "captured here would be frozen into the optimizer. Use fsharded.optim.constant(x)."
+        )
+    if not isinstance(lr, (int, float)):
+        raise TypeError(f"lr must be a float or a schedule callable, got {type(lr).__name__}")
+    return constant(lr)
+
+
+def get_lr(tx_or_lr: Any, step: Any) -> torch.Tensor:
+    """The learning rate applied by update number ``step`` (0 for the first update).
+
+    ``tx_or_lr``: an optimizer from this package (or a ``chain`` / ``MultiSteps`` holding
+    one), a schedule, or a float. Returns a 0-d float64 tensor.
+
+    >>> from fsharded.optim import sgd, WarmupLR
+    >>> opt = sgd(WarmupLR(warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear"))
+    >>> [round(float(get_lr(opt, s)), 3) for s in (0, 1, 5, 10, 11)]
+    [0.0, 0.0, 0.04, 0.09, 0.1]
+    """
+    if isinstance(tx_or_lr, GradientTransformation):
+        lr = _lr_of(tx_or_lr)
+        if lr is None:
+            raise ValueError(
+                "get_lr: this transformation carries no learning rate (it is not an optimizer "
+                "from fsharded.optim, or a chain holding several of them); pass the schedule."
+            )
+        return lr(step)
+    return as_schedule(tx_or_lr)(step)
+
+
+def scale_by_learning_rate(lr: ScalarOrSchedule, *, flip_sign: bool = True) -> Optimizer:
+    """Multiply updates by ``-lr(count)`` (``+lr`` with ``flip_sign=False``).
+
+    ``count`` starts at 0 and counts the updates applied, so ``lr(0)`` scales the first one.
+    """
+    sched = as_schedule(lr)
+    sign = -1.0 if flip_sign else 1.0
+
+    def init(params):
+        return ScaleByScheduleState(_count0())
+
+    def update(updates, state, params=None):
+        step_lr = sched(state.count) * sign
+        new = optree.tree_map(lambda u: u * step_lr.to(u.dtype), updates)
+        return new, ScaleByScheduleState(state.count + 1)
+
+    return Optimizer(init, update, sched)
+
+
+# -- sharding of optimizer states --------------------------------------------------------
+
+
+def state_specs(state: State, params: Params, param_specs: Any) -> Any:
+    """A spec tree for an optimizer ``state``, for ``shard_map`` in/out specs.
+
+    Every subtree of ``state`` with the structure and shapes of ``params`` (moments,
+    accumulators) gets ``param_specs``; every other leaf (step counters, norms) is
+    replicated, ``P()``. Shapes may be global or per-shard, as long as ``state`` and
+    ``params`` agree.
+
+    >>> from fsharded import P
+    >>> from fsharded.optim import adam
+    >>> params = {"w": torch.zeros(4, 2)}
+    >>> state_specs(adam(0.1).init(params), params, {"w": P("data")})
+    (EmptyState(), ScaleByAdamState(count=PartitionSpec(), mu={'w': PartitionSpec('data')}, nu={'w': PartitionSpec('data')}), ScaleByScheduleState(count=PartitionSpec()))
+    """
+    from fsharded.mesh import PartitionSpec
+
+    ptree = optree.tree_structure(params)
+    pshapes = [tuple(x.shape) for x in optree.tree_leaves(params)]
+
+    def like_params(node: Any) -> bool:
+        if optree.tree_structure(node) != ptree:
+            return False
+        shapes = [tuple(getattr(x, "shape", ())) for x in optree.tree_leaves(node)]
+        return shapes == pshapes
+
+    def walk(node: Any) -> Any:
+        if like_params(node):
+            return param_specs
+        if optree.treespec_is_leaf(optree.tree_structure(node)):
+            return PartitionSpec()
+        children, meta, _, unflatten = optree.tree_flatten_one_level(node)
+        return unflatten(meta, [walk(c) for c in children])
+
+    return walk(state)

@@ -1,0 +1,91 @@
+"""Mesh-aware norms and global-norm clipping.
+
+Inside ``shard_map`` every leaf is a shard. Given the spec tree that says how each leaf is
+sharded, a leaf's squared norm is its local sum of squares ``psum``'d over exactly the mesh
+axes its spec names: a sharded leaf then counts every element once, and a leaf replicated
+over an axis is not counted once per replica. Axes the current ``shard_map`` does not bind
+(or no ``shard_map`` at all) are skipped, so the same code gives the plain norm unsharded.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fsharded import collectives
+from fsharded._tree import broadcast_prefix
+from fsharded.optim._base import GradientTransformation
+
+__all__ = ["leaf_sq_norms", "global_norm", "ClipByGlobalNormState", "clip_by_global_norm"]
+
+
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    # Half-precision sums of squares overflow and round badly; accumulate in fp32 at least.
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def leaf_sq_norms(tree: Any, specs: Any = None) -> list[torch.Tensor]:
+    """Each leaf's squared L2 norm over the whole (unsharded) tensor, in leaf order.
+
+    ``specs``: a spec tree (or prefix) for ``tree``, as given to ``shard_map``; ``None``
+    treats every leaf as whole.
+    """
+    leaves = optree.tree_leaves(tree)
+    flat_specs = [None] * len(leaves) if specs is None else broadcast_prefix(specs, tree, what="specs")
+    out = []
+    for x, spec in zip(leaves, flat_specs):
+        x = x.to(_acc_dtype(x))
+        sq = (x * x).sum()
+        axes = tuple(a for a in (spec.axes if spec is not None else ()) if collectives.is_bound(a))
+        out.append(collectives.psum(sq, axes) if axes else sq)
+    return out
+
+
+def global_norm(tree: Any, specs: Any = None) -> torch.Tensor:
+    """The L2 norm of all leaves of ``tree`` together, mesh-aware (see the module doc).
+
+    >>> float(global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}))
+    5.0
+    """
+    sq = leaf_sq_norms(tree, specs)
+    if not sq:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.sqrt(functools.reduce(operator.add, sq))
+
+
+class ClipByGlobalNormState(NamedTuple):
+    """``norm``: the global norm of the updates last seen, before clipping (0-d; 0 before the
+    first update). It is the gradient norm a training loop logs, computed once."""
+
+    norm: torch.Tensor
+
+
+def clip_by_global_norm(max_norm: float, *, specs: Any = None) -> GradientTransformation:
+    """Scale all updates by ``max_norm / (norm + 1e-6)`` when that is below 1, as
+    ``torch.nn.utils.clip_grad_norm_`` (and DeepSpeed's ``gradient_clipping``) do.
+
+    ``specs``: how the updates are sharded inside ``shard_map`` (the gradient specs: with
+    ZeRO-2 these differ from the parameter specs); see ``global_norm``.
+
+    >>> tx = clip_by_global_norm(1.0)
+    >>> g, s = tx.update({"w": torch.tensor([3.0, 4.0])}, tx.init(None))
+    >>> g["w"], s.norm
+    (tensor([0.6000, 0.8000]), tensor(5.))
+    """
+    if not max_norm > 0:
+        raise ValueError(f"clip_by_global_norm: max_norm must be positive, got {max_norm!r}")
+
+    def init(params):
+        return ClipByGlobalNormState(torch.zeros((), dtype=torch.float32))
+
+    def update(updates, state, params=None):
+        norm = global_norm(updates, specs)
+        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        clipped = optree.tree_map(lambda u: u * factor.to(u.dtype), updates)
+        return clipped, ClipByGlobalNormState(norm.to(state.norm.dtype))
+
+    return GradientTransformation(init, update)
