@@ -8,9 +8,10 @@
 tensor(6.)
 """
 
-from fsharded import distributed
+from fsharded import config, data, distributed, models, optim, precision
 from fsharded._manifest import Entry, Manifest
 from fsharded._shard_map import ShardMapped, shard_map
+from fsharded._step import TrainState, TrainStep, train_step
 from fsharded._tree import rules, tree_flatten_with_paths, tree_map_with_path
 from fsharded.collectives import (
     all_gather,
@@ -66,4 +67,12 @@ __all__ = [
     "Entry",
     "Manifest",
     "distributed",
+    "optim",
+    "models",
+    "precision",
+    "config",
+    "data",
+    "train_step",
+    "TrainStep",
+    "TrainState",
 ]

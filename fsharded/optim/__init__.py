@@ -54,6 +54,7 @@ from fsharded.optim._base import (
     as_schedule,
     chain,
     get_lr,
+    get_lr_schedule,
     identity,
     scale,
     scale_by_learning_rate,
@@ -95,6 +96,7 @@ __all__ = [
     "identity",
     "apply_updates",
     "get_lr",
+    "get_lr_schedule",
     "as_schedule",
     "state_specs",
     # optimizers

@@ -172,6 +172,13 @@ def as_schedule(lr: ScalarOrSchedule) -> Schedule:
     return constant(lr)
 
 
+def get_lr_schedule(tx: Any) -> Callable[[Any], torch.Tensor] | None:
+    """The schedule an optimizer from this package applies, or None if it carries none."""
+    if isinstance(tx, GradientTransformation):
+        return _lr_of(tx)
+    return None
+
+
 def get_lr(tx_or_lr: Any, step: Any) -> torch.Tensor:
     """The learning rate applied by update number ``step`` (0 for the first update).
 

@@ -1,0 +1,300 @@
+"""``train_step``: the functional DeepSpeedEngine.
+
+One call composes, per shard inside ``shard_map``: value_and_grad of the local loss (in
+the compute dtype, over micro-batches when accumulating) -> the gradient reductions the
+placements call for -> unscale / finite check (fp16) -> mesh-aware clipping -> the
+optimizer -> the new state. State is data (a ``TrainState``), nothing is mutated.
+
+>>> step = fs.train_step(gpt.loss, fs.optim.adamw(3e-4), mesh=fs.Mesh({"data": 2}),
+...                      param_specs=P(), batch_spec=P("data"), precision="bf16", clip=1.0)
+>>> state = step.init(params)
+>>> state, metrics = step(state, batch)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fsharded import _tree
+from fsharded._shard_map import shard_map
+from fsharded.collectives import is_bound, pmean
+from fsharded.mesh._mesh import Mesh
+from fsharded.mesh._shard import _backend, shard, unshard
+from fsharded.mesh._spec import PartitionSpec
+
+__all__ = ["TrainState", "TrainStep", "train_step"]
+
+
+class TrainState(NamedTuple):
+    """Everything a training run carries from step to step."""
+
+    step: torch.Tensor  # int64 0-d: optimizer steps taken (skipped fp16 steps included)
+    params: Any  # master weights, laid out by the step's param_specs
+    opt_state: Any
+    loss_scale: Any  # precision.LossScaleState, or None without loss scaling
+
+
+def train_step(
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Any,
+    *,
+    mesh: Mesh | None = None,
+    param_specs: Any = None,
+    batch_spec: Any = None,
+    precision: Any = "fp32",
+    accumulation: int = 1,
+    clip: float | None = None,
+    check_finite: bool = True,
+    backend: str | None = None,
+) -> TrainStep:
+    """Build a training step for ``loss_fn(params, batch) -> scalar``.
+
+    ``loss_fn`` is written per shard: it sees the shard of each parameter its spec gives
+    and the shard of the batch ``batch_spec`` gives, and may call collectives. The batch
+    is split over the axes ``batch_spec`` names (default: ``P("data")`` when the mesh has
+    a ``data`` axis); gradients of parameters not sharded over those axes are averaged
+    over them, which is data parallelism. ``precision``: "fp32" | "bf16" | "fp16" or a
+    ``precision.Policy``. ``accumulation=k`` splits each shard's batch into k
+    micro-batches and averages their gradients (DeepSpeed's gradient_accumulation_steps).
+    ``clip``: max global gradient norm (mesh-aware), None for no clipping.
+    """
+    return TrainStep(loss_fn, optimizer, mesh=mesh, param_specs=param_specs,
+                     batch_spec=batch_spec, precision=precision, accumulation=accumulation,
+                     clip=clip, check_finite=check_finite, backend=backend)
+
+
+def _policy(precision: Any):
+    from fsharded.precision import as_policy
+
+    return as_policy(precision)
+
+
+class TrainStep:
+    """The object ``train_step`` returns: ``.init``, call, ``.collectives``, ``.params``."""
+
+    def __init__(self, loss_fn, optimizer, *, mesh, param_specs, batch_spec, precision,
+                 accumulation, clip, check_finite, backend):
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.mesh = mesh if mesh is not None else Mesh({"data": 1})
+        self.param_specs = PartitionSpec() if param_specs is None else param_specs
+        if batch_spec is None:
+            batch_spec = PartitionSpec("data") if "data" in self.mesh.shape else PartitionSpec()
+        self.batch_spec = batch_spec
+        self.policy = _policy(precision)
+        if not isinstance(accumulation, int) or accumulation < 1:
+            raise ValueError(f"train_step: accumulation must be a positive int, got {accumulation!r}")
+        self.accumulation = accumulation
+        if clip is not None and not clip > 0:
+            raise ValueError(f"train_step: clip must be a positive max norm or None, got {clip!r}")
+        self.clip = clip
+        self.check_finite = check_finite
+        self.backend = backend
+        self.batch_axes = _batch_axes(batch_spec, self.mesh)
+        self._scaler = self.policy.loss_scaler()
+        self._compiled: dict = {}
+
+    # -- state -------------------------------------------------------------------------
+
+    @property
+    def distributed(self) -> bool:
+        return _backend(self.mesh, self.backend) == "distributed"
+
+    def init(self, params: Any) -> TrainState:
+        """State for global ``params``: master copies laid out by ``param_specs`` (this
+        rank's shards on the distributed backend), optimizer state, loss scale."""
+        from fsharded.precision import cast_tree
+
+        _tree.broadcast_prefix(self.param_specs, params, what="param_specs")
+        master = cast_tree(optree.tree_map(lambda x: x.detach().clone(), params), self.policy.master_dtype)
+        if self.distributed:
+            master = shard(master, self.param_specs, self.mesh)
+        else:  # validates every leaf against the mesh
+            shard_map(lambda p: p, mesh=self.mesh, in_specs=(self.param_specs,),
+                      out_specs=self.param_specs)._flat_in((master,))
+        opt_state = self.optimizer.init(master)
+        scale = self._scaler.init() if self._scaler is not None else None
+        return TrainState(torch.zeros((), dtype=torch.int64), master, opt_state, scale)
+
+    def params(self, state: TrainState) -> Any:
+        """Full (global) master parameters, on every rank."""
+        if self.distributed:
+            return unshard(state.params, self.param_specs, self.mesh)
+        return state.params
+
+    def state_specs(self, state: TrainState) -> TrainState:
+        """The spec of every leaf of ``state``: optimizer-state subtrees shaped like the
+        parameters take their specs; counters and scalars are replicated."""
+        pspecs = _full_specs(self.param_specs, state.params)
+        return TrainState(
+            PartitionSpec(),
+            pspecs,
+            _like_params(state.opt_state, state.params, pspecs),
+            optree.tree_map(lambda _: PartitionSpec(), state.loss_scale) if state.loss_scale is not None else None,
+        )
+
+    # -- the step ----------------------------------------------------------------------
+
+    def _body(self, state: TrainState, batch: Any, pspecs_flat: list) -> tuple[TrainState, dict]:
+        from fsharded import optim
+        from fsharded.precision import all_finite, cast_tree, tree_where
+
+        policy = self.policy
+        params = state.params
+        scale = state.loss_scale.scale if state.loss_scale is not None else None
+
+        def local_loss(p, micro):
+            loss = self.loss_fn(cast_tree(p, policy.compute_dtype), micro)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise ValueError(
+                    f"train_step: loss_fn must return a scalar tensor, got "
+                    f"{type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}"
+                )
+            loss = loss.float()
+            return (loss * scale if scale is not None else loss), loss
+
+        grad_fn = torch.func.grad_and_value(local_loss, has_aux=True)
+        k = self.accumulation
+        grads, loss = None, None
+        for i in range(k):
+            micro = batch if k == 1 else optree.tree_map(lambda x, i=i: _micro(x, i, k), batch)
+            g, (_, l_i) = grad_fn(params, micro)
+            g = optree.tree_map(lambda t: t.to(policy.reduce_dtype), g)
+            grads = g if grads is None else optree.tree_map(torch.add, grads, g)
+            loss = l_i if loss is None else loss + l_i
+        if k > 1:
+            grads = optree.tree_map(lambda t: t / k, grads)
+            loss = loss / k
+        # Data parallelism: average over the batch axes every gradient not sharded over them.
+        leaves, tdef = optree.tree_flatten(grads)
+        red = []
+        for g, spec in zip(leaves, pspecs_flat):
+            over = tuple(a for a in self.batch_axes if a not in spec.axes and is_bound(a))
+            if over:
+                g = pmean(g, over)
+            sharded = [a for a in self.batch_axes if a in spec.axes and is_bound(a)]
+            if sharded:  # came back reduce-scattered (summed) from an all_gather's transpose
+                g = g / math.prod(self.mesh.shape[a] for a in sharded)
+            red.append(g)
+        grads = optree.tree_unflatten(tdef, red)
+        loss = pmean(loss, self.batch_axes) if self.batch_axes else loss
+        if scale is not None:
+            grads = optree.tree_map(lambda t: t / scale, grads)
+        grads = optree.tree_map(lambda t, p: t.to(p.dtype), grads, params)
+        spec_tree = optree.tree_unflatten(tdef, pspecs_flat)
+        gnorm = optim.global_norm(grads, specs=spec_tree)
+        if state.loss_scale is not None:  # every shard must agree to skip
+            finite = all_finite(grads, axis=tuple(a for a in self.mesh.axis_names if is_bound(a)))
+        if self.clip is not None:
+            factor = torch.clamp(self.clip / (gnorm + 1e-6), max=1.0)
+            grads = optree.tree_map(lambda t: t * factor.to(t.dtype), grads)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
+        new_params = optim.apply_updates(params, updates)
+        # Skipped (overflowed) steps do not advance the schedule, as in DeepSpeed.
+        applied = state.step - state.loss_scale.skipped if state.loss_scale is not None else state.step
+        metrics = {"loss": loss, "grad_norm": gnorm}
+        if optim.get_lr_schedule(self.optimizer) is not None:
+            metrics["lr"] = optim.get_lr(self.optimizer, applied)
+        if state.loss_scale is not None:
+            new_params = tree_where(finite, new_params, params)
+            opt_state = tree_where(finite, opt_state, state.opt_state)
+            new_scale = self._scaler.update(state.loss_scale, finite)
+            metrics.update(loss_scale=state.loss_scale.scale, skipped=new_scale.skipped)
+        else:
+            new_scale = None
+            metrics.update(loss_scale=torch.ones(()), skipped=torch.zeros((), dtype=torch.int64))
+        return TrainState(state.step + 1, new_params, opt_state, new_scale), metrics
+
+    def _shard_mapped(self, state: TrainState):
+        specs = self.state_specs(state)
+        pspecs_flat = optree.tree_leaves(specs.params, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        key = optree.tree_structure(state)
+        if key not in self._compiled:
+            self._compiled[key] = shard_map(
+                lambda s, b: self._body(s, b, pspecs_flat),
+                mesh=self.mesh,
+                in_specs=(specs, self.batch_spec),
+                out_specs=(specs, PartitionSpec()),
+                backend=self.backend,
+            )
+        return self._compiled[key]
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        with torch.no_grad():
+            new_state, metrics = self._shard_mapped(state).local(state, batch)
+        if self.check_finite and state.loss_scale is None and not bool(torch.isfinite(metrics["loss"])):
+            raise FloatingPointError(
+                f"train_step: the loss is {metrics['loss'].item()} at step {int(state.step)}; "
+                f"the state passed in (after {int(state.step)} steps) is unchanged. Lower the "
+                f"learning rate, enable clipping, or use precision='fp16' loss scaling to skip such steps"
+            )
+        return new_state, metrics
+
+    def collectives(self, state: TrainState, batch: Any):
+        """The manifest of one step: every collective in order, with bytes per rank."""
+        sm = self._shard_mapped(state)
+        if self.distributed:
+            specs = self.state_specs(state)
+            state = _globalize(state, specs, self.mesh)
+        return sm.collectives(state, batch)
+
+
+def _micro(x: Any, i: int, k: int) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.shape[0] % k:
+        raise ValueError(
+            f"train_step(accumulation={k}): each shard's batch has {x.shape[0]} rows, not "
+            f"divisible into {k} micro-batches"
+        )
+    m = x.shape[0] // k
+    return x[i * m:(i + 1) * m]
+
+
+def _batch_axes(batch_spec: Any, mesh: Mesh) -> tuple[str, ...]:
+    named = set()
+    for s in optree.tree_leaves(batch_spec, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None,
+                                none_is_leaf=True):
+        if isinstance(s, PartitionSpec):
+            named |= set(s.axes)
+    return tuple(a for a in mesh.axis_names if a in named)
+
+
+def _full_specs(specs: Any, tree: Any) -> Any:
+    flat = _tree.broadcast_prefix(specs, tree, what="param_specs")
+    return optree.tree_unflatten(optree.tree_structure(tree), flat)
+
+
+def _like_params(sub: Any, params: Any, pspecs: Any) -> Any:
+    pdef = optree.tree_structure(params)
+    if optree.tree_structure(sub) == pdef and all(
+        getattr(a, "shape", None) == getattr(b, "shape", None)
+        for a, b in zip(optree.tree_leaves(sub), optree.tree_leaves(params))
+    ):
+        return pspecs
+    try:
+        kids, meta, _, unflatten = optree.tree_flatten_one_level(sub)
+    except ValueError:  # a leaf that is not parameter-shaped: replicated
+        return PartitionSpec()
+    return unflatten(meta, [_like_params(c, params, pspecs) for c in kids])
+
+
+def _globalize(tree: Any, specs: Any, mesh: Mesh) -> Any:
+    """Meta tensors of the global shapes of a tree of local shards."""
+    from fsharded.mesh._shard import _dims
+
+    leaves, tdef = optree.tree_flatten(tree)
+    flat_specs = _tree.broadcast_prefix(specs, tree)
+    out = []
+    for x, s in zip(leaves, flat_specs):
+        if isinstance(x, torch.Tensor):
+            shape = [n * math.prod(mesh.shape[a] for a in ax) for n, ax in zip(x.shape, _dims(s, x.dim()))]
+            out.append(torch.empty(shape, dtype=x.dtype, device="meta"))
+        else:
+            out.append(x)
+    return optree.tree_unflatten(tdef, out)
