@@ -1,5 +1,6 @@
 """The ``fsharded`` command line.
 
+    fsharded train                        # train the bundled GPT (fsharded train --help)
     fsharded bench --list                 # the registered benchmarks
     fsharded bench spmd --quick           # run one; options after the name go to it
     fsharded bench spmd --help
@@ -67,21 +68,25 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run_bench)
 
 
-# -- fsharded train (not yet) ----------------------------------------------------------------
+# -- fsharded train -------------------------------------------------------------------------
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    # Arrives with fs.train_step (DESIGN.md, "The step"): a config dataclass whose fields
-    # map onto flags here, and a loop over fs.models.gpt. Until then say so and fail, so
-    # no script mistakes this for a training run.
-    _err("train: not available yet; it will drive fs.train_step once that exists. Nothing was run.")
-    return 2
+    from fsharded import train
+
+    return train.main(args.args, prog="fsharded train")
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a model (not available yet)")
-    # Any flags are accepted for now, so every invocation gets the same clear answer.
-    p.set_defaults(handler=_run_train, takes_any_args=True)
+    p = sub.add_parser(
+        "train",
+        help="train the bundled GPT (fsharded train --help)",
+        description="Train the bundled GPT with train_step on the virtual mesh, or on real "
+        "ranks under torchrun. Options are those of `python -m fsharded.train`.",
+        add_help=False,
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(handler=_run_train)
 
 
 # -- top level -------------------------------------------------------------------------------
@@ -105,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fsharded`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # every option after `train` belongs to the training job
+        from fsharded import train
+
+        return train.main(argv[1:], prog="fsharded train")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_any_args", False):
