@@ -89,7 +89,8 @@ def make_config(args: argparse.Namespace, world_size: int = 1):
     if args.config:
         base = _layer_file(base, args.config)
     if args.deepspeed_config:
-        ds = C.from_deepspeed(args.deepspeed_config, data_parallel_size=base.mesh.get("data", 1))
+        mesh = parse_mesh(args.mesh) if args.mesh else base.mesh
+        ds = C.from_deepspeed(args.deepspeed_config, data_parallel_size=mesh.get("data", 1))
         base = _layer_deepspeed(base, ds)
     flags: dict[str, Any] = {}
     if args.mesh:
@@ -142,33 +143,34 @@ def _apply(cfg, flat: dict[str, Any]):
 
 
 def _layer_file(base, path: str):
+    """Fields the file sets win over the job defaults; a scheduler it names comes whole."""
+    from pathlib import Path
+
     from fsharded import config as C
 
-    loaded = C.load_config(path)
-    # Fields set in the file win over the job defaults; unset ones keep the defaults.
-    d = _merge(base.to_dict(), _explicit(loaded.to_dict(), C.TrainConfig().to_dict()))
-    d["train_batch_size"] = None if "train_batch_size" not in _explicit(loaded.to_dict(), C.TrainConfig().to_dict()) else d["train_batch_size"]
+    C.load_config(path)  # full validation, with the file's own error messages
+    p = Path(path)
+    raw = C._read_toml(p) if p.suffix.lower() == ".toml" else C._read_json(p)
+    d = _merge(base.to_dict(), raw)
+    if "scheduler" in raw:
+        d["scheduler"] = {"name": raw["scheduler"].get("name", "constant"), "params": raw["scheduler"].get("params", {})}
+    if not {"train_batch_size"} & raw.keys():
+        d["train_batch_size"] = None
     return C.TrainConfig.from_dict(d)
+
+
+# What a DeepSpeed config decides; the model, mesh, data and run length stay ours.
+_DS_SECTIONS = ("optimizer", "scheduler", "precision", "loss_scale", "reduce_dtype", "grad_clip",
+                "zero_stage", "micro_batch_size", "grad_accum_steps", "train_batch_size")
 
 
 def _layer_deepspeed(base, ds):
     from fsharded import config as C
 
-    d = _merge(base.to_dict(), _explicit(ds.to_dict(), C.TrainConfig().to_dict()))
+    d, dd = base.to_dict(), ds.to_dict()
+    for k in _DS_SECTIONS:
+        d[k] = dd[k]
     return C.TrainConfig.from_dict(d)
-
-
-def _explicit(d: dict, default: dict) -> dict:
-    """The entries of ``d`` that differ from ``default`` (recursively)."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and isinstance(default.get(k), dict):
-            sub = _explicit(v, default[k])
-            if sub or (not v and default.get(k)):
-                out[k] = sub if sub else v
-        elif default.get(k, object()) != v:
-            out[k] = v
-    return out
 
 
 def _schedule_defaults(name: str, steps: int) -> dict:
@@ -268,6 +270,11 @@ def run(cfg, *, progress: str = "auto") -> dict:
 
     dist_on = fs.distributed.is_initialized()
     main_rank = fs.distributed.rank() == 0
+    if cfg.zero_stage:
+        raise NotImplementedError(
+            f"zero_stage={cfg.zero_stage}: ZeRO placements are not implemented yet; train with "
+            f"zero_stage=0 (plain data parallelism) for now"
+        )
     mesh = fs.Mesh(cfg.mesh)
     mcfg = build_model_config(cfg)
     params = gpt.init(mcfg, cfg.seed)
@@ -360,13 +367,17 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded train") -> 
         fs.distributed.initialize()
     try:
         cfg = make_config(args, world_size=fs.distributed.world_size())
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"fsharded train: {e}", file=sys.stderr)
         return 2
     torch.manual_seed(cfg.seed)
     with warnings.catch_warnings():
         warnings.simplefilter("default")
-        run(cfg, progress=args.progress)
+        try:
+            run(cfg, progress=args.progress)
+        except (ValueError, NotImplementedError, FloatingPointError) as e:
+            print(f"fsharded train: {e}", file=sys.stderr)
+            return 1
     return 0
 
 
