@@ -1,0 +1,348 @@
+"""Reading DeepSpeed JSON configs into a ``TrainConfig`` (``fsharded.config.from_deepspeed``).
+
+DeepSpeed's own rules apply: any two of ``train_batch_size`` /
+``train_micro_batch_size_per_gpu`` / ``gradient_accumulation_steps`` give the third;
+``"Adam"`` means AdamW unless ``adam_w_mode`` is false; ``loss_scale: 0`` means dynamic loss
+scaling. Keys fsharded does not use are named in one ``ConfigWarning``.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fsharded.config import (
+    _DTYPES,
+    _NONNEG,
+    _OPTIMIZER_EXTRAS,
+    _POS,
+    _REQUIRED_PARAMS,
+    _SCHEDULER_BY_LOWER,
+    OPTIMIZERS,
+    SCHEDULERS,
+    ConfigWarning,
+    LossScaleConfig,
+    OptimizerConfig,
+    TrainConfig,
+    _Check,
+    _coerce,
+    _int_ge,
+    _no_duplicates,
+    _read_json,
+    _resolve_batch,
+    _type_name,
+)
+
+__all__ = ["from_deepspeed"]
+
+_DS_BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_DS_QUIET = {
+    "wall_clock_breakdown", "memory_breakdown", "dump_state", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "fp16.auto_cast", "bf16.immediate_grad_update",
+    "optimizer.params.torch_adam",
+    *(f"zero_optimization.{k}" for k in (
+        "allgather_partitions", "allgather_bucket_size", "reduce_scatter", "reduce_bucket_size",
+        "overlap_comm", "contiguous_gradients", "round_robin_gradients", "sub_group_size",
+        "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+        "stage3_max_live_parameters", "stage3_max_reuse_distance", "elastic_checkpoint",
+        "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+        "ignore_unused_parameters", "load_from_fp32_weights")),
+}
+"""Performance knobs and timing switches with no numerical effect: read without a warning
+(fsharded schedules its own communication)."""
+
+# Defaults of the optimizers DeepSpeed builds for each type (FusedAdam, FusedLamb, FusedLion,
+# torch.optim.Adagrad / SGD), so an omitted key means what it meant under DeepSpeed.
+_DS_OPT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8},
+    "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8},
+    "lamb": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8},
+    "lion": {"lr": 1e-3, "betas": (0.9, 0.999)},
+    "adagrad": {"lr": 1e-2, "eps": 1e-10},
+    "sgd": {"lr": 1e-3, "momentum": 0.0, "nesterov": False},
+}
+
+
+class _Reader:
+    """Reads dotted paths from a DeepSpeed dict, recording which keys were used, type
+    errors (with the path) and ``"auto"`` placeholders."""
+
+    def __init__(self, d: dict) -> None:
+        self.d, self.used = d, set()
+        self.errors: list[str] = []
+        self.auto: list[str] = []
+        self.notes: list[str] = []
+        for path in _DS_QUIET:
+            if self.has(path):
+                self.used.add(path)
+
+    def _node(self, path: str) -> tuple[Any, str]:
+        *head, last = path.split(".")
+        node: Any = self.d
+        for p in head:
+            node = node.get(p) if isinstance(node, Mapping) else None
+        return node, last
+
+    def has(self, path: str) -> bool:
+        node, last = self._node(path)
+        return isinstance(node, Mapping) and last in node
+
+    def get(self, path: str, tp: Any, default: Any = None, check: _Check | None = None) -> Any:
+        if not self.has(path):
+            return default
+        node, last = self._node(path)
+        v = node[last]
+        self.used.add(path)
+        if isinstance(v, str) and v == "auto":
+            self.auto.append(path)
+            return default
+        ok, cv = _coerce(v, tp)
+        if not ok:
+            self.errors.append(f"  {path}: expected {_type_name(tp)}, got {v!r} ({type(v).__name__})")
+            return default
+        if check is not None and not check[0](cv):
+            self.errors.append(f"  {path}: expected {check[1]}, got {cv!r}")
+            return default
+        return cv
+
+    def default_only(self, path: str, default: Any) -> None:
+        """A setting fsharded only has at its default: listed as ignored otherwise."""
+        if self.get(path, type(default), default) != default:
+            self.used.discard(path)
+
+    def unused(self) -> list[str]:
+        def walk(node: Mapping, prefix: str) -> tuple[list[str], bool]:
+            out, any_used = [], False
+            for k, v in node.items():
+                path = f"{prefix}{k}"
+                if isinstance(v, Mapping):
+                    if not v:
+                        continue  # an empty block sets nothing
+                    sub, sub_used = walk(v, path + ".")
+                    any_used |= sub_used
+                    # a block nothing was read from is named once, not leaf by leaf
+                    out += sub if sub_used else [path]
+                elif path in self.used:
+                    any_used = True
+                else:
+                    out.append(f"{path} = {v!r}")
+            return out, any_used
+
+        return walk(self.d, "")[0]
+
+
+def _load_deepspeed(ds_config: Mapping | str | Path) -> dict:
+    if isinstance(ds_config, Mapping):
+        return dict(ds_config)
+    if isinstance(ds_config, str) and ds_config.lstrip().startswith("{"):
+        return json.loads(ds_config, object_pairs_hook=_no_duplicates)
+    if isinstance(ds_config, str | Path):
+        path = Path(ds_config)
+        if not path.exists():
+            raise FileNotFoundError(f"DeepSpeed config {path} does not exist")
+        try:
+            return _read_json(path)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"DeepSpeed config {path} is not valid JSON ({e}); DeepSpeed also reads hjson "
+                "(comments, trailing commas), fsharded reads strict JSON"
+            ) from None
+    raise TypeError(f"ds_config: expected a dict, a JSON string or a path, got {ds_config!r}")
+
+
+def from_deepspeed(
+    ds_config: Mapping | str | Path, *, data_parallel_size: int | None = None, **overrides: Any
+) -> TrainConfig:
+    """A ``TrainConfig`` from a DeepSpeed config (dict, JSON text or path to a JSON file).
+
+    Read: the batch triple, ``fp16`` (``enabled``, ``loss_scale`` with 0 = dynamic,
+    ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``, ``min_loss_scale``,
+    ``consecutive_hysteresis``), ``bf16``, ``communication_data_type``, ``optimizer``
+    (``Adam`` is AdamW unless ``params.adam_w_mode`` is false, as in DeepSpeed; omitted
+    hyperparameters take the defaults of the optimizer DeepSpeed would build),
+    ``scheduler``, ``gradient_clipping``, ``zero_optimization.stage``, ``steps_per_print``
+    and ``seed``. Keys with the wrong type are a ``ValueError`` listing each path; keys
+    fsharded does not use are named in a ``ConfigWarning``; ``"auto"`` (Hugging Face
+    Trainer placeholders) counts as unset, with a warning.
+
+    The data-parallel size is ``data_parallel_size``, else ``mesh['data']`` from
+    ``overrides``, else — when all three batch sizes are given — the one they imply,
+    else 1. ``overrides`` are ``TrainConfig`` fields (``steps``, ``seq_len``, ``model``,
+    ``mesh``...) applied last.
+
+    >>> cfg = from_deepspeed({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+    ...                       "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+    ...                       "fp16": {"enabled": True}, "zero_optimization": {"stage": 2}},
+    ...                      data_parallel_size=2)
+    >>> cfg.grad_accum_steps, cfg.precision, cfg.zero_stage, cfg.mesh, cfg.optimizer.name
+    (4, 'fp16', 2, {'data': 2}, 'adamw')
+    """
+    ds = _load_deepspeed(ds_config)
+    r = _Reader(ds)
+    kw: dict[str, Any] = {}
+    train, micro, accum = (r.get(k, int, None, _int_ge(1)) for k in _DS_BATCH)
+    mesh = dict(overrides.pop("mesh", None) or {})
+    dp = _ds_data_parallel(r, train, micro, accum, data_parallel_size, mesh)
+    kw["mesh"] = {"data": dp, **{k: v for k, v in mesh.items() if k != "data"}}
+    _ds_precision(r, kw)
+    _ds_optimizer(r, kw)
+    _ds_scheduler(r, kw)
+    kw["grad_clip"] = r.get("gradient_clipping", float, 0.0, _NONNEG)
+    zero = r.get("zero_optimization", dict | bool, {})
+    if isinstance(zero, bool):  # DeepSpeed's deprecated form: true means stage 1
+        kw["zero_stage"] = int(zero)
+    else:
+        kw["zero_stage"] = r.get("zero_optimization.stage", int, 0,
+                                 ((lambda v: 0 <= v <= 3), "an int in 0..3"))
+    kw["log_every"] = r.get("steps_per_print", int, 10, _int_ge(1))
+    if r.has("seed"):
+        kw["seed"] = r.get("seed", int, 0)
+
+    if not r.errors:
+        try:
+            kw["train_batch_size"], kw["micro_batch_size"], kw["grad_accum_steps"] = _resolve_batch(
+                train, micro, accum, dp, names=(*_DS_BATCH, "data parallel size"), default_micro=None
+            )
+        except ValueError as e:
+            r.errors.append(f"  {', '.join(_DS_BATCH)}: {e}")
+    if r.errors:
+        raise ValueError("invalid DeepSpeed config:\n" + "\n".join(r.errors))
+    if r.auto:
+        r.notes.append("\"auto\" values (Hugging Face Trainer placeholders) treated as unset: "
+                       + ", ".join(r.auto))
+    unused = r.unused()
+    if unused:
+        r.notes.append("keys fsharded does not use (ignored):\n    " + "\n    ".join(unused))
+    if r.notes:
+        warnings.warn("DeepSpeed config:\n  " + "\n  ".join(r.notes), ConfigWarning, stacklevel=2)
+    cfg = TrainConfig(**kw)
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def _ds_data_parallel(r: _Reader, train: int | None, micro: int | None, accum: int | None,
+                      data_parallel_size: int | None, mesh: dict) -> int:
+    if data_parallel_size is not None:
+        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) \
+                or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size: expected an int >= 1, got {data_parallel_size!r}")
+        if mesh.get("data", data_parallel_size) != data_parallel_size:
+            raise ValueError(
+                f"data_parallel_size {data_parallel_size} != mesh['data'] {mesh['data']}"
+            )
+        return data_parallel_size
+    if "data" in mesh:
+        return mesh["data"]
+    if None not in (train, micro, accum):
+        if train % (micro * accum):
+            r.errors.append(
+                f"  {', '.join(_DS_BATCH)}: train_batch_size {train} is not a multiple of "
+                f"train_micro_batch_size_per_gpu {micro} * gradient_accumulation_steps {accum} "
+                f"= {micro * accum}, so no data parallel size fits"
+            )
+        return max(1, train // (micro * accum))
+    return 1
+
+
+def _ds_precision(r: _Reader, kw: dict) -> None:
+    ds = r.d
+    bf16 = "bf16" if "bf16" in ds or "bfloat16" not in ds else "bfloat16"
+    r.get("fp16", dict)
+    r.get(bf16, dict)
+    fp16_on = r.get("fp16.enabled", bool, False)
+    bf16_on = r.get(f"{bf16}.enabled", bool, False)
+    if fp16_on and bf16_on:
+        r.errors.append(f"  fp16.enabled, {bf16}.enabled: fp16 and bf16 cannot both be enabled")
+    kw["precision"] = "fp16" if fp16_on else "bf16" if bf16_on else "fp32"
+    ls = LossScaleConfig()
+    kw["loss_scale"] = LossScaleConfig(
+        loss_scale=r.get("fp16.loss_scale", float, ls.loss_scale, _NONNEG),
+        initial_scale_power=r.get("fp16.initial_scale_power", int, ls.initial_scale_power,
+                                  ((lambda v: -126 <= v <= 127), "an int in [-126, 127]")),
+        loss_scale_window=r.get("fp16.loss_scale_window", int, ls.loss_scale_window, _int_ge(1)),
+        hysteresis=r.get("fp16.hysteresis", int, ls.hysteresis, _int_ge(1)),
+        min_loss_scale=r.get("fp16.min_loss_scale", float, ls.min_loss_scale, _POS),
+        consecutive_hysteresis=r.get("fp16.consecutive_hysteresis", bool, False),
+    )
+    r.default_only("fp16.fp16_master_weights_and_grads", False)
+    for k in ("check_grad_overflow", "bf16_master_weights_and_grads", "bf16_optimizer_states"):
+        r.default_only(f"{bf16}.{k}", False)
+    comm = r.get("communication_data_type", str, None,
+                 ((lambda v: v.lower() in _DTYPES), "one of fp32, bf16, fp16"))
+    kw["reduce_dtype"] = comm.lower() if comm else None
+
+
+def _ds_optimizer(r: _Reader, kw: dict) -> None:
+    if r.has("optimizer") and r.get("optimizer", dict) is not None:
+        typ = r.get("optimizer.type", str)
+        name = typ.lower() if typ else None
+        if typ is None and not r.auto:
+            r.errors.append("  optimizer.type: required (e.g. \"AdamW\")")
+        elif name == "adam":
+            name = "adamw" if r.get("optimizer.params.adam_w_mode", bool, True) else "adam"
+        elif name == "adamw":
+            r.get("optimizer.params.adam_w_mode", bool, True)  # AdamW stays AdamW either way
+        elif name is not None and name not in OPTIMIZERS:
+            r.errors.append(
+                f"  optimizer.type: {typ!r} is not supported; expected one of Adam, AdamW, SGD, "
+                "Lion, Adagrad, Lamb"
+            )
+        if r.has("optimizer.params.max_grad_norm"):
+            r.errors.append(
+                "  optimizer.params.max_grad_norm: not an optimizer parameter (DeepSpeed rejects "
+                "it too); use the top-level \"gradient_clipping\""
+            )
+        if name in _DS_OPT_DEFAULTS:
+            dflt, p = _DS_OPT_DEFAULTS[name], "optimizer.params."
+            opt: dict[str, Any] = {"name": name, "lr": r.get(p + "lr", float, dflt["lr"], _NONNEG),
+                                   "weight_decay": r.get(p + "weight_decay", float, 0.0, _NONNEG)}
+            if "betas" in dflt:
+                opt["betas"] = r.get(p + "betas", tuple[float, float], dflt["betas"])
+            if "eps" in dflt:
+                opt["eps"] = r.get(p + "eps", float, dflt["eps"], _POS)
+            if name == "sgd":
+                opt["momentum"] = r.get(p + "momentum", float, 0.0, _NONNEG)
+                opt["nesterov"] = r.get(p + "nesterov", bool, False)
+            opt["extra"] = {k: r.get(p + k, tp) for k, tp in _OPTIMIZER_EXTRAS.get(name, {}).items()
+                            if r.has(p + k)}
+            # Settings fsharded's optimizers only have at DeepSpeed's defaults.
+            for k, v in (("bias_correction", True), ("amsgrad", False), ("max_coeff", 10.0),
+                         ("min_coeff", 0.01)):
+                r.default_only(p + k, v)
+            kw["optimizer"] = opt
+    else:
+        r.notes.append(
+            "no \"optimizer\" block (DeepSpeed would use the optimizer passed in code): using "
+            f"{OptimizerConfig()!r}"
+        )
+
+
+def _ds_scheduler(r: _Reader, kw: dict) -> None:
+    if r.has("scheduler") and r.get("scheduler", dict) is not None:
+        typ = r.get("scheduler.type", str)
+        name = _SCHEDULER_BY_LOWER.get(typ.lower()) if typ else None
+        if name in (None, "constant", "linear"):
+            ds_names = [k for k in SCHEDULERS if k not in ("constant", "linear")]
+            r.errors.append(f"  scheduler.type: expected one of {', '.join(ds_names)}, got {typ!r}")
+        else:
+            r.get("scheduler.params", dict)
+            params = {k: r.get(f"scheduler.params.{k}", tp) for k, tp in SCHEDULERS[name].items()
+                      if r.has(f"scheduler.params.{k}")}
+            for k in _REQUIRED_PARAMS.get(name, ()):
+                if k not in params:
+                    r.errors.append(f"  scheduler.params.{k}: required by {name}")
+            if name == "WarmupLR" and "warmup_max_lr" not in params:
+                # DeepSpeed 0.19's WarmupLR warms up to the optimizer's lr by default
+                params["warmup_max_lr"] = kw.get("optimizer", {}).get("lr", OptimizerConfig.lr)
+            r.default_only("scheduler.params.last_batch_iteration", -1)
+            opt_name = kw.get("optimizer", {}).get("name", OptimizerConfig.name)
+            if name == "OneCycle" and opt_name != "sgd" and opt_name != "adagrad" \
+                    and r.get("scheduler.params.cycle_momentum", bool, True):
+                r.notes.append(
+                    "OneCycle: DeepSpeed also cycles beta1 between cycle_min_mom and "
+                    "cycle_max_mom (cycle_momentum defaults to true); fsharded schedules only "
+                    "the learning rate"
+                )
+            kw["scheduler"] = {"name": name, "params": params}
