@@ -66,6 +66,7 @@ class ShardMapped:
         self.f, self.mesh = f, mesh
         self.in_specs, self.out_specs = in_specs, out_specs
         self.check_rep, self.backend, self.randomness = check_rep, backend, randomness
+        self._cache: dict = {}
         functools.update_wrapper(self, f)
 
     def __repr__(self) -> str:
@@ -74,6 +75,11 @@ class ShardMapped:
     # -- argument handling ----------------------------------------------------------------
 
     def _flat_in(self, args: tuple, *, local: bool = False) -> tuple[list, list, Any, list[str]]:
+        leaves, treedef = optree.tree_flatten(args)
+        key = ("in", local, treedef, _signature(leaves))
+        hit = self._cache.get(key)
+        if hit is not None:
+            return leaves, hit[0], treedef, hit[1]
         specs = self.in_specs
         if isinstance(specs, PartitionSpec) or specs is None:
             specs = (specs,) * len(args) if len(args) == 1 else specs
@@ -84,24 +90,36 @@ class ShardMapped:
                 f"shard_map: in_specs must be a tuple with one entry per positional argument "
                 f"({len(args)} given), got {self.in_specs!r}"
             )
-        paths, leaves, treedef = _tree.tree_flatten_with_paths(args)
-        paths = [_argpath(p) for p in paths]
+        paths = [_argpath(p) for p in _tree.tree_flatten_with_paths(args)[0]]
         flat_specs = _tree.broadcast_prefix(specs, args, what="in_specs", name=_argpath)
         if local:  # shard shapes: only the axes and ranks can be checked
             check_tree_local(leaves, flat_specs, paths, self.mesh, "shard_map in_specs")
         else:
             check_tree(leaves, flat_specs, paths, self.mesh, "shard_map in_specs")
+        self._remember(key, (flat_specs, paths))
         return leaves, flat_specs, treedef, paths
 
     def _flat_out(self, out: Any) -> tuple[list, list, Any, list[str]]:
-        paths, leaves, treedef = _tree.tree_flatten_with_paths(out)
-        paths = [_outpath(p) for p in paths]
+        leaves, treedef = optree.tree_flatten(out)
+        key = ("out", treedef, _signature(leaves))
+        hit = self._cache.get(key)
+        if hit is not None:
+            return leaves, hit[0], treedef, hit[1]
+        paths = [_outpath(p) for p in _tree.tree_flatten_with_paths(out)[0]]
         flat_specs = _tree.broadcast_prefix(self.out_specs, out, what="out_specs", name=_outpath)
         bad = [p for p, x in zip(paths, leaves) if not isinstance(x, torch.Tensor)]
         if bad:
             raise ValueError(f"shard_map: outputs must be tensors; not tensors at {bad}")
         check_tree_local(leaves, flat_specs, paths, self.mesh, "shard_map out_specs")
+        self._remember(key, (flat_specs, paths))
         return leaves, flat_specs, treedef, paths
+
+    def _remember(self, key: Any, value: Any) -> None:
+        # Checked layouts are memoised per tree structure and shapes: the checks walk every
+        # leaf, which costs milliseconds per call on a model-sized tree.
+        if len(self._cache) > 64:
+            self._cache.clear()
+        self._cache[key] = value
 
     # -- call -----------------------------------------------------------------------------
 
@@ -166,11 +184,14 @@ class ShardMapped:
                 res, flags = [], []
                 for y, s in zip(o_leaves, o_specs):
                     named = set(s.axes)
+                    # A plain tensor is batched at no level: replicated everywhere already.
+                    varying = torch._C._functorch.is_batchedtensor(y)
                     for a in names:
                         if a not in named:
                             if self.check_rep and check:
                                 flags.append(_differs(y, frame, a))
-                            y = _take_replica(y, frame, a)
+                            if varying:
+                                y = _take_replica(y, frame, a)
                     res.append(y)
             out_info.update(o_def=o_def, o_specs=o_specs, o_paths=o_paths)
             return res, flags
@@ -206,6 +227,12 @@ class ShardMapped:
             out = self.f(*args)
             self._flat_out(out)
         return out
+
+
+def _signature(leaves: list) -> tuple:
+    return tuple(
+        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in leaves
+    )
 
 
 def _argpath(p: str) -> str:

@@ -13,6 +13,7 @@ optimizer -> the new state. State is data (a ``TrainState``), nothing is mutated
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -158,7 +159,10 @@ class TrainStep:
             loss = loss.float()
             return (loss * scale if scale is not None else loss), loss
 
-        grad_fn = torch.func.grad_and_value(local_loss, has_aux=True)
+        if torch._C._are_functorch_transforms_active():  # the virtual mesh's vmap levels
+            grad_fn = torch.func.grad_and_value(local_loss, has_aux=True)
+        else:  # one device or a real rank: plain autograd skips functorch's wrapping (~8%)
+            grad_fn = functools.partial(_autograd_grad_and_value, local_loss)
         k = self.accumulation
         grads, loss = None, None
         for i in range(k):
@@ -174,7 +178,8 @@ class TrainStep:
         leaves, tdef = optree.tree_flatten(grads)
         red = []
         for g, spec in zip(leaves, pspecs_flat):
-            over = tuple(a for a in self.batch_axes if a not in spec.axes and is_bound(a))
+            over = tuple(a for a in self.batch_axes
+                         if a not in spec.axes and is_bound(a) and self.mesh.shape[a] > 1)
             if over:
                 g = pmean(g, over)
             sharded = [a for a in self.batch_axes if a in spec.axes and is_bound(a)]
@@ -186,13 +191,16 @@ class TrainStep:
         if scale is not None:
             grads = optree.tree_map(lambda t: t / scale, grads)
         grads = optree.tree_map(lambda t, p: t.to(p.dtype), grads, params)
-        spec_tree = optree.tree_unflatten(tdef, pspecs_flat)
-        gnorm = optim.global_norm(grads, specs=spec_tree)
+        gnorm = optim.global_norm(grads, flat_specs=pspecs_flat)
         if state.loss_scale is not None:  # every shard must agree to skip
             finite = all_finite(grads, axis=tuple(a for a in self.mesh.axis_names if is_bound(a)))
         if self.clip is not None:
             factor = torch.clamp(self.clip / (gnorm + 1e-6), max=1.0)
-            grads = optree.tree_map(lambda t: t * factor.to(t.dtype), grads)
+            if torch._C._are_functorch_transforms_active():
+                grads = optree.tree_map(lambda t: t * factor.to(t.dtype), grads)
+            else:
+                g_leaves, g_def = optree.tree_flatten(grads)
+                grads = optree.tree_unflatten(g_def, torch._foreach_mul(g_leaves, factor))
         updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
         new_params = optim.apply_updates(params, updates)
         # Skipped (overflowed) steps do not advance the schedule, as in DeepSpeed.
@@ -211,10 +219,10 @@ class TrainStep:
         return TrainState(state.step + 1, new_params, opt_state, new_scale), metrics
 
     def _shard_mapped(self, state: TrainState):
-        specs = self.state_specs(state)
-        pspecs_flat = optree.tree_leaves(specs.params, is_leaf=lambda x: isinstance(x, PartitionSpec))
         key = optree.tree_structure(state)
         if key not in self._compiled:
+            specs = self.state_specs(state)
+            pspecs_flat = optree.tree_leaves(specs.params, is_leaf=lambda x: isinstance(x, PartitionSpec))
             self._compiled[key] = shard_map(
                 lambda s, b: self._body(s, b, pspecs_flat),
                 mesh=self.mesh,
@@ -242,6 +250,17 @@ class TrainStep:
             specs = self.state_specs(state)
             state = _globalize(state, specs, self.mesh)
         return sm.collectives(state, batch)
+
+
+def _autograd_grad_and_value(f, p, batch):
+    """``torch.func.grad_and_value(f, has_aux=True)(p, batch)`` with torch.autograd."""
+    leaves, tdef = optree.tree_flatten(p)
+    with torch.enable_grad():
+        req = [x.detach().requires_grad_() for x in leaves]
+        out, aux = f(optree.tree_unflatten(tdef, req), batch)
+        grads = torch.autograd.grad(out, req, allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
+    return optree.tree_unflatten(tdef, grads), optree.tree_map(torch.Tensor.detach, (out, aux))
 
 
 def _micro(x: Any, i: int, k: int) -> Any:

@@ -66,6 +66,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             "shard_map on the virtual mesh vs plain torch; collectives on 2 gloo ranks vs "
             "torch.distributed",
         ),
+        Benchmark(
+            "train",
+            "fsharded.bench.train",
+            "train_step vs the eager PyTorch loop on the GPT; tokens/s of the default "
+            "`fsharded train` job",
+        ),
     )
 }
 

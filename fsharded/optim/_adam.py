@@ -51,6 +51,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
     def update(updates, state, params=None):
         count = state.count + 1
+        if not torch._C._are_functorch_transforms_active() and count.device.type != "meta":
+            return _adam_foreach(updates, state, count, b1, b2, eps)
         mu = optree.tree_map(lambda g, m: torch.lerp(m, g.to(m.dtype), 1.0 - b1), updates, state.mu)
         nu = optree.tree_map(
             lambda g, v: b2 * v + (1.0 - b2) * torch.square(g.to(v.dtype)), updates, state.nu
@@ -64,6 +66,28 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         return optree.tree_map(direction, mu, nu), ScaleByAdamState(count, mu, nu)
 
     return GradientTransformation(init, update)
+
+
+def _adam_foreach(updates, state, count, b1, b2, eps):
+    """The same arithmetic with multi-tensor (foreach) kernels: a handful of launches for
+    all leaves instead of several per leaf. Only outside torch.func transforms, where the
+    step count can be read as a Python number; every op is out of place on its inputs."""
+    g, tdef = optree.tree_flatten(updates)
+    m, v = optree.tree_leaves(state.mu), optree.tree_leaves(state.nu)
+    if not g:
+        return updates, ScaleByAdamState(count, state.mu, state.nu)
+    g = [x.to(y.dtype) for x, y in zip(g, m)]
+    bc1, bc2 = (float(c) for c in bias_corrections(count, b1, b2))
+    mu = torch._foreach_lerp(m, g, 1.0 - b1)
+    nu = torch._foreach_mul(v, b2)
+    torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
+    denom = torch._foreach_sqrt(nu)
+    torch._foreach_div_(denom, bc2**0.5)
+    torch._foreach_add_(denom, eps)
+    direction = torch._foreach_div(mu, bc1)
+    torch._foreach_div_(direction, denom)
+    unflat = lambda xs: optree.tree_unflatten(tdef, xs)  # noqa: E731
+    return unflat(direction), ScaleByAdamState(count, unflat(mu), unflat(nu))
 
 
 def _check_betas(who: str, *betas: float) -> None:

@@ -9,8 +9,6 @@ over an axis is not counted once per replica. Axes the current ``shard_map`` doe
 
 from __future__ import annotations
 
-import functools
-import operator
 from typing import Any, NamedTuple
 
 import optree
@@ -45,16 +43,37 @@ def leaf_sq_norms(tree: Any, specs: Any = None) -> list[torch.Tensor]:
     return out
 
 
-def global_norm(tree: Any, specs: Any = None) -> torch.Tensor:
+def global_norm(tree: Any, specs: Any = None, *, flat_specs: list | None = None) -> torch.Tensor:
     """The L2 norm of all leaves of ``tree`` together, mesh-aware (see the module doc).
+
+    Leaves sharded over the same axes are summed locally first, so one ``psum`` per
+    distinct set of axes runs, not one per leaf. ``flat_specs``: the specs already
+    expanded to one per leaf (skips matching the spec tree on every call).
 
     >>> float(global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}))
     5.0
     """
-    sq = leaf_sq_norms(tree, specs)
-    if not sq:
+    leaves = optree.tree_leaves(tree)
+    if not leaves:
         return torch.zeros((), dtype=torch.float32)
-    return torch.sqrt(functools.reduce(operator.add, sq))
+    if flat_specs is None:
+        flat_specs = [None] * len(leaves) if specs is None else broadcast_prefix(specs, tree, what="specs")
+    if not torch._C._are_functorch_transforms_active() and all(
+        x.dtype in (torch.float32, torch.float64) and x.device.type != "meta" for x in leaves
+    ):
+        sq = [n * n for n in torch._foreach_norm(leaves)]  # one multi-tensor kernel
+    else:
+        sq = [(y * y).sum() for y in (x.to(_acc_dtype(x)) for x in leaves)]
+    groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
+    for q, spec in zip(sq, flat_specs):
+        axes = tuple(a for a in (spec.axes if spec is not None else ()) if collectives.is_bound(a))
+        groups.setdefault(axes, []).append(q)
+    total = None
+    for axes, qs in groups.items():
+        part = torch.stack(qs).sum() if len(qs) > 1 else qs[0]
+        part = collectives.psum(part, axes) if axes else part
+        total = part if total is None else total + part
+    return torch.sqrt(total)
 
 
 class ClipByGlobalNormState(NamedTuple):
