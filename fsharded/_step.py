@@ -96,6 +96,8 @@ class TrainStep:
         self.clip = clip
         self.check_finite = check_finite
         self.backend = backend
+        # Elements per gradient all-reduce bucket (DeepSpeed's reduce_bucket_size default).
+        self.bucket_elems = 500_000_000
         self.batch_axes = _batch_axes(batch_spec, self.mesh)
         self._scaler = self.policy.loss_scaler()
         self._compiled: dict = {}
@@ -174,18 +176,24 @@ class TrainStep:
         if k > 1:
             grads = optree.tree_map(lambda t: t / k, grads)
             loss = loss / k
-        # Data parallelism: average over the batch axes every gradient not sharded over them.
+        # Data parallelism: average over the batch axes every gradient not sharded over them,
+        # in a few flat buckets (DeepSpeed's reduce buckets) rather than one call per leaf.
         leaves, tdef = optree.tree_flatten(grads)
-        red = []
-        for g, spec in zip(leaves, pspecs_flat):
+        red = list(leaves)
+        groups: dict[tuple, list[int]] = {}
+        for i, (g, spec) in enumerate(zip(leaves, pspecs_flat)):
             over = tuple(a for a in self.batch_axes
                          if a not in spec.axes and is_bound(a) and self.mesh.shape[a] > 1)
             if over:
-                g = pmean(g, over)
+                groups.setdefault((over, g.dtype), []).append(i)
             sharded = [a for a in self.batch_axes if a in spec.axes and is_bound(a)]
             if sharded:  # came back reduce-scattered (summed) from an all_gather's transpose
-                g = g / math.prod(self.mesh.shape[a] for a in sharded)
-            red.append(g)
+                red[i] = g / math.prod(self.mesh.shape[a] for a in sharded)
+        for (over, _), idx in groups.items():
+            for bucket in _buckets(idx, [leaves[i].numel() for i in idx], self.bucket_elems):
+                flat = pmean(torch.cat([leaves[i].reshape(-1) for i in bucket]), over)
+                for i, piece in zip(bucket, flat.split([leaves[i].numel() for i in bucket])):
+                    red[i] = piece.view(leaves[i].shape)
         grads = optree.tree_unflatten(tdef, red)
         loss = pmean(loss, self.batch_axes) if self.batch_axes else loss
         if scale is not None:
@@ -250,6 +258,22 @@ class TrainStep:
             specs = self.state_specs(state)
             state = _globalize(state, specs, self.mesh)
         return sm.collectives(state, batch)
+
+
+def _buckets(idx: list[int], sizes: list[int], cap: int) -> list[list[int]]:
+    """Consecutive groups of leaves of at most ``cap`` elements (a larger leaf goes alone)."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    n = 0
+    for i, k in zip(idx, sizes):
+        if cur and n + k > cap:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(i)
+        n += k
+    if cur:
+        out.append(cur)
+    return out
 
 
 def _autograd_grad_and_value(f, p, batch):
