@@ -18,3 +18,13 @@ def test_readme_example_runs_and_matches_its_printed_manifest():
     with contextlib.redirect_stdout(buf):
         exec(compile(code, "README.md", "exec"), {})
     assert buf.getvalue().strip() == shown.strip()
+
+
+def test_readme_training_example_runs():
+    text = README.read_text()
+    code = re.search(r"## Training.*?```python\n(.*?)```", text, re.S).group(1)
+    assert "range(1000)" in code
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        exec(compile(code.replace("range(1000)", "range(2)"), "README.md", "exec"), {})
+    assert "total over data" in buf.getvalue() and "total over tensor" in buf.getvalue()

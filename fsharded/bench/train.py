@@ -15,6 +15,7 @@ reports its tokens/s next to the eager loop's at the same batch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections.abc import Sequence
@@ -106,13 +107,13 @@ def step_section(cfg: gpt.GPTConfig, batch: int, meshes: Sequence[dict], *, roun
 
 def job_section(steps: int, *, quick: bool) -> Section:
     """The default `fsharded train` job, and the eager loop on the same model and batch."""
-    from fsharded import config as C
     from fsharded import train
 
     args = train.build_parser().parse_args(
         ["--steps", str(steps), "--progress", "off"] + (["--preset", "tiny", "--set", "model.vocab_size=256"] if quick else []))
     cfg = train.make_config(args)
-    summary = train.run(cfg, progress="off")
+    with contextlib.redirect_stdout(sys.stderr):  # the job's log lines are not the report
+        summary = train.run(cfg, progress="off")
     mcfg = train.build_model_config(cfg)
     global_batch = cfg.micro_batch_size * cfg.data_parallel_size
     params = gpt.init(mcfg, cfg.seed)
@@ -127,7 +128,6 @@ def job_section(steps: int, *, quick: bool) -> Section:
     eager_step = (time.perf_counter() - t0) / n
     tok = global_batch * mcfg.seq_len
     ours_step = tok / summary["tokens_per_s"]
-    del C
     return Section(
         title="the default `fsharded train` job",
         peer="eager PyTorch loop (AdamW foreach) on the same model and global batch, one process",

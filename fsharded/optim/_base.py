@@ -143,7 +143,24 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     Updates may come out in a wider dtype (an fp32 update for a bf16 parameter); the sum
     is cast back so the parameter tree's dtypes never drift.
     """
+    if _foreach_ok(params):
+        p, tdef = optree.tree_flatten(params)
+        u = optree.tree_leaves(updates)
+        if all(x.dtype == y.dtype for x, y in zip(p, u)):
+            return optree.tree_unflatten(tdef, torch._foreach_add(p, u))
     return optree.tree_map(lambda p, u: (p + u).to(p.dtype), params, updates)
+
+
+def _foreach_ok(tree: Any) -> bool:
+    """Multi-tensor (foreach) kernels apply: plain tensors outside torch.func transforms.
+
+    Under vmap (the virtual mesh) the per-leaf form is used: its ops have batching rules.
+    The arithmetic is the same either way.
+    """
+    if torch._C._are_functorch_transforms_active():
+        return False
+    leaves = optree.tree_leaves(tree)
+    return bool(leaves) and all(isinstance(x, torch.Tensor) and x.device.type != "meta" for x in leaves)
 
 
 def scale(factor: float) -> GradientTransformation:
@@ -214,6 +231,11 @@ def scale_by_learning_rate(lr: ScalarOrSchedule, *, flip_sign: bool = True) -> O
 
     def update(updates, state, params=None):
         step_lr = sched(state.count) * sign
+        if _foreach_ok(updates):
+            u, tdef = optree.tree_flatten(updates)
+            if len({x.dtype for x in u}) == 1:
+                return (optree.tree_unflatten(tdef, torch._foreach_mul(u, step_lr.to(u[0].dtype))),
+                        ScaleByScheduleState(state.count + 1))
         new = optree.tree_map(lambda u: u * step_lr.to(u.dtype), updates)
         return new, ScaleByScheduleState(state.count + 1)
 

@@ -8,9 +8,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import optree
+import torch
 
 from fsharded._tree import tree_flatten_with_paths, tree_map_with_path
-from fsharded.optim._base import EmptyState, GradientTransformation
+from fsharded.optim._base import EmptyState, GradientTransformation, _foreach_ok
 
 __all__ = ["decay_mask", "add_decayed_weights", "Mask"]
 
@@ -88,10 +89,16 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: Mask | None = None) -> 
             raise ValueError(
                 f"add_decayed_weights: {len(u_leaves)} update leaves but {len(p_leaves)} parameters"
             )
-        out = [
-            u + weight_decay * p.to(u.dtype) if f else u
-            for u, p, f in zip(u_leaves, p_leaves, flags)
-        ]
+        pick = [i for i, f in enumerate(flags) if f]
+        out = list(u_leaves)
+        if pick and _foreach_ok(updates) and all(u_leaves[i].dtype == p_leaves[i].dtype for i in pick):
+            decayed = torch._foreach_add([u_leaves[i] for i in pick], [p_leaves[i] for i in pick],
+                                         alpha=weight_decay)
+            for i, d in zip(pick, decayed):
+                out[i] = d
+        else:
+            for i in pick:
+                out[i] = u_leaves[i] + weight_decay * p_leaves[i].to(u_leaves[i].dtype)
         return optree.tree_unflatten(treedef, out), state
 
     return GradientTransformation(lambda params: EmptyState(), update)
