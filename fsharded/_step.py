@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -241,6 +242,7 @@ class TrainStep:
         return self._compiled[key]
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        t0 = time.perf_counter()
         with torch.no_grad():
             new_state, metrics = self._shard_mapped(state).local(state, batch)
         if self.check_finite and state.loss_scale is None and not bool(torch.isfinite(metrics["loss"])):
@@ -249,6 +251,9 @@ class TrainStep:
                 f"the state passed in (after {int(state.step)} steps) is unchanged. Lower the "
                 f"learning rate, enable clipping, or use precision='fp16' loss scaling to skip such steps"
             )
+        tokens = _count_tokens(batch)
+        if tokens is not None:  # host wall time of the step (the finite check above synced)
+            metrics["tokens_per_s"] = torch.tensor(tokens / max(time.perf_counter() - t0, 1e-9))
         return new_state, metrics
 
     def collectives(self, state: TrainState, batch: Any):
@@ -258,6 +263,17 @@ class TrainStep:
             specs = self.state_specs(state)
             state = _globalize(state, specs, self.mesh)
         return sm.collectives(state, batch)
+
+
+def _count_tokens(batch: Any) -> int | None:
+    """Tokens a language-model batch trains on: ``targets``, or ``tokens`` minus the shift."""
+    if isinstance(batch, dict):
+        if isinstance(batch.get("targets"), torch.Tensor):
+            return batch["targets"].numel()
+        t = batch.get("tokens")
+        if isinstance(t, torch.Tensor) and t.dim() == 2:
+            return t.shape[0] * (t.shape[1] - 1)
+    return None
 
 
 def _buckets(idx: list[int], sizes: list[int], cap: int) -> list[list[int]]:

@@ -160,3 +160,18 @@ def test_manifest_of_a_data_parallel_step():
     assert len(m3) in (4, 5) and m3.total_bytes() == m.total_bytes()
     # ring all-reduce sends 2(n-1)/n of the fp32 bytes: 2 * 3/4 * 4 B = 6 B per element
     assert m.total_bytes() == 6 * (P_ + 1)
+
+
+def test_metrics_of_a_step():
+    params = gpt.init(T.CONFIG, 0)
+    opt = fs.optim.adamw(fs.optim.WarmupLR(warmup_max_lr=1e-3, warmup_num_steps=4, warmup_type="linear"))
+    step = fs.train_step(gpt.loss, opt, mesh=fs.Mesh({"data": 2}), clip=0.5)
+    state = step.init(params)
+    lrs = []
+    for b in T.batches(3):
+        state, m = step(state, b)
+        lrs.append(float(m["lr"]))
+    assert set(m) == {"loss", "grad_norm", "lr", "loss_scale", "skipped", "tokens_per_s"}
+    assert float(m["tokens_per_s"]) > 0 and int(m["skipped"]) == 0 and float(m["loss_scale"]) == 1.0
+    assert lrs == [float(fs.optim.get_lr(opt, i)) for i in range(3)] and lrs[0] < lrs[2]
+    assert int(state.step) == 3
