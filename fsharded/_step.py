@@ -99,6 +99,7 @@ class TrainStep:
         self.backend = backend
         # Elements per gradient all-reduce bucket (DeepSpeed's reduce_bucket_size default).
         self.bucket_elems = 500_000_000
+        self._placements: dict = {}
         self.batch_axes = _batch_axes(batch_spec, self.mesh)
         self._scaler = self.policy.loss_scaler()
         self._compiled: dict = {}
@@ -109,18 +110,36 @@ class TrainStep:
     def distributed(self) -> bool:
         return _backend(self.mesh, self.backend) == "distributed"
 
+    def placement(self, params: Any):
+        """The ``Placement`` this step uses for ``params`` (specs, ZeRO plan, or placement)."""
+        from fsharded.parallel.zero import Placement, ZeroPlan
+
+        key = optree.tree_structure(params)
+        hit = self._placements.get(key)
+        if hit is not None:
+            return hit
+        raw = self.param_specs
+        if isinstance(raw, Placement):
+            pl = raw
+        elif isinstance(raw, ZeroPlan):
+            pl = raw.resolve(self.mesh)
+        else:
+            pl = Placement.replicated(_full_specs(raw, params))
+        self._placements[key] = pl
+        return pl
+
     def init(self, params: Any) -> TrainState:
-        """State for global ``params``: master copies laid out by ``param_specs`` (this
+        """State for global ``params``: master copies laid out by the placement (this
         rank's shards on the distributed backend), optimizer state, loss scale."""
         from fsharded.precision import cast_tree
 
-        _tree.broadcast_prefix(self.param_specs, params, what="param_specs")
+        pl = self.placement(params)
         master = cast_tree(optree.tree_map(lambda x: x.detach().clone(), params), self.policy.master_dtype)
         if self.distributed:
-            master = shard(master, self.param_specs, self.mesh)
+            master = shard(master, pl.master, self.mesh)
         else:  # validates every leaf against the mesh
-            shard_map(lambda p: p, mesh=self.mesh, in_specs=(self.param_specs,),
-                      out_specs=self.param_specs)._flat_in((master,))
+            shard_map(lambda p: p, mesh=self.mesh, in_specs=(pl.master,),
+                      out_specs=pl.master)._flat_in((master,))
         opt_state = self.optimizer.init(master)
         scale = self._scaler.init() if self._scaler is not None else None
         return TrainState(torch.zeros((), dtype=torch.int64), master, opt_state, scale)
@@ -128,13 +147,13 @@ class TrainStep:
     def params(self, state: TrainState) -> Any:
         """Full (global) master parameters, on every rank."""
         if self.distributed:
-            return unshard(state.params, self.param_specs, self.mesh)
+            return unshard(state.params, self.placement(state.params).master, self.mesh)
         return state.params
 
     def state_specs(self, state: TrainState) -> TrainState:
-        """The spec of every leaf of ``state``: optimizer-state subtrees shaped like the
-        parameters take their specs; counters and scalars are replicated."""
-        pspecs = _full_specs(self.param_specs, state.params)
+        """The spec of every leaf of ``state``: master weights and optimizer-state subtrees
+        shaped like them take the master placement; counters and scalars are replicated."""
+        pspecs = self.placement(state.params).master
         return TrainState(
             PartitionSpec(),
             pspecs,
@@ -144,15 +163,32 @@ class TrainStep:
 
     # -- the step ----------------------------------------------------------------------
 
-    def _body(self, state: TrainState, batch: Any, pspecs_flat: list) -> tuple[TrainState, dict]:
+    def _body(self, state: TrainState, batch: Any, pl_flat: tuple) -> tuple[TrainState, dict]:
         from fsharded import optim
+        from fsharded.parallel import _buckets as B
         from fsharded.precision import all_finite, cast_tree, tree_where
 
+        use, grad_specs, master_specs, stage, axis = pl_flat
         policy = self.policy
-        params = state.params
+        params = state.params  # master weights, in the master placement
         scale = state.loss_scale.scale if state.loss_scale is not None else None
+        m_leaves, m_def = optree.tree_flatten(params)
+        cap = self.bucket_elems
+
+        def gather(leaves):  # master placement -> how the loss sees the parameters
+            if axis is None:
+                return list(leaves)
+            return B.gather_leaves(list(leaves), master_specs, use, axis, self.mesh, cap)
+
+        # ZeRO-3 gathers inside the differentiated function, so gradients come back
+        # reduce-scattered by the all-gather's transpose; stages 0-2 gather outside it.
+        through_gather = stage == 3
 
         def local_loss(p, micro):
+            leaves = optree.tree_leaves(p)
+            if through_gather:
+                leaves = gather(leaves)
+            p = optree.tree_unflatten(m_def, leaves)
             loss = self.loss_fn(cast_tree(p, policy.compute_dtype), micro)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise ValueError(
@@ -166,36 +202,29 @@ class TrainStep:
             grad_fn = torch.func.grad_and_value(local_loss, has_aux=True)
         else:  # one device or a real rank: plain autograd skips functorch's wrapping (~8%)
             grad_fn = functools.partial(_autograd_grad_and_value, local_loss)
+        x0 = params if through_gather else optree.tree_unflatten(m_def, gather(m_leaves))
         k = self.accumulation
         grads, loss = None, None
         for i in range(k):
             micro = batch if k == 1 else optree.tree_map(lambda x, i=i: _micro(x, i, k), batch)
-            g, (_, l_i) = grad_fn(params, micro)
+            g, (_, l_i) = grad_fn(x0, micro)
             g = optree.tree_map(lambda t: t.to(policy.reduce_dtype), g)
             grads = g if grads is None else optree.tree_map(torch.add, grads, g)
             loss = l_i if loss is None else loss + l_i
         if k > 1:
             grads = optree.tree_map(lambda t: t / k, grads)
             loss = loss / k
-        # Data parallelism: average over the batch axes every gradient not sharded over them,
-        # in a few flat buckets (DeepSpeed's reduce buckets) rather than one call per leaf.
-        leaves, tdef = optree.tree_flatten(grads)
-        red = list(leaves)
-        groups: dict[tuple, list[int]] = {}
-        for i, (g, spec) in enumerate(zip(leaves, pspecs_flat)):
-            over = tuple(a for a in self.batch_axes
-                         if a not in spec.axes and is_bound(a) and self.mesh.shape[a] > 1)
-            if over:
-                groups.setdefault((over, g.dtype), []).append(i)
-            sharded = [a for a in self.batch_axes if a in spec.axes and is_bound(a)]
-            if sharded:  # came back reduce-scattered (summed) from an all_gather's transpose
-                red[i] = g / math.prod(self.mesh.shape[a] for a in sharded)
-        for (over, _), idx in groups.items():
-            for bucket in _buckets(idx, [leaves[i].numel() for i in idx], self.bucket_elems):
-                flat = pmean(torch.cat([leaves[i].reshape(-1) for i in bucket]), over)
-                for i, piece in zip(bucket, flat.split([leaves[i].numel() for i in bucket])):
-                    red[i] = piece.view(leaves[i].shape)
-        grads = optree.tree_unflatten(tdef, red)
+        # Average over the batch axes into the gradient placement, in flat buckets
+        # (DeepSpeed's reduce buckets) rather than one collective per leaf.
+        g_leaves = optree.tree_leaves(grads)
+        if through_gather:
+            g_leaves = B.reduce_leaves(g_leaves, master_specs, master_specs, self.batch_axes, self.mesh, cap)
+        else:
+            g_leaves = B.reduce_leaves(g_leaves, use, grad_specs, self.batch_axes, self.mesh, cap)
+            if axis is not None:  # ZeRO-1: each rank keeps its block of the full gradient
+                g_leaves = B.slice_leaves(g_leaves, grad_specs, master_specs, axis, self.mesh)
+        grads = optree.tree_unflatten(m_def, g_leaves)
+        pspecs_flat = master_specs
         loss = pmean(loss, self.batch_axes) if self.batch_axes else loss
         if scale is not None:
             grads = optree.tree_map(lambda t: t / scale, grads)
@@ -231,9 +260,12 @@ class TrainStep:
         key = optree.tree_structure(state)
         if key not in self._compiled:
             specs = self.state_specs(state)
-            pspecs_flat = optree.tree_leaves(specs.params, is_leaf=lambda x: isinstance(x, PartitionSpec))
+            pl = self.placement(state.params)
+            flat = lambda t: optree.tree_leaves(t, is_leaf=lambda x: isinstance(x, PartitionSpec))  # noqa: E731
+            pl_flat = (flat(pl.use), flat(pl.grads), flat(pl.master), pl.stage,
+                       pl.axis if pl.stage > 0 else None)
             self._compiled[key] = shard_map(
-                lambda s, b: self._body(s, b, pspecs_flat),
+                lambda s, b: self._body(s, b, pl_flat),
                 mesh=self.mesh,
                 in_specs=(specs, self.batch_spec),
                 out_specs=(specs, PartitionSpec()),
@@ -274,22 +306,6 @@ def _count_tokens(batch: Any) -> int | None:
         if isinstance(t, torch.Tensor) and t.dim() == 2:
             return t.shape[0] * (t.shape[1] - 1)
     return None
-
-
-def _buckets(idx: list[int], sizes: list[int], cap: int) -> list[list[int]]:
-    """Consecutive groups of leaves of at most ``cap`` elements (a larger leaf goes alone)."""
-    out: list[list[int]] = []
-    cur: list[int] = []
-    n = 0
-    for i, k in zip(idx, sizes):
-        if cur and n + k > cap:
-            out.append(cur)
-            cur, n = [], 0
-        cur.append(i)
-        n += k
-    if cur:
-        out.append(cur)
-    return out
 
 
 def _autograd_grad_and_value(f, p, batch):

@@ -66,7 +66,8 @@ def global_norm(tree: Any, specs: Any = None, *, flat_specs: list | None = None)
         sq = [(y * y).sum() for y in (x.to(_acc_dtype(x)) for x in leaves)]
     groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
     for q, spec in zip(sq, flat_specs):
-        axes = tuple(a for a in (spec.axes if spec is not None else ()) if collectives.is_bound(a))
+        # psum over a set of axes does not depend on their order: one group per set.
+        axes = tuple(sorted(a for a in (spec.axes if spec is not None else ()) if collectives.is_bound(a)))
         groups.setdefault(axes, []).append(q)
     total = None
     for axes, qs in groups.items():

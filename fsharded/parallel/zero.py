@@ -1,0 +1,135 @@
+"""ZeRO stages as placements: where parameters, gradients and optimizer state live.
+
+A stage is not a mode of an engine but three spec trees (a ``Placement``):
+
+=====  ==========================  ==================  ==========================
+stage  parameters during the step  gradients           master weights + opt state
+=====  ==========================  ==================  ==========================
+0      as given                    all-reduced, full    as given
+1      as given                    all-reduced, full    sharded over ``axis``
+2      as given                    reduce-scattered     sharded over ``axis``
+3      sharded over ``axis``        reduce-scattered     sharded over ``axis``
+=====  ==========================  ==================  ==========================
+
+``train_step`` reads the placement: it keeps master weights and optimizer state in their
+(sharded) placement, all-gathers the parameters the step computes with, and reduces each
+gradient into its placement.
+
+Which dim a leaf is sharded on (the rule): the first dim whose size, divided by the
+axes that already shard it, is divisible by the ``axis`` size; ``axis`` is added as the
+minor axis on that dim (``P("tensor")`` -> ``P(("tensor", "data"))``, as DeepSpeed's
+flat partitions sit inside a tensor-parallel shard). Leaves with fewer than ``min_size``
+elements, or with no such dim, stay replicated over ``axis`` (their state is tiny, and a
+non-divisible split would need padding).
+
+>>> plan = zero(2, axis="data")(P(), params)       # every leaf replicated to start with
+>>> placement = plan.resolve(Mesh({"data": 4}))   # concrete spec trees for this mesh
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fsharded import _tree
+from fsharded.mesh._mesh import Mesh
+from fsharded.mesh._spec import PartitionSpec, _entry_axes
+
+__all__ = ["Placement", "ZeroPlan", "zero", "shard_leaf_spec"]
+
+
+class Placement(NamedTuple):
+    """Spec trees (full, one spec per parameter leaf) of a training layout."""
+
+    use: Any  # how the loss function sees each parameter (the spec tree given to zero())
+    params: Any  # where parameters live between uses (stage 3: sharded, gathered to use)
+    grads: Any  # where each gradient ends up after the reduction
+    master: Any  # fp32 master weights and the optimizer state shaped like them
+    stage: int = 0
+    axis: str | None = None
+
+    @classmethod
+    def replicated(cls, specs: Any) -> Placement:
+        """Stage 0: everything laid out as ``specs``."""
+        return cls(specs, specs, specs, specs, 0, None)
+
+
+def shard_leaf_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, axis: str,
+                    min_size: int) -> PartitionSpec:
+    """``spec`` with ``axis`` added on the first dim that divides (see the module rule)."""
+    if axis in spec.axes or math.prod(shape) < min_size:
+        return spec
+    n = mesh.shape[axis]
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    for d, size in enumerate(shape):
+        have = _entry_axes(entries[d])
+        k = math.prod(mesh.shape[a] for a in have)
+        if size % k == 0 and (size // k) % n == 0:
+            entries[d] = (*have, axis) if have else axis
+            while entries and entries[-1] is None:
+                entries.pop()
+            return PartitionSpec(*entries)
+    return spec
+
+
+@dataclass(frozen=True)
+class ZeroPlan:
+    """A ZeRO stage applied to a spec tree, waiting for the mesh (``resolve``)."""
+
+    stage: int
+    axis: str
+    specs: Any
+    params: Any
+    min_size: int
+
+    def resolve(self, mesh: Mesh) -> Placement:
+        if self.axis not in mesh.shape:
+            raise ValueError(
+                f"zero({self.stage}, axis={self.axis!r}): axis {self.axis!r} is not in {mesh!r}; "
+                f"pass axis= one of {list(mesh.axis_names)}"
+            )
+        flat = _tree.broadcast_prefix(self.specs, self.params, what="param_specs")
+        leaves, tdef = optree.tree_flatten(self.params)
+        if mesh.shape[self.axis] == 1 and self.stage > 0:
+            warnings.warn(
+                f"zero({self.stage}, axis={self.axis!r}): the axis has size 1 in {mesh!r}, so the "
+                f"stage has no effect", stacklevel=2,
+            )
+        sharded = [
+            shard_leaf_spec(s, tuple(x.shape), mesh, self.axis, self.min_size)
+            if isinstance(x, torch.Tensor) else s
+            for x, s in zip(leaves, flat)
+        ]
+        base = optree.tree_unflatten(tdef, flat)
+        over = optree.tree_unflatten(tdef, sharded)
+        if self.stage == 0:
+            return Placement(base, base, base, base, 0, self.axis)
+        if self.stage == 1:
+            return Placement(base, base, base, over, 1, self.axis)
+        if self.stage == 2:
+            return Placement(base, base, over, over, 2, self.axis)
+        return Placement(base, over, over, over, 3, self.axis)
+
+
+def zero(stage: int, axis: str = "data", *, min_size: int = 1024):
+    """The ZeRO ``stage`` (0-3) over mesh ``axis``, as a rewrite of a parameter spec tree.
+
+    Returns ``rule(specs, params) -> ZeroPlan``; ``train_step`` resolves the plan against
+    its mesh (``plan.resolve(mesh)`` gives the concrete ``Placement``). Specs that already
+    use other axes (tensor parallelism) keep them.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero: stage must be 0, 1, 2 or 3, got {stage!r}")
+    if not isinstance(axis, str):
+        raise ValueError(f"zero: axis must be a mesh axis name, got {axis!r}")
+
+    def rule(specs: Any, params: Any) -> ZeroPlan:
+        _tree.broadcast_prefix(specs, params, what="param_specs")  # fail early, with paths
+        return ZeroPlan(stage, axis, specs, params, min_size)
+
+    return rule
