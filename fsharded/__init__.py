@@ -8,7 +8,7 @@
 tensor(6.)
 """
 
-from fsharded import config, data, distributed, models, optim, precision
+from fsharded import config, data, distributed, models, optim, parallel, precision
 from fsharded._manifest import Entry, Manifest
 from fsharded._shard_map import ShardMapped, shard_map
 from fsharded._step import TrainState, TrainStep, train_step
@@ -68,6 +68,7 @@ __all__ = [
     "Manifest",
     "distributed",
     "optim",
+    "parallel",
     "models",
     "precision",
     "config",
