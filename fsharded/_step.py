@@ -14,6 +14,7 @@ optimizer -> the new state. State is data (a ``TrainState``), nothing is mutated
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import time
 from collections.abc import Callable
@@ -99,6 +100,7 @@ class TrainStep:
         self.backend = backend
         # Elements per gradient all-reduce bucket (DeepSpeed's reduce_bucket_size default).
         self.bucket_elems = 500_000_000
+        self._block_hook = _accepts(loss_fn, "block_fn")
         self._placements: dict = {}
         self.batch_axes = _batch_axes(batch_spec, self.mesh)
         self._scaler = self.policy.loss_scaler()
@@ -168,7 +170,7 @@ class TrainStep:
         from fsharded.parallel import _buckets as B
         from fsharded.precision import all_finite, cast_tree, tree_where
 
-        use, grad_specs, master_specs, stage, axis = pl_flat
+        use, grad_specs, master_specs, stage, axis, block_mask = pl_flat
         policy = self.policy
         params = state.params  # master weights, in the master placement
         scale = state.loss_scale.scale if state.loss_scale is not None else None
@@ -184,12 +186,25 @@ class TrainStep:
         # reduce-scattered by the all-gather's transpose; stages 0-2 gather outside it.
         through_gather = stage == 3
 
+        # ZeRO-3 with a loss that runs its blocks through a ``block_fn`` hook: the leaves
+        # under params["blocks"] stay sharded until their block runs, are gathered inside a
+        # remat'ed block, and are gathered again in backward; the rest is gathered up front.
+        per_block = through_gather and self._block_hook and block_mask is not None
+
         def local_loss(p, micro):
             leaves = optree.tree_leaves(p)
-            if through_gather:
+            if per_block:
+                keep = [m if b else u for m, u, b in zip(master_specs, use, block_mask)]
+                leaves = B.gather_leaves(leaves, master_specs, keep, axis, self.mesh, cap)
+            elif through_gather:
                 leaves = gather(leaves)
+            leaves = [cast_tree(x, policy.compute_dtype) for x in leaves]
             p = optree.tree_unflatten(m_def, leaves)
-            loss = self.loss_fn(cast_tree(p, policy.compute_dtype), micro)
+            if per_block:
+                specs_of = {id(x): (m, u) for x, m, u, b in zip(leaves, master_specs, use, block_mask) if b}
+                loss = self.loss_fn(p, micro, block_fn=functools.partial(_zero3_block, specs_of, axis, self.mesh, cap))
+            else:
+                loss = self.loss_fn(p, micro)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise ValueError(
                     f"train_step: loss_fn must return a scalar tensor, got "
@@ -263,7 +278,7 @@ class TrainStep:
             pl = self.placement(state.params)
             flat = lambda t: optree.tree_leaves(t, is_leaf=lambda x: isinstance(x, PartitionSpec))  # noqa: E731
             pl_flat = (flat(pl.use), flat(pl.grads), flat(pl.master), pl.stage,
-                       pl.axis if pl.stage > 0 else None)
+                       pl.axis if pl.stage > 0 else None, _block_mask(state.params))
             self._compiled[key] = shard_map(
                 lambda s, b: self._body(s, b, pl_flat),
                 mesh=self.mesh,
@@ -295,6 +310,47 @@ class TrainStep:
             specs = self.state_specs(state)
             state = _globalize(state, specs, self.mesh)
         return sm.collectives(state, batch)
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _block_mask(params: Any) -> list[bool] | None:
+    """Which leaves live under ``params["blocks"]`` (a list of per-block subtrees)."""
+    if not (isinstance(params, dict) and isinstance(params.get("blocks"), (list, tuple))):
+        return None
+    paths = _tree.tree_flatten_with_paths(params)[0]
+    return [p.startswith("blocks.") for p in paths]
+
+
+def _zero3_block(specs_of: dict, axis: str, mesh: Mesh, cap: int, block: Callable, p: Any,
+                 x: torch.Tensor, **kw: Any) -> torch.Tensor:
+    """Run ``block`` on its sharded parameters: gather them inside a remat, so only this
+    block's full weights are alive while it runs, and they are gathered again in backward."""
+    from fsharded.parallel import _buckets as B
+    from fsharded.parallel.remat import checkpoint
+
+    leaves, bdef = optree.tree_flatten(p)
+    try:
+        specs = [specs_of[id(t)] for t in leaves]
+    except KeyError:
+        raise ValueError(
+            "ZeRO-3 block_fn: the block received parameters that are not leaves of "
+            "params['blocks']; pass each block its own subtree unchanged"
+        ) from None
+    m_specs, u_specs = [m for m, _ in specs], [u for _, u in specs]
+
+    def run(*args: torch.Tensor) -> torch.Tensor:
+        *shards, h = args
+        full = B.gather_leaves(list(shards), m_specs, u_specs, axis, mesh, cap)
+        return block(optree.tree_unflatten(bdef, full), h, **kw)
+
+    return checkpoint(run)(*leaves, x)
 
 
 def _count_tokens(batch: Any) -> int | None:

@@ -260,9 +260,10 @@ def test_block_fn_hook_and_every_param_gets_gradient():
     params, batch = _randomized(c), _batch(c)
     calls = []
 
-    def wrapped(p, x, **kw):
+    def wrapped(block, p, x, **kw):
         calls.append(kw)
-        return gpt.block(p, x, **kw)
+        assert block is gpt.block
+        return block(p, x, **kw)
 
     torch.testing.assert_close(gpt.loss(params, batch, block_fn=wrapped), gpt.loss(params, batch))
     assert calls[0] == {"rotary": True, "attention": "einsum"}

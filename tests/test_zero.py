@@ -79,27 +79,28 @@ def test_hybrid_shard_within_replicate(one_device):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_communication_volume_per_stage(stage):
-    """Per rank per step, for P parameters (fp32, n=4 ranks): stages 0 and 2 move
-    2P(n-1)/n elements, stage 1 (all-reduce, then all-gather the updated shards) 3P(n-1)/n,
-    stage 3 here 2P(n-1)/n (all blocks are gathered once, not re-gathered in backward),
-    plus a few scalars (the loss, the gradient norm)."""
+    """Bytes sent per rank per step (fp32, n=4), for the S elements of sharded leaves and
+    the R elements of leaves too small to shard, following the ZeRO paper's accounting:
+    stage 0: all-reduce 2(S+R)(n-1)/n; stage 1: all-reduce 2(S+R) + all-gather of the
+    updated shards S, times (n-1)/n; stage 2: reduce-scatter S + all-gather S + all-reduce
+    2R; stage 3: blocks are gathered in forward, gathered again in backward and
+    reduce-scattered (3 S_blocks), the rest 2 S_other, plus 2R. Scalars (loss, norm) aside."""
     res = Z.run_zero({"data": 4}, stage, steps=1)
     params = gpt.init(T.CONFIG, 0)
-    P_ = gpt.param_count(params)
-    sharded = sum(x.numel() for x in T.flat(params) if x.numel() >= 16 and x.shape[0] % 4 == 0
-                  or x.numel() >= 16 and x.dim() > 1 and x.shape[1] % 4 == 0)
+    pl = fs.parallel.zero(3, min_size=16)(P(), params).resolve(fs.Mesh({"data": 4}))
+    paths, leaves, _ = fs.tree_flatten_with_paths(params)
+    masters = fs.tree_flatten_with_paths(pl.master, is_leaf=lambda x: isinstance(x, fs.PartitionSpec))[1]
+    S_blocks = sum(x.numel() for p, x, m in zip(paths, leaves, masters) if "data" in m.axes and p.startswith("blocks."))
+    S = sum(x.numel() for x, m in zip(leaves, masters) if "data" in m.axes)
+    R = sum(x.numel() for x in leaves) - S
     n, f4 = 4, 4
-    big = [(op, b) for op, axis, shape, b in res["manifest"] if math.prod(shape) > 4]
-    total = sum(b for _, b in big)
-    if stage == 0:
-        assert total == 2 * P_ * (n - 1) // n * f4
-    elif stage == 1:
-        assert total == 2 * P_ * (n - 1) // n * f4 + sharded * (n - 1) // n * f4
-    else:  # reduce-scatter of the sharded leaves + all-reduce of the rest, + all-gather
-        assert total == 2 * sharded * (n - 1) // n * f4 + 2 * (P_ - sharded) * (n - 1) // n * f4
-    # the optimizer state and master weights are sharded from stage 1 on
-    if stage:
-        assert res["local_master_numel"] == P_  # virtual: global view of the sharded state
+    total = sum(b for op, axis, shape, b in res["manifest"] if math.prod(shape) > 4)
+    expect = {0: 2 * (S + R), 1: 2 * (S + R) + S, 2: 2 * S + 2 * R,
+              3: 3 * S_blocks + 2 * (S - S_blocks) + 2 * R}[stage]
+    assert total == expect * (n - 1) // n * f4
+    assert S_blocks > 0 and S > S_blocks
+    if stage == 3:  # the re-gather: one all-gather per block in backward
+        assert res["phases"].count(("all_gather", "backward")) == T.CONFIG.n_layers
 
 
 @pytest.mark.multiprocess

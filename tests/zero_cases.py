@@ -27,6 +27,7 @@ def run_zero(mesh_axes: dict, stage: int, *, precision="fp32", accumulation=1, a
     man = step.collectives(state, T.batches(1)[0])
     return {"losses": losses, "params": step.params(state),
             "manifest": [(e.op, e.axis, e.shape, e.bytes_sent) for e in man],
+            "phases": [(e.op, e.phase) for e in man],
             "local_master_numel": sum(x.numel() for x in T.flat(state.params))}
 
 

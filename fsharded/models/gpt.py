@@ -36,6 +36,7 @@ the half-split layout, causal attention scaled by 1/sqrt(Dh).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -275,12 +276,13 @@ def apply(params: Params, tokens: torch.Tensor, *, attention: str = "einsum",
 
     ``attention``: ``"einsum"`` (default; explicit causal mask, fast on the virtual mesh)
     or ``"sdpa"`` (``scaled_dot_product_attention``; fused kernels on GPU, but a slow
-    per-sample loop under vmap on CPU). ``block_fn(p, x, *, rotary, attention)`` replaces
-    ``block`` for every layer, e.g. a remat'ed or ZeRO-3-gathering wrapper of it.
+    per-sample loop under vmap on CPU). ``block_fn(block, p, x, *, rotary, attention)``
+    runs every layer instead of ``block(p, x, ...)``: a wrapper (remat, ZeRO-3 gathering)
+    that receives the block function and calls it.
     """
     if attention not in _ATTENTION:
         raise ValueError(f"attention must be one of {list(_ATTENTION)}, got {attention!r}")
-    fn = block if block_fn is None else block_fn
+    fn = block if block_fn is None else functools.partial(block_fn, block)
     rotary = "pos" not in params
     x = embed(params, tokens)
     for p in params["blocks"]:
