@@ -118,3 +118,37 @@ def test_gloo_two_ranks_all_stages(one_device):
             assert r["manifest"] == virtual["manifest"]
             if stage:  # each rank holds half of the sharded master weights
                 assert r["local_master_numel"] < gpt.param_count(gpt.init(T.CONFIG, 0))
+
+
+def test_zero3_full_weights_of_a_block_die_after_its_forward():
+    """The re-gather: while block i+1 runs forward, no full (gathered) weight of block i
+    is alive any more; each block's full weights exist only inside its own run."""
+    import weakref
+
+    alive_at_start, seen = [], []
+    refs: list = []
+
+    def spy_loss(params, batch, block_fn):
+        def spying_block(block, p, x, **kw):
+            def inner(full, h, **kw):
+                if torch.is_grad_enabled():  # the backward re-run: not what we measure
+                    return block(full, h, **kw)
+                alive_at_start.append(sum(r() is not None for r in refs))
+                seen.append({tuple(t.shape) for t in T.flat(full)})
+                refs.clear()
+                refs.extend(weakref.ref(t) for t in T.flat(full))
+                return block(full, h, **kw)
+            return block_fn(inner, p, x, **kw)
+        return gpt.loss(params, batch, block_fn=spying_block)
+
+    params = gpt.init(T.CONFIG, 0)
+    plan = fs.parallel.zero(3, min_size=16)(P(), params)
+    step = fs.train_step(spy_loss, fs.optim.adamw(1e-3), mesh=fs.Mesh({"data": 2}), param_specs=plan)
+    state, _ = step(step.init(params), T.batches(1)[0])
+    assert len(alive_at_start) == T.CONFIG.n_layers
+    assert alive_at_start == [0] * T.CONFIG.n_layers
+    assert all(r() is None for r in refs)  # and the last block's are gone after the step
+    # the block ran on gathered (full) weights, not on its shards
+    assert seen[0] == {tuple(x.shape) for x in T.flat(params["blocks"][0])}
+    assert any("data" in s.axes for s in T.flat(plan.resolve(fs.Mesh({"data": 2})).master["blocks"][0],
+                                                 ) if isinstance(s, fs.PartitionSpec))
