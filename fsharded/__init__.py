@@ -10,6 +10,7 @@ tensor(6.)
 
 from fsharded import config, data, distributed, models, optim, parallel, precision
 from fsharded._manifest import Entry, Manifest
+from fsharded._memory import MemoryEstimate, estimate_memory
 from fsharded._shard_map import ShardMapped, shard_map
 from fsharded._step import TrainState, TrainStep, train_step
 from fsharded._tree import rules, tree_flatten_with_paths, tree_map_with_path
@@ -66,6 +67,8 @@ __all__ = [
     "tree_map_with_path",
     "Entry",
     "Manifest",
+    "estimate_memory",
+    "MemoryEstimate",
     "distributed",
     "optim",
     "parallel",

@@ -152,3 +152,24 @@ def test_zero3_full_weights_of_a_block_die_after_its_forward():
     assert seen[0] == {tuple(x.shape) for x in T.flat(params["blocks"][0])}
     assert any("data" in s.axes for s in T.flat(plan.resolve(fs.Mesh({"data": 2})).master["blocks"][0],
                                                  ) if isinstance(s, fs.PartitionSpec))
+
+
+def test_estimate_memory_follows_the_placement():
+    """(2+2+K)P/n-style accounting: fp32 master 4 B, AdamW state 8 B per element, in the
+    placement's shards; the optimizer's own state sizes are counted (meta init)."""
+    params = gpt.init(T.CONFIG, 0)
+    P_ = gpt.param_count(params)
+    mesh = fs.Mesh({"data": 4})
+    pl = fs.parallel.zero(3, min_size=16)(P(), params).resolve(mesh)
+    masters = T.flat(pl.master)
+    S = sum(x.numel() for x, m in zip(T.flat(params), masters) if "data" in m.axes)
+    local = S // 4 + (P_ - S)
+    opt = fs.optim.adamw(1e-3)
+    e0 = fs.estimate_memory(params, P(), opt, mesh=mesh)
+    assert e0.master == 4 * P_ and e0.grads == 4 * P_ and 8 * P_ <= e0.optimizer <= 8 * P_ + 64
+    for stage in (1, 2, 3):
+        e = fs.estimate_memory(params, fs.parallel.zero(stage, min_size=16)(P(), params), opt, mesh=mesh)
+        assert e.master == 4 * local and 8 * local <= e.optimizer <= 8 * local + 64
+    e3 = fs.estimate_memory(params, pl, opt, mesh=mesh, precision="bf16")
+    assert e3.compute_params <= 2 * P_ and e3.grads < e0.grads and "at most 2 blocks" in str(e3)
+    assert e3.total < e0.total
