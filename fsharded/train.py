@@ -270,11 +270,6 @@ def run(cfg, *, progress: str = "auto") -> dict:
 
     dist_on = fs.distributed.is_initialized()
     main_rank = fs.distributed.rank() == 0
-    if cfg.zero_stage:
-        raise NotImplementedError(
-            f"zero_stage={cfg.zero_stage}: ZeRO placements are not implemented yet; train with "
-            f"zero_stage=0 (plain data parallelism) for now"
-        )
     mesh = fs.Mesh(cfg.mesh)
     mcfg = build_model_config(cfg)
     params = gpt.init(mcfg, cfg.seed)
@@ -283,6 +278,10 @@ def run(cfg, *, progress: str = "auto") -> dict:
         specs = gpt.tensor_parallel_specs(params)
     else:
         specs = fs.P()
+    if cfg.zero_stage:
+        if "data" not in mesh.shape:
+            raise ValueError(f"zero_stage={cfg.zero_stage} shards over the 'data' axis, which {mesh!r} lacks")
+        specs = fs.parallel.zero(cfg.zero_stage, axis="data")(specs, params)
     data_size = mesh.shape.get("data", 1)
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * data_size
     tokens = fs.data.load_tokens(cfg.data)
@@ -303,7 +302,8 @@ def run(cfg, *, progress: str = "auto") -> dict:
     if main_rank:
         print(f"fsharded train: GPT {n_params:,} params ({mcfg.n_layers} layers, d_model {mcfg.d_model}), "
               f"{mesh!r} on the {'distributed' if dist_on else 'virtual'} backend, "
-              f"batch {global_batch}x{mcfg.seq_len}, {cfg.steps} steps, {cfg.precision}", flush=True)
+              f"batch {global_batch}x{mcfg.seq_len}, {cfg.steps} steps, {cfg.precision}"
+              + (f", ZeRO-{cfg.zero_stage}" if cfg.zero_stage else ""), flush=True)
     metrics_f = open(cfg.metrics_file, "w") if (cfg.metrics_file and main_rank) else None  # noqa: SIM115
     bar = _Progress(cfg.steps, progress, cfg.log_every, main_rank)
     tok_per_step = global_batch * mcfg.seq_len

@@ -83,3 +83,13 @@ def test_train_bad_flags():
     assert r.returncode == 2 and "optimizer.nope" in r.stderr
     r = _run([sys.executable, "-m", "fsharded", "train", "--preset", "tiny", "--steps", "1"])
     assert r.returncode != 0 and "model.vocab_size" in r.stderr  # stdlib bytes need vocab 256
+
+
+def test_train_with_zero_stage_matches_stage_0(tmp_path):
+    m0, m3 = tmp_path / "z0.jsonl", tmp_path / "z3.jsonl"
+    r0 = _run([sys.executable, "-m", "fsharded", "train", *TINY, "--metrics", str(m0)])
+    r3 = _run([sys.executable, "-m", "fsharded", "train", *TINY, "--set", "zero_stage=3", "--metrics", str(m3)])
+    assert r0.returncode == 0 and r3.returncode == 0, r3.stderr
+    assert "ZeRO-3" in r3.stdout
+    for a, b in zip(_losses(m0), _losses(m3), strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
