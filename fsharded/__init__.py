@@ -8,7 +8,7 @@
 tensor(6.)
 """
 
-from fsharded import config, data, distributed, models, optim, parallel, precision
+from fsharded import config, data, distributed, memory, models, optim, parallel, precision
 from fsharded._manifest import Entry, Manifest
 from fsharded._memory import MemoryEstimate, estimate_memory
 from fsharded._shard_map import ShardMapped, shard_map
@@ -72,6 +72,7 @@ __all__ = [
     "distributed",
     "optim",
     "parallel",
+    "memory",
     "models",
     "precision",
     "config",

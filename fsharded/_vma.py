@@ -108,8 +108,10 @@ def apply_collective(prim, params, axes, x: torch.Tensor) -> torch.Tensor:
         if not (torch.is_grad_enabled() and x.requires_grad) and not torch._C._are_functorch_transforms_active():
             # Nothing to differentiate: skip the autograd Function (tens of us per call).
             from fsharded import distributed
+            from fsharded.memory import collective_scope
 
-            return prim.dist(x, distributed.axis_group(axes.frame.mesh, axes.names), params)
+            with collective_scope():
+                return prim.dist(x, distributed.axis_group(axes.frame.mesh, axes.names), params)
         return _Collective.apply(prim, params, axes, x, None)
     have = mode.get(x)
     need = frozenset(axes.names)

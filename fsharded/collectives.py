@@ -386,8 +386,10 @@ class _Collective(torch.autograd.Function):
                 f"level; call collectives only from inside the shard_map'ed function"
             )
         from fsharded import distributed
+        from fsharded.memory import collective_scope
 
-        return prim.dist(x, distributed.axis_group(axes.frame.mesh, axes.names), params)
+        with collective_scope():
+            return prim.dist(x, distributed.axis_group(axes.frame.mesh, axes.names), params)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

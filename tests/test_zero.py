@@ -108,6 +108,14 @@ def test_gloo_two_ranks_all_stages(one_device):
     from fsharded.testing import run_on_ranks
 
     per_rank = run_on_ranks(Z.gloo_zero, 2, 2)
+    for res in per_rank:
+        m0, m3 = res["memory"][0], res["memory"][3]
+        for m in (m0, m3):  # the state each rank really holds is what the estimator says
+            assert m["start"]["parameters"] == m["est_master"]
+            assert m["start"]["optimizer state"] == m["est_optimizer"]
+        assert m3["start"]["parameters"] < 0.6 * m0["start"]["parameters"]  # sharded over 2
+        assert m3["peak"] < m0["peak"]
+        assert m3["peak_by"]["gradients"] <= m0["peak_by"]["gradients"]
     for stage in (0, 1, 2, 3):
         virtual = Z.run_zero({"data": 2}, stage)
         for res in per_rank:
