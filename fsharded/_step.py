@@ -102,6 +102,7 @@ class TrainStep:
         self.bucket_elems = 500_000_000
         self._block_hook = _accepts(loss_fn, "block_fn")
         self._placements: dict = {}
+        self._local_shapes: dict = {}
         self.batch_axes = _batch_axes(batch_spec, self.mesh)
         self._scaler = self.policy.loss_scaler()
         self._compiled: dict = {}
@@ -144,6 +145,7 @@ class TrainStep:
                       out_specs=pl.master)._flat_in((master,))
         opt_state = self.optimizer.init(master)
         scale = self._scaler.init() if self._scaler is not None else None
+        self._local_shapes[optree.tree_structure(master)] = [tuple(x.shape) for x in optree.tree_leaves(master)]
         return TrainState(torch.zeros((), dtype=torch.int64), master, opt_state, scale)
 
     def params(self, state: TrainState) -> Any:
@@ -288,7 +290,30 @@ class TrainStep:
             )
         return self._compiled[key]
 
+    def _check_layout(self, state: TrainState) -> None:
+        """On real ranks, a state laid out for another placement (another ZeRO stage or
+        mesh) has other shard shapes: say so instead of computing garbage."""
+        if not self.distributed:
+            return  # the virtual mesh keeps global values: any placement reads them
+        key = optree.tree_structure(state.params)
+        expect = self._local_shapes.get(key)
+        if expect is None:
+            return  # the state was not made by this step's init: nothing to compare with
+        paths, leaves, _ = _tree.tree_flatten_with_paths(state.params)
+        bad = [f"  params.{p}: local shape {tuple(x.shape)}, this step's placement expects {e}"
+               for p, x, e in zip(paths, leaves, expect) if tuple(x.shape) != e]
+        if bad:
+            stage = self.placement(state.params).stage
+            raise ValueError(
+                f"train_step: the state is laid out for another placement than this step's "
+                f"(ZeRO stage {stage} on {self.mesh!r}):\n" + "\n".join(bad[:8])
+                + ("\n  ..." if len(bad) > 8 else "")
+                + "\nReshard it: full = old_step.params(state); state = step.init(full) "
+                  "(optimizer moments are not carried over that way)"
+            )
+
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        self._check_layout(state)
         t0 = time.perf_counter()
         with torch.no_grad():
             new_state, metrics = self._shard_mapped(state).local(state, batch)

@@ -109,6 +109,9 @@ def test_gloo_two_ranks_all_stages(one_device):
 
     per_rank = run_on_ranks(Z.gloo_zero, 2, 2)
     for res in per_rank:
+        msg = res["mismatch"]
+        assert "laid out for another placement" in msg and "ZeRO stage 3" in msg and "Reshard it" in msg
+        assert "params.blocks.0" in msg
         m0, m3 = res["memory"][0], res["memory"][3]
         for m in (m0, m3):  # the state each rank really holds is what the estimator says
             assert m["start"]["parameters"] == m["est_master"]

@@ -56,4 +56,20 @@ def measure_memory(mesh_axes: dict, stage: int) -> dict:
 def gloo_zero(world: int) -> dict:
     out = {stage: run_zero({"data": world}, stage) for stage in (0, 1, 2, 3)}
     out["memory"] = {stage: measure_memory({"data": world}, stage) for stage in (0, 3)}
+    out["mismatch"] = stage_mismatch({"data": world})
     return out
+
+
+def stage_mismatch(mesh_axes: dict) -> str:
+    """A stage-0 state handed to a ZeRO-3 step: the error message (or '' if none)."""
+    mesh = fs.Mesh(mesh_axes)
+    params = gpt.init(T.CONFIG, 0)
+    s0 = fs.train_step(gpt.loss, fs.optim.adamw(T.LR), mesh=mesh)
+    s3 = fs.train_step(gpt.loss, fs.optim.adamw(T.LR), mesh=mesh,
+                       param_specs=fs.parallel.zero(3, min_size=16)(P(), params))
+    s3.init(params)
+    try:
+        s3(s0.init(params), T.batches(1)[0])
+    except ValueError as e:
+        return str(e)
+    return ""
