@@ -13,6 +13,7 @@ optimizer -> the new state. State is data (a ``TrainState``), nothing is mutated
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -53,6 +54,7 @@ def train_step(
     accumulation: int = 1,
     clip: float | None = None,
     check_finite: bool = True,
+    donate: bool = False,
     backend: str | None = None,
 ) -> TrainStep:
     """Build a training step for ``loss_fn(params, batch) -> scalar``.
@@ -65,10 +67,14 @@ def train_step(
     ``precision.Policy``. ``accumulation=k`` splits each shard's batch into k
     micro-batches and averages their gradients (DeepSpeed's gradient_accumulation_steps).
     ``clip``: max global gradient norm (mesh-aware), None for no clipping.
+    ``donate=True``: the state passed to a call is consumed — the optimizer updates the
+    parameters and its moments in place (on one device and on real ranks), saving a copy
+    of both at the update, like JAX's donated buffers. Keep the default when the old state
+    must survive a call (it cannot be restored after a NaN stop), or with fp16 loss scaling.
     """
     return TrainStep(loss_fn, optimizer, mesh=mesh, param_specs=param_specs,
                      batch_spec=batch_spec, precision=precision, accumulation=accumulation,
-                     clip=clip, check_finite=check_finite, backend=backend)
+                     clip=clip, check_finite=check_finite, donate=donate, backend=backend)
 
 
 def _policy(precision: Any):
@@ -81,7 +87,7 @@ class TrainStep:
     """The object ``train_step`` returns: ``.init``, call, ``.collectives``, ``.params``."""
 
     def __init__(self, loss_fn, optimizer, *, mesh, param_specs, batch_spec, precision,
-                 accumulation, clip, check_finite, backend):
+                 accumulation, clip, check_finite, donate, backend):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.mesh = mesh if mesh is not None else Mesh({"data": 1})
@@ -98,6 +104,12 @@ class TrainStep:
         self.clip = clip
         self.check_finite = check_finite
         self.backend = backend
+        if donate and self.policy.loss_scaling:
+            raise ValueError(
+                "train_step: donate=True cannot be combined with fp16 loss scaling, which keeps "
+                "the old state to skip overflowing steps"
+            )
+        self.donate = donate
         # Elements per gradient all-reduce bucket (DeepSpeed's reduce_bucket_size default).
         self.bucket_elems = 500_000_000
         self._block_hook = _accepts(loss_fn, "block_fn")
@@ -168,12 +180,17 @@ class TrainStep:
     # -- the step ----------------------------------------------------------------------
 
     def _body(self, state: TrainState, batch: Any, pl_flat: tuple) -> tuple[TrainState, dict]:
-        from fsharded import optim
+        from fsharded import memory, optim
         from fsharded.parallel import _buckets as B
         from fsharded.precision import all_finite, cast_tree, tree_where
 
         use, grad_specs, master_specs, stage, axis, block_mask = pl_flat
         policy = self.policy
+        mem = memory.current() if not torch._C._are_functorch_transforms_active() else None
+        if mem is not None:  # label what a tracker sees: state, then parameter gradients
+            mem.register(state.params, "parameters")
+            mem.register(state.opt_state, "optimizer state")
+            mem.backward_category = "activations"
         params = state.params  # master weights, in the master placement
         scale = state.loss_scale.scale if state.loss_scale is not None else None
         m_leaves, m_def = optree.tree_flatten(params)
@@ -241,6 +258,7 @@ class TrainStep:
             if axis is not None:  # ZeRO-1: each rank keeps its block of the full gradient
                 g_leaves = B.slice_leaves(g_leaves, grad_specs, master_specs, axis, self.mesh)
         grads = optree.tree_unflatten(m_def, g_leaves)
+        memory.label(grads, "gradients")
         pspecs_flat = master_specs
         loss = pmean(loss, self.batch_axes) if self.batch_axes else loss
         if scale is not None:
@@ -256,8 +274,11 @@ class TrainStep:
             else:
                 g_leaves, g_def = optree.tree_flatten(grads)
                 grads = optree.tree_unflatten(g_def, torch._foreach_mul(g_leaves, factor))
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
-        new_params = optim.apply_updates(params, updates)
+        with optim.donating() if self.donate else contextlib.nullcontext():
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
+            new_params = optim.apply_updates(params, updates)
+        memory.label(new_params, "parameters")
+        memory.label(opt_state, "optimizer state")
         # Skipped (overflowed) steps do not advance the schedule, as in DeepSpeed.
         applied = state.step - state.loss_scale.skipped if state.loss_scale is not None else state.step
         metrics = {"loss": loss, "grad_norm": gnorm}

@@ -32,10 +32,11 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["MemoryTracker", "track", "CATEGORIES"]
+__all__ = ["MemoryTracker", "track", "current", "label", "CATEGORIES"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "comm buffers")
 
+_CURRENT: contextvars.ContextVar[MemoryTracker | None] = contextvars.ContextVar("fsharded_memory", default=None)
 _IN_COLLECTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("fsharded_in_collective", default=False)
 
 
@@ -67,6 +68,13 @@ class MemoryTracker(TorchDispatchMode):
         self._category: dict[int, str] = {}
         self._by_addr: dict[int, int] = {}
         self._serial = 0
+        self._clock = 0  # ops seen so far
+        # What backward allocates: gradients, unless a step function labels its parameter
+        # gradients itself (then the rest of backward is activation gradients).
+        self.backward_category = "gradients"
+        self._born: dict[int, int] = {}
+        self._died: dict[int, int] = {}
+        self._size: dict[int, int] = {}
         self.peak_bytes = 0
         self._at_peak: list[tuple[int, int]] = []
 
@@ -84,6 +92,8 @@ class MemoryTracker(TorchDispatchMode):
         self._live[self._serial] = [StorageWeakRef(s), s.nbytes()]
         self._by_addr[s._cdata] = self._serial
         self._category[self._serial] = category
+        self._born[self._serial] = self._clock
+        self._size[self._serial] = s.nbytes()
 
     def _lookup(self, s: Any) -> int | None:
         serial = self._by_addr.get(s._cdata)
@@ -126,6 +136,7 @@ class MemoryTracker(TorchDispatchMode):
                 live.append((key, n))
         for key in dead:
             del self._live[key]
+            self._died[key] = self._clock
         return live
 
     def _update(self) -> None:
@@ -134,6 +145,22 @@ class MemoryTracker(TorchDispatchMode):
         if total > self.peak_bytes:
             self.peak_bytes = total
             self._at_peak = live
+
+    def peak_of(self, categories: tuple[str, ...] | list[str]) -> int:
+        """The largest number of bytes ever alive at once in ``categories`` (by the
+        categories storages have now, so ``reclassify`` after the fact counts)."""
+        events = []
+        for serial, born in self._born.items():
+            if self._category[serial] in categories:
+                died = self._died.get(serial, self._clock + 1)
+                events.append((born, self._size[serial]))
+                events.append((died, -self._size[serial]))
+        events.sort(key=lambda e: (e[0], e[1]))  # frees before allocations at one tick
+        live = peak = 0
+        for _, d in events:
+            live += d
+            peak = max(peak, live)
+        return peak
 
     @property
     def peak_by_category(self) -> dict[str, int]:
@@ -145,11 +172,12 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._clock += 1
         out = func(*args, **(kwargs or {}))
         if _IN_COLLECTIVE.get():
             cat = "comm buffers"
         elif torch._C._current_autograd_node() is not None:
-            cat = "gradients"
+            cat = self.backward_category
         else:
             cat = "activations"
         for t in optree.tree_leaves(out):
@@ -170,6 +198,24 @@ class MemoryTracker(TorchDispatchMode):
 def track() -> Iterator[MemoryTracker]:
     """Track live tensor bytes of everything run inside the block (see module doc)."""
     mode = MemoryTracker()
-    with mode:
-        yield mode
+    tok = _CURRENT.set(mode)
+    try:
+        with mode:
+            yield mode
+    finally:
+        _CURRENT.reset(tok)
     mode._update()
+
+
+def current() -> MemoryTracker | None:
+    """The tracker of the innermost ``track()`` block, if any (step functions label their
+    gradients and new state with it)."""
+    return _CURRENT.get()
+
+
+def label(tree: Any, category: str) -> None:
+    """Reclassify ``tree``'s storages in the active tracker (no-op when none, or under
+    torch.func transforms where tensors are wrappers)."""
+    mem = _CURRENT.get()
+    if mem is not None and not torch._C._are_functorch_transforms_active():
+        mem.reclassify(tree, category)

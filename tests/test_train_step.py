@@ -175,3 +175,22 @@ def test_metrics_of_a_step():
     assert float(m["tokens_per_s"]) > 0 and int(m["skipped"]) == 0 and float(m["loss_scale"]) == 1.0
     assert lrs == [float(fs.optim.get_lr(opt, i)) for i in range(3)] and lrs[0] < lrs[2]
     assert int(state.step) == 3
+
+
+def test_donated_updates_equal_functional_ones_and_consume_the_state(one_device):
+    """donate=True updates parameters and moments in place (one device, real ranks);
+    results are the same, and the state passed in is consumed."""
+    params = gpt.init(T.CONFIG, 0)
+    step = fs.train_step(gpt.loss, fs.optim.adamw(T.LR, weight_decay=T.WD), clip=T.CLIP, donate=True)
+    state = step.init(params)
+    losses = []
+    for b in T.batches():
+        before = state.params["emb"]
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+        assert state.params["emb"] is before  # same buffer, updated in place
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_device["losses"]), **TOL)
+    for a, b in zip(T.flat(step.params(state)), T.flat(one_device["params"])):
+        torch.testing.assert_close(a, b, **TOL)
+    with pytest.raises(ValueError, match="donate=True cannot be combined with fp16"):
+        fs.train_step(gpt.loss, fs.optim.adamw(1e-3), precision="fp16", donate=True)

@@ -31,13 +31,13 @@ def run_zero(mesh_axes: dict, stage: int, *, precision="fp32", accumulation=1, a
             "local_master_numel": sum(x.numel() for x in T.flat(state.params))}
 
 
-def measure_memory(mesh_axes: dict, stage: int) -> dict:
+def measure_memory(mesh_axes: dict, stage: int, donate: bool = False) -> dict:
     """Live bytes of one step on this rank, with the state's own bytes registered."""
     mesh = fs.Mesh(mesh_axes)
     params = gpt.init(T.CONFIG, 0)
     plan = fs.parallel.zero(stage, min_size=16)(P(), params)
     opt = fs.optim.adamw(T.LR)
-    step = fs.train_step(gpt.loss, opt, mesh=mesh, param_specs=plan)
+    step = fs.train_step(gpt.loss, opt, mesh=mesh, param_specs=plan, donate=donate)
     state = step.init(params)
     b = T.batches(1)[0]
     state, _ = step(state, b)
@@ -50,12 +50,15 @@ def measure_memory(mesh_axes: dict, stage: int) -> dict:
         mem.reclassify(new.opt_state, "optimizer state")
     est = fs.estimate_memory(params, plan, opt, mesh=mesh)
     return {"start": start, "peak": mem.peak_bytes, "peak_by": mem.peak_by_category,
-            "est_master": est.master, "est_optimizer": est.optimizer}
+            "est_master": est.master, "est_optimizer": est.optimizer,
+            "model_states": mem.peak_of(("parameters", "gradients", "optimizer state")),
+            "with_buffers": mem.peak_of(("parameters", "gradients", "optimizer state", "comm buffers"))}
 
 
 def gloo_zero(world: int) -> dict:
     out = {stage: run_zero({"data": world}, stage) for stage in (0, 1, 2, 3)}
     out["memory"] = {stage: measure_memory({"data": world}, stage) for stage in (0, 3)}
+    out["donated"] = {stage: measure_memory({"data": world}, stage, donate=True) for stage in (0, 1, 2, 3)}
     out["mismatch"] = stage_mismatch({"data": world})
     return out
 

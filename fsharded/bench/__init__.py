@@ -72,6 +72,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             "train_step vs the eager PyTorch loop on the GPT; tokens/s of the default "
             "`fsharded train` job",
         ),
+        Benchmark(
+            "zero",
+            "fsharded.bench.zero",
+            "ZeRO stages 0-3 on 2 gloo ranks vs DeepSpeed and FSDP2: step time, bytes sent "
+            "per rank, peak RSS, losses",
+        ),
     )
 }
 

@@ -121,7 +121,7 @@ def shard(tree: Any, specs: Any, mesh: Mesh, *, backend: str | None = None) -> A
 
         coords = mesh.coords(dist.get_rank())
         out = [
-            local_slice(x, s, mesh, coords).contiguous() if isinstance(x, torch.Tensor) else x
+            local_slice(x, s, mesh, coords).clone(memory_format=torch.contiguous_format) if isinstance(x, torch.Tensor) else x
             for x, s in zip(leaves, flat_specs)
         ]
     return optree.tree_unflatten(treedef, out)

@@ -12,6 +12,7 @@ from fsharded.optim._base import (
     Optimizer,
     ScalarOrSchedule,
     chain,
+    is_donating,
     scale_by_learning_rate,
 )
 from fsharded.optim._weight_decay import Mask, add_decayed_weights
@@ -78,8 +79,13 @@ def _adam_foreach(updates, state, count, b1, b2, eps):
         return updates, ScaleByAdamState(count, state.mu, state.nu)
     g = [x.to(y.dtype) for x, y in zip(g, m)]
     bc1, bc2 = (float(c) for c in bias_corrections(count, b1, b2))
-    mu = torch._foreach_lerp(m, g, 1.0 - b1)
-    nu = torch._foreach_mul(v, b2)
+    if is_donating():  # the caller gave up the old state: update the moments in place
+        torch._foreach_lerp_(m, g, 1.0 - b1)
+        torch._foreach_mul_(v, b2)
+        mu, nu = m, v
+    else:
+        mu = torch._foreach_lerp(m, g, 1.0 - b1)
+        nu = torch._foreach_mul(v, b2)
     torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
     denom = torch._foreach_sqrt(nu)
     torch._foreach_div_(denom, bc2**0.5)

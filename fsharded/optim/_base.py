@@ -8,7 +8,9 @@ on a shard inside ``shard_map`` and under ``torch.func.vmap``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import optree
@@ -147,8 +149,31 @@ def apply_updates(params: Params, updates: Updates) -> Params:
         p, tdef = optree.tree_flatten(params)
         u = optree.tree_leaves(updates)
         if all(x.dtype == y.dtype for x, y in zip(p, u)):
+            if is_donating():
+                torch._foreach_add_(p, u)
+                return optree.tree_unflatten(tdef, p)
             return optree.tree_unflatten(tdef, torch._foreach_add(p, u))
     return optree.tree_map(lambda p, u: (p + u).to(p.dtype), params, updates)
+
+
+_DONATE: contextvars.ContextVar[bool] = contextvars.ContextVar("fsharded_donate", default=False)
+
+
+@contextlib.contextmanager
+def donating() -> Iterator[None]:
+    """Within this block optimizers may overwrite their state and the parameters in place
+    (outside torch.func transforms): the state passed to ``update``/``apply_updates`` is
+    consumed, like JAX's donated buffers. Saves a copy of the parameters and optimizer
+    state at the update. ``train_step(..., donate=True)`` uses it."""
+    tok = _DONATE.set(True)
+    try:
+        yield
+    finally:
+        _DONATE.reset(tok)
+
+
+def is_donating() -> bool:
+    return _DONATE.get() and not torch._C._are_functorch_transforms_active()
 
 
 def _foreach_ok(tree: Any) -> bool:

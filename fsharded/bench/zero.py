@@ -1,0 +1,829 @@
+"""``fsharded bench zero``: ZeRO stages 0-3 side by side with DeepSpeed and FSDP2.
+
+    fsharded bench zero                   # GPT "small" (0.84 M params), 2 gloo ranks
+    fsharded bench zero --quick           # tiny model, few steps (smoke run)
+    fsharded bench zero --no-deepspeed    # ours and FSDP2 only
+    fsharded bench zero --stages 0,3 --markdown
+
+Two gloo ranks (one torch thread each) train the same functional GPT (fp32, seq 128,
+batch 8 per rank, AdamW lr 1e-3 weight decay 0.01, gradient clipping 1.0) on the same
+batches from the same initial weights, at each ZeRO stage:
+
+- ours: ``fs.train_step(gpt.loss, fs.optim.adamw(...), mesh=fs.Mesh({"data": 2}),
+  param_specs=fs.parallel.zero(stage)(P(), params), clip=1.0)``;
+- DeepSpeed (when importable): the same model as an ``nn.Module`` whose parameters are the
+  pytree leaves and whose forward calls ``gpt.loss`` (exactly the same math),
+  ``deepspeed.initialize`` with ``zero_optimization.stage`` set, ``torch.optim.AdamW`` as
+  the client optimizer, ``gradient_clipping`` 1.0; stage 3 builds the model under
+  ``deepspeed.zero.Init`` with ``stage3_param_persistence_threshold: 0``;
+- FSDP2 (``fully_shard`` on every block and the root, same module): the peer of stage 3,
+  and with ``reshard_after_forward=False`` the stage-2-like peer.
+
+Reported per stage and framework: the median step time (every framework timed in turn
+in the same processes, the order rotating each round), the bytes each rank sends per step
+and the peak RSS per rank (each framework and stage in fresh processes of its own, since
+``ru_maxrss`` is a per-process high-water mark). Bytes are counted the same way for
+every framework: ``torch.distributed``'s collectives are wrapped in the probe processes and
+each call is charged the ring-algorithm bytes of ``fsharded/_manifest.py`` (ours are also
+read from ``step.collectives(state, batch)``, and the two are checked to agree). Every
+framework's losses are printed next to ours: same init and data, so in fp32 they agree
+to ~1e-5 at the first step and stay close.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import inspect
+import logging
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+import torch.nn as nn
+
+from fsharded.bench import Report, Row, Section, format_time
+
+OURS = "fsharded"
+DS = "DeepSpeed"
+FSDP2 = "FSDP2"
+FSDP2_NORESHARD = "FSDP2 (reshard_after_forward=False)"
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- the job -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every worker needs (picklable: it travels to the spawned ranks)."""
+
+    model: dict  # GPTConfig fields
+    batches: tuple  # global batches, {"tokens": (world * micro, T + 1)}
+    stages: tuple[int, ...]
+    micro: int = 8
+    lr: float = 1e-3
+    wd: float = 0.01
+    clip: float = 1.0
+    deepspeed: bool = True
+    fsdp: bool = True
+    extensions_dir: str = ""
+    warmup: int = 3
+    rounds: int = 7
+    iters: int = 5
+    probe_warmup: int = 2
+    probe_count: int = 2
+
+    def config(self):
+        from fsharded.models import gpt
+
+        return gpt.GPTConfig(**self.model)
+
+    def batch(self, i: int) -> tuple[dict, dict]:
+        """Global batch ``i`` (ours: shard_map slices it) and this rank's rows (peers)."""
+        import torch.distributed as dist
+
+        g = self.batches[i % len(self.batches)]
+        r = dist.get_rank()
+        return g, {"tokens": g["tokens"][r * self.micro:(r + 1) * self.micro]}
+
+
+# -- the same model as an nn.Module ---------------------------------------------------------
+
+
+class _Leaves(nn.Module):
+    """The tensor leaves of a parameter subtree as this module's own parameters
+    (``recurse=False``), so ZeRO-3's and FSDP2's hooks find them on the module whose
+    forward reads them. ``tree()`` rebuilds the subtree from the current attributes (FSDP2
+    swaps in unsharded tensors during forward)."""
+
+    def __init__(self, tree: Any):
+        super().__init__()
+        from fsharded import _tree
+
+        paths, leaves, treedef = _tree.tree_flatten_with_paths(tree)
+        self._treedef = treedef
+        self._names = [p.replace(".", "__") for p in paths]
+        for name, x in zip(self._names, leaves):
+            self.register_parameter(name, nn.Parameter(x.detach().clone()))
+
+    def tree(self) -> Any:
+        return optree.tree_unflatten(self._treedef, [getattr(self, n) for n in self._names])
+
+    @torch.no_grad()
+    def load(self, tree: Any) -> None:
+        from fsharded import _tree
+
+        _, leaves, _ = _tree.tree_flatten_with_paths(tree)
+        for name, x in zip(self._names, leaves):
+            getattr(self, name).copy_(x)
+
+
+class _Block(_Leaves):
+    def forward(self, x: torch.Tensor, **kw: Any) -> torch.Tensor:
+        from fsharded.models import gpt
+
+        return gpt.block(self.tree(), x, **kw)
+
+
+class FunctionalGPT(_Leaves):
+    """``gpt.loss`` as an ``nn.Module``: the root holds the embeddings and final norm, each
+    block is a submodule, and ``forward(tokens)`` is ``gpt.loss(params, {"tokens":
+    tokens})`` with every block run through its module (``block_fn``)."""
+
+    def __init__(self, params: dict):
+        super().__init__({k: v for k, v in params.items() if k != "blocks"})
+        self.blocks = nn.ModuleList(_Block(b) for b in params["blocks"])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from fsharded.models import gpt
+
+        p = self.tree()
+        p["blocks"] = list(self.blocks)
+        return gpt.loss(p, {"tokens": tokens}, block_fn=lambda block, mod, x, **kw: mod(x, **kw))
+
+    def load_functional(self, params: dict) -> None:
+        self.load({k: v for k, v in params.items() if k != "blocks"})
+        for mod, b in zip(self.blocks, params["blocks"]):
+            mod.load(b)
+
+
+# -- bytes sent, counted at torch.distributed ------------------------------------------------
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+def _ar(b: int, n: int) -> int:
+    return 2 * (n - 1) * b // n
+
+
+def _ag(b: int, n: int) -> int:
+    return (n - 1) * b
+
+
+def _part(b: int, n: int) -> int:
+    return (n - 1) * b // n
+
+
+# op -> (argument holding what this rank contributes, bytes one rank sends for it). The
+# ring formulas of fsharded/_manifest.py; rooted ops (broadcast, reduce, gather, scatter)
+# are charged their per-rank average, (n - 1)/n of the tensor.
+_COUNTED: dict[str, tuple[str, Callable[[int, int], int]]] = {
+    "all_reduce": ("tensor", _ar),
+    "all_reduce_coalesced": ("tensors", _ar),
+    "all_gather": ("tensor", _ag),
+    "all_gather_into_tensor": ("input_tensor", _ag),
+    "_all_gather_base": ("input_tensor", _ag),
+    "all_gather_single": ("input_tensor", _ag),
+    "all_gather_coalesced": ("input_tensor_list", _ag),
+    "reduce_scatter": ("input_list", _part),
+    "reduce_scatter_tensor": ("input", _part),
+    "_reduce_scatter_base": ("input", _part),
+    "reduce_scatter_single": ("input", _part),
+    "all_to_all_single": ("input", _part),
+    "all_to_all": ("input_tensor_list", _part),
+    "broadcast": ("tensor", _part),
+    "reduce": ("tensor", _part),
+    "gather": ("tensor", _part),
+    "scatter": ("tensor", _part),
+    "send": ("tensor", lambda b, n: b),
+    "isend": ("tensor", lambda b, n: b),
+    "recv": ("tensor", lambda b, n: 0),
+    "irecv": ("tensor", lambda b, n: 0),
+    "barrier": ("group", lambda b, n: 0),
+    "broadcast_object_list": ("object_list", lambda b, n: 0),
+    "all_gather_object": ("obj", lambda b, n: 0),
+}
+
+
+class ByteCounter:
+    """Wraps ``torch.distributed``'s collectives (in ``torch.distributed`` and in
+    ``distributed_c10d``) so that, while ``counting()`` is open, every outermost call is
+    charged the bytes this rank sends. Installed before DeepSpeed is imported (its backend
+    keeps references to the functions). Pass-through otherwise."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        self.active = False
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+        self._depth = threading.local()
+        for name, (arg, formula) in _COUNTED.items():
+            orig = getattr(c10d, name, None)
+            if orig is None or getattr(orig, "_fsharded_counted", False):
+                continue
+            wrapped = self._wrap(name, orig, arg, formula)
+            for mod in (dist, c10d):
+                if getattr(mod, name, None) is orig:
+                    setattr(mod, name, wrapped)
+
+    def _wrap(self, name: str, orig: Callable, arg: str, formula: Callable[[int, int], int]):
+        import torch.distributed as dist
+
+        sig = inspect.signature(orig)
+        counter = self
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            depth = getattr(counter._depth, "n", 0)
+            if counter.active and depth == 0:
+                bound = sig.bind(*args, **kwargs)
+                n = dist.get_world_size(bound.arguments.get("group"))
+                b = formula(_nbytes(bound.arguments.get(arg)), n) if n > 1 else 0
+                counter.calls[name] = counter.calls.get(name, 0) + 1
+                counter.bytes[name] = counter.bytes.get(name, 0) + b
+            counter._depth.n = depth + 1
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                counter._depth.n = depth
+
+        wrapped._fsharded_counted = True  # type: ignore[attr-defined]
+        wrapped.__wrapped__ = orig  # type: ignore[attr-defined]
+        return wrapped
+
+    @contextlib.contextmanager
+    def counting(self):
+        self.calls.clear()
+        self.bytes.clear()
+        self.active = True
+        try:
+            yield self
+        finally:
+            self.active = False
+
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+# -- the frameworks --------------------------------------------------------------------------
+
+
+class _Ours:
+    def __init__(self, job: Job, stage: int, params: dict):
+        import torch.distributed as dist
+
+        import fsharded as fs
+        from fsharded.models import gpt
+
+        self.step_fn = fs.train_step(
+            gpt.loss, fs.optim.adamw(job.lr, weight_decay=job.wd),
+            mesh=fs.Mesh({"data": dist.get_world_size()}),
+            param_specs=fs.parallel.zero(stage)(fs.P(), params), clip=job.clip)
+        self.state = self.step_fn.init(params)
+
+    def __call__(self, global_batch: dict, local_batch: dict) -> torch.Tensor:
+        self.state, m = self.step_fn(self.state, global_batch)
+        return m["loss"]  # already averaged over the ranks
+
+    def manifest_bytes(self, global_batch: dict) -> int:
+        return self.step_fn.collectives(self.state, global_batch).total_bytes()
+
+
+def _deepspeed_config(job: Job, stage: int) -> dict:
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        # Without it every parameter of a small model stays unpartitioned (PEERS.md).
+        zero["stage3_param_persistence_threshold"] = 0
+    return {
+        "train_micro_batch_size_per_gpu": job.micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": job.clip,
+        "zero_optimization": zero,
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _client_adamw(params, job: Job) -> torch.optim.Optimizer:
+    """torch.optim.AdamW with its fastest CPU implementation (fused; PEERS.md)."""
+    return torch.optim.AdamW(params, lr=job.lr, weight_decay=job.wd, fused=True)
+
+
+class _DeepSpeed:
+    def __init__(self, job: Job, stage: int, params: dict):
+        import deepspeed
+        import torch.distributed as dist
+
+        cfg = _deepspeed_config(job, stage)
+        if stage == 3:
+            with deepspeed.zero.Init(config_dict_or_path=cfg):
+                model = FunctionalGPT(params)
+            with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+                if dist.get_rank() == 0:
+                    model.load_functional(params)
+        else:
+            model = FunctionalGPT(params)
+        opt = _client_adamw(model.parameters(), job)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+
+    def __call__(self, global_batch: dict, local_batch: dict) -> torch.Tensor:
+        loss = self.engine(local_batch["tokens"])
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+
+class _FSDP2:
+    _mesh = None
+
+    def __init__(self, job: Job, reshard_after_forward: bool, params: dict):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if _FSDP2._mesh is None:
+            _FSDP2._mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        model = FunctionalGPT(params)
+        for b in model.blocks:
+            fully_shard(b, mesh=_FSDP2._mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=_FSDP2._mesh, reshard_after_forward=reshard_after_forward)
+        self.model = model
+        self.opt = _client_adamw(model.parameters(), job)
+        self.clip = job.clip
+
+    def __call__(self, global_batch: dict, local_batch: dict) -> torch.Tensor:
+        loss = self.model(local_batch["tokens"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def _frameworks(job: Job, stage: int) -> list[str]:
+    names = [OURS]
+    if job.deepspeed:
+        names.append(DS)
+    if job.fsdp and stage == 3:
+        names.append(FSDP2)
+    if job.fsdp and stage == 2:
+        names.append(FSDP2_NORESHARD)
+    return names
+
+
+def _build(job: Job, name: str, stage: int):
+    from fsharded.models import gpt
+
+    params = gpt.init(job.config(), 0)
+    if name == OURS:
+        return _Ours(job, stage, params)
+    if name == DS:
+        return _DeepSpeed(job, stage, params)
+    return _FSDP2(job, name == FSDP2, params)
+
+
+def _init_deepspeed(job: Job) -> float:
+    """Import DeepSpeed for the CPU and wrap the gloo group; seconds taken (the first use
+    of an extensions dir includes JIT-building DeepSpeed's shared-memory comm op)."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ["TORCH_EXTENSIONS_DIR"] = job.extensions_dir
+    t0 = time.perf_counter()
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo")
+    return time.perf_counter() - t0
+
+
+def _quiet_stdout() -> None:
+    """Spawned ranks write their logs (DeepSpeed's, JIT builds) to stderr: stdout is the report."""
+    sys.stdout.flush()
+    os.dup2(2, 1)
+
+
+# -- workers (module level: run_on_ranks spawns them by name) -------------------------------
+
+
+def time_worker(job: Job) -> dict:
+    """Every framework of every stage in these processes, timed in rotating order."""
+    import torch.distributed as dist
+
+    _quiet_stdout()
+    out: dict[str, Any] = {"threads": torch.get_num_threads(), "stages": {}}
+    if job.deepspeed:
+        out["deepspeed_init_s"] = _init_deepspeed(job)
+        out["threads_after_deepspeed"] = torch.get_num_threads()
+    for stage in job.stages:
+        names = _frameworks(job, stage)
+        runners = {n: _build(job, n, stage) for n in names}
+        losses: dict[str, list[float]] = {n: [] for n in names}
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for i in range(job.warmup):
+            for n in names:
+                losses[n].append(float(runners[n](*job.batch(i))))
+        for rd in range(job.rounds):
+            first = job.warmup + rd * job.iters
+            k = rd % len(names)
+            for n in names[k:] + names[:k]:
+                dist.barrier()
+                step_losses = []
+                t0 = time.perf_counter()
+                for i in range(first, first + job.iters):
+                    step_losses.append(runners[n](*job.batch(i)))
+                float(step_losses[-1])
+                times[n].append((time.perf_counter() - t0) / job.iters)
+                losses[n] += [float(x) for x in step_losses]
+        out["stages"][stage] = {"times": times, "losses": losses}
+        del runners
+    return out
+
+
+def probe_worker(job: Job, name: str, stage: int) -> dict:
+    """One framework at one stage in fresh processes: peak RSS, bytes sent per step."""
+    _quiet_stdout()
+    counter = ByteCounter()  # before DeepSpeed keeps references to the collectives
+    out: dict[str, Any] = {"rss_imports_kb": _current_rss_kb()}
+    if name == DS:
+        _init_deepspeed(job)
+    out["rss_base_kb"] = _current_rss_kb()
+    runner = _build(job, name, stage)
+    out["rss_built_kb"] = _current_rss_kb()
+    losses = []
+    for i in range(job.probe_warmup):
+        losses.append(float(runner(*job.batch(i))))
+    with counter.counting():
+        for i in range(job.probe_warmup, job.probe_warmup + job.probe_count):
+            losses.append(float(runner(*job.batch(i))))
+    out["bytes"] = counter.total() / job.probe_count
+    out["ops"] = {k: (counter.calls[k] / job.probe_count, counter.bytes[k] / job.probe_count)
+                  for k in sorted(counter.calls)}
+    out["peak_rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out["losses"] = losses
+    if name == OURS:
+        out["manifest_bytes"] = runner.manifest_bytes(job.batch(job.probe_warmup)[0])
+    return out
+
+
+def _current_rss_kb() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+    except OSError:  # pragma: no cover - not Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+# -- reporting -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Qty(Row):
+    """A row whose values are bytes (``unit="B"``) rather than seconds."""
+
+    unit: str = "s"
+
+
+def format_bytes(b: float) -> str:
+    if b != b:
+        return "n/a"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(b) >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _cell(r: Row, v: float) -> str:
+    return format_bytes(v) if getattr(r, "unit", "s") == "B" else format_time(v)
+
+
+class ZeroReport(Report):
+    """``Report`` whose tables may hold bytes as well as times."""
+
+    def _cells(self, s: Section) -> list[tuple[str, ...]]:
+        return [(r.case, r.size, _cell(r, r.ours_s), _cell(r, r.peer_s), f"{r.ratio:.2f}")
+                for r in s.rows]
+
+    def markdown(self) -> str:
+        out = [f"## fsharded bench {self.name}", ""]
+        out += [f"- {line}" for line in self.header_lines()]
+        for s in self.sections:
+            out += ["", f"### {s.title}", "", f"peer: {s.peer}", ""]
+            out += ["| case | size | ours | peer | ours/peer |", "|---|---|---:|---:|---:|"]
+            out += ["| " + " | ".join(c) + " |" for c in self._cells(s)]
+            extra = [x for x in (s.summary(), *s.notes) if x]
+            if extra:
+                out.append("")
+                out += [f"- {x}" for x in extra]
+        return "\n".join(out) + "\n"
+
+    def text(self) -> str:
+        out = [f"fsharded bench {self.name}"] + [f"  {line}" for line in self.header_lines()]
+        head = ("case", "size", "ours", "peer", "ours/peer")
+        for s in self.sections:
+            cells = self._cells(s)
+            widths = [max(len(c[i]) for c in [head, *cells]) for i in range(len(head))]
+
+            def fmt(c: tuple[str, ...], widths: list[int] = widths) -> str:
+                left = [c[i].ljust(widths[i]) for i in range(2)]
+                right = [c[i].rjust(widths[i]) for i in range(2, len(c))]
+                return "  ".join(left + right)
+
+            out += ["", s.title, f"peer: {s.peer}", fmt(head), "-" * len(fmt(head))]
+            out += [fmt(c) for c in cells]
+            out += [x for x in (s.summary(), *s.notes) if x]
+        return "\n".join(out) + "\n"
+
+    def _print_rich(self, file) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = Console(file=file)
+        for line in [f"fsharded bench {self.name}", *self.header_lines()]:
+            console.print(line, highlight=False)
+        for s in self.sections:
+            t = Table(title=s.title, caption=f"peer: {s.peer}")
+            for col, just in (("case", "left"), ("size", "left"), ("ours", "right"),
+                              ("peer", "right"), ("ours/peer", "right")):
+                t.add_column(col, justify=just)
+            for r, c in zip(s.rows, self._cells(s)):
+                style = "red" if s.target is not None and r.ratio > s.target else None
+                t.add_row(*c, style=style)
+            console.print(t)
+            for x in (s.summary(), *s.notes):
+                if x:
+                    console.print(x, highlight=False)
+
+
+def _peer_label(name: str, stage: int) -> str:
+    if name == DS:
+        return f"ZeRO-{stage} vs DeepSpeed ZeRO-{stage}"
+    if name == FSDP2:
+        return f"ZeRO-{stage} vs FSDP2 fully_shard"
+    return f"ZeRO-{stage} vs FSDP2 fully_shard(reshard_after_forward=False)"
+
+
+def _losses_note(stage: int, losses: dict[str, list[float]]) -> str:
+    ours = losses[OURS]
+    parts = []
+    for n, ls in losses.items():
+        seg = f"{n} {ls[0]:.5f} -> {ls[-1]:.5f}"
+        if n != OURS:
+            d1 = abs(ls[0] - ours[0])
+            dmax = max(abs(a - b) for a, b in zip(ls, ours))
+            seg += f" (|diff| step 1 {d1:.1e}, max {dmax:.1e})"
+            if d1 > 1e-4:
+                seg += " MISMATCH"
+        parts.append(seg)
+    return f"ZeRO-{stage} losses over {len(ours)} steps: " + "; ".join(parts)
+
+
+def _mean_over_ranks(per_rank: list[list[float]]) -> list[float]:
+    return [statistics.fmean(v) for v in zip(*per_rank)]
+
+
+def build_sections(job: Job, timing: list[dict], probes: dict, size: str, nparams: int) -> list[Section]:
+    stages = job.stages
+    peers = [n for n in (DS, FSDP2, FSDP2_NORESHARD)
+             if any(n in _frameworks(job, s) for s in stages)]
+    sections = []
+    rounds_note = (f"{job.rounds} rounds of {job.iters} steps per framework after {job.warmup} "
+                   f"warm-up steps, every framework in the same 2 processes, the order rotating "
+                   f"each round; per round the slower rank's time; median over rounds")
+    loss_notes = []
+    for stage in stages:
+        losses = {}
+        for n in _frameworks(job, stage):
+            per_rank = [t["stages"][stage]["losses"][n] for t in timing]
+            losses[n] = per_rank[0] if n == OURS else _mean_over_ranks(per_rank)
+        loss_notes.append(_losses_note(stage, losses))
+    for peer in peers:
+        peer_stages = [s for s in stages if peer in _frameworks(job, s)]
+        # step time
+        rows = []
+        for s in peer_stages:
+            t = [x["stages"][s]["times"] for x in timing]
+            ours = [max(v) for v in zip(*(x[OURS] for x in t))]
+            theirs = [max(v) for v in zip(*(x[peer] for x in t))]
+            rows.append(Row.from_samples(_peer_label(peer, s), size, ours, theirs))
+        notes = [rounds_note] + [n for s, n in zip(stages, loss_notes) if s in peer_stages]
+        sections.append(Section(
+            title=f"step time, GPT {nparams:,} params fp32, 2 gloo ranks: fsharded vs {peer}",
+            peer=_peer_desc(peer), rows=tuple(rows), target=1.0, notes=tuple(notes)))
+        # bytes
+        rows, notes = [], []
+        for s in peer_stages:
+            a, b = probes[(OURS, s)], probes[(peer, s)]
+            rows.append(Qty(_peer_label(peer, s), size, a["bytes"], b["bytes"], unit="B"))
+            notes.append(f"ZeRO-{s}: ours {_ops(a['ops'])}; {peer} {_ops(b['ops'])}")
+        notes.append(
+            "counted by wrapping torch.distributed's collectives in each framework's own probe "
+            "processes and charging each call the ring bytes of fsharded/_manifest.py "
+            "(all-reduce 2(n-1)/n, all-gather (n-1) x shard, reduce-scatter (n-1)/n); mean "
+            f"over ranks and over {job.probe_count} steps after {job.probe_warmup} warm-up steps")
+        sections.append(Section(
+            title=f"bytes sent per rank per step: fsharded vs {peer}",
+            peer=_peer_desc(peer), rows=tuple(rows), target=1.0, notes=tuple(notes)))
+        # memory
+        rows, notes = [], []
+        for s in peer_stages:
+            a, b = probes[(OURS, s)], probes[(peer, s)]
+            rows.append(Qty(f"{_peer_label(peer, s)}: peak RSS", size,
+                            a["peak_rss_kb"] * 1024, b["peak_rss_kb"] * 1024, unit="B"))
+            rows.append(Qty(f"{_peer_label(peer, s)}: peak RSS above baseline", size,
+                            (a["peak_rss_kb"] - a["rss_base_kb"]) * 1024,
+                            (b["peak_rss_kb"] - b["rss_base_kb"]) * 1024, unit="B"))
+            notes.append(
+                f"ZeRO-{s} baseline (RSS after imports{' and deepspeed.init_distributed' if peer == DS else ''}): "
+                f"ours {format_bytes(a['rss_base_kb'] * 1024)}, {peer} {format_bytes(b['rss_base_kb'] * 1024)}")
+        notes.append("ru_maxrss of each rank in fresh processes running only that framework "
+                     "(max over ranks); the baseline is the RSS before the model is built, i.e. "
+                     "torch + fsharded (+ deepspeed) imported and the process group up")
+        sections.append(Section(
+            title=f"peak RSS per rank: fsharded vs {peer}",
+            peer=_peer_desc(peer), rows=tuple(rows), target=None, notes=tuple(notes)))
+    if not peers:  # ours alone: still show the stages' numbers against stage 0
+        rows = []
+        for s in stages:
+            t = [x["stages"][s]["times"][OURS] for x in timing]
+            t0 = [x["stages"][stages[0]]["times"][OURS] for x in timing]
+            rows.append(Row.from_samples(f"ZeRO-{s} vs ZeRO-{stages[0]}", size,
+                                         [max(v) for v in zip(*t)], [max(v) for v in zip(*t0)]))
+        sections.append(Section(title="step time of our stages (no peer selected)",
+                                peer=f"our ZeRO-{stages[0]}", rows=tuple(rows),
+                                notes=tuple([rounds_note] + loss_notes)))
+    return sections
+
+
+def _ops(ops: dict) -> str:
+    if not ops:
+        return "no collectives"
+    return ", ".join(f"{k} x{c:g} {format_bytes(b)}" for k, (c, b) in ops.items())
+
+
+def _peer_desc(peer: str) -> str:
+    if peer == DS:
+        return ("DeepSpeed " + _ds_version() + " engine on the same model as an nn.Module "
+                "(parameters = the pytree leaves, forward = gpt.loss), client optimizer "
+                "torch.optim.AdamW(fused=True), gradient_clipping 1.0, default ZeRO settings "
+                "(stage 3: zero.Init, stage3_param_persistence_threshold 0)")
+    reshard = "True (ZeRO-3-like)" if peer == FSDP2 else "False (ZeRO-2-like)"
+    return ("torch.distributed.fsdp.fully_shard on each block and the root of the same "
+            f"nn.Module, reshard_after_forward={reshard}, torch.optim.AdamW(fused=True), "
+            "clip_grad_norm_ 1.0")
+
+
+def _ds_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("deepspeed")
+    except Exception:  # noqa: BLE001
+        return "(version unknown)"
+
+
+def deepspeed_available() -> tuple[bool, str]:
+    """Whether ``import deepspeed`` would find the installed package (not a folder named
+    ``deepspeed`` in the working directory, which shadows it)."""
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None:
+        return False, "deepspeed is not installed"
+    if spec.origin is None or not spec.origin.endswith("__init__.py"):
+        where = list(spec.submodule_search_locations or [])
+        return False, (f"a folder named deepspeed ({where}) shadows the package; run from "
+                       f"another directory")
+    return True, ""
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog or "fsharded bench zero", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke run)")
+    p.add_argument("--markdown", action="store_true")
+    p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed peer")
+    p.add_argument("--no-fsdp", action="store_true", help="skip the FSDP2 peer")
+    p.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages (default 0,1,2,3)")
+    p.add_argument("--rounds", type=int, default=None, help="timing rounds (default 7; quick 2)")
+    p.add_argument("--iters", type=int, default=None, help="steps per framework per round (default 5)")
+    p.add_argument("--d-model", type=int, default=None, help="model width (default: GPT small's 128)")
+    p.add_argument("--layers", type=int, default=None, help="blocks (default: GPT small's 4)")
+    p.add_argument("--extensions-dir", default=os.path.join(tempfile.gettempdir(), "fsharded-bench-zero-torch-extensions"),
+                   help="TORCH_EXTENSIONS_DIR for DeepSpeed's JIT builds (kept between runs)")
+    return p
+
+
+def _stages(text: str) -> tuple[int, ...]:
+    try:
+        stages = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        stages = ()
+    if not stages or any(s not in (0, 1, 2, 3) for s in stages):
+        raise SystemExit(f"--stages: give a comma-separated subset of 0,1,2,3, got {text!r}")
+    return tuple(dict.fromkeys(stages))
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    import fsharded as fs
+    from fsharded.models import gpt
+    from fsharded.testing import run_on_ranks
+
+    args = build_parser(prog).parse_args(argv)
+    stages = _stages(args.stages)
+    t_start = time.perf_counter()
+    world, micro = 2, 8
+    if args.quick:
+        cfg = gpt.GPTConfig.tiny(vocab_size=256)
+        source, rounds, iters, warmup, pw, pc = "stdlib:200000", 2, 2, 2, 1, 1
+    else:
+        cfg = gpt.GPTConfig.small()
+        source, rounds, iters, warmup, pw, pc = "stdlib", 7, 5, 3, 2, 2
+    over = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.layers)) if v}
+    if over:
+        cfg = cfg.replace(**over)
+    rounds, iters = args.rounds or rounds, args.iters or iters
+
+    use_ds = not args.no_deepspeed
+    notes = []
+    if use_ds:
+        use_ds, why = deepspeed_available()
+        if not use_ds:
+            _log(f"skipping DeepSpeed: {why}")
+            notes.append(f"DeepSpeed skipped: {why}")
+    data = fs.data.Batches(fs.data.load_tokens(source), world * micro, cfg.seq_len, seed=0)
+    n_batches = warmup + rounds * iters
+    job = Job(model=dataclasses.asdict(cfg), batches=tuple(data.batch_at(i) for i in range(n_batches)),
+              stages=stages, micro=micro, deepspeed=use_ds, fsdp=not args.no_fsdp,
+              extensions_dir=args.extensions_dir, warmup=warmup, rounds=rounds, iters=iters,
+              probe_warmup=pw, probe_count=pc)
+    nparams = gpt.param_count(gpt.init(cfg, 0))
+    report = ZeroReport("zero", params={
+        "torch": torch.__version__,
+        "deepspeed": _ds_version() if use_ds else "not run",
+        "model": f"GPT d_model={cfg.d_model} layers={cfg.n_layers} heads={cfg.n_heads} "
+                 f"vocab={cfg.vocab_size} seq={cfg.seq_len}, {nparams:,} params, fp32",
+        "batch": f"{micro} sequences per rank, {world} gloo ranks, 1 torch thread per rank",
+    })
+
+    _log(f"timing stages {','.join(map(str, stages))} on {world} gloo ranks ...")
+    t0 = time.perf_counter()
+    timing = run_on_ranks(time_worker, world, job)
+    t_timing = time.perf_counter() - t0
+    probes: dict = {}
+    for s in stages:
+        for n in _frameworks(job, s):
+            _log(f"probe: {n} ZeRO-{s} (bytes, peak RSS) ...")
+            per_rank = run_on_ranks(probe_worker, world, job, n, s)
+            probes[(n, s)] = _merge_probe(per_rank)
+    for s in stages:
+        p = probes[(OURS, s)]
+        if p["manifest_bytes"] != p["bytes"]:
+            notes.append(f"ZeRO-{s}: our manifest says {p['manifest_bytes']:,} bytes/rank/step, "
+                         f"the torch.distributed count {p['bytes']:,.0f}")
+    size = f"{micro}x{cfg.seq_len}/rank"
+    report.sections += build_sections(job, timing, probes, size, nparams)
+    report.finish()
+    t_total = time.perf_counter() - t_start
+    extra = [f"threads per rank: {timing[0]['threads']}"]
+    if use_ds:
+        extra.append(f"DeepSpeed import + init_distributed: {timing[0]['deepspeed_init_s']:.1f} s "
+                     f"(JIT build of its shm comm op into {job.extensions_dir} on first use); "
+                     f"threads after it: {timing[0]['threads_after_deepspeed']}")
+    extra.append("our manifests match the torch.distributed count at every stage"
+                 if not any("manifest" in n for n in notes) else "")
+    extra.append(f"wall time: {t_total:.0f} s (timing processes {t_timing:.0f} s)")
+    report.params.update({"notes": "; ".join(x for x in notes + extra if x)})
+    report.print(markdown=args.markdown)
+    return 0
+
+
+def _merge_probe(per_rank: list[dict]) -> dict:
+    r0 = per_rank[0]
+    return {
+        "bytes": statistics.fmean(p["bytes"] for p in per_rank),
+        "ops": {k: (statistics.fmean(p["ops"].get(k, (0, 0))[0] for p in per_rank),
+                    statistics.fmean(p["ops"].get(k, (0, 0))[1] for p in per_rank))
+                for k in sorted({k for p in per_rank for k in p["ops"]})},
+        "peak_rss_kb": max(p["peak_rss_kb"] for p in per_rank),
+        "rss_base_kb": max(p["rss_base_kb"] for p in per_rank),
+        "manifest_bytes": r0.get("manifest_bytes"),
+        "losses": r0["losses"],
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
