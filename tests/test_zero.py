@@ -184,3 +184,18 @@ def test_estimate_memory_follows_the_placement():
     e3 = fs.estimate_memory(params, pl, opt, mesh=mesh, precision="bf16")
     assert e3.compute_params <= 2 * P_ and e3.grads < e0.grads and "at most 2 blocks" in str(e3)
     assert e3.total < e0.total
+
+
+@pytest.mark.multiprocess
+def test_gloo_four_ranks_stages_and_hybrid(one_device):
+    from fsharded.testing import run_on_ranks
+
+    per_rank = run_on_ranks(Z.gloo_zero4, 4, 4)
+    ref = one_device["losses"][:10]
+    for res in per_rank:
+        for key in (0, 1, 2, 3, "hybrid"):
+            torch.testing.assert_close(torch.tensor(res[key]["losses"]), torch.tensor(ref), **TOL, msg=str(key))
+    virtual = Z.run_zero({"replica": 2, "shard": 2}, 3, axis="shard", batch_spec=P(("replica", "shard")), steps=10)
+    for a, b in zip(T.flat(per_rank[0]["hybrid"]["params"]), T.flat(virtual["params"])):
+        torch.testing.assert_close(a, b, **TOL)
+    assert per_rank[0]["hybrid"]["manifest"] == virtual["manifest"]

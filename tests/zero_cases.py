@@ -76,3 +76,11 @@ def stage_mismatch(mesh_axes: dict) -> str:
     except ValueError as e:
         return str(e)
     return ""
+
+
+def gloo_zero4(world: int) -> dict:
+    """4 ranks: every stage over data=4, and hybrid (replica=2 x shard=2, ZeRO-3 over shard)."""
+    out = {stage: run_zero({"data": world}, stage, steps=10) for stage in (0, 1, 2, 3)}
+    out["hybrid"] = run_zero({"replica": 2, "shard": 2}, 3, axis="shard",
+                             batch_spec=P(("replica", "shard")), steps=10)
+    return out
