@@ -221,7 +221,10 @@ class TrainStep:
             p = optree.tree_unflatten(m_def, leaves)
             if per_block:
                 specs_of = {id(x): (m, u) for x, m, u, b in zip(leaves, master_specs, use, block_mask) if b}
-                loss = self.loss_fn(p, micro, block_fn=functools.partial(_zero3_block, specs_of, axis, self.mesh, cap))
+                prefetch = _Prefetch(p, specs_of, axis, self.mesh) if self.distributed and \
+                    not torch._C._are_functorch_transforms_active() else None
+                loss = self.loss_fn(p, micro, block_fn=functools.partial(
+                    _zero3_block, specs_of, axis, self.mesh, cap, prefetch))
             else:
                 loss = self.loss_fn(p, micro)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -374,8 +377,38 @@ def _block_mask(params: Any) -> list[bool] | None:
     return [p.startswith("blocks.") for p in paths]
 
 
-def _zero3_block(specs_of: dict, axis: str, mesh: Mesh, cap: int, block: Callable, p: Any,
-                 x: torch.Tensor, **kw: Any) -> torch.Tensor:
+class _Prefetch:
+    """ZeRO-3 forward prefetch on real ranks: when block i starts, block i+1's gather is
+    issued asynchronously, so it travels while block i computes (two blocks' full weights
+    alive at most). Backward re-gathers synchronously (that gather must be differentiable)."""
+
+    def __init__(self, params: Any, specs_of: dict, axis: str, mesh: Mesh) -> None:
+        blocks = params["blocks"] if isinstance(params, dict) else []
+        self.order = [optree.tree_leaves(b) for b in blocks]
+        self.index = {id(lv[0]): i for i, lv in enumerate(self.order) if lv}
+        self.specs_of, self.axis, self.mesh = specs_of, axis, mesh
+        self.pending: dict[int, Any] = {}
+
+    def start(self, i: int) -> None:
+        from fsharded.parallel import _buckets as B
+
+        if 0 <= i < len(self.order) and i not in self.pending:
+            leaves = self.order[i]
+            specs = [self.specs_of[id(t)] for t in leaves]
+            self.pending[i] = B.PendingGather(leaves, [m for m, _ in specs], [u for _, u in specs],
+                                              self.axis, self.mesh)
+
+    def take(self, leaves: list) -> list | None:
+        i = self.index.get(id(leaves[0])) if leaves else None
+        if i is None:
+            return None
+        self.start(i)
+        self.start(i + 1)  # the next block's weights travel while this one computes
+        return self.pending.pop(i).wait()
+
+
+def _zero3_block(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: _Prefetch | None,
+                 block: Callable, p: Any, x: torch.Tensor, **kw: Any) -> torch.Tensor:
     """Run ``block`` on its sharded parameters: gather them inside a remat, so only this
     block's full weights are alive while it runs, and they are gathered again in backward."""
     from fsharded.parallel import _buckets as B
@@ -393,7 +426,11 @@ def _zero3_block(specs_of: dict, axis: str, mesh: Mesh, cap: int, block: Callabl
 
     def run(*args: torch.Tensor) -> torch.Tensor:
         *shards, h = args
-        full = B.gather_leaves(list(shards), m_specs, u_specs, axis, mesh, cap)
+        full = None
+        if prefetch is not None and not torch.is_grad_enabled():  # forward, not the re-run
+            full = prefetch.take(leaves)
+        if full is None:
+            full = B.gather_leaves(list(shards), m_specs, u_specs, axis, mesh, cap)
         return block(optree.tree_unflatten(bdef, full), h, **kw)
 
     return checkpoint(run)(*leaves, x)

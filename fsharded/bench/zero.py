@@ -410,9 +410,18 @@ def _init_deepspeed(job: Job) -> float:
 
 
 def _quiet_stdout() -> None:
-    """Spawned ranks write their logs (DeepSpeed's, JIT builds) to stderr: stdout is the report."""
+    """Spawned ranks write their logs (DeepSpeed's, JIT builds) to stderr: stdout is the
+    report. DeepSpeed's calls of the deprecated all_gather_into_tensor would warn each step."""
+    import warnings
+
     sys.stdout.flush()
     os.dup2(2, 1)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+
+
+# Modules whose first import during the training steps shows up in the peak RSS.
+_WATCH = ("torch._dynamo", "torch._inductor", "sympy", "triton", "torch.distributed.fsdp",
+          "torch.distributed.tensor", "deepspeed")
 
 
 # -- workers (module level: run_on_ranks spawns them by name) -------------------------------
@@ -460,6 +469,7 @@ def probe_worker(job: Job, name: str, stage: int) -> dict:
     if name == DS:
         _init_deepspeed(job)
     out["rss_base_kb"] = _current_rss_kb()
+    loaded = set(sys.modules)
     runner = _build(job, name, stage)
     out["rss_built_kb"] = _current_rss_kb()
     losses = []
@@ -472,6 +482,7 @@ def probe_worker(job: Job, name: str, stage: int) -> dict:
     out["ops"] = {k: (counter.calls[k] / job.probe_count, counter.bytes[k] / job.probe_count)
                   for k in sorted(counter.calls)}
     out["peak_rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out["lazy_imports"] = [m for m in _WATCH if m in sys.modules and m not in loaded]
     out["losses"] = losses
     if name == OURS:
         out["manifest_bytes"] = runner.manifest_bytes(job.batch(job.probe_warmup)[0])
@@ -643,11 +654,11 @@ def build_sections(job: Job, timing: list[dict], probes: dict, size: str, nparam
             rows.append(Qty(f"{_peer_label(peer, s)}: peak RSS", size,
                             a["peak_rss_kb"] * 1024, b["peak_rss_kb"] * 1024, unit="B"))
             rows.append(Qty(f"{_peer_label(peer, s)}: peak RSS above baseline", size,
-                            (a["peak_rss_kb"] - a["rss_base_kb"]) * 1024,
-                            (b["peak_rss_kb"] - b["rss_base_kb"]) * 1024, unit="B"))
+                            a["above_base_kb"] * 1024, b["above_base_kb"] * 1024, unit="B"))
             notes.append(
                 f"ZeRO-{s} baseline (RSS after imports{' and deepspeed.init_distributed' if peer == DS else ''}): "
-                f"ours {format_bytes(a['rss_base_kb'] * 1024)}, {peer} {format_bytes(b['rss_base_kb'] * 1024)}")
+                f"ours {format_bytes(a['rss_base_kb'] * 1024)}, {peer} {format_bytes(b['rss_base_kb'] * 1024)}; "
+                f"first imported while building and stepping: ours {_mods(a)}, {peer} {_mods(b)}")
         notes.append("ru_maxrss of each rank in fresh processes running only that framework "
                      "(max over ranks); the baseline is the RSS before the model is built, i.e. "
                      "torch + fsharded (+ deepspeed) imported and the process group up")
@@ -665,6 +676,10 @@ def build_sections(job: Job, timing: list[dict], probes: dict, size: str, nparam
                                 peer=f"our ZeRO-{stages[0]}", rows=tuple(rows),
                                 notes=tuple([rounds_note] + loss_notes)))
     return sections
+
+
+def _mods(p: dict) -> str:
+    return "+".join(p["lazy_imports"]) or "nothing watched"
 
 
 def _ops(ops: dict) -> str:
@@ -819,7 +834,9 @@ def _merge_probe(per_rank: list[dict]) -> dict:
                     statistics.fmean(p["ops"].get(k, (0, 0))[1] for p in per_rank))
                 for k in sorted({k for p in per_rank for k in p["ops"]})},
         "peak_rss_kb": max(p["peak_rss_kb"] for p in per_rank),
+        "above_base_kb": max(p["peak_rss_kb"] - p["rss_base_kb"] for p in per_rank),
         "rss_base_kb": max(p["rss_base_kb"] for p in per_rank),
+        "lazy_imports": r0["lazy_imports"],
         "manifest_bytes": r0.get("manifest_bytes"),
         "losses": r0["losses"],
     }

@@ -149,3 +149,40 @@ def slice_leaves(leaves: list, from_specs: list, to_specs: list, axis: str, mesh
             moved[0] //= n
             out[i] = _rows(x, d, n).index_select(0, me).reshape(moved).movedim(0, d)
     return out
+
+
+class PendingGather:
+    """An all-gather issued without waiting (ZeRO-3 prefetch on real ranks): ``wait()``
+    gives the gathered leaves. Not differentiable: for forward passes under no_grad."""
+
+    def __init__(self, leaves: list, from_specs: list, to_specs: list, axis: str, mesh: Mesh) -> None:
+        import torch.distributed as dist
+
+        from fsharded import distributed
+
+        self.leaves, self.n = leaves, mesh.shape[axis]
+        self.dims = [split_dim(f, t, axis) if axis in f.axes and axis not in t.axes else None
+                     for f, t in zip(from_specs, to_specs)]
+        moving = [i for i, d in enumerate(self.dims) if d is not None]
+        self.moving = moving
+        self.work = None
+        if not moving:
+            return
+        g = distributed.axis_group(mesh, (axis,))
+        flat = torch.cat([leaves[i].movedim(self.dims[i], 0).reshape(-1) for i in moving])
+        out = flat.new_empty(self.n * flat.numel())
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self.work = gather(out, flat, group=g.group, async_op=True)
+        self.out = out.view(self.n, flat.numel())
+
+    def wait(self) -> list:
+        out = list(self.leaves)
+        if self.work is None:
+            return out
+        self.work.wait()
+        sizes = [self.leaves[i].numel() for i in self.moving]
+        for i, piece in zip(self.moving, self.out.split(sizes, dim=1)):
+            x, d = self.leaves[i], self.dims[i]
+            moved = x.movedim(d, 0).shape
+            out[i] = piece.reshape(self.n, *moved).flatten(0, 1).movedim(0, d)
+        return out
