@@ -339,8 +339,11 @@ class TrainStep:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         self._check_layout(state)
         t0 = time.perf_counter()
+        sm = self._shard_mapped(state)
+        if self.distributed:  # the batch is global (the same on every rank): take our rows
+            batch = _local_batch(sm, batch)
         with torch.no_grad():
-            new_state, metrics = self._shard_mapped(state).local(state, batch)
+            new_state, metrics = sm.local(state, batch)
         if self.check_finite and state.loss_scale is None and not bool(torch.isfinite(metrics["loss"])):
             raise FloatingPointError(
                 f"train_step: the loss is {metrics['loss'].item()} at step {int(state.step)}; "
@@ -434,6 +437,23 @@ def _zero3_block(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: _Pre
         return block(optree.tree_unflatten(bdef, full), h, **kw)
 
     return checkpoint(run)(*leaves, x)
+
+
+def _local_batch(sm: Any, batch: Any) -> Any:
+    """This rank's shard of a global batch, by the step's batch spec (validated against the
+    global shapes, so a batch that does not divide over the data axis is a clear error)."""
+    import torch.distributed as dist
+
+    from fsharded.mesh._shard import check_tree, local_slice
+
+    mesh, batch_spec = sm.mesh, sm.in_specs[1]
+    paths, leaves, tdef = _tree.tree_flatten_with_paths(batch)
+    specs = _tree.broadcast_prefix(batch_spec, batch, what="batch_spec")
+    check_tree(leaves, specs, [f"batch.{p}" for p in paths], mesh, "train_step batch")
+    coords = mesh.coords(dist.get_rank())
+    out = [local_slice(x, s, mesh, coords) if isinstance(x, torch.Tensor) else x
+           for x, s in zip(leaves, specs)]
+    return optree.tree_unflatten(tdef, out)
 
 
 def _count_tokens(batch: Any) -> int | None:

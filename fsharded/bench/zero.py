@@ -20,19 +20,20 @@ batches from the same initial weights, at each ZeRO stage:
   and with ``reshard_after_forward=False`` the stage-2-like peer.
 
 Reported per stage and framework: the median step time (every framework timed in turn
-in the same processes, the order rotating each round), the bytes each rank sends per step
-and the peak RSS per rank (each framework and stage in fresh processes of its own, since
-``ru_maxrss`` is a per-process high-water mark). Bytes are counted the same way for
-every framework: ``torch.distributed``'s collectives are wrapped in the probe processes and
-each call is charged the ring-algorithm bytes of ``fsharded/_manifest.py`` (ours are also
-read from ``step.collectives(state, batch)``, and the two are checked to agree). Every
-framework's losses are printed next to ours: same init and data, so in fp32 they agree
-to ~1e-5 at the first step and stay close.
+in the same two processes, the order rotating each round), the bytes each rank sends per
+step, and the peak RSS per rank (each framework and stage in fresh processes of its own,
+since ``ru_maxrss`` is a per-process high-water mark). Bytes are counted the same way for
+every framework: ``torch.distributed``'s collectives are wrapped (before DeepSpeed is
+imported) and each call is charged the ring-algorithm bytes of ``fsharded/_manifest.py``;
+ours are also read from ``step.collectives(state, batch)`` and checked to agree. Every
+framework's losses are printed next to ours: same init and data, so in fp32 they agree to
+~1e-6 at the first step and stay close.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import importlib.util
@@ -85,8 +86,9 @@ class Job:
     warmup: int = 3
     rounds: int = 7
     iters: int = 5
-    probe_warmup: int = 2
-    probe_count: int = 2
+    counted: int = 2
+    memory_stages: tuple[int, ...] = ()
+    memory_steps: int = 3
 
     def config(self):
         from fsharded.models import gpt
@@ -94,7 +96,8 @@ class Job:
         return gpt.GPTConfig(**self.model)
 
     def batch(self, i: int) -> tuple[dict, dict]:
-        """Global batch ``i`` (ours: shard_map slices it) and this rank's rows (peers)."""
+        """Global batch ``i`` and this rank's ``micro`` rows of it: ``train_step`` takes the
+        global batch and trains on its rows; the peers are given their rows directly."""
         import torch.distributed as dist
 
         g = self.batches[i % len(self.batches)]
@@ -294,6 +297,7 @@ class _Ours:
         self.state = self.step_fn.init(params)
 
     def __call__(self, global_batch: dict, local_batch: dict) -> torch.Tensor:
+        # A step takes the global batch (the same on every rank) and trains on its rows.
         self.state, m = self.step_fn(self.state, global_batch)
         return m["loss"]  # already averaged over the ranks
 
@@ -428,10 +432,12 @@ _WATCH = ("torch._dynamo", "torch._inductor", "sympy", "triton", "torch.distribu
 
 
 def time_worker(job: Job) -> dict:
-    """Every framework of every stage in these processes, timed in rotating order."""
+    """Every framework of every stage in these processes: losses, bytes sent (counted over
+    ``job.counted`` steps after the warm-up), then step times in rotating order."""
     import torch.distributed as dist
 
     _quiet_stdout()
+    counter = ByteCounter()  # before DeepSpeed keeps references to the collectives
     out: dict[str, Any] = {"threads": torch.get_num_threads(), "stages": {}}
     if job.deepspeed:
         out["deepspeed_init_s"] = _init_deepspeed(job)
@@ -441,11 +447,20 @@ def time_worker(job: Job) -> dict:
         runners = {n: _build(job, n, stage) for n in names}
         losses: dict[str, list[float]] = {n: [] for n in names}
         times: dict[str, list[float]] = {n: [] for n in names}
+        sent: dict[str, dict] = {}
         for i in range(job.warmup):
             for n in names:
                 losses[n].append(float(runners[n](*job.batch(i))))
+        for n in names:
+            with counter.counting():
+                for i in range(job.warmup, job.warmup + job.counted):
+                    losses[n].append(float(runners[n](*job.batch(i))))
+            sent[n] = {"bytes": counter.total() / job.counted,
+                       "ops": {k: (counter.calls[k] / job.counted, counter.bytes[k] / job.counted)
+                               for k in sorted(counter.calls)}}
+        manifest = runners[OURS].manifest_bytes(job.batch(job.warmup)[0])
         for rd in range(job.rounds):
-            first = job.warmup + rd * job.iters
+            first = job.warmup + job.counted + rd * job.iters
             k = rd % len(names)
             for n in names[k:] + names[:k]:
                 dist.barrier()
@@ -456,36 +471,24 @@ def time_worker(job: Job) -> dict:
                 float(step_losses[-1])
                 times[n].append((time.perf_counter() - t0) / job.iters)
                 losses[n] += [float(x) for x in step_losses]
-        out["stages"][stage] = {"times": times, "losses": losses}
+        out["stages"][stage] = {"times": times, "losses": losses, "sent": sent,
+                                "manifest_bytes": manifest}
         del runners
     return out
 
 
-def probe_worker(job: Job, name: str, stage: int) -> dict:
-    """One framework at one stage in fresh processes: peak RSS, bytes sent per step."""
+def memory_worker(job: Job, name: str, stage: int) -> dict:
+    """One framework at one stage in fresh processes: peak RSS per rank."""
     _quiet_stdout()
-    counter = ByteCounter()  # before DeepSpeed keeps references to the collectives
-    out: dict[str, Any] = {"rss_imports_kb": _current_rss_kb()}
     if name == DS:
         _init_deepspeed(job)
-    out["rss_base_kb"] = _current_rss_kb()
+    out: dict[str, Any] = {"rss_base_kb": _current_rss_kb()}
     loaded = set(sys.modules)
     runner = _build(job, name, stage)
-    out["rss_built_kb"] = _current_rss_kb()
-    losses = []
-    for i in range(job.probe_warmup):
-        losses.append(float(runner(*job.batch(i))))
-    with counter.counting():
-        for i in range(job.probe_warmup, job.probe_warmup + job.probe_count):
-            losses.append(float(runner(*job.batch(i))))
-    out["bytes"] = counter.total() / job.probe_count
-    out["ops"] = {k: (counter.calls[k] / job.probe_count, counter.bytes[k] / job.probe_count)
-                  for k in sorted(counter.calls)}
+    for i in range(job.memory_steps):
+        float(runner(*job.batch(i)))
     out["peak_rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out["lazy_imports"] = [m for m in _WATCH if m in sys.modules and m not in loaded]
-    out["losses"] = losses
-    if name == OURS:
-        out["manifest_bytes"] = runner.manifest_bytes(job.batch(job.probe_warmup)[0])
     return out
 
 
@@ -605,7 +608,17 @@ def _mean_over_ranks(per_rank: list[list[float]]) -> list[float]:
     return [statistics.fmean(v) for v in zip(*per_rank)]
 
 
-def build_sections(job: Job, timing: list[dict], probes: dict, size: str, nparams: int) -> list[Section]:
+def _sent(timing: list[dict], stage: int, name: str) -> dict:
+    """Bytes sent per step, mean over ranks, with the per-op breakdown."""
+    per_rank = [t["stages"][stage]["sent"][name] for t in timing]
+    ops = sorted({k for p in per_rank for k in p["ops"]})
+    return {"bytes": statistics.fmean(p["bytes"] for p in per_rank),
+            "ops": {k: tuple(statistics.fmean(p["ops"].get(k, (0, 0))[i] for p in per_rank)
+                             for i in (0, 1)) for k in ops}}
+
+
+def build_sections(job: Job, timing: list[dict], memory: dict, size: str,
+                   nparams: int) -> list[Section]:
     stages = job.stages
     peers = [n for n in (DS, FSDP2, FSDP2_NORESHARD)
              if any(n in _frameworks(job, s) for s in stages)]
@@ -636,45 +649,60 @@ def build_sections(job: Job, timing: list[dict], probes: dict, size: str, nparam
         # bytes
         rows, notes = [], []
         for s in peer_stages:
-            a, b = probes[(OURS, s)], probes[(peer, s)]
-            rows.append(Qty(_peer_label(peer, s), size, a["bytes"], b["bytes"], unit="B"))
+            a, b = _sent(timing, s, OURS), _sent(timing, s, peer)
+            ours = timing[0]["stages"][s]["manifest_bytes"]  # == a["bytes"], checked in main
+            rows.append(Qty(_peer_label(peer, s), size, ours, b["bytes"], unit="B"))
             notes.append(f"ZeRO-{s}: ours {_ops(a['ops'])}; {peer} {_ops(b['ops'])}")
+        if peer == DS and 3 in peer_stages:
+            notes.append("DeepSpeed's ZeRO-3 all-gathers each parameter once per step here (it "
+                         "does not re-gather in backward with its default settings); ours and "
+                         "FSDP2 gather every block again in backward")
         notes.append(
-            "counted by wrapping torch.distributed's collectives in each framework's own probe "
-            "processes and charging each call the ring bytes of fsharded/_manifest.py "
-            "(all-reduce 2(n-1)/n, all-gather (n-1) x shard, reduce-scatter (n-1)/n); mean "
-            f"over ranks and over {job.probe_count} steps after {job.probe_warmup} warm-up steps")
+            "ours: step.collectives(state, batch).total_bytes(); the peer: torch.distributed's "
+            "collectives wrapped and each call charged the same ring bytes as "
+            "fsharded/_manifest.py (all-reduce 2(n-1)/n x tensor, all-gather (n-1) x shard, "
+            "reduce-scatter (n-1)/n x input, broadcast (n-1)/n x tensor), mean over ranks and "
+            f"over {job.counted} steps after {job.warmup} warm-up steps; ours counted that way "
+            "too gives the manifest's bytes (per-op breakdowns above are those counts)")
         sections.append(Section(
             title=f"bytes sent per rank per step: fsharded vs {peer}",
             peer=_peer_desc(peer), rows=tuple(rows), target=1.0, notes=tuple(notes)))
         # memory
         rows, notes = [], []
+        ds_init = " and deepspeed.init_distributed"
         for s in peer_stages:
-            a, b = probes[(OURS, s)], probes[(peer, s)]
+            if (peer, s) not in memory:
+                continue
+            a, b = memory[(OURS, s)], memory[(peer, s)]
             rows.append(Qty(f"{_peer_label(peer, s)}: peak RSS", size,
                             a["peak_rss_kb"] * 1024, b["peak_rss_kb"] * 1024, unit="B"))
             rows.append(Qty(f"{_peer_label(peer, s)}: peak RSS above baseline", size,
                             a["above_base_kb"] * 1024, b["above_base_kb"] * 1024, unit="B"))
             notes.append(
-                f"ZeRO-{s} baseline (RSS after imports{' and deepspeed.init_distributed' if peer == DS else ''}): "
-                f"ours {format_bytes(a['rss_base_kb'] * 1024)}, {peer} {format_bytes(b['rss_base_kb'] * 1024)}; "
+                f"ZeRO-{s} baseline (RSS after imports{ds_init if peer == DS else ''}): "
+                f"ours {format_bytes(a['rss_base_kb'] * 1024)}, "
+                f"{peer} {format_bytes(b['rss_base_kb'] * 1024)}; "
                 f"first imported while building and stepping: ours {_mods(a)}, {peer} {_mods(b)}")
         notes.append("ru_maxrss of each rank in fresh processes running only that framework "
                      "(max over ranks); the baseline is the RSS before the model is built, i.e. "
                      "torch + fsharded (+ deepspeed) imported and the process group up")
+        if not rows:
+            continue
         sections.append(Section(
             title=f"peak RSS per rank: fsharded vs {peer}",
             peer=_peer_desc(peer), rows=tuple(rows), target=None, notes=tuple(notes)))
-    if not peers:  # ours alone: still show the stages' numbers against stage 0
+    shown = {s for p in peers for s in stages if p in _frameworks(job, s)}
+    if len(stages) > 1 or not peers:  # our stages against each other (and any losses not shown)
         rows = []
         for s in stages:
             t = [x["stages"][s]["times"][OURS] for x in timing]
             t0 = [x["stages"][stages[0]]["times"][OURS] for x in timing]
             rows.append(Row.from_samples(f"ZeRO-{s} vs ZeRO-{stages[0]}", size,
                                          [max(v) for v in zip(*t)], [max(v) for v in zip(*t0)]))
-        sections.append(Section(title="step time of our stages (no peer selected)",
-                                peer=f"our ZeRO-{stages[0]}", rows=tuple(rows),
-                                notes=tuple([rounds_note] + loss_notes)))
+        sections.append(Section(
+            title="step time of our stages against each other", peer=f"our ZeRO-{stages[0]}",
+            rows=tuple(rows),
+            notes=tuple([rounds_note] + [n for s, n in zip(stages, loss_notes) if s not in shown])))
     return sections
 
 
@@ -728,16 +756,23 @@ def deepspeed_available() -> tuple[bool, str]:
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog or "fsharded bench zero", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke run)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, few steps, peak RSS of the last stage only (smoke run)")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed peer")
     p.add_argument("--no-fsdp", action="store_true", help="skip the FSDP2 peer")
-    p.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages (default 0,1,2,3)")
+    p.add_argument("--stages", default="0,1,2,3",
+                   help="comma-separated ZeRO stages (default 0,1,2,3)")
     p.add_argument("--rounds", type=int, default=None, help="timing rounds (default 7; quick 2)")
-    p.add_argument("--iters", type=int, default=None, help="steps per framework per round (default 5)")
-    p.add_argument("--d-model", type=int, default=None, help="model width (default: GPT small's 128)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="steps per framework per round (default 5; quick 2)")
+    p.add_argument("--d-model", type=int, default=None,
+                   help="model width (default: GPT small's 128)")
     p.add_argument("--layers", type=int, default=None, help="blocks (default: GPT small's 4)")
-    p.add_argument("--extensions-dir", default=os.path.join(tempfile.gettempdir(), "fsharded-bench-zero-torch-extensions"),
+    p.add_argument("--jobs", type=int, default=2,
+                   help="peak-RSS runs at a time, after the timing (default 2)")
+    p.add_argument("--extensions-dir",
+                   default=os.path.join(tempfile.gettempdir(), "fsharded-bench-zero-extensions"),
                    help="TORCH_EXTENSIONS_DIR for DeepSpeed's JIT builds (kept between runs)")
     return p
 
@@ -763,10 +798,12 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     world, micro = 2, 8
     if args.quick:
         cfg = gpt.GPTConfig.tiny(vocab_size=256)
-        source, rounds, iters, warmup, pw, pc = "stdlib:200000", 2, 2, 2, 1, 1
+        source, rounds, iters, warmup, counted, mem_steps = "stdlib:200000", 2, 2, 2, 1, 2
+        memory_stages = stages[-1:]
     else:
         cfg = gpt.GPTConfig.small()
-        source, rounds, iters, warmup, pw, pc = "stdlib", 7, 5, 3, 2, 2
+        source, rounds, iters, warmup, counted, mem_steps = "stdlib", 7, 5, 3, 2, 3
+        memory_stages = stages
     over = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.layers)) if v}
     if over:
         cfg = cfg.replace(**over)
@@ -780,11 +817,12 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
             _log(f"skipping DeepSpeed: {why}")
             notes.append(f"DeepSpeed skipped: {why}")
     data = fs.data.Batches(fs.data.load_tokens(source), world * micro, cfg.seq_len, seed=0)
-    n_batches = warmup + rounds * iters
-    job = Job(model=dataclasses.asdict(cfg), batches=tuple(data.batch_at(i) for i in range(n_batches)),
+    n_batches = warmup + counted + rounds * iters
+    job = Job(model=dataclasses.asdict(cfg),
+              batches=tuple(data.batch_at(i) for i in range(n_batches)),
               stages=stages, micro=micro, deepspeed=use_ds, fsdp=not args.no_fsdp,
               extensions_dir=args.extensions_dir, warmup=warmup, rounds=rounds, iters=iters,
-              probe_warmup=pw, probe_count=pc)
+              counted=counted, memory_stages=memory_stages, memory_steps=mem_steps)
     nparams = gpt.param_count(gpt.init(cfg, 0))
     report = ZeroReport("zero", params={
         "torch": torch.__version__,
@@ -798,47 +836,52 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     t0 = time.perf_counter()
     timing = run_on_ranks(time_worker, world, job)
     t_timing = time.perf_counter() - t0
-    probes: dict = {}
+    todo = [(n, s) for s in memory_stages for n in _frameworks(job, s)]
+    _log(f"peak RSS: {len(todo)} fresh runs, {args.jobs} at a time ...")
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        memory = dict(zip(todo, pool.map(lambda ns: _memory(job, *ns), todo)))
+    t_memory = time.perf_counter() - t0
     for s in stages:
-        for n in _frameworks(job, s):
-            _log(f"probe: {n} ZeRO-{s} (bytes, peak RSS) ...")
-            per_rank = run_on_ranks(probe_worker, world, job, n, s)
-            probes[(n, s)] = _merge_probe(per_rank)
-    for s in stages:
-        p = probes[(OURS, s)]
-        if p["manifest_bytes"] != p["bytes"]:
-            notes.append(f"ZeRO-{s}: our manifest says {p['manifest_bytes']:,} bytes/rank/step, "
-                         f"the torch.distributed count {p['bytes']:,.0f}")
+        counted_ours = _sent(timing, s, OURS)["bytes"]
+        manifest = timing[0]["stages"][s]["manifest_bytes"]
+        if manifest != counted_ours:
+            notes.append(f"ZeRO-{s}: our manifest says {manifest:,} bytes/rank/step, the "
+                         f"torch.distributed count {counted_ours:,.0f}")
     size = f"{micro}x{cfg.seq_len}/rank"
-    report.sections += build_sections(job, timing, probes, size, nparams)
+    report.sections += build_sections(job, timing, memory, size, nparams)
     report.finish()
     t_total = time.perf_counter() - t_start
-    extra = [f"threads per rank: {timing[0]['threads']}"]
+    report.params["threads per rank"] = timing[0]["threads"]
     if use_ds:
-        extra.append(f"DeepSpeed import + init_distributed: {timing[0]['deepspeed_init_s']:.1f} s "
-                     f"(JIT build of its shm comm op into {job.extensions_dir} on first use); "
-                     f"threads after it: {timing[0]['threads_after_deepspeed']}")
-    extra.append("our manifests match the torch.distributed count at every stage"
-                 if not any("manifest" in n for n in notes) else "")
-    extra.append(f"wall time: {t_total:.0f} s (timing processes {t_timing:.0f} s)")
-    report.params.update({"notes": "; ".join(x for x in notes + extra if x)})
+        report.params["DeepSpeed setup"] = (
+            f"import + init_distributed took {timing[0]['deepspeed_init_s']:.1f} s in the timing "
+            f"processes (the first run with a TORCH_EXTENSIONS_DIR JIT-builds its shm comm op, "
+            f"~1 min); threads per rank after it: {timing[0]['threads_after_deepspeed']}")
+    if not notes:
+        notes.append("our collective manifests match the torch.distributed count at every stage")
+    report.params["notes"] = "; ".join(notes)
+    report.params["wall time"] = (f"{t_total:.0f} s (timing processes {t_timing:.0f} s, "
+                                  f"peak-RSS runs {t_memory:.0f} s, {args.jobs} at a time)")
     report.print(markdown=args.markdown)
     return 0
 
 
-def _merge_probe(per_rank: list[dict]) -> dict:
-    r0 = per_rank[0]
+def _memory(job: Job, name: str, stage: int) -> dict:
+    from fsharded.testing import run_on_ranks
+
+    for attempt in range(2):  # a port taken by a concurrent run fails the first try
+        try:
+            per_rank = run_on_ranks(memory_worker, 2, job, name, stage)
+            break
+        except RuntimeError as e:
+            if attempt or "address already in use" not in str(e).lower():
+                raise
     return {
-        "bytes": statistics.fmean(p["bytes"] for p in per_rank),
-        "ops": {k: (statistics.fmean(p["ops"].get(k, (0, 0))[0] for p in per_rank),
-                    statistics.fmean(p["ops"].get(k, (0, 0))[1] for p in per_rank))
-                for k in sorted({k for p in per_rank for k in p["ops"]})},
         "peak_rss_kb": max(p["peak_rss_kb"] for p in per_rank),
         "above_base_kb": max(p["peak_rss_kb"] - p["rss_base_kb"] for p in per_rank),
         "rss_base_kb": max(p["rss_base_kb"] for p in per_rank),
-        "lazy_imports": r0["lazy_imports"],
-        "manifest_bytes": r0.get("manifest_bytes"),
-        "losses": r0["losses"],
+        "lazy_imports": sorted({m for p in per_rank for m in p["lazy_imports"]}),
     }
 
 
