@@ -401,13 +401,15 @@ class _Prefetch:
             self.pending[i] = B.PendingGather(leaves, [m for m, _ in specs], [u for _, u in specs],
                                               self.axis, self.mesh)
 
-    def take(self, leaves: list) -> list | None:
+    def take_pending(self, leaves: list) -> Any:
+        """The in-flight gather of this block (issued now if not yet), after issuing the
+        next block's; None for parameters that are not a block of the list."""
         i = self.index.get(id(leaves[0])) if leaves else None
         if i is None:
             return None
         self.start(i)
         self.start(i + 1)  # the next block's weights travel while this one computes
-        return self.pending.pop(i).wait()
+        return self.pending.pop(i)
 
 
 def _zero3_block(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: _Prefetch | None,
@@ -427,13 +429,17 @@ def _zero3_block(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: _Pre
         ) from None
     m_specs, u_specs = [m for m, _ in specs], [u for _, u in specs]
 
+    if prefetch is not None:
+        # Real ranks, plain autograd: saved-tensor hooks drop the gathered weights after the
+        # block and gather them again in backward, without re-running the forward.
+        from fsharded.parallel._zero3_hooks import run_block
+
+        return run_block(block, bdef, leaves, x, m_specs, u_specs, axis, mesh, cap,
+                         prefetch.take_pending(leaves), **kw)
+
     def run(*args: torch.Tensor) -> torch.Tensor:
         *shards, h = args
-        full = None
-        if prefetch is not None and not torch.is_grad_enabled():  # forward, not the re-run
-            full = prefetch.take(leaves)
-        if full is None:
-            full = B.gather_leaves(list(shards), m_specs, u_specs, axis, mesh, cap)
+        full = B.gather_leaves(list(shards), m_specs, u_specs, axis, mesh, cap)
         return block(optree.tree_unflatten(bdef, full), h, **kw)
 
     return checkpoint(run)(*leaves, x)

@@ -160,7 +160,8 @@ class PendingGather:
 
         from fsharded import distributed
 
-        self.leaves, self.n = leaves, mesh.shape[axis]
+        self.leaves, self.n = [x.detach() for x in leaves], mesh.shape[axis]
+        leaves = self.leaves
         self.dims = [split_dim(f, t, axis) if axis in f.axes and axis not in t.axes else None
                      for f, t in zip(from_specs, to_specs)]
         moving = [i for i, d in enumerate(self.dims) if d is not None]
@@ -169,13 +170,18 @@ class PendingGather:
         if not moving:
             return
         g = distributed.axis_group(mesh, (axis,))
-        flat = torch.cat([leaves[i].movedim(self.dims[i], 0).reshape(-1) for i in moving])
-        out = flat.new_empty(self.n * flat.numel())
+        with torch.no_grad():
+            flat = torch.cat([leaves[i].movedim(self.dims[i], 0).reshape(-1) for i in moving])
+            out = flat.new_empty(self.n * flat.numel())
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self.work = gather(out, flat, group=g.group, async_op=True)
         self.out = out.view(self.n, flat.numel())
 
     def wait(self) -> list:
+        with torch.no_grad():
+            return self._wait()
+
+    def _wait(self) -> list:
         out = list(self.leaves)
         if self.work is None:
             return out
