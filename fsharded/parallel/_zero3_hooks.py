@@ -25,9 +25,9 @@ class _Gathered(torch.autograd.Function):
     """Shards -> full weights (from a prefetch, or gathered here); backward: reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, info, pending, *shards):
+    def forward(ctx, info, pending, cache, *shards):
         m_specs, u_specs, axis, mesh, cap = info
-        ctx.info = info
+        ctx.info, ctx.cache = info, cache
         if pending is not None:
             fulls = pending.wait()
         else:
@@ -41,16 +41,25 @@ class _Gathered(torch.autograd.Function):
         from fsharded.collectives import psum_scatter
 
         m_specs, u_specs, axis, mesh, cap = ctx.info
-        out = []
-        for g, m, u in zip(grads, m_specs, u_specs):
-            d = B.split_dim(m, u, axis) if axis in m.axes and axis not in u.axes else None
-            if g is None:
-                out.append(None)
-            elif d is None:  # a leaf that was not sharded: its gradient is already whole
-                out.append(g)
-            else:  # the gather's transpose: summed over the axis, our block kept
-                out.append(psum_scatter(g.contiguous(), axis, dim=d))
-        return (None, None, *out)
+        if ctx.cache is not None:  # the block's backward is over: drop its re-gathered weights
+            ctx.cache.clear()
+        n = mesh.shape[axis]
+        out: list = list(grads)
+        dims = {}
+        for i, (g, m, u) in enumerate(zip(grads, m_specs, u_specs)):
+            if g is not None and axis in m.axes and axis not in u.axes:
+                dims[i] = B.split_dim(m, u, axis)
+        if dims:
+            # The gather's transpose for the whole block in one reduce-scatter: each
+            # gradient's row j is the block of its dim owned by shard j.
+            idx = list(dims)
+            rows = torch.cat([grads[i].movedim(dims[i], 0).reshape(n, -1) for i in idx], dim=1)
+            mine = psum_scatter(rows, axis, dim=0, tiled=False)
+            for i, piece in zip(idx, mine.split([grads[i].numel() // n for i in idx])):
+                moved = list(grads[i].movedim(dims[i], 0).shape)
+                moved[0] //= n
+                out[i] = piece.reshape(moved).movedim(0, dims[i])
+        return (None, None, None, *out)
 
 
 def run_block(block, p_tree_def, shards: list, x: torch.Tensor, m_specs: list, u_specs: list,
@@ -59,7 +68,8 @@ def run_block(block, p_tree_def, shards: list, x: torch.Tensor, m_specs: list, u
     again in backward."""
     import optree
 
-    fulls = _Gathered.apply((m_specs, u_specs, axis, mesh, cap), pending, *shards)
+    cache: dict[int, torch.Tensor] = {}
+    fulls = _Gathered.apply((m_specs, u_specs, axis, mesh, cap), pending, cache, *shards)
     ptrs = {f.untyped_storage().data_ptr(): i for i, f in enumerate(fulls)}
     shard_refs = [s.detach() for s in shards]
 
@@ -73,9 +83,11 @@ def run_block(block, p_tree_def, shards: list, x: torch.Tensor, m_specs: list, u
         if not (isinstance(packed, tuple) and packed and packed[0] == "zero3-regather"):
             return packed
         _, i, shape, stride, offset = packed
-        with torch.no_grad():
-            (full,) = B.gather_leaves([shard_refs[i]], [m_specs[i]], [u_specs[i]], axis, mesh, cap)
-        return full.contiguous().as_strided(shape, stride, offset)
+        if i not in cache:  # first weight backward needs: gather the block's in one bucket
+            with torch.no_grad():
+                full = B.gather_leaves(shard_refs, m_specs, u_specs, axis, mesh, cap)
+            cache.update({j: f.contiguous() for j, f in enumerate(full)})
+        return cache[i].as_strided(shape, stride, offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         return block(optree.tree_unflatten(p_tree_def, list(fulls)), x, **kw)
