@@ -224,17 +224,20 @@ class Report:
 
     # -- renderers ---------------------------------------------------------------------------
 
+    def _cells(self, s: Section) -> list[tuple[str, ...]]:
+        """One row of table cells per comparison (benchmarks of sizes other than time
+        override this)."""
+        return [(r.case, r.size, format_time(r.ours_s), format_time(r.peer_s), f"{r.ratio:.2f}")
+                for r in s.rows]
+
     def markdown(self) -> str:
         out = [f"## fsharded bench {self.name}", ""]
         out += [f"- {line}" for line in self.header_lines()]
         for s in self.sections:
             out += ["", f"### {s.title}", "", f"peer: {s.peer}", ""]
             out += ["| case | size | ours | peer | ours/peer |", "|---|---|---:|---:|---:|"]
-            for r in s.rows:
-                out.append(
-                    f"| {r.case} | {r.size} | {format_time(r.ours_s)} | "
-                    f"{format_time(r.peer_s)} | {r.ratio:.2f} |"
-                )
+            for c in self._cells(s):
+                out.append("| " + " | ".join(c) + " |")
             extra = [x for x in (s.summary(), *s.notes) if x]
             if extra:
                 out.append("")
@@ -245,10 +248,7 @@ class Report:
         out = [f"fsharded bench {self.name}"] + [f"  {line}" for line in self.header_lines()]
         head = ("case", "size", "ours", "peer", "ours/peer")
         for s in self.sections:
-            cells = [
-                (r.case, r.size, format_time(r.ours_s), format_time(r.peer_s), f"{r.ratio:.2f}")
-                for r in s.rows
-            ]
+            cells = self._cells(s)
             widths = [max(len(c[i]) for c in [head, *cells]) for i in range(len(head))]
 
             def fmt(c: tuple[str, ...], widths: list[int] = widths) -> str:
@@ -292,16 +292,9 @@ class Report:
                 ("ours/peer", "right"),
             ):
                 t.add_column(col, justify=just)
-            for r in s.rows:
+            for r, c in zip(s.rows, self._cells(s)):
                 style = "red" if s.target is not None and r.ratio > s.target else None
-                t.add_row(
-                    r.case,
-                    r.size,
-                    format_time(r.ours_s),
-                    format_time(r.peer_s),
-                    f"{r.ratio:.2f}",
-                    style=style,
-                )
+                t.add_row(*c, style=style)
             console.print(t)
             for x in (s.summary(), *s.notes):
                 if x:

@@ -530,56 +530,6 @@ class ZeroReport(Report):
         return [(r.case, r.size, _cell(r, r.ours_s), _cell(r, r.peer_s), f"{r.ratio:.2f}")
                 for r in s.rows]
 
-    def markdown(self) -> str:
-        out = [f"## fsharded bench {self.name}", ""]
-        out += [f"- {line}" for line in self.header_lines()]
-        for s in self.sections:
-            out += ["", f"### {s.title}", "", f"peer: {s.peer}", ""]
-            out += ["| case | size | ours | peer | ours/peer |", "|---|---|---:|---:|---:|"]
-            out += ["| " + " | ".join(c) + " |" for c in self._cells(s)]
-            extra = [x for x in (s.summary(), *s.notes) if x]
-            if extra:
-                out.append("")
-                out += [f"- {x}" for x in extra]
-        return "\n".join(out) + "\n"
-
-    def text(self) -> str:
-        out = [f"fsharded bench {self.name}"] + [f"  {line}" for line in self.header_lines()]
-        head = ("case", "size", "ours", "peer", "ours/peer")
-        for s in self.sections:
-            cells = self._cells(s)
-            widths = [max(len(c[i]) for c in [head, *cells]) for i in range(len(head))]
-
-            def fmt(c: tuple[str, ...], widths: list[int] = widths) -> str:
-                left = [c[i].ljust(widths[i]) for i in range(2)]
-                right = [c[i].rjust(widths[i]) for i in range(2, len(c))]
-                return "  ".join(left + right)
-
-            out += ["", s.title, f"peer: {s.peer}", fmt(head), "-" * len(fmt(head))]
-            out += [fmt(c) for c in cells]
-            out += [x for x in (s.summary(), *s.notes) if x]
-        return "\n".join(out) + "\n"
-
-    def _print_rich(self, file) -> None:
-        from rich.console import Console
-        from rich.table import Table
-
-        console = Console(file=file)
-        for line in [f"fsharded bench {self.name}", *self.header_lines()]:
-            console.print(line, highlight=False)
-        for s in self.sections:
-            t = Table(title=s.title, caption=f"peer: {s.peer}")
-            for col, just in (("case", "left"), ("size", "left"), ("ours", "right"),
-                              ("peer", "right"), ("ours/peer", "right")):
-                t.add_column(col, justify=just)
-            for r, c in zip(s.rows, self._cells(s)):
-                style = "red" if s.target is not None and r.ratio > s.target else None
-                t.add_row(*c, style=style)
-            console.print(t)
-            for x in (s.summary(), *s.notes):
-                if x:
-                    console.print(x, highlight=False)
-
 
 def _peer_label(name: str, stage: int) -> str:
     if name == DS:
