@@ -44,7 +44,14 @@ class MemoryEstimate:
     optimizer: int  # optimizer state
     activations: int  # as given (model- and batch-dependent)
     buffers: int  # communication buckets
+    placed_grads: int = 0  # gradients once reduced into their placement
     notes: tuple[str, ...] = field(default=())
+
+    @property
+    def model_states(self) -> int:
+        """Master weights + reduced gradients + optimizer state: what stays per device
+        through a step with donated (in-place) updates; ``fs.memory`` measures the same."""
+        return self.master + self.placed_grads + self.optimizer
 
     @property
     def total(self) -> int:
@@ -54,7 +61,7 @@ class MemoryEstimate:
         rows = [("master weights", self.master), ("compute params", self.compute_params),
                 ("gradients", self.grads), ("optimizer state", self.optimizer),
                 ("activations", self.activations), ("comm buffers", self.buffers),
-                ("total", self.total)]
+                ("total", self.total), ("model states", self.model_states)]
         w = max(len(r[0]) for r in rows)
         out = [f"{name.ljust(w)}  {b / 2**20:12,.2f} MiB" for name, b in rows]
         return "\n".join(out + [f"- {n}" for n in self.notes])
@@ -119,7 +126,9 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
         buffers = min(sum(use_n), bucket_elems) * rb * 2
     return MemoryEstimate(
         master=sum(master_n) * mb, compute_params=compute, grads=grad_peak, optimizer=opt_bytes,
-        activations=activation_bytes, buffers=buffers, notes=tuple(notes),
+        activations=activation_bytes, buffers=buffers,
+        placed_grads=sum(_local_numel(s, m, mesh) for s, m in zip(shapes, master)) * mb,
+        notes=tuple(notes),
     )
 
 

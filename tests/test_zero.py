@@ -108,10 +108,27 @@ def test_gloo_two_ranks_all_stages(one_device):
     from fsharded.testing import run_on_ranks
 
     per_rank = run_on_ranks(Z.gloo_zero, 2, 2)
+    P_ = gpt.param_count(gpt.init(T.CONFIG, 0))
     for res in per_rank:
         msg = res["mismatch"]
         assert "laid out for another placement" in msg and "ZeRO stage 3" in msg and "Reshard it" in msg
         assert "params.blocks.0" in msg
+        # Donated updates (in place): the peak of parameters + gradients + optimizer state
+        # on each rank is (4 + 4 + 8) P / n bytes for fp32 AdamW (master weights, their
+        # gradient shard, two moments) from stage 1 on (every leaf here is sharded), and
+        # 16 P at stage 0; within 10% (the rest are step counters).
+        d = res["donated"]
+        assert 16 * P_ <= d[0]["model_states"] <= 1.1 * 16 * P_
+        for stage in (1, 2, 3):
+            assert 16 * P_ / 2 <= d[stage]["model_states"] <= 1.1 * 16 * P_ / 2, stage
+        for stage in (0, 1, 2, 3):  # the estimator agrees with the measurement within 10%
+            est, got = d[stage]["est_model_states"], d[stage]["model_states"]
+            assert abs(est - got) <= 0.1 * got, (stage, est, got)
+        # ZeRO-3 adds gathered weights on top: those outside the blocks for the whole step,
+        # one or two blocks' worth inside them.
+        block = sum(x.numel() for x in T.flat(gpt.init(T.CONFIG, 0)["blocks"][0])) * 4
+        outside = 4 * P_ - block * T.CONFIG.n_layers
+        assert d[3]["with_buffers"] <= 1.1 * (16 * P_ / 2 + outside + 2 * block)
         m0, m3 = res["memory"][0], res["memory"][3]
         for m in (m0, m3):  # the state each rank really holds is what the estimator says
             assert m["start"]["parameters"] == m["est_master"]

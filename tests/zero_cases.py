@@ -51,6 +51,7 @@ def measure_memory(mesh_axes: dict, stage: int, donate: bool = False) -> dict:
     est = fs.estimate_memory(params, plan, opt, mesh=mesh)
     return {"start": start, "peak": mem.peak_bytes, "peak_by": mem.peak_by_category,
             "est_master": est.master, "est_optimizer": est.optimizer,
+            "est_model_states": est.model_states,
             "model_states": mem.peak_of(("parameters", "gradients", "optimizer state")),
             "with_buffers": mem.peak_of(("parameters", "gradients", "optimizer state", "comm buffers"))}
 
