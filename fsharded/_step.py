@@ -238,7 +238,8 @@ class TrainStep:
         if torch._C._are_functorch_transforms_active():  # the virtual mesh's vmap levels
             grad_fn = torch.func.grad_and_value(local_loss, has_aux=True)
         else:  # one device or a real rank: plain autograd skips functorch's wrapping (~8%)
-            grad_fn = functools.partial(_autograd_grad_and_value, local_loss)
+            overlap = per_block and self.distributed
+            grad_fn = functools.partial(_autograd_grad_and_value, local_loss, overlap=overlap)
         x0 = params if through_gather else optree.tree_unflatten(m_def, gather(m_leaves))
         k = self.accumulation
         grads, loss = None, None
@@ -473,13 +474,19 @@ def _count_tokens(batch: Any) -> int | None:
     return None
 
 
-def _autograd_grad_and_value(f, p, batch):
-    """``torch.func.grad_and_value(f, has_aux=True)(p, batch)`` with torch.autograd."""
+def _autograd_grad_and_value(f, p, batch, *, overlap: bool = False):
+    """``torch.func.grad_and_value(f, has_aux=True)(p, batch)`` with torch.autograd.
+
+    ``overlap``: ZeRO-3 gradient reduce-scatters run asynchronously during backward and
+    are all complete when this returns."""
+    from fsharded.parallel._zero3_hooks import overlapped_backward
+
     leaves, tdef = optree.tree_flatten(p)
     with torch.enable_grad():
         req = [x.detach().requires_grad_() for x in leaves]
         out, aux = f(optree.tree_unflatten(tdef, req), batch)
-        grads = torch.autograd.grad(out, req, allow_unused=True)
+        with overlapped_backward() if overlap else contextlib.nullcontext():
+            grads = torch.autograd.grad(out, req, allow_unused=True)
     grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
     return optree.tree_unflatten(tdef, grads), optree.tree_map(torch.Tensor.detach, (out, aux))
 

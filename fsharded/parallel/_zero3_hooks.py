@@ -11,6 +11,8 @@ reduce-scattered to the shards. Plain autograd only (real ranks, one process per
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any
 
 import torch
@@ -18,7 +20,36 @@ import torch
 from fsharded.mesh._mesh import Mesh
 from fsharded.parallel import _buckets as B
 
-__all__ = ["run_block"]
+__all__ = ["run_block", "overlapped_backward"]
+
+_PENDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("fsharded_zero3_pending", default=None)
+
+
+@contextlib.contextmanager
+def overlapped_backward():
+    """Within the block, ZeRO-3 gradient reduce-scatters are issued asynchronously; on exit
+    every one has completed (call it around ``torch.autograd.grad`` only)."""
+    pending: list = []
+    tok = _PENDING.set(pending)
+    try:
+        yield
+    finally:
+        _PENDING.reset(tok)
+        for work, _keep in pending:
+            work.wait()
+
+
+def _reduce_scatter_async(rows: torch.Tensor, axis: str, mesh: Mesh, pending: list) -> torch.Tensor:
+    import torch.distributed as dist
+
+    from fsharded import distributed
+
+    g = distributed.axis_group(mesh, (axis,))
+    flat = rows.contiguous().reshape(-1)
+    out = flat.new_empty(rows.shape[1])
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    pending.append((scatter(out, flat, group=g.group, async_op=True), flat))
+    return out
 
 
 class _Gathered(torch.autograd.Function):
@@ -54,7 +85,14 @@ class _Gathered(torch.autograd.Function):
             # gradient's row j is the block of its dim owned by shard j.
             idx = list(dims)
             rows = torch.cat([grads[i].movedim(dims[i], 0).reshape(n, -1) for i in idx], dim=1)
-            mine = psum_scatter(rows, axis, dim=0, tiled=False)
+            pending = _PENDING.get()
+            if pending is not None:
+                # Issued without waiting: the rest of backward runs while it travels. The
+                # gradients handed to autograd are views of the output buffer, which nothing
+                # reads before the step waits on every pending reduce-scatter.
+                mine = _reduce_scatter_async(rows, axis, mesh, pending)
+            else:
+                mine = psum_scatter(rows, axis, dim=0, tiled=False)
             for i, piece in zip(idx, mine.split([grads[i].numel() // n for i in idx])):
                 moved = list(grads[i].movedim(dims[i], 0).shape)
                 moved[0] //= n
