@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fsharded import _tree
+from fsharded import _tree, optim
 from fsharded._shard_map import shard_map
 from fsharded.collectives import is_bound, pmean
 from fsharded.mesh._mesh import Mesh
@@ -173,7 +173,7 @@ class TrainStep:
         return TrainState(
             PartitionSpec(),
             pspecs,
-            _like_params(state.opt_state, state.params, pspecs),
+            optim.state_specs(state.opt_state, state.params, pspecs),
             optree.tree_map(lambda _: PartitionSpec(), state.loss_scale) if state.loss_scale is not None else None,
         )
 
@@ -515,20 +515,6 @@ def _batch_axes(batch_spec: Any, mesh: Mesh) -> tuple[str, ...]:
 def _full_specs(specs: Any, tree: Any) -> Any:
     flat = _tree.broadcast_prefix(specs, tree, what="param_specs")
     return optree.tree_unflatten(optree.tree_structure(tree), flat)
-
-
-def _like_params(sub: Any, params: Any, pspecs: Any) -> Any:
-    pdef = optree.tree_structure(params)
-    if optree.tree_structure(sub) == pdef and all(
-        getattr(a, "shape", None) == getattr(b, "shape", None)
-        for a, b in zip(optree.tree_leaves(sub), optree.tree_leaves(params))
-    ):
-        return pspecs
-    try:
-        kids, meta, _, unflatten = optree.tree_flatten_one_level(sub)
-    except ValueError:  # a leaf that is not parameter-shaped: replicated
-        return PartitionSpec()
-    return unflatten(meta, [_like_params(c, params, pspecs) for c in kids])
 
 
 def _globalize(tree: Any, specs: Any, mesh: Mesh) -> Any:
