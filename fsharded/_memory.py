@@ -18,6 +18,7 @@ import torch
 
 from fsharded import _tree
 from fsharded.mesh._mesh import Mesh
+from fsharded.mesh._shard import _backend
 from fsharded.mesh._spec import PartitionSpec, _entry_axes
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
@@ -42,7 +43,7 @@ class MemoryEstimate:
     compute_params: int  # low-precision copies / gathered full weights alive at once
     grads: int  # gradients at their largest (before the reduction shrinks them)
     optimizer: int  # optimizer state
-    activations: int  # as given (model- and batch-dependent)
+    activations: int  # measured on a meta run of the loss, or as given
     buffers: int  # communication buckets
     placed_grads: int = 0  # gradients once reduced into their placement
     notes: tuple[str, ...] = field(default=())
@@ -55,6 +56,8 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
+        """Sum of every category at its own peak: an upper bound on the device's peak (the
+        categories peak at different moments of the step)."""
         return self.master + self.compute_params + self.grads + self.optimizer + self.activations + self.buffers
 
     def __str__(self) -> str:
@@ -68,13 +71,24 @@ class MemoryEstimate:
 
 
 def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any = "fp32",
-                    mesh: Mesh, activation_bytes: int = 0,
+                    mesh: Mesh, loss: Any = None, batch: Any = None, batch_spec: Any = None,
+                    activation_bytes: int | None = None,
                     bucket_elems: int = 500_000_000) -> MemoryEstimate:
     """Per-device bytes of training ``params`` laid out by ``specs`` (a spec tree, a ZeRO
     plan or a ``Placement``) with ``optimizer`` under ``precision`` on ``mesh``.
 
     The optimizer's state size comes from running its ``init`` on meta tensors of the
     master shards, so any ``fsharded.optim`` transformation is counted exactly.
+
+    Activations: give the per-shard ``loss(params, batch)`` and a global ``batch`` (split
+    by ``batch_spec``, default ``P("data")`` when the mesh has ``data``, as in
+    ``train_step``). One device's forward and backward then run on meta tensors (sizes, no
+    data) of its parameter and batch shards, with collectives left unbound (as model code
+    written with ``fsharded.collectives.is_bound`` allows), and the memory tracker reports
+    the peak of everything they allocate except the parameter gradients: saved
+    activations, temporaries and activation gradients. At ZeRO stage 3 each block runs
+    under the same remat as in ``train_step``, so only block inputs are kept. Or pass
+    ``activation_bytes`` yourself.
     """
     from fsharded.parallel.zero import Placement, ZeroPlan
     from fsharded.precision import as_policy
@@ -121,12 +135,21 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     ])
     opt_bytes = sum(x.numel() * x.element_size() for x in optree.tree_leaves(optimizer.init(meta))
                     if isinstance(x, torch.Tensor))
+    if activation_bytes is not None:
+        activations = int(activation_bytes)
+    elif loss is not None:
+        if batch is None:
+            raise ValueError("estimate_memory: loss= needs a batch= (a global batch, as train_step takes)")
+        activations = _measure_activations(loss, params, pl, mesh, policy, batch, batch_spec)
+        notes.append("activations measured on a meta run of one device's forward + backward")
+    else:
+        activations = 0
     buffers = 0
     if pl.stage or mesh.size > 1:
         buffers = min(sum(use_n), bucket_elems) * rb * 2
     return MemoryEstimate(
         master=sum(master_n) * mb, compute_params=compute, grads=grad_peak, optimizer=opt_bytes,
-        activations=activation_bytes, buffers=buffers,
+        activations=activations, buffers=buffers,
         placed_grads=sum(_local_numel(s, m, mesh) for s, m in zip(shapes, master)) * mb,
         notes=tuple(notes),
     )
@@ -137,3 +160,55 @@ def _shard_shape(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> tup
     for d, e in enumerate(spec):
         out[d] //= math.prod(mesh.shape[a] for a in _entry_axes(e))
     return tuple(out)
+
+
+def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: Any, batch: Any,
+                         batch_spec: Any) -> int:
+    """Peak bytes of one device's forward + backward other than parameters and their
+    gradients, on meta tensors."""
+    import inspect
+
+    from fsharded import memory
+    from fsharded.parallel.remat import checkpoint
+
+    use = optree.tree_leaves(pl.use, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    leaves, tdef = optree.tree_flatten(params)
+    local = [
+        torch.empty(_shard_shape(tuple(x.shape), u, mesh), dtype=policy.compute_dtype,
+                    device="meta", requires_grad=True)
+        for x, u in zip(leaves, use)
+    ]
+    if batch_spec is None:
+        batch_spec = PartitionSpec("data") if "data" in mesh.shape else PartitionSpec()
+    b_leaves, b_def = optree.tree_flatten(batch)
+    b_specs = _tree.broadcast_prefix(batch_spec, batch, what="batch_spec")
+    local_batch = optree.tree_unflatten(b_def, [
+        torch.empty(_shard_shape(tuple(x.shape), s, mesh), dtype=x.dtype, device="meta")
+        if isinstance(x, torch.Tensor) else x
+        for x, s in zip(b_leaves, b_specs)
+    ])
+    kwargs = {}
+    # ZeRO-3 on the virtual mesh re-gathers through a remat of each block (activations of a
+    # block are recomputed); on real ranks saved-tensor hooks re-gather only the weights.
+    virtual = _backend(mesh, None) == "virtual"
+    if pl.stage == 3 and virtual and "block_fn" in inspect.signature(loss).parameters:
+        def block_fn(block, p, x, **kw):
+            ps, pdef = optree.tree_flatten(p)
+            run = lambda x, *ps: block(optree.tree_unflatten(pdef, list(ps)), x, **kw)  # noqa: E731
+            return checkpoint(run)(x, *ps)
+
+        kwargs["block_fn"] = block_fn
+    p_local = optree.tree_unflatten(tdef, local)
+    try:
+        with memory.track(include_meta=True) as mem:
+            mem.backward_category = "activations"
+            mem.register(local, "parameters")
+            out = loss(p_local, local_batch, **kwargs)
+            grads = torch.autograd.grad(out, local, allow_unused=True)
+            mem.reclassify([g for g in grads if g is not None], "gradients")
+    except Exception as e:
+        raise RuntimeError(
+            f"estimate_memory: could not run the loss on meta tensors of one device's shards "
+            f"({type(e).__name__}: {e}); pass activation_bytes= instead"
+        ) from e
+    return mem.peak_of(("activations",))

@@ -60,8 +60,11 @@ def _storage(t: torch.Tensor) -> Any | None:
 class MemoryTracker(TorchDispatchMode):
     """The dispatch mode behind ``track()``; read ``peak_bytes`` and ``peak_by_category``."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, include_meta: bool = False) -> None:
         super().__init__()
+        # Meta tensors have sizes but no data: counting them measures a program without
+        # running it (``fsharded.estimate_memory`` does, for activations).
+        self.include_meta = include_meta
         # storage key -> [weak ref, nbytes]; categories kept apart so that reclassifying
         # after the fact also re-labels what was live at the peak.
         self._live: dict[int, list] = {}
@@ -82,7 +85,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def _add(self, t: torch.Tensor, category: str) -> None:
         s = _storage(t)
-        if s is None or t.device.type == "meta":
+        if s is None or (t.device.type == "meta" and not self.include_meta):
             return
         if self._lookup(s) is not None:
             return
@@ -195,9 +198,10 @@ class MemoryTracker(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def track() -> Iterator[MemoryTracker]:
-    """Track live tensor bytes of everything run inside the block (see module doc)."""
-    mode = MemoryTracker()
+def track(*, include_meta: bool = False) -> Iterator[MemoryTracker]:
+    """Track live tensor bytes of everything run inside the block (see module doc).
+    ``include_meta=True`` also counts meta tensors (sizes without data)."""
+    mode = MemoryTracker(include_meta=include_meta)
     tok = _CURRENT.set(mode)
     try:
         with mode:

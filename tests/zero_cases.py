@@ -48,8 +48,9 @@ def measure_memory(mesh_axes: dict, stage: int, donate: bool = False) -> dict:
         new, _ = step(state, b)
         mem.reclassify(new.params, "parameters")
         mem.reclassify(new.opt_state, "optimizer state")
-    est = fs.estimate_memory(params, plan, opt, mesh=mesh)
-    return {"start": start, "peak": mem.peak_bytes, "peak_by": mem.peak_by_category,
+    est = fs.estimate_memory(params, plan, opt, mesh=mesh, loss=gpt.loss, batch=b)
+    return {"activations": mem.peak_of(("activations",)), "est_activations": est.activations,
+            "total": mem.peak_bytes, "est_total": est.total,"start": start, "peak": mem.peak_bytes, "peak_by": mem.peak_by_category,
             "est_master": est.master, "est_optimizer": est.optimizer,
             "est_model_states": est.model_states,
             "model_states": mem.peak_of(("parameters", "gradients", "optimizer state")),
