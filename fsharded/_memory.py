@@ -113,7 +113,7 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     grad_n = [_local_numel(s, g, mesh) for s, g in zip(shapes, grads)]
     notes = []
     in_blocks = [p.startswith("blocks.") for p in paths]
-    if pl.stage == 3 and any(in_blocks):
+    if pl.stage == 3 and any(in_blocks) and pl.reshard_after_forward:
         # Outside the blocks everything is gathered for the step; inside, one block's full
         # weights at a time (plus the next one's in backward, when it is re-gathered).
         per_block: dict[str, int] = {}

@@ -184,7 +184,7 @@ class TrainStep:
         from fsharded.parallel import _buckets as B
         from fsharded.precision import all_finite, cast_tree, tree_where
 
-        use, grad_specs, master_specs, stage, axis, block_mask = pl_flat
+        use, grad_specs, master_specs, stage, axis, block_mask, reshard = pl_flat
         policy = self.policy
         mem = memory.current() if not torch._C._are_functorch_transforms_active() else None
         if mem is not None:  # label what a tracker sees: state, then parameter gradients
@@ -224,7 +224,7 @@ class TrainStep:
                 prefetch = _Prefetch(p, specs_of, axis, self.mesh) if self.distributed and \
                     not torch._C._are_functorch_transforms_active() else None
                 loss = self.loss_fn(p, micro, block_fn=functools.partial(
-                    _zero3_block, specs_of, axis, self.mesh, cap, prefetch))
+                    _zero3_block, specs_of, axis, self.mesh, cap, prefetch, reshard))
             else:
                 loss = self.loss_fn(p, micro)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -305,7 +305,8 @@ class TrainStep:
             pl = self.placement(state.params)
             flat = lambda t: optree.tree_leaves(t, is_leaf=lambda x: isinstance(x, PartitionSpec))  # noqa: E731
             pl_flat = (flat(pl.use), flat(pl.grads), flat(pl.master), pl.stage,
-                       pl.axis if pl.stage > 0 else None, _block_mask(state.params))
+                       pl.axis if pl.stage > 0 else None, _block_mask(state.params),
+                       pl.reshard_after_forward)
             self._compiled[key] = shard_map(
                 lambda s, b: self._body(s, b, pl_flat),
                 mesh=self.mesh,
@@ -414,9 +415,10 @@ class _Prefetch:
 
 
 def _zero3_block(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: _Prefetch | None,
-                 block: Callable, p: Any, x: torch.Tensor, **kw: Any) -> torch.Tensor:
+                 reshard: bool, block: Callable, p: Any, x: torch.Tensor, **kw: Any) -> torch.Tensor:
     """Run ``block`` on its sharded parameters: gather them inside a remat, so only this
-    block's full weights are alive while it runs, and they are gathered again in backward."""
+    block's full weights are alive while it runs, and they are gathered again in backward
+    (``reshard``); or gather them once and let autograd keep them until backward."""
     from fsharded.parallel import _buckets as B
     from fsharded.parallel.remat import checkpoint
 
@@ -436,14 +438,14 @@ def _zero3_block(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: _Pre
         from fsharded.parallel._zero3_hooks import run_block
 
         return run_block(block, bdef, leaves, x, m_specs, u_specs, axis, mesh, cap,
-                         prefetch.take_pending(leaves), **kw)
+                         prefetch.take_pending(leaves), regather=reshard, **kw)
 
     def run(*args: torch.Tensor) -> torch.Tensor:
         *shards, h = args
         full = B.gather_leaves(list(shards), m_specs, u_specs, axis, mesh, cap)
         return block(optree.tree_unflatten(bdef, full), h, **kw)
 
-    return checkpoint(run)(*leaves, x)
+    return checkpoint(run)(*leaves, x) if reshard else run(*leaves, x)
 
 
 def _local_batch(sm: Any, batch: Any) -> Any:

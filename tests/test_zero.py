@@ -101,6 +101,18 @@ def test_communication_volume_per_stage(stage):
     assert S_blocks > 0 and S > S_blocks
     if stage == 3:  # the re-gather: one all-gather per block in backward
         assert res["phases"].count(("all_gather", "backward")) == T.CONFIG.n_layers
+        # reshard_after_forward=False keeps the gathered blocks until backward: 2 S_blocks.
+        keep = Z.run_zero({"data": 4}, 3, steps=1, reshard_after_forward=False)
+        total = sum(b for op, axis, shape, b in keep["manifest"] if math.prod(shape) > 4)
+        assert total == (2 * S + 2 * R) * (n - 1) // n * f4
+        assert ("all_gather", "backward") not in keep["phases"]
+
+
+def test_zero3_without_reshard_equals_one_device(one_device):
+    res = Z.run_zero({"data": 2, "tensor": 2}, 3, reshard_after_forward=False)
+    torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(one_device["losses"]), **TOL)
+    for a, b in zip(T.flat(res["params"]), T.flat(one_device["params"])):
+        torch.testing.assert_close(a, b, **TOL)
 
 
 @pytest.mark.multiprocess
@@ -146,6 +158,10 @@ def test_gloo_two_ranks_all_stages(one_device):
         for res in per_rank:
             r = res[stage]
             torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(one_device["losses"]), **TOL)
+            if stage == 3:  # gathered once, kept until backward (no saved-tensor hooks)
+                torch.testing.assert_close(torch.tensor(res["keep"]["losses"]),
+                                           torch.tensor(one_device["losses"][:10]), **TOL)
+                assert ("all_gather", "backward") not in res["keep"]["phases"]
             for a, b in zip(T.flat(r["params"]), T.flat(virtual["params"])):
                 torch.testing.assert_close(a, b, **TOL)
             assert r["manifest"] == virtual["manifest"]

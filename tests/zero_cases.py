@@ -12,11 +12,12 @@ STEPS = 20
 
 
 def run_zero(mesh_axes: dict, stage: int, *, precision="fp32", accumulation=1, axis="data",
-             batch_spec=None, steps=STEPS) -> dict:
+             batch_spec=None, steps=STEPS, reshard_after_forward=True) -> dict:
     mesh = fs.Mesh(mesh_axes)
     params = gpt.init(T.CONFIG, 0)
     specs = gpt.tensor_parallel_specs(params) if mesh.shape.get("tensor", 1) > 1 else P()
-    plan = fs.parallel.zero(stage, axis=axis, min_size=16)(specs, params)
+    plan = fs.parallel.zero(stage, axis=axis, min_size=16,
+                            reshard_after_forward=reshard_after_forward)(specs, params)
     step = fs.train_step(gpt.loss, fs.optim.adamw(T.LR, weight_decay=T.WD), mesh=mesh, param_specs=plan,
                          batch_spec=batch_spec, precision=precision, accumulation=accumulation, clip=T.CLIP)
     state = step.init(params)
@@ -62,6 +63,7 @@ def gloo_zero(world: int) -> dict:
     out["memory"] = {stage: measure_memory({"data": world}, stage) for stage in (0, 3)}
     out["donated"] = {stage: measure_memory({"data": world}, stage, donate=True) for stage in (0, 1, 2, 3)}
     out["mismatch"] = stage_mismatch({"data": world})
+    out["keep"] = run_zero({"data": world}, 3, steps=10, reshard_after_forward=False)
     return out
 
 

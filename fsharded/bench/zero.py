@@ -85,6 +85,9 @@ class Job:
     counted: int = 2
     memory_stages: tuple[int, ...] = ()
     memory_steps: int = 3
+    # ZeRO-3: keep gathered block weights from forward to backward (everyone) instead of
+    # freeing them after forward and gathering again in backward (everyone).
+    keep: bool = False
 
     def config(self):
         from fsharded.models import gpt
@@ -111,7 +114,8 @@ class _Ours:
         self.step_fn = fs.train_step(
             gpt.loss, fs.optim.adamw(job.lr, weight_decay=job.wd),
             mesh=fs.Mesh({"data": dist.get_world_size()}),
-            param_specs=fs.parallel.zero(stage)(fs.P(), params), clip=job.clip)
+            param_specs=fs.parallel.zero(stage, reshard_after_forward=not job.keep)(fs.P(), params),
+            clip=job.clip)
         self.state = self.step_fn.init(params)
 
     def __call__(self, global_batch: dict, local_batch: dict) -> torch.Tensor:
@@ -215,7 +219,7 @@ def _build(job: Job, name: str, stage: int):
         return _Ours(job, stage, params)
     if name == DS:
         return _DeepSpeed(job, stage, params)
-    return _FSDP2(job, name == FSDP2, params)
+    return _FSDP2(job, name == FSDP2 and not job.keep, params)
 
 
 def _init_deepspeed(job: Job) -> float:
@@ -421,10 +425,15 @@ def build_sections(job: Job, timing: list[dict], memory: dict, size: str,
             ours = timing[0]["stages"][s]["manifest_bytes"]  # == a["bytes"], checked in main
             rows.append(Qty(_peer_label(peer, s), size, ours, b["bytes"], unit="B"))
             notes.append(f"ZeRO-{s}: ours {_ops(a['ops'])}; {peer} {_ops(b['ops'])}")
-        if peer == DS and 3 in peer_stages:
+        if peer == DS and 3 in peer_stages and not job.keep:
             notes.append("DeepSpeed's ZeRO-3 all-gathers each parameter once per step here (it "
-                         "does not re-gather in backward with its default settings); ours and "
-                         "FSDP2 gather every block again in backward")
+                         "does not re-gather in backward, also with stage3_max_reuse_distance "
+                         "0); ours and FSDP2 gather every block again in backward: compare "
+                         "bytes with --zero3-keep")
+        if 3 in peer_stages and job.keep:
+            notes.append("--zero3-keep: ours reshard_after_forward=False and FSDP2 "
+                         "reshard_after_forward=False keep gathered weights until backward, as "
+                         "DeepSpeed does here")
         notes.append(
             "ours: step.collectives(state, batch).total_bytes(); the peer: torch.distributed's "
             "collectives wrapped and each call charged the same ring bytes as "
@@ -537,6 +546,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--d-model", type=int, default=None,
                    help="model width (default: GPT small's 128)")
     p.add_argument("--layers", type=int, default=None, help="blocks (default: GPT small's 4)")
+    p.add_argument("--zero3-keep", action="store_true",
+                   help="ZeRO-3 keeps gathered weights from forward to backward: ours "
+                        "reshard_after_forward=False, DeepSpeed's default reuse distance, FSDP2 "
+                        "reshard_after_forward=False (default: every framework frees them after "
+                        "forward and gathers again in backward)")
     p.add_argument("--jobs", type=int, default=2,
                    help="peak-RSS runs at a time, after the timing (default 2)")
     p.add_argument("--extensions-dir",
@@ -590,7 +604,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
               batches=tuple(data.batch_at(i) for i in range(n_batches)),
               stages=stages, micro=micro, deepspeed=use_ds, fsdp=not args.no_fsdp,
               extensions_dir=args.extensions_dir, warmup=warmup, rounds=rounds, iters=iters,
-              counted=counted, memory_stages=memory_stages, memory_steps=mem_steps)
+              counted=counted, memory_stages=memory_stages, memory_steps=mem_steps,
+              keep=args.zero3_keep)
     nparams = gpt.param_count(gpt.init(cfg, 0))
     report = ZeroReport("zero", params={
         "torch": torch.__version__,

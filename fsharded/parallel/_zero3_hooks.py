@@ -101,13 +101,16 @@ class _Gathered(torch.autograd.Function):
 
 
 def run_block(block, p_tree_def, shards: list, x: torch.Tensor, m_specs: list, u_specs: list,
-              axis: str, mesh: Mesh, cap: int, pending: Any, **kw: Any) -> torch.Tensor:
+              axis: str, mesh: Mesh, cap: int, pending: Any, *, regather: bool = True,
+              **kw: Any) -> torch.Tensor:
     """Forward of one block on gathered weights whose saved copies are dropped and gathered
-    again in backward."""
+    again in backward (``regather``), or kept by autograd until backward."""
     import optree
 
     cache: dict[int, torch.Tensor] = {}
     fulls = _Gathered.apply((m_specs, u_specs, axis, mesh, cap), pending, cache, *shards)
+    if not regather:
+        return block(optree.tree_unflatten(p_tree_def, list(fulls)), x, **kw)
     ptrs = {f.untyped_storage().data_ptr(): i for i, f in enumerate(fulls)}
     shard_refs = [s.detach() for s in shards]
 

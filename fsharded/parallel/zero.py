@@ -52,6 +52,9 @@ class Placement(NamedTuple):
     master: Any  # fp32 master weights and the optimizer state shaped like them
     stage: int = 0
     axis: str | None = None
+    # ZeRO-3: drop a block's gathered weights after its forward and gather them again in
+    # backward (True), or keep them until backward (False: fewer bytes, more memory).
+    reshard_after_forward: bool = True
 
     @classmethod
     def replicated(cls, specs: Any) -> Placement:
@@ -86,6 +89,7 @@ class ZeroPlan:
     specs: Any
     params: Any
     min_size: int
+    reshard_after_forward: bool = True
 
     def resolve(self, mesh: Mesh) -> Placement:
         if self.axis not in mesh.shape:
@@ -113,11 +117,18 @@ class ZeroPlan:
             return Placement(base, base, base, over, 1, self.axis)
         if self.stage == 2:
             return Placement(base, base, over, over, 2, self.axis)
-        return Placement(base, over, over, over, 3, self.axis)
+        return Placement(base, over, over, over, 3, self.axis, self.reshard_after_forward)
 
 
-def zero(stage: int, axis: str = "data", *, min_size: int = 1024):
+def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_forward: bool = True):
     """The ZeRO ``stage`` (0-3) over mesh ``axis``, as a rewrite of a parameter spec tree.
+
+    ``reshard_after_forward`` (stage 3; FSDP's name for it): ``True`` frees each block's
+    gathered weights after its forward and gathers them again in backward, so about one
+    block of full weights is alive at a time (3P(n-1)/n bytes per step for the blocks);
+    ``False`` keeps them from the block's forward until its backward (2P(n-1)/n; the full
+    weights of every block are alive at the end of forward), as DeepSpeed does when its
+    ``stage3_max_reuse_distance`` allows.
 
     Returns ``rule(specs, params) -> ZeroPlan``; ``train_step`` resolves the plan against
     its mesh (``plan.resolve(mesh)`` gives the concrete ``Placement``). Specs that already
@@ -130,6 +141,6 @@ def zero(stage: int, axis: str = "data", *, min_size: int = 1024):
 
     def rule(specs: Any, params: Any) -> ZeroPlan:
         _tree.broadcast_prefix(specs, params, what="param_specs")  # fail early, with paths
-        return ZeroPlan(stage, axis, specs, params, min_size)
+        return ZeroPlan(stage, axis, specs, params, min_size, bool(reshard_after_forward))
 
     return rule
