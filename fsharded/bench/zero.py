@@ -417,7 +417,7 @@ def build_sections(job: Job, timing: list[dict], memory: dict, size: str,
         notes = [rounds_note] + [n for s, n in zip(stages, loss_notes) if s in peer_stages]
         sections.append(Section(
             title=f"step time, GPT {nparams:,} params fp32, 2 gloo ranks: fsharded vs {peer}",
-            peer=_peer_desc(peer), rows=tuple(rows), target=1.0, notes=tuple(notes)))
+            peer=_peer_desc(peer, job.keep), rows=tuple(rows), target=1.0, notes=tuple(notes)))
         # bytes
         rows, notes = [], []
         for s in peer_stages:
@@ -443,7 +443,7 @@ def build_sections(job: Job, timing: list[dict], memory: dict, size: str,
             "too gives the manifest's bytes (per-op breakdowns above are those counts)")
         sections.append(Section(
             title=f"bytes sent per rank per step: fsharded vs {peer}",
-            peer=_peer_desc(peer), rows=tuple(rows), target=1.0, notes=tuple(notes)))
+            peer=_peer_desc(peer, job.keep), rows=tuple(rows), target=1.0, notes=tuple(notes)))
         # memory
         rows, notes = [], []
         ds_init = " and deepspeed.init_distributed"
@@ -467,7 +467,7 @@ def build_sections(job: Job, timing: list[dict], memory: dict, size: str,
             continue
         sections.append(Section(
             title=f"peak RSS per rank: fsharded vs {peer}",
-            peer=_peer_desc(peer), rows=tuple(rows), target=None, notes=tuple(notes)))
+            peer=_peer_desc(peer, job.keep), rows=tuple(rows), target=None, notes=tuple(notes)))
     shown = {s for p in peers for s in stages if p in _frameworks(job, s)}
     if len(stages) > 1 or not peers:  # our stages against each other (and any losses not shown)
         rows = []
@@ -493,13 +493,13 @@ def _ops(ops: dict) -> str:
     return ", ".join(f"{k} x{c:g} {format_bytes(b)}" for k, (c, b) in ops.items())
 
 
-def _peer_desc(peer: str) -> str:
+def _peer_desc(peer: str, keep: bool = False) -> str:
     if peer == DS:
         return ("DeepSpeed " + _ds_version() + " engine on the same model as an nn.Module "
                 "(parameters = the pytree leaves, forward = gpt.loss), client optimizer "
                 "torch.optim.AdamW(fused=True), gradient_clipping 1.0, default ZeRO settings "
                 "(stage 3: zero.Init, stage3_param_persistence_threshold 0)")
-    reshard = "True (ZeRO-3-like)" if peer == FSDP2 else "False (ZeRO-2-like)"
+    reshard = "True (ZeRO-3-like)" if peer == FSDP2 and not keep else "False (ZeRO-2-like)"
     return ("torch.distributed.fsdp.fully_shard on each block and the root of the same "
             f"nn.Module, reshard_after_forward={reshard}, torch.optim.AdamW(fused=True), "
             "clip_grad_norm_ 1.0")
