@@ -1,8 +1,67 @@
-"""Triton and C++/CUDA kernels with pure-torch references.
+"""Triton and C++/CUDA kernels, each with a pure-torch reference beside it.
 
-Nothing is exported yet: the kernels (fused optimizers, norms, cross-entropy, flash
-attention, int8 quantisation) and their dispatch arrive with the kernels work. Importing
-this package never requires CUDA, Triton or a compiler.
+=====================  ==========================================  =====================
+kernel                 functions                                   implementations
+=====================  ==========================================  =====================
+fused optimizers       ``fused_adamw_``, ``fused_adam_``,           Triton (CUDA), C++
+                       ``fused_lion_``, ``fused_adagrad_``          (CPU), reference
+norms                  ``layer_norm``, ``rms_norm``                 Triton, reference
+cross-entropy          ``cross_entropy`` (vocab-parallel with       Triton, reference
+                       ``axis=``)
+flash attention        ``flash_attention``,                         Triton, reference
+                       ``flash_attention_with_lse``,
+                       ``merge_attention``
+int8 quantisation      ``quantize_int8``, ``dequantize_int8``,      Triton, reference
+                       ``quantized_all_gather``,
+                       ``quantized_psum_scatter``
+=====================  ==========================================  =====================
+
+Every function takes ``impl=`` (``"auto"``, ``"triton"``, ``"cpp"``, ``"reference"``);
+``FSHARDED_KERNELS=reference`` forces the references everywhere (see ``_dispatch``). By
+default Triton runs on CUDA tensors, the C++ optimizer on CPU tensors (built on first use;
+the reference when no compiler is present) and the reference elsewhere. The Triton
+kernels are PyTorch custom ops (``torch.ops.fsharded.*``) with fake, autograd and vmap
+rules, so they work under ``torch.func.grad``, the virtual mesh's ``vmap`` and
+``make_fx``.
+
+Importing this package never imports Triton or builds anything.
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from fsharded.kernels._dispatch import choose, forced, triton_available
+
+_EXPORTS = {
+    "fused_adamw_": "fused_optim",
+    "fused_adam_": "fused_optim",
+    "fused_lion_": "fused_optim",
+    "fused_adagrad_": "fused_optim",
+    "layer_norm": "norm",
+    "rms_norm": "norm",
+    "cross_entropy": "losses",
+    "flash_attention": "attention",
+    "flash_attention_with_lse": "attention",
+    "merge_attention": "attention",
+    "quantize_int8": "quant",
+    "dequantize_int8": "quant",
+    "quantized_all_gather": "quant",
+    "quantized_psum_scatter": "quant",
+}
+
+__all__ = ["choose", "forced", "triton_available", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fsharded.kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"fsharded.kernels.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
