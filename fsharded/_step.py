@@ -71,6 +71,8 @@ def train_step(
     parameters and its moments in place (on one device and on real ranks), saving a copy
     of both at the update, like JAX's donated buffers. Keep the default when the old state
     must survive a call (it cannot be restored after a NaN stop), or with fp16 loss scaling.
+    With donation, ``adamw``/``adam``/``lion`` (no mask) run as one fused in-place kernel
+    (``fsharded.optim.fused_update_``: Triton on CUDA, the C++ optimizer on CPU).
     """
     return TrainStep(loss_fn, optimizer, mesh=mesh, param_specs=param_specs,
                      batch_spec=batch_spec, precision=precision, accumulation=accumulation,
@@ -271,16 +273,26 @@ class TrainStep:
         gnorm = optim.global_norm(grads, flat_specs=pspecs_flat)
         if state.loss_scale is not None:  # every shard must agree to skip
             finite = all_finite(grads, axis=tuple(a for a in self.mesh.axis_names if is_bound(a)))
-        if self.clip is not None:
-            factor = torch.clamp(self.clip / (gnorm + 1e-6), max=1.0)
+        # Donated state on plain tensors: adamw / adam / lion run as one fused in-place
+        # kernel (Triton on CUDA, C++ on CPU) with the clipping factor applied on load.
+        fused = (self.donate and optim.has_fused(self.optimizer)
+                 and not torch._C._are_functorch_transforms_active()
+                 and all(t.dtype == torch.float32 for t in optree.tree_leaves(params)))
+        factor = torch.clamp(self.clip / (gnorm + 1e-6), max=1.0) if self.clip is not None else None
+        if factor is not None and not fused:
             if torch._C._are_functorch_transforms_active():
                 grads = optree.tree_map(lambda t: t * factor.to(t.dtype), grads)
             else:
                 g_leaves, g_def = optree.tree_flatten(grads)
                 grads = optree.tree_unflatten(g_def, torch._foreach_mul(g_leaves, factor))
-        with optim.donating() if self.donate else contextlib.nullcontext():
-            updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
-            new_params = optim.apply_updates(params, updates)
+        if fused:
+            opt_state, _ = optim.fused_update_(self.optimizer, grads, state.opt_state, params,
+                                               inv_scale=1.0 if factor is None else factor)
+            new_params = params
+        else:
+            with optim.donating() if self.donate else contextlib.nullcontext():
+                updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
+                new_params = optim.apply_updates(params, updates)
         memory.label(new_params, "parameters")
         memory.label(opt_state, "optimizer state")
         # Skipped (overflowed) steps do not advance the schedule, as in DeepSpeed.

@@ -78,6 +78,18 @@ BENCHMARKS: dict[str, Benchmark] = {
             "ZeRO stages 0-3 on 2 gloo ranks vs DeepSpeed and FSDP2: step time, bytes sent "
             "per rank, peak RSS, losses",
         ),
+        Benchmark(
+            "gpu",
+            "fsharded.bench.gpu",
+            "Triton kernels on an NVIDIA GPU: fused AdamW vs HBM bandwidth, flash attention "
+            "vs SDPA, cross-entropy memory vs naive, norms, int8 quantisation",
+        ),
+        Benchmark(
+            "optim",
+            "fsharded.bench.optim",
+            "C++ CPU AdamW (fp32, + bf16 copy) vs torch fused/foreach AdamW and "
+            "DeepSpeedCPUAdam: parameters/s and % of the memory-bandwidth limit",
+        ),
     )
 }
 

@@ -35,6 +35,11 @@ reproduce the rates DeepSpeed's engine applies, update for update: DeepSpeed ste
 scheduler after the optimizer, so update ``k`` runs at the scheduler's ``get_lr()`` for
 ``last_batch_iteration = k - 1`` (the constructor's value for ``k = 0``).
 
+Fused steps. ``fused_update_(opt, grads, state, params)`` runs ``adamw``, ``adam`` or
+``lion`` (without a mask) as one in-place multi-tensor kernel: Triton on CUDA, the C++
+optimizer on CPU (``fsharded.kernels``); same state, same numbers to float rounding.
+``train_step(..., donate=True)`` uses it where it applies.
+
 Weight decay. ``adamw``, ``lion`` and ``lamb`` decay decoupled (``w -= lr * wd * w``),
 ``adam``, ``sgd`` and ``adagrad`` as L2 on the gradient, like ``torch.optim``. ``mask`` is
 ``None`` (decay every leaf, as torch), a bool pytree (or prefix), or a callable
@@ -67,6 +72,7 @@ from fsharded.optim._clip import (
     global_norm,
     leaf_sq_norms,
 )
+from fsharded.optim._fused import FusedForm, fused_update_, has_fused
 from fsharded.optim._lamb import lamb, scale_by_trust_ratio
 from fsharded.optim._lion import ScaleByLionState, lion, scale_by_lion
 from fsharded.optim._schedules import (
@@ -101,6 +107,10 @@ __all__ = [
     "get_lr_schedule",
     "as_schedule",
     "state_specs",
+    # fused in-place steps (fsharded.kernels)
+    "fused_update_",
+    "has_fused",
+    "FusedForm",
     # optimizers
     "adamw",
     "adam",

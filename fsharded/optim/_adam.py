@@ -15,6 +15,7 @@ from fsharded.optim._base import (
     is_donating,
     scale_by_learning_rate,
 )
+from fsharded.optim._fused import FusedForm
 from fsharded.optim._weight_decay import Mask, add_decayed_weights
 
 __all__ = ["ScaleByAdamState", "scale_by_adam", "adam", "adamw"]
@@ -121,11 +122,14 @@ def adamw(
     >>> updates, state = opt.update({"w": torch.ones(3)}, state, params)
     >>> params = apply_updates(params, updates)
     """
-    return chain(
+    opt = chain(
         scale_by_adam(b1, b2, eps),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(lr),
     )
+    if mask is None:  # one decay for every leaf: fused_update_ can run it
+        opt.fused = FusedForm("adamw", dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay), 0)
+    return opt
 
 
 def adam(
@@ -137,8 +141,10 @@ def adam(
 ) -> Optimizer:
     """Adam, as ``torch.optim.Adam``: ``weight_decay`` is L2 (added to the gradient before
     the moments), not decoupled."""
-    return chain(
+    opt = chain(
         add_decayed_weights(weight_decay),
         scale_by_adam(b1, b2, eps),
         scale_by_learning_rate(lr),
     )
+    opt.fused = FusedForm("adam", dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay), 1)
+    return opt

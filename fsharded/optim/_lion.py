@@ -22,6 +22,7 @@ from fsharded.optim._base import (
     chain,
     scale_by_learning_rate,
 )
+from fsharded.optim._fused import FusedForm
 from fsharded.optim._weight_decay import Mask, add_decayed_weights
 
 __all__ = ["ScaleByLionState", "scale_by_lion", "lion"]
@@ -62,4 +63,7 @@ def lion(
 
     >>> opt = lion(1e-4, weight_decay=0.1)
     """
-    return chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask), scale_by_learning_rate(lr))
+    opt = chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask), scale_by_learning_rate(lr))
+    if mask is None:  # one decay for every leaf: fused_update_ can run it
+        opt.fused = FusedForm("lion", dict(b1=b1, b2=b2, weight_decay=weight_decay), 0)
+    return opt

@@ -1,0 +1,111 @@
+"""Fused in-place steps: ``adamw``, ``adam`` and ``lion`` on the kernels of
+``fsharded.kernels`` (Triton on CUDA, the C++ optimizer on CPU, the reference elsewhere).
+
+The transformations of this package are pure; a fused step is their in-place twin, for
+plain tensors outside ``torch.func`` transforms (one device, or a real rank's shards):
+
+>>> opt = adamw(1e-3)
+>>> state = opt.init(params)
+>>> state, found_inf = fused_update_(opt, grads, state, params)   # params updated in place
+
+It reads and writes the same state pytree as ``opt.update`` (moments in place, counters
+advanced), so the two can be mixed, checkpointed and resharded alike, and gives the same
+numbers (to float rounding: the kernels evaluate the same formulas in another order).
+``inv_scale`` multiplies the gradients on load (loss-scale unscaling, a clipping factor);
+when any gradient is inf or nan nothing is modified, the counters do not advance and
+``found_inf`` is true.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fsharded.optim._base import ScaleByScheduleState
+
+__all__ = ["FusedForm", "has_fused", "fused_update_"]
+
+
+class FusedForm(NamedTuple):
+    """What a fused step needs to know about an optimizer built by this package.
+
+    ``kind``: ``"adamw"`` (decoupled decay), ``"adam"`` (L2) or ``"lion"``; ``hyper``: its
+    betas, eps and weight decay; ``moments``: the index of the moment state in the
+    optimizer's chain state; the learning-rate schedule's state is the last entry."""
+
+    kind: str
+    hyper: dict
+    moments: int
+
+
+def has_fused(optimizer: Any) -> bool:
+    """Whether ``fused_update_`` can run ``optimizer`` (``adamw``, ``adam`` or ``lion`` as
+    built by this package, without a decay mask, not wrapped in another chain)."""
+    return isinstance(getattr(optimizer, "fused", None), FusedForm)
+
+
+def _check(name: str, leaves: list, ref: list[torch.Tensor]) -> None:
+    if len(leaves) != len(ref):
+        raise ValueError(f"fused_update_: {name} has {len(leaves)} leaves, params {len(ref)}")
+
+
+def fused_update_(optimizer: Any, grads: Any, state: Any, params: Any, *,
+                  inv_scale: float | torch.Tensor = 1.0,
+                  impl: str | None = None) -> tuple[Any, torch.Tensor]:
+    """One in-place step of ``optimizer`` on ``params`` (see the module doc).
+
+    Returns ``(new_state, found_inf)``; ``params`` and the moments inside ``state`` are
+    updated in place (the old state is consumed, as with ``donating()``).
+    """
+    form = getattr(optimizer, "fused", None)
+    if not isinstance(form, FusedForm):
+        raise ValueError(
+            "fused_update_: this optimizer has no fused form (adamw, adam and lion without a "
+            "mask have one); use optimizer.update and apply_updates"
+        )
+    if torch._C._are_functorch_transforms_active():
+        raise RuntimeError(
+            "fused_update_ updates tensors in place and cannot run under torch.func transforms "
+            "(the virtual mesh); use optimizer.update and apply_updates there"
+        )
+    from fsharded.kernels import fused_optim
+    from fsharded.optim._base import get_lr_schedule
+
+    p = optree.tree_leaves(params)
+    # Gradients are temporaries: a transposed one (an einsum's) is copied, not rejected.
+    g = [x if x.is_contiguous() else x.contiguous() for x in optree.tree_leaves(grads)]
+    _check("grads", g, p)
+    moments, sched = state[form.moments], state[-1]
+    if not isinstance(sched, ScaleByScheduleState):
+        raise ValueError("fused_update_: the state was not made by this optimizer's init")
+    if isinstance(inv_scale, torch.Tensor):
+        inv_scale = float(inv_scale)
+    lr = float(get_lr_schedule(optimizer)(sched.count))
+    h = form.hyper
+    if form.kind in ("adamw", "adam"):
+        mu, nu = optree.tree_leaves(moments.mu), optree.tree_leaves(moments.nu)
+        _check("the first moments", mu, p)
+        _check("the second moments", nu, p)
+        count = moments.count + 1
+        found = fused_optim.fused_adamw_(
+            p, g, mu, nu, lr=lr, beta1=h["b1"], beta2=h["b2"], eps=h["eps"],
+            weight_decay=h["weight_decay"], step=int(count), decoupled=form.kind == "adamw",
+            inv_scale=inv_scale, impl=impl)
+        found = found.to(count.device)
+        moments = type(moments)(torch.where(found, moments.count, count), moments.mu, moments.nu)
+    elif form.kind == "lion":
+        mu = optree.tree_leaves(moments.mu)
+        _check("the momentum", mu, p)
+        found = fused_optim.fused_lion_(
+            p, g, mu, lr=lr, beta1=h["b1"], beta2=h["b2"], weight_decay=h["weight_decay"],
+            inv_scale=inv_scale, impl=impl)
+    else:  # pragma: no cover - FusedForm is only built below
+        raise NotImplementedError(form.kind)
+    found = found.to(sched.count.device)
+    new_sched = ScaleByScheduleState(torch.where(found, sched.count, sched.count + 1))
+    out = list(state)
+    out[form.moments] = moments
+    out[-1] = new_sched
+    return tuple(out), found
