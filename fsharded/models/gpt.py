@@ -155,9 +155,26 @@ def _exit_tp(x: torch.Tensor) -> torch.Tensor:
     return psum(x, TENSOR) if is_bound(TENSOR) else x
 
 
+def _triton(x: torch.Tensor, kind: str) -> bool:
+    """Whether ``fsharded.kernels`` would run its Triton kernel for ``kind`` on ``x`` (CUDA,
+    or ``FSHARDED_KERNELS=triton`` under the interpreter); elsewhere the model keeps plain
+    torch ops, which are the kernels' references."""
+    from fsharded.kernels import choose
+
+    return choose(kind, x) == "triton"
+
+
 def _norm(p: Params, x: torch.Tensor) -> torch.Tensor:
     if "b" in p:
+        if _triton(x, "layer_norm"):
+            from fsharded.kernels import norm
+
+            return norm.layer_norm(x, p["w"], p["b"], eps=NORM_EPS)
         return F.layer_norm(x, x.shape[-1:], p["w"], p["b"], eps=NORM_EPS)
+    if _triton(x, "rms_norm"):
+        from fsharded.kernels import norm
+
+        return norm.rms_norm(x, p["w"], eps=NORM_EPS)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * p["w"]
 
 
@@ -199,7 +216,23 @@ def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return o.transpose(1, 2)
 
 
-_ATTENTION = {"einsum": _causal_attention, "sdpa": _sdpa_attention}
+def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``fsharded.kernels.flash_attention`` (Triton on CUDA, its reference elsewhere)."""
+    from fsharded.kernels import attention
+
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, h, T, Dh)
+    return attention.flash_attention(q, k, v, causal=True).transpose(1, 2)
+
+
+def _auto_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Flash attention where its Triton kernel runs, the einsum form elsewhere."""
+    if _triton(q, "flash_attention"):
+        return _flash_attention(q, k, v)
+    return _causal_attention(q, k, v)
+
+
+_ATTENTION = {"auto": _auto_attention, "einsum": _causal_attention, "sdpa": _sdpa_attention,
+              "flash": _flash_attention}
 
 
 def _attn(p: Params, x: torch.Tensor, rotary: bool, attention: str) -> torch.Tensor:
@@ -232,7 +265,7 @@ def _mlp(p: Params, x: torch.Tensor) -> torch.Tensor:
 
 
 def block(p: Params, x: torch.Tensor, *, rotary: bool = False,
-          attention: str = "einsum") -> torch.Tensor:
+          attention: str = "auto") -> torch.Tensor:
     """One pre-norm transformer block, ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``.
 
     ``p`` is one entry of ``params["blocks"]``; x: (B, T, D), replicated over ``tensor``.
@@ -270,13 +303,14 @@ def unembed(params: Params, x: torch.Tensor) -> torch.Tensor:
     return x @ params["emb"].T
 
 
-def apply(params: Params, tokens: torch.Tensor, *, attention: str = "einsum",
+def apply(params: Params, tokens: torch.Tensor, *, attention: str = "auto",
           block_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Logits ``(B, T, V)`` for integer ``tokens`` ``(B, T)``.
 
-    ``attention``: ``"einsum"`` (default; explicit causal mask, fast on the virtual mesh)
-    or ``"sdpa"`` (``scaled_dot_product_attention``; fused kernels on GPU, but a slow
-    per-sample loop under vmap on CPU). ``block_fn(block, p, x, *, rotary, attention)``
+    ``attention``: ``"auto"`` (default: ``"flash"`` where its Triton kernel runs, i.e. on
+    CUDA, else ``"einsum"``), ``"einsum"`` (explicit causal mask, fast on the virtual
+    mesh), ``"flash"`` (``fsharded.kernels.flash_attention``) or ``"sdpa"``
+    (``scaled_dot_product_attention``; a slow per-sample loop under vmap on CPU). ``block_fn(block, p, x, *, rotary, attention)``
     runs every layer instead of ``block(p, x, ...)``: a wrapper (remat, ZeRO-3 gathering)
     that receives the block function and calls it.
     """
@@ -314,7 +348,7 @@ def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def loss(params: Params, batch: dict[str, torch.Tensor], *, attention: str = "einsum",
+def loss(params: Params, batch: dict[str, torch.Tensor], *, attention: str = "auto",
          block_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy over this shard's batch (a 0-d tensor).
 
@@ -325,9 +359,14 @@ def loss(params: Params, batch: dict[str, torch.Tensor], *, attention: str = "ei
     """
     inputs, targets = _split_batch(batch)
     logits = apply(params, inputs, attention=attention, block_fn=block_fn)  # (B, T, V)
+    flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    if _triton(flat, "cross_entropy"):
+        # Chunked over the vocabulary with fp32 statistics: no fp32 copy of the logits.
+        from fsharded.kernels import losses
+
+        return losses.cross_entropy(flat, flat_targets)
     # Low-precision logits lose the small differences softmax cares about: upcast.
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return F.cross_entropy(flat.to(torch.promote_types(flat.dtype, torch.float32)), flat_targets)
 
 
 # ------------------------------------------------------------------------------------------
