@@ -10,7 +10,8 @@ batch 8 per rank, AdamW lr 1e-3 weight decay 0.01, gradient clipping 1.0) on the
 batches from the same initial weights, at each ZeRO stage:
 
 - ours: ``fs.train_step(gpt.loss, fs.optim.adamw(...), mesh=fs.Mesh({"data": 2}),
-  param_specs=fs.parallel.zero(stage)(P(), params), clip=1.0)``;
+  param_specs=fs.parallel.zero(stage)(P(), params), clip=1.0, donate=True)`` (in-place
+  updates through the fused C++ AdamW, as the peers update in place);
 - DeepSpeed (when importable): the same model as an ``nn.Module`` whose parameters are the
   pytree leaves and whose forward calls ``gpt.loss`` (exactly the same math),
   ``deepspeed.initialize`` with ``zero_optimization.stage`` set, ``torch.optim.AdamW`` as
@@ -115,7 +116,7 @@ class _Ours:
             gpt.loss, fs.optim.adamw(job.lr, weight_decay=job.wd),
             mesh=fs.Mesh({"data": dist.get_world_size()}),
             param_specs=fs.parallel.zero(stage, reshard_after_forward=not job.keep)(fs.P(), params),
-            clip=job.clip)
+            clip=job.clip, donate=True)  # in place, as the peers' optimizers update
         self.state = self.step_fn.init(params)
 
     def __call__(self, global_batch: dict, local_batch: dict) -> torch.Tensor:
