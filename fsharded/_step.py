@@ -286,8 +286,11 @@ class TrainStep:
                 g_leaves, g_def = optree.tree_flatten(grads)
                 grads = optree.tree_unflatten(g_def, torch._foreach_mul(g_leaves, factor))
         if fused:
+            # No inf/nan check in the kernel: the other path does not skip non-finite steps
+            # either, and donation is refused with fp16 loss scaling (which would need it).
             opt_state, _ = optim.fused_update_(self.optimizer, grads, state.opt_state, params,
-                                               inv_scale=1.0 if factor is None else factor)
+                                               inv_scale=1.0 if factor is None else factor,
+                                               check_finite=False)
             new_params = params
         else:
             with optim.donating() if self.donate else contextlib.nullcontext():

@@ -122,26 +122,28 @@ def test_adam_l2_matches_torch(isa):
 @pytest.mark.parametrize("hdtype", [torch.float16, torch.bfloat16])
 def test_adamw_large_threads_and_half_copy(mod, isas, hdtype):
     """Multi-threaded (chunks cross tensor boundaries), streamed half copy (> 2^20
-    elements): the same numbers whatever the thread count, an exact half copy, every ISA."""
+    elements): the same numbers whatever the thread count and with or without the
+    non-finite check (which changes the order chunks are taken in), an exact half copy,
+    every ISA."""
     sizes = (3, (1 << 20) + 5, 70001)
     params, grads = _make(sizes, seed=2)
     ref, _ = _torch_run(torch.optim.AdamW, params, grads[:2], lr=1e-3, weight_decay=0.01)
     for isa in isas:
         outs = []
-        for threads in (1, 3):
+        for threads, check in ((1, True), (3, True), (3, False)):
             ps = [p.clone() for p in params]
             m, v = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
             half = [torch.empty(p.shape, dtype=hdtype) for p in ps]
             for step, gs in enumerate(grads[:2], 1):
-                assert not mod.adam(
-                    ps, gs, m, v, half, 1e-3, 0.9, 0.999, 1e-8, 0.01, step, True, 1.0, threads, isa
-                )
+                args = (1e-3, 0.9, 0.999, 1e-8, 0.01, step, True, 1.0, check, threads, isa)
+                assert not mod.adam(ps, gs, m, v, half, *args)
             outs.append((ps, m, v))
             for p, h in zip(ps, half):
                 assert torch.equal(h, p.to(hdtype)), isa
-        for a, b in zip(*outs):
-            for x, y in zip(a, b):
-                assert torch.equal(x, y), isa
+        for other in outs[1:]:
+            for a, b in zip(outs[0], other):
+                for x, y in zip(a, b):
+                    assert torch.equal(x, y), isa
         for p, r in zip(outs[0][0], ref):
             torch.testing.assert_close(p, r, **TOL)
 
@@ -260,6 +262,42 @@ def test_nonfinite_grad_modifies_nothing(mod, which, case):
         for old, new in zip(before, (params, *states, half)):
             for a, b in zip(old, new):
                 assert torch.equal(a, b), f"{name} modified a tensor although found_inf"
+
+
+@pytest.mark.parametrize("which", ["cpp", "reference"])
+def test_check_finite_false_skips_the_check(mod, which):
+    """check_finite=False: on finite gradients the very same numbers as with the check; a
+    nan gradient is not detected (found_inf False) and reaches that tensor's parameters or
+    state (so the check really did not run), while the other tensors step as usual."""
+    for name, fn, ref_fn, nstates, kw in _steps():
+        fn = fn if which == "cpp" else ref_fn
+        # 100_000 elements: several chunks and both threads on the C++ side.
+        params, grads = _make((5, 100_000, 17), seed=7, gdtype=torch.bfloat16)
+        gs = grads[0]
+        states = [[torch.rand_like(p) for p in params] for _ in range(nstates)]
+        runs = {}
+        for check in (True, False):
+            ts = [[t.clone() for t in lst] for lst in (params, *states)]
+            half = [torch.zeros(p.shape, dtype=torch.float16) for p in params]
+            found = fn(ts[0], gs, *ts[1:], half_params=half, check_finite=check, **kw)
+            assert found.dim() == 0 and not bool(found), name
+            runs[check] = [*ts, half]
+        for a, b in zip(runs[True], runs[False]):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y), name
+        bad = [g.clone() for g in gs]
+        bad[1][4242] = float("nan")
+        ts = [[t.clone() for t in lst] for lst in (params, *states)]
+        half = [torch.zeros(p.shape, dtype=torch.float16) for p in params]
+        found = fn(ts[0], bad, *ts[1:], half_params=half, check_finite=False, **kw)
+        assert not bool(found), name
+        # Lion's weights move by sign(.), which maps nan to 0: the nan lands in its momentum.
+        hit = ts[1] if name == "lion" else ts[0]
+        assert hit[1][4242].isnan() and hit[1].isnan().sum() == 1, name  # only that element
+        if name != "lion":
+            assert half[1][4242].isnan(), name
+        for a, b in zip([*ts, half], runs[True]):
+            assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]), name
 
 
 def test_empty_lists_and_empty_tensors(mod):
@@ -493,6 +531,22 @@ def test_cuda_adamw_matches_reference(gdtype):
         step=1,
     )
     assert bool(found) and all(torch.equal(a, b) for a, b in zip(before, ps))
+    # check_finite=False: no check kernel, so the inf reaches that tensor's weights.
+    found = co.adamw_cuda_(
+        ps,
+        gs,
+        [torch.zeros_like(p) for p in ps],
+        [torch.zeros_like(p) for p in ps],
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.1,
+        step=1,
+        check_finite=False,
+    )
+    assert not bool(found) and not torch.isfinite(ps[-1][0])
+    assert all(torch.isfinite(p).all() for p in ps[:-1])
 
 
 @pytest.mark.parametrize("hdtype", [torch.float16, torch.bfloat16])
@@ -543,6 +597,7 @@ def test_half_copy_rounds_like_torch(mod, isas, hdtype):
             0.99,
             0.0,
             1.0,
+            True,
             1,
             isa,
         )

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from fsharded.kernels import cpu_optim
 from fsharded.kernels import fused_optim as fo
 
 SIZES = (1, 7, 33, 130, 1025)  # odd sizes: partial chunks, several chunks for one tensor
@@ -148,6 +149,38 @@ def test_found_inf_leaves_everything_untouched(impl, kind, bad):
     assert found.dtype == torch.bool and found.shape == () and bool(found)
     after = params + [t for s in states for t in s] + half
     assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference", "cpp"])
+@pytest.mark.parametrize("kind", ["adamw", "lion", "adagrad"])
+def test_check_finite_false_skips_the_check(impl, kind):
+    """check_finite=False: the same numbers as with the check on finite grads; a nan grad
+    goes undetected (found_inf False) into that tensor's params (Lion: its momentum, as
+    sign(nan) moves no weight), the other tensors step as usual."""
+    if impl == "cpp" and cpu_optim.load() is None:
+        pytest.skip(f"C++ CPU optimizer not buildable here: {cpu_optim._build_cpu()[1]}")
+    params, states = _lists(seed=5)
+    # >= 0 like every second moment / Adagrad sum (no nan from sqrt of a negative state)
+    states = [[torch.rand_like(s) for s in lst] for lst in states[: 2 if kind == "adamw" else 1]]
+    grads = _grads(2, dtype=torch.bfloat16)
+    runs = {}
+    for check in (True, False):
+        ps, st = _clone(params), [_clone(s) for s in states]
+        half = [torch.zeros(p.shape, dtype=torch.bfloat16) for p in params]
+        found = _run(kind, impl, ps, grads, st, half, inv_scale=0.5, check_finite=check)
+        assert found.dtype == torch.bool and found.shape == () and not bool(found)
+        runs[check] = [ps, *st, half]
+    for a, b in zip(runs[True], runs[False]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    grads[3][77] = math.nan
+    ps, st = _clone(params), [_clone(s) for s in states]
+    half = [torch.zeros(p.shape, dtype=torch.bfloat16) for p in params]
+    found = _run(kind, impl, ps, grads, st, half, inv_scale=0.5, check_finite=False)
+    assert not bool(found)
+    hit = st[0] if kind == "lion" else ps
+    assert hit[3][77].isnan() and int(hit[3].isnan().sum()) == 1
+    for i in (0, 1, 2, 4):
+        assert all(torch.equal(a[i], b[i]) for a, b in zip([ps, *st, half], runs[True]))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's numpy

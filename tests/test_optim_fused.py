@@ -75,6 +75,23 @@ def test_fused_skips_a_non_finite_step_and_unscales(impl):
         torch.testing.assert_close(p[k], ref[k], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["adamw", "lion"])
+def test_fused_check_finite_false_is_passed_through(name, impl):
+    """check_finite=False reaches the kernel: a nan gradient is not detected, lands in the
+    step (adamw: the weights; lion: the momentum) and the counters advance."""
+    opt = OPTIMIZERS[name]()
+    p = _params()
+    s = opt.init(p)
+    grads = {k: torch.ones_like(v) for k, v in p.items()}
+    grads["b"][3] = float("nan")
+    s, found = fs.optim.fused_update_(opt, grads, s, p, check_finite=False, impl=impl)
+    assert not bool(found)
+    hit = s[0].mu["b"] if name == "lion" else p["b"]
+    assert hit[3].isnan() and int(hit.isnan().sum()) == 1
+    assert int(s[-1].count) == 1
+
+
 def test_fused_refuses_what_it_cannot_run():
     masked = fs.optim.adamw(1e-3, mask=fs.optim.decay_mask)
     assert not fs.optim.has_fused(masked) and not fs.optim.has_fused(fs.optim.sgd(0.1))
@@ -112,4 +129,6 @@ def test_donated_train_step_runs_the_fused_kernel(monkeypatch):
             state, m = step(state, b)
             runs[donate].append(float(m["loss"]))
     assert len(calls) == 3 and all(c["inv_scale"] < 1.0 for c in calls)  # clip 0.05 binds
+    # No inf/nan check in the kernel: the functional path does not skip either.
+    assert all(c["check_finite"] is False for c in calls)
     torch.testing.assert_close(torch.tensor(runs[True]), torch.tensor(runs[False]), rtol=1e-5, atol=1e-5)

@@ -52,7 +52,7 @@ int check(const char* name, const TensorList& xs, const TensorList& params,
 at::Tensor adam(const TensorList& params, const TensorList& grads, const TensorList& exp_avg,
                 const TensorList& exp_avg_sq, const TensorList& half, double lr, double beta1,
                 double beta2, double eps, double weight_decay, int64_t step, bool decoupled,
-                double inv_scale) {
+                double inv_scale, bool check_finite) {
   TORCH_CHECK_VALUE(step >= 1, "adamw_cuda_: step must be >= 1, got ", step);
   if (params.empty()) return at::zeros({}, at::TensorOptions().dtype(at::kBool));
   const at::Device device = params[0].device();
@@ -75,7 +75,7 @@ at::Tensor adam(const TensorList& params, const TensorList& grads, const TensorL
   const c10::cuda::CUDAGuard guard(device);
   at::Tensor found = at::empty({}, params[0].options().dtype(at::kInt));
   const int err = fsharded_cuda::multi_tensor_adam(
-      ts.data(), int(ts.size()), gtype, htype, c, found.data_ptr<int>(),
+      ts.data(), int(ts.size()), gtype, htype, c, check_finite, found.data_ptr<int>(),
       c10::cuda::getCurrentCUDAStream(device.index()).stream());
   TORCH_CHECK(err == 0, "adamw_cuda_: CUDA error: ", fsharded_cuda::error_string(err));
   return found.to(at::kBool);
@@ -90,5 +90,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("exp_avg_sq"), pybind11::arg("half_params"), pybind11::arg("lr"),
         pybind11::arg("beta1"), pybind11::arg("beta2"), pybind11::arg("eps"),
         pybind11::arg("weight_decay"), pybind11::arg("step"), pybind11::arg("decoupled"),
-        pybind11::arg("inv_scale"));
+        pybind11::arg("inv_scale"), pybind11::arg("check_finite"));
 }

@@ -160,12 +160,14 @@ cudaError_t for_each_batch(const std::vector<AdamTensor>& ts, Launch&& launch) {
 }
 
 template <int G, int H>
-cudaError_t run(const std::vector<AdamTensor>& ts, const AdamConsts& c, int* found_inf,
-                cudaStream_t stream) {
-  cudaError_t e = for_each_batch(ts, [&](const Batch& b, int blocks) {
-    nonfinite_kernel<G><<<blocks, kThreads, 0, stream>>>(b, c.inv_scale, found_inf);
-  });
-  if (e != cudaSuccess) return e;
+cudaError_t run(const std::vector<AdamTensor>& ts, const AdamConsts& c, bool check,
+                int* found_inf, cudaStream_t stream) {
+  if (check) {
+    cudaError_t e = for_each_batch(ts, [&](const Batch& b, int blocks) {
+      nonfinite_kernel<G><<<blocks, kThreads, 0, stream>>>(b, c.inv_scale, found_inf);
+    });
+    if (e != cudaSuccess) return e;
+  }
   return for_each_batch(ts, [&](const Batch& b, int blocks) {
     adam_kernel<G, H><<<blocks, kThreads, 0, stream>>>(b, c, found_inf);
   });
@@ -173,16 +175,16 @@ cudaError_t run(const std::vector<AdamTensor>& ts, const AdamConsts& c, int* fou
 
 template <int G>
 cudaError_t run_h(int htype, const std::vector<AdamTensor>& ts, const AdamConsts& c,
-                  int* found_inf, cudaStream_t stream) {
-  if (htype == kBF16) return run<G, kBF16>(ts, c, found_inf, stream);
-  if (htype == kF16) return run<G, kF16>(ts, c, found_inf, stream);
-  return run<G, kNoHalf>(ts, c, found_inf, stream);
+                  bool check, int* found_inf, cudaStream_t stream) {
+  if (htype == kBF16) return run<G, kBF16>(ts, c, check, found_inf, stream);
+  if (htype == kF16) return run<G, kF16>(ts, c, check, found_inf, stream);
+  return run<G, kNoHalf>(ts, c, check, found_inf, stream);
 }
 
 }  // namespace
 
 int multi_tensor_adam(const AdamTensor* tensors, int count, int gtype, int htype,
-                      const AdamConsts& c, int* found_inf, void* stream_ptr) {
+                      const AdamConsts& c, bool check, int* found_inf, void* stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   if (cudaError_t e = cudaMemsetAsync(found_inf, 0, sizeof(int), stream); e != cudaSuccess) {
     return int(e);
@@ -193,9 +195,9 @@ int multi_tensor_adam(const AdamTensor* tensors, int count, int gtype, int htype
   }
   if (ts.empty()) return int(cudaSuccess);
   cudaError_t e;
-  if (gtype == kBF16) e = run_h<kBF16>(htype, ts, c, found_inf, stream);
-  else if (gtype == kF16) e = run_h<kF16>(htype, ts, c, found_inf, stream);
-  else e = run_h<kF32>(htype, ts, c, found_inf, stream);
+  if (gtype == kBF16) e = run_h<kBF16>(htype, ts, c, check, found_inf, stream);
+  else if (gtype == kF16) e = run_h<kF16>(htype, ts, c, check, found_inf, stream);
+  else e = run_h<kF32>(htype, ts, c, check, found_inf, stream);
   return int(e);
 }
 

@@ -21,12 +21,13 @@ struct AdamTensor {
   int64_t n;
 };
 
-// Zeroes *found_inf (device int), sets it when some g * inv_scale is inf/nan, then runs the
+// Zeroes *found_inf (device int), sets it when some g * inv_scale is inf/nan (only when
+// `check`: otherwise no check runs and non-finite values reach the weights), then runs the
 // update, which every block skips when *found_inf is set: no host synchronisation, and
 // nothing is modified on overflow. All launches go to `stream` (a cudaStream_t).
 // Returns a cudaError_t (0 on success).
 int multi_tensor_adam(const AdamTensor* tensors, int count, int gtype, int htype,
-                      const AdamConsts& c, int* found_inf, void* stream);
+                      const AdamConsts& c, bool check, int* found_inf, void* stream);
 
 const char* error_string(int code);
 

@@ -20,7 +20,9 @@ dtype and its half params one dtype (the host groups mixed lists into several la
 
 Non-finite gradients: ``nonfinite_kernel`` writes 1 into a one-byte device flag when any
 unscaled gradient is inf/nan; ``update_kernel`` reads the flag first and, when set, touches
-nothing. Both run back to back on the stream, so no host synchronisation is needed.
+nothing. Both run back to back on the stream, so no host synchronisation is needed. With
+``check=False`` the check launches are skipped (one read of the gradients less) and the flag
+stays 0.
 
 All math is fp32: grads are upcast and multiplied by ``inv_scale`` on load; the host passes
 every derived scalar (``1 - beta``, ``lr / bias_correction1``, ...) already computed in
@@ -247,12 +249,16 @@ def _table(device: torch.device, addrs: tuple[int, ...], numels: tuple[int, ...]
     return table, n_chunks
 
 
-def step(kind: int, rows: dict, scalars: dict, *, decoupled: bool) -> torch.Tensor:
+def step(
+    kind: int, rows: dict, scalars: dict, *, decoupled: bool, check: bool = True
+) -> torch.Tensor:
     """Run one fused step of ``kind`` (ADAM / LION / ADAGRAD) in place.
 
     ``rows`` maps ``params``, ``grads``, ``s0``, ``s1`` (Adam's second moment, else None),
     ``half`` (or None) to equal-length lists of non-empty, validated tensors on one device.
-    Returns the 0-d bool ``found_inf`` on that device; no host synchronisation.
+    Returns the 0-d bool ``found_inf`` on that device; no host synchronisation. With
+    ``check=False`` no check kernel runs (the flag stays 0, ``found_inf`` is False) and
+    non-finite gradients reach the parameters.
     """
     params = rows["params"]
     device = params[0].device
@@ -274,7 +280,7 @@ def step(kind: int, rows: dict, scalars: dict, *, decoupled: bool) -> torch.Tens
         aligned = all(a % 16 == 0 for a in addrs)  # the unused rows' 0 counts as aligned
         launches.append((table, len(idx), n_chunks, g_dtype, h_dtype, aligned))
     with _on(device):
-        _launch(launches, flag, scalars, kind, decoupled, block, iters, warps)
+        _launch(launches, flag, scalars, kind, decoupled, check, block, iters, warps)
     return flag.view(torch.bool)
 
 
@@ -283,10 +289,10 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _launch(launches, flag, scalars, kind, decoupled, block, iters, warps) -> None:
+def _launch(launches, flag, scalars, kind, decoupled, check, block, iters, warps) -> None:
     # All checks finish before any update starts (same stream): a bad grad anywhere in the
     # list leaves every bucket untouched.
-    for table, n, n_chunks, g_dtype, _, aligned in launches:
+    for table, n, n_chunks, g_dtype, _, aligned in launches if check else ():
         nonfinite_kernel[(n_chunks,)](
             table,
             n,

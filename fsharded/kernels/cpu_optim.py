@@ -3,8 +3,9 @@
 What CPU offload needs from an optimizer: update fp32 master weights and their states in
 one multi-threaded, vectorised pass (AVX-512 / AVX2 / portable, picked at run time from the
 CPU's flags), optionally writing a bf16/fp16 copy of the updated weights in the same pass,
-unscaling the gradients by ``inv_scale`` on the fly, and doing *nothing* when a gradient is
-inf/nan (the returned ``found_inf`` says so). Gradients may be fp32, bf16 or fp16.
+unscaling the gradients by ``inv_scale`` on the fly, and (with ``check_finite=True``, the
+default) doing *nothing* when a gradient is inf/nan (the returned ``found_inf`` says so).
+Gradients may be fp32, bf16 or fp16.
 
 Every function takes lists of tensors (a flat buffer is a 1-element list), updates them in
 place and returns a 0-d bool tensor ``found_inf``. The arithmetic is torch.optim's:
@@ -14,10 +15,13 @@ place and returns a 0-d bool tensor ``found_inf``. The arithmetic is torch.optim
 - ``adagrad_``: ``torch.optim.Adagrad`` (``lr / (1 + (step - 1) * lr_decay)``);
 - ``lion_``: ``c = b1 m + (1 - b1) g; w <- w (1 - lr wd) - lr sign(c); m <- b2 m + (1 - b2) g``.
 
-Every gradient is checked before anything is written, so the gradients are read twice: on
-a memory-bound machine that costs ~4 of the 32 bytes per parameter an AdamW step moves
-(~2 of 30 with bf16 gradients). Elements are split into chunks that threads take in turn,
-across tensor boundaries; results do not depend on the thread count.
+With ``check_finite=True`` every gradient is checked before anything is written, so the
+gradients are read twice: on a memory-bound machine that costs ~4 of the 32 bytes per
+parameter an AdamW step moves (~2 of 30 with bf16 gradients). Only fp16 loss scaling needs
+that. ``check_finite=False`` is the single pass torch.optim and DeepSpeedCPUAdam make: no
+check, ``found_inf`` always False, and an inf/nan gradient propagates into the parameters and
+states as it does in torch.optim. Elements are split into chunks that threads take in turn,
+across tensor boundaries; results do not depend on the thread count or on ``check_finite``.
 
 ``*_reference_`` are the same steps in plain torch (any device; the fallback when the
 extension cannot be built). The C++ functions release the GIL and use
@@ -294,9 +298,13 @@ def adamw_(
     decoupled: bool = True,
     inv_scale: float = 1.0,
     half_params: TensorList | None = None,
+    check_finite: bool = True,
 ) -> torch.Tensor:
     """One AdamW step (Adam with L2 decay when ``decoupled=False``) in C++, in place.
-    Returns ``found_inf`` (True: a gradient was inf/nan and nothing was modified)."""
+    Returns ``found_inf`` (True: a gradient was inf/nan and nothing was modified).
+    ``check_finite=False`` skips that check (one pass over the gradients instead of two):
+    ``found_inf`` is then False and non-finite gradients reach the parameters, as in
+    ``torch.optim``."""
     mod = load(required=True)
     who = "adamw_"
     step = _scalar(step)
@@ -325,6 +333,7 @@ def adamw_(
             int(step),
             bool(decoupled),
             float(inv_scale),
+            bool(check_finite),
             _threads(),
             _isa_override(),
         )
@@ -342,8 +351,10 @@ def lion_(
     weight_decay: float,
     inv_scale: float = 1.0,
     half_params: TensorList | None = None,
+    check_finite: bool = True,
 ) -> torch.Tensor:
-    """One Lion step in C++, in place; returns ``found_inf``."""
+    """One Lion step in C++, in place; returns ``found_inf`` (``check_finite`` as for
+    ``adamw_``)."""
     mod = load(required=True)
     who = "lion_"
     _check_scalars(
@@ -360,6 +371,7 @@ def lion_(
             float(beta2),
             float(weight_decay),
             float(inv_scale),
+            bool(check_finite),
             _threads(),
             _isa_override(),
         )
@@ -378,8 +390,10 @@ def adagrad_(
     step: int = 1,
     inv_scale: float = 1.0,
     half_params: TensorList | None = None,
+    check_finite: bool = True,
 ) -> torch.Tensor:
-    """One Adagrad step in C++, in place; returns ``found_inf``."""
+    """One Adagrad step in C++, in place; returns ``found_inf`` (``check_finite`` as for
+    ``adamw_``)."""
     mod = load(required=True)
     who = "adagrad_"
     step = _scalar(step)
@@ -404,6 +418,7 @@ def adagrad_(
             float(lr_decay),
             int(step),
             float(inv_scale),
+            bool(check_finite),
             _threads(),
             _isa_override(),
         )
@@ -425,10 +440,12 @@ def adamw_cuda_(
     decoupled: bool = True,
     inv_scale: float = 1.0,
     half_params: TensorList | None = None,
+    check_finite: bool = True,
 ) -> torch.Tensor:
     """``adamw_`` for CUDA tensors: the multi-tensor fused kernel of ``csrc/cuda``. No host
     synchronisation: ``found_inf`` is a 0-d bool tensor on the GPU, and the update kernel
-    reads it there and skips when it is set."""
+    reads it there and skips when it is set. ``check_finite=False`` launches no check kernel
+    (``found_inf`` stays False)."""
     mod = load_cuda(required=True)
     who = "adamw_cuda_"
     step = _scalar(step)
@@ -456,17 +473,20 @@ def adamw_cuda_(
         int(step),
         bool(decoupled),
         float(inv_scale),
+        bool(check_finite),
     )
 
 
 # -- references -----------------------------------------------------------------------------
 
 
-def _unscaled(grads: list[torch.Tensor], inv_scale: float) -> tuple[list, torch.Tensor]:
+def _unscaled(
+    grads: list[torch.Tensor], inv_scale: float, check: bool = True
+) -> tuple[list, torch.Tensor]:
     """fp32 gradients times ``inv_scale`` (new tensors unless that is a no-op) and whether
-    any is inf/nan."""
+    any is inf/nan (always False without ``check``)."""
     gs = [g.float() if inv_scale == 1.0 else g.float() * inv_scale for g in grads]
-    if not gs:
+    if not gs or not check:
         return gs, torch.tensor(False)
     finite = torch.stack([torch.isfinite(g).all() for g in gs]).all()
     return gs, torch.logical_not(finite).cpu()
@@ -493,8 +513,10 @@ def adamw_reference_(
     decoupled: bool = True,
     inv_scale: float = 1.0,
     half_params: TensorList | None = None,
+    check_finite: bool = True,
 ) -> torch.Tensor:
-    """``adamw_`` in torch ops, as ``torch.optim.AdamW`` / ``Adam`` (single-tensor) does it."""
+    """``adamw_`` in torch ops, as ``torch.optim.AdamW`` / ``Adam`` (single-tensor) does it
+    (``check_finite=False``: no check, as there)."""
     who = "adamw_"
     step = _scalar(step)
     _check_scalars(
@@ -510,7 +532,7 @@ def adamw_reference_(
     params, grads, st, half = _validate(
         who, params, grads, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, half_params, cpu=False
     )
-    gs, found = _unscaled(grads, inv_scale)
+    gs, found = _unscaled(grads, inv_scale, check_finite)
     if found:
         return found
     step_size = lr / (1 - beta1**step)
@@ -539,6 +561,7 @@ def lion_reference_(
     weight_decay: float,
     inv_scale: float = 1.0,
     half_params: TensorList | None = None,
+    check_finite: bool = True,
 ) -> torch.Tensor:
     """``lion_`` in torch ops."""
     who = "lion_"
@@ -548,7 +571,7 @@ def lion_reference_(
     params, grads, st, half = _validate(
         who, params, grads, {"exp_avg": exp_avg}, half_params, cpu=False
     )
-    gs, found = _unscaled(grads, inv_scale)
+    gs, found = _unscaled(grads, inv_scale, check_finite)
     if found:
         return found
     for p, g, m in zip(params, gs, st["exp_avg"]):
@@ -572,6 +595,7 @@ def adagrad_reference_(
     step: int = 1,
     inv_scale: float = 1.0,
     half_params: TensorList | None = None,
+    check_finite: bool = True,
 ) -> torch.Tensor:
     """``adagrad_`` in torch ops, as ``torch.optim.Adagrad`` (single-tensor) does it."""
     who = "adagrad_"
@@ -588,7 +612,7 @@ def adagrad_reference_(
     params, grads, st, half = _validate(
         who, params, grads, {"state_sum": state_sum}, half_params, cpu=False
     )
-    gs, found = _unscaled(grads, inv_scale)
+    gs, found = _unscaled(grads, inv_scale, check_finite)
     if found:
         return found
     clr = lr / (1 + (step - 1) * lr_decay)

@@ -9,6 +9,9 @@ and updates them in place in one pass per bucket:
 - ``half_params`` (optional, bf16/fp16) receive the updated params cast down in the same pass;
 - non-finite detection is fused: when any unscaled gradient is inf or nan, *nothing* is
   modified (params, states, half params) and the returned 0-d bool ``found_inf`` is True.
+  That costs a second read of the gradients, needed only under fp16 loss scaling:
+  ``check_finite=False`` skips it (no check kernel / pass; ``found_inf`` is always False), and
+  non-finite gradients then propagate into the parameters and states as in ``torch.optim``.
 
 Implementations (``fsharded.kernels._dispatch.choose``):
 
@@ -212,6 +215,7 @@ def fused_adamw_reference_(
     decoupled: bool = True,
     inv_scale: float = 1.0,
     half_params: Tensors | None = None,
+    check_finite: bool = True,
 ) -> torch.Tensor:
     """Pure-torch :func:`fused_adamw_`: ``cpu_optim.adamw_reference_``, op for op as
     ``torch.optim.AdamW`` / ``Adam`` (single-tensor); one host sync for ``found_inf``."""
@@ -238,6 +242,7 @@ def fused_adamw_reference_(
         decoupled=decoupled,
         inv_scale=inv_scale,
         half_params=half_params,
+        check_finite=check_finite,
     )
     return _on_device(found, params)
 
@@ -253,6 +258,7 @@ def fused_lion_reference_(
     weight_decay: float,
     inv_scale: float = 1.0,
     half_params: Tensors | None = None,
+    check_finite: bool = True,
 ) -> torch.Tensor:
     """Pure-torch :func:`fused_lion_`: ``cpu_optim.lion_reference_``."""
     from .cpu_optim import lion_reference_
@@ -268,6 +274,7 @@ def fused_lion_reference_(
         weight_decay=weight_decay,
         inv_scale=inv_scale,
         half_params=half_params,
+        check_finite=check_finite,
     )
     return _on_device(found, params)
 
@@ -284,6 +291,7 @@ def fused_adagrad_reference_(
     step: int = 1,
     inv_scale: float = 1.0,
     half_params: Tensors | None = None,
+    check_finite: bool = True,
 ) -> torch.Tensor:
     """Pure-torch :func:`fused_adagrad_`: ``cpu_optim.adagrad_reference_``, op for op as
     ``torch.optim.Adagrad`` (single-tensor)."""
@@ -301,6 +309,7 @@ def fused_adagrad_reference_(
         step=step,
         inv_scale=inv_scale,
         half_params=half_params,
+        check_finite=check_finite,
     )
     return _on_device(found, params)
 
@@ -309,7 +318,7 @@ def fused_adagrad_reference_(
 # public, dispatched
 
 
-def _triton(kind: str, params, grads, s0, s1, half_params, scalars, decoupled=True):
+def _triton(kind: str, params, grads, s0, s1, half_params, scalars, check, decoupled=True):
     from . import _triton_fused_optim as K
 
     keep = [i for i, p in enumerate(params) if p.numel() > 0]
@@ -320,7 +329,7 @@ def _triton(kind: str, params, grads, s0, s1, half_params, scalars, decoupled=Tr
     rows = dict(
         params=pick(params), grads=pick(grads), s0=pick(s0), s1=pick(s1), half=pick(half_params)
     )
-    found = K.step(getattr(K, kind), rows, scalars, decoupled=decoupled)
+    found = K.step(getattr(K, kind), rows, scalars, decoupled=decoupled, check=check)
     # The kernel wrote through raw pointers: tell autograd these tensors changed.
     modified = [t for lst in (params, s0, s1, half_params) if lst is not None for t in lst]
     torch.autograd.graph.increment_version(modified)
@@ -342,6 +351,7 @@ def fused_adamw_(
     decoupled: bool = True,
     inv_scale: float = 1.0,
     half_params: Tensors | None = None,
+    check_finite: bool = True,
     impl: str | None = None,
 ) -> torch.Tensor:
     """One AdamW step in place (``decoupled=False``: Adam with L2 decay added to the grad).
@@ -349,8 +359,9 @@ def fused_adamw_(
     ``p *= 1 - lr*wd`` (decoupled); ``m = lerp(m, g, 1-beta1)``; ``v = beta2*v + (1-beta2)*g²``;
     ``p -= lr/(1-beta1^step) * m / (sqrt(v)/sqrt(1-beta2^step) + eps)``, with
     ``g = grad * inv_scale`` in fp32. Returns ``found_inf`` (0-d bool on the params' device);
-    when True nothing was modified. ``step`` is the 1-based step being taken. Module doc:
-    dtypes, devices, implementations.
+    when True nothing was modified. ``check_finite=False`` skips the check: ``found_inf`` is
+    False and an inf/nan gradient reaches the parameters, as in ``torch.optim``. ``step`` is
+    the 1-based step being taken. Module doc: dtypes, devices, implementations.
     """
     name = "fused_adamw_" if decoupled else "fused_adam_"
     _check_lists(name, params, grads, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, half_params)
@@ -376,6 +387,7 @@ def fused_adamw_(
         decoupled=decoupled,
         inv_scale=inv_scale,
         half_params=half_params,
+        check_finite=check_finite,
     )
     which = choose("fused_adamw", *params, impl=impl, cpp=True)
     if which == "cpp":
@@ -385,7 +397,9 @@ def fused_adamw_(
     if which == "reference":
         return fused_adamw_reference_(params, grads, exp_avg, exp_avg_sq, **kw)
     scalars = _adam_scalars(lr, beta1, beta2, eps, weight_decay, step, decoupled, inv_scale)
-    return _triton("ADAM", params, grads, exp_avg, exp_avg_sq, half_params, scalars, decoupled)
+    return _triton(
+        "ADAM", params, grads, exp_avg, exp_avg_sq, half_params, scalars, check_finite, decoupled
+    )
 
 
 def fused_adam_(
@@ -403,6 +417,7 @@ def fused_adam_(
     decoupled: bool = False,
     inv_scale: float = 1.0,
     half_params: Tensors | None = None,
+    check_finite: bool = True,
     impl: str | None = None,
 ) -> torch.Tensor:
     """:func:`fused_adamw_` with ``decoupled=False`` by default (``torch.optim.Adam``: the
@@ -421,6 +436,7 @@ def fused_adam_(
         decoupled=decoupled,
         inv_scale=inv_scale,
         half_params=half_params,
+        check_finite=check_finite,
         impl=impl,
     )
 
@@ -436,6 +452,7 @@ def fused_lion_(
     weight_decay: float,
     inv_scale: float = 1.0,
     half_params: Tensors | None = None,
+    check_finite: bool = True,
     impl: str | None = None,
 ) -> torch.Tensor:
     """One Lion step in place (Chen et al. 2023): ``u = sign(beta1*m + (1-beta1)*g)``;
@@ -455,6 +472,7 @@ def fused_lion_(
         weight_decay=weight_decay,
         inv_scale=inv_scale,
         half_params=half_params,
+        check_finite=check_finite,
     )
     which = choose("fused_lion", *params, impl=impl, cpp=True)
     if which == "cpp":
@@ -464,7 +482,7 @@ def fused_lion_(
     if which == "reference":
         return fused_lion_reference_(params, grads, exp_avg, **kw)
     scalars = _lion_scalars(lr, beta1, beta2, weight_decay, inv_scale)
-    return _triton("LION", params, grads, exp_avg, None, half_params, scalars)
+    return _triton("LION", params, grads, exp_avg, None, half_params, scalars, check_finite)
 
 
 def fused_adagrad_(
@@ -479,6 +497,7 @@ def fused_adagrad_(
     step: int = 1,
     inv_scale: float = 1.0,
     half_params: Tensors | None = None,
+    check_finite: bool = True,
     impl: str | None = None,
 ) -> torch.Tensor:
     """One Adagrad step in place (``torch.optim.Adagrad``): ``g += wd*p``; ``s += g²``;
@@ -509,6 +528,7 @@ def fused_adagrad_(
         step=step,
         inv_scale=inv_scale,
         half_params=half_params,
+        check_finite=check_finite,
     )
     which = choose("fused_adagrad", *params, impl=impl, cpp=True)
     if which == "cpp":
@@ -518,4 +538,4 @@ def fused_adagrad_(
     if which == "reference":
         return fused_adagrad_reference_(params, grads, state_sum, **kw)
     scalars = _adagrad_scalars(lr, eps, weight_decay, lr_decay, step, inv_scale)
-    return _triton("ADAGRAD", params, grads, state_sum, None, half_params, scalars)
+    return _triton("ADAGRAD", params, grads, state_sum, None, half_params, scalars, check_finite)

@@ -13,7 +13,7 @@ advanced), so the two can be mixed, checkpointed and resharded alike, and gives 
 numbers (to float rounding: the kernels evaluate the same formulas in another order).
 ``inv_scale`` multiplies the gradients on load (loss-scale unscaling, a clipping factor);
 when any gradient is inf or nan nothing is modified, the counters do not advance and
-``found_inf`` is true.
+``found_inf`` is true (unless ``check_finite=False``, which skips that check).
 """
 
 from __future__ import annotations
@@ -52,12 +52,16 @@ def _check(name: str, leaves: list, ref: list[torch.Tensor]) -> None:
 
 
 def fused_update_(optimizer: Any, grads: Any, state: Any, params: Any, *,
-                  inv_scale: float | torch.Tensor = 1.0,
+                  inv_scale: float | torch.Tensor = 1.0, check_finite: bool = True,
                   impl: str | None = None) -> tuple[Any, torch.Tensor]:
     """One in-place step of ``optimizer`` on ``params`` (see the module doc).
 
     Returns ``(new_state, found_inf)``; ``params`` and the moments inside ``state`` are
     updated in place (the old state is consumed, as with ``donating()``).
+    ``check_finite=False`` skips the inf/nan check (one read of the gradients less, what
+    pays off when nothing needs it, i.e. without fp16 loss scaling): ``found_inf`` is then
+    always false and a non-finite gradient propagates into the parameters and moments, as
+    with ``optimizer.update`` or ``torch.optim``.
     """
     form = getattr(optimizer, "fused", None)
     if not isinstance(form, FusedForm):
@@ -92,7 +96,7 @@ def fused_update_(optimizer: Any, grads: Any, state: Any, params: Any, *,
         found = fused_optim.fused_adamw_(
             p, g, mu, nu, lr=lr, beta1=h["b1"], beta2=h["b2"], eps=h["eps"],
             weight_decay=h["weight_decay"], step=int(count), decoupled=form.kind == "adamw",
-            inv_scale=inv_scale, impl=impl)
+            inv_scale=inv_scale, check_finite=check_finite, impl=impl)
         found = found.to(count.device)
         moments = type(moments)(torch.where(found, moments.count, count), moments.mu, moments.nu)
     elif form.kind == "lion":
@@ -100,7 +104,7 @@ def fused_update_(optimizer: Any, grads: Any, state: Any, params: Any, *,
         _check("the momentum", mu, p)
         found = fused_optim.fused_lion_(
             p, g, mu, lr=lr, beta1=h["b1"], beta2=h["b2"], weight_decay=h["weight_decay"],
-            inv_scale=inv_scale, impl=impl)
+            inv_scale=inv_scale, check_finite=check_finite, impl=impl)
     else:  # pragma: no cover - FusedForm is only built below
         raise NotImplementedError(form.kind)
     found = found.to(sched.count.device)
