@@ -347,7 +347,10 @@ def _gloo_one(impl: str) -> tuple:
 def _gloo_case() -> dict:
     """On each gloo rank: the vocab-parallel loss and its gradient (backward through
     shard_map, and torch.func.grad inside it) for every implementation that runs on CPU."""
-    impls = ["reference"] + (["triton"] if _dispatch.triton_available("cpu") else [])
+    # The ranks run the reference kernels: Triton's interpreter inside spawned gloo ranks
+    # aborted at teardown about once in 50 runs on a loaded 2-core machine; the Triton
+    # kernels are checked against the reference in-process (and on GPUs by -m gpu).
+    impls = ["reference"]
     return {impl: _gloo_one(impl) for impl in impls}
 
 

@@ -282,7 +282,10 @@ def _collectives(impl: str):
 def _gloo_case() -> dict:
     """On each gloo rank: both quantized collectives (int8 and fp32 payloads through gloo)."""
     x = torch.randn(8, 24, generator=torch.Generator().manual_seed(0))
-    impls = ["reference"] + (["triton"] if _dispatch.triton_available("cpu") else [])
+    # The ranks run the reference kernels: Triton's interpreter inside spawned gloo ranks
+    # aborted at teardown about once in 50 runs on a loaded 2-core machine; the Triton
+    # kernels are checked against the reference in-process (and on GPUs by -m gpu).
+    impls = ["reference"]
     out = {}
     for impl in impls:
         gather, scatter = _collectives(impl)
