@@ -5,7 +5,8 @@ decides per call:
 
 - ``impl`` argument (``"auto"``/``None``, ``"triton"``, ``"cpp"``, ``"reference"``) wins;
 - else the environment variable ``FSHARDED_KERNELS`` (same values; ``reference`` forces the
-  reference everywhere, for debugging numerics);
+  reference everywhere, for debugging numerics; ``cpp`` applies to the kinds that have a
+  C++ form, the others choose automatically);
 - else ``auto``: Triton when every tensor is on CUDA and Triton imports; the C++ extension
   for kinds that have one (the CPU optimizer) when the tensors are on CPU and it builds;
   the reference otherwise.
@@ -78,6 +79,10 @@ def choose(kind: str, *tensors: torch.Tensor, impl: str | None = None, cpp: bool
         raise ValueError(f"{kind}: impl={impl!r}, expected one of {', '.join(IMPLS)}")
     if want == "auto":
         want = forced()
+        if want == "cpp" and not cpp:
+            # FSHARDED_KERNELS=cpp forces the C++ optimizer; kernels without a C++ form
+            # keep their automatic choice.
+            want = "auto"
     devices = _devices(tensors)
     if want == "reference":
         return "reference"
