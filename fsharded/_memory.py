@@ -19,16 +19,13 @@ import torch
 from fsharded import _tree
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._shard import _backend
-from fsharded.mesh._spec import PartitionSpec, _entry_axes
+from fsharded.mesh._spec import PartitionSpec, shard_shape
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
 
 def _local_numel(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> int:
-    n = math.prod(shape)
-    for e in spec:
-        n //= math.prod(mesh.shape[a] for a in _entry_axes(e))
-    return n
+    return math.prod(shard_shape(spec, shape, mesh))
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -130,7 +127,7 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
         compute = sum(use_n) * cb if (pl.stage or policy.compute_dtype != policy.master_dtype) else 0
         grad_peak = sum(use_n) * rb  # autograd produces full-size gradients, then reduces
     meta = optree.tree_unflatten(tdef, [
-        torch.empty(_shard_shape(s, m, mesh), dtype=policy.master_dtype, device="meta")
+        torch.empty(shard_shape(m, s, mesh), dtype=policy.master_dtype, device="meta")
         for s, m in zip(shapes, master)
     ])
     opt_bytes = sum(x.numel() * x.element_size() for x in optree.tree_leaves(optimizer.init(meta))
@@ -150,16 +147,9 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     return MemoryEstimate(
         master=sum(master_n) * mb, compute_params=compute, grads=grad_peak, optimizer=opt_bytes,
         activations=activations, buffers=buffers,
-        placed_grads=sum(_local_numel(s, m, mesh) for s, m in zip(shapes, master)) * mb,
+        placed_grads=sum(master_n) * mb,
         notes=tuple(notes),
     )
-
-
-def _shard_shape(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> tuple[int, ...]:
-    out = list(shape)
-    for d, e in enumerate(spec):
-        out[d] //= math.prod(mesh.shape[a] for a in _entry_axes(e))
-    return tuple(out)
 
 
 def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: Any, batch: Any,
@@ -174,7 +164,7 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
     use = optree.tree_leaves(pl.use, is_leaf=lambda x: isinstance(x, PartitionSpec))
     leaves, tdef = optree.tree_flatten(params)
     local = [
-        torch.empty(_shard_shape(tuple(x.shape), u, mesh), dtype=policy.compute_dtype,
+        torch.empty(shard_shape(u, x.shape, mesh), dtype=policy.compute_dtype,
                     device="meta", requires_grad=True)
         for x, u in zip(leaves, use)
     ]
@@ -183,7 +173,7 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
     b_leaves, b_def = optree.tree_flatten(batch)
     b_specs = _tree.broadcast_prefix(batch_spec, batch, what="batch_spec")
     local_batch = optree.tree_unflatten(b_def, [
-        torch.empty(_shard_shape(tuple(x.shape), s, mesh), dtype=x.dtype, device="meta")
+        torch.empty(shard_shape(s, x.shape, mesh), dtype=x.dtype, device="meta")
         if isinstance(x, torch.Tensor) else x
         for x, s in zip(b_leaves, b_specs)
     ])
