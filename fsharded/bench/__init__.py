@@ -35,6 +35,8 @@ __all__ = [
     "alternate",
     "calibrate",
     "format_time",
+    "format_bytes",
+    "Qty",
     "invocation",
 ]
 
@@ -168,6 +170,26 @@ class Row:
 
 
 @dataclass(frozen=True)
+class Qty(Row):
+    """A row whose values are bytes (``unit="B"``) rather than seconds."""
+
+    unit: str = "s"
+
+
+def format_bytes(b: float) -> str:
+    if b != b:
+        return "n/a"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(b) >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _cell(r: Row, v: float) -> str:
+    return format_bytes(v) if getattr(r, "unit", "s") == "B" else format_time(v)
+
+
+@dataclass(frozen=True)
 class Section:
     """A table of rows against one peer; ``target`` is the ours/peer ratio aimed for."""
 
@@ -237,9 +259,9 @@ class Report:
     # -- renderers ---------------------------------------------------------------------------
 
     def _cells(self, s: Section) -> list[tuple[str, ...]]:
-        """One row of table cells per comparison (benchmarks of sizes other than time
-        override this)."""
-        return [(r.case, r.size, format_time(r.ours_s), format_time(r.peer_s), f"{r.ratio:.2f}")
+        """One row of table cells per comparison: times, or bytes for ``Qty`` rows in
+        bytes (benchmarks of other units override this)."""
+        return [(r.case, r.size, _cell(r, r.ours_s), _cell(r, r.peer_s), f"{r.ratio:.2f}")
                 for r in s.rows]
 
     def markdown(self) -> str:

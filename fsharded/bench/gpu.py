@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fsharded.bench import Report, Row, Section, format_time
+from fsharded.bench import Qty, Report, Row, Section
 
 __all__ = ["main", "build_parser"]
 
@@ -93,34 +93,6 @@ def copy_bandwidth(device: torch.device, nbytes: int, timer) -> float:
     dst = torch.empty_like(src)
     t = timer(lambda: dst.copy_(src), 3, 10)
     return 2 * src.numel() * 4 / t
-
-
-# -- rows with other units --------------------------------------------------------------------
-
-
-class _Qty(Row):
-    unit: str = "s"
-
-
-def _fmt(r: Row, v: float) -> str:
-    if getattr(r, "unit", "s") == "B":
-        for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-            if abs(v) >= scale:
-                return f"{v / scale:.2f} {unit}"
-        return f"{v:.0f} B"
-    return format_time(v)
-
-
-class GpuReport(Report):
-    def _cells(self, s: Section) -> list[tuple[str, ...]]:
-        return [(r.case, r.size, _fmt(r, r.ours_s), _fmt(r, r.peer_s), f"{r.ratio:.2f}")
-                for r in s.rows]
-
-
-def _qty(case: str, size: str, ours: float, peer: float, unit: str) -> Row:
-    q = _Qty(case, size, ours, peer)
-    object.__setattr__(q, "unit", unit)
-    return q
 
 
 # -- sections ------------------------------------------------------------------------------
@@ -254,8 +226,8 @@ def cross_entropy_section(device, timer, shapes) -> list[Section]:
     for N, V in shapes:
         m_ours, m_naive, t_ours, t_naive = _cross_entropy_case(N, V, device, dtype, timer)
         size = f"N={N} V={V}"
-        mem_rows.append(_qty("cross-entropy fwd+bwd peak memory vs naive", size, m_ours,
-                             m_naive, "B"))
+        mem_rows.append(Qty("cross-entropy fwd+bwd peak memory vs naive", size, m_ours,
+                            m_naive, unit="B"))
         time_rows.append(Row("cross-entropy fwd+bwd time vs naive", size, t_ours, t_naive))
     return [
         Section("cross-entropy peak memory (above the logits)",
@@ -348,7 +320,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         timer = lambda fn, warmup, reps: base(fn, 0, 1)  # noqa: E731
     bw = copy_bandwidth(device, copy_bytes, timer)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter smoke run)"
-    report = GpuReport("gpu", params={
+    report = Report("gpu", params={
         "device": name, "torch": torch.__version__, "triton": _triton_version(),
         "copy bandwidth": f"{bw / 1e9:.1f} GB/s (device copy_, read + write)",
     })

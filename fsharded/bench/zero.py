@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from fsharded.bench import Report, Row, Section, format_time
+from fsharded.bench import Qty, Report, Row, Section, format_bytes
 from fsharded.bench._zero_peers import ByteCounter, FunctionalGPT
 
 OURS = "fsharded"
@@ -326,34 +326,6 @@ def _current_rss_kb() -> int:
 # -- reporting -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Qty(Row):
-    """A row whose values are bytes (``unit="B"``) rather than seconds."""
-
-    unit: str = "s"
-
-
-def format_bytes(b: float) -> str:
-    if b != b:
-        return "n/a"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(b) >= scale:
-            return f"{b / scale:.2f} {unit}"
-    return f"{b:.0f} B"
-
-
-def _cell(r: Row, v: float) -> str:
-    return format_bytes(v) if getattr(r, "unit", "s") == "B" else format_time(v)
-
-
-class ZeroReport(Report):
-    """``Report`` whose tables may hold bytes as well as times."""
-
-    def _cells(self, s: Section) -> list[tuple[str, ...]]:
-        return [(r.case, r.size, _cell(r, r.ours_s), _cell(r, r.peer_s), f"{r.ratio:.2f}")
-                for r in s.rows]
-
-
 def _peer_label(name: str, stage: int) -> str:
     if name == DS:
         return f"ZeRO-{stage} vs DeepSpeed ZeRO-{stage}"
@@ -608,7 +580,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
               counted=counted, memory_stages=memory_stages, memory_steps=mem_steps,
               keep=args.zero3_keep)
     nparams = gpt.param_count(gpt.init(cfg, 0))
-    report = ZeroReport("zero", params={
+    report = Report("zero", params={
         "torch": torch.__version__,
         "deepspeed": _ds_version() if use_ds else "not run",
         "model": f"GPT d_model={cfg.d_model} layers={cfg.n_layers} heads={cfg.n_heads} "
