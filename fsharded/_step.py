@@ -225,8 +225,11 @@ class TrainStep:
                 specs_of = {id(x): (m, u) for x, m, u, b in zip(leaves, master_specs, use, block_mask) if b}
                 prefetch = _Prefetch(p, specs_of, axis, self.mesh) if self.distributed and \
                     not torch._C._are_functorch_transforms_active() else None
+                # The last block's backward follows its forward at once: keep its weights.
+                last = p.get("blocks") if isinstance(p, dict) else None
+                kept = {id(t) for t in optree.tree_leaves(last[-1])} if last else set()
                 loss = self.loss_fn(p, micro, block_fn=functools.partial(
-                    _zero3_block, specs_of, axis, self.mesh, cap, prefetch, reshard))
+                    _zero3_block, specs_of, axis, self.mesh, cap, prefetch, reshard, kept))
             else:
                 loss = self.loss_fn(p, micro)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -398,9 +401,11 @@ def _block_mask(params: Any) -> list[bool] | None:
 
 
 class _Prefetch:
-    """ZeRO-3 forward prefetch on real ranks: when block i starts, block i+1's gather is
-    issued asynchronously, so it travels while block i computes (two blocks' full weights
-    alive at most). Backward re-gathers synchronously (that gather must be differentiable)."""
+    """ZeRO-3 prefetch on real ranks. Forward: when block i starts, block i+1's gather is
+    issued asynchronously, so it travels while block i computes. Backward (re-gather): when
+    block i's backward begins (its output's gradient arrives), block i-1's gather is issued,
+    so it travels while block i's backward computes. Two blocks' full weights are alive at
+    most (three around the last block, which is kept from forward to backward)."""
 
     def __init__(self, params: Any, specs_of: dict, axis: str, mesh: Mesh) -> None:
         blocks = params["blocks"] if isinstance(params, dict) else []
@@ -408,15 +413,48 @@ class _Prefetch:
         self.index = {id(lv[0]): i for i, lv in enumerate(self.order) if lv}
         self.specs_of, self.axis, self.mesh = specs_of, axis, mesh
         self.pending: dict[int, Any] = {}
+        self.backward: dict[int, Any] = {}
 
-    def start(self, i: int) -> None:
+    def _gather(self, i: int) -> Any:
         from fsharded.parallel import _buckets as B
 
+        leaves = self.order[i]
+        specs = [self.specs_of[id(t)] for t in leaves]
+        return B.PendingGather(leaves, [m for m, _ in specs], [u for _, u in specs], self.axis, self.mesh)
+
+    def start(self, i: int) -> None:
         if 0 <= i < len(self.order) and i not in self.pending:
-            leaves = self.order[i]
-            specs = [self.specs_of[id(t)] for t in leaves]
-            self.pending[i] = B.PendingGather(leaves, [m for m, _ in specs], [u for _, u in specs],
-                                              self.axis, self.mesh)
+            self.pending[i] = self._gather(i)
+
+    def _start_backward(self, i: int) -> None:
+        from fsharded.parallel._zero3_hooks import track_pending
+
+        if 0 <= i < len(self.order) and i not in self.backward:
+            self.backward[i] = g = self._gather(i)
+            track_pending(g)  # waited for when backward ends, even if no block takes it
+
+    def on_backward(self, leaves: list) -> Callable[[torch.Tensor], None]:
+        """A hook for a block's output: its gradient arriving means the block's backward
+        begins, so the previous block's gather is issued to travel meanwhile."""
+        i = self.index.get(id(leaves[0]), -1) if leaves else -1
+
+        def hook(_grad: torch.Tensor) -> None:
+            self._start_backward(i - 1)
+
+        return hook
+
+    def regather(self, leaves: list) -> Callable[[], list] | None:
+        """For a block of the list: a function giving its full weights again in backward
+        (from the gather issued when this block's backward began, or issued now)."""
+        i = self.index.get(id(leaves[0])) if leaves else None
+        if i is None:
+            return None
+
+        def fetch() -> list:
+            self._start_backward(i)
+            return self.backward.pop(i).wait()
+
+        return fetch
 
     def take_pending(self, leaves: list) -> Any:
         """The in-flight gather of this block (issued now if not yet), after issuing the
@@ -430,14 +468,18 @@ class _Prefetch:
 
 
 def _zero3_block(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: _Prefetch | None,
-                 reshard: bool, block: Callable, p: Any, x: torch.Tensor, **kw: Any) -> torch.Tensor:
+                 reshard: bool, kept: set, block: Callable, p: Any, x: torch.Tensor,
+                 **kw: Any) -> torch.Tensor:
     """Run ``block`` on its sharded parameters: gather them inside a remat, so only this
     block's full weights are alive while it runs, and they are gathered again in backward
-    (``reshard``); or gather them once and let autograd keep them until backward."""
+    (``reshard``, except for the leaves in ``kept``: the last block, whose backward comes
+    right after its forward); or gather them once and let autograd keep them until
+    backward."""
     from fsharded.parallel import _buckets as B
     from fsharded.parallel.remat import checkpoint
 
     leaves, bdef = optree.tree_flatten(p)
+    regather_any, reshard = reshard, reshard and not (leaves and id(leaves[0]) in kept)
     try:
         specs = [specs_of[id(t)] for t in leaves]
     except KeyError:
@@ -452,8 +494,12 @@ def _zero3_block(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: _Pre
         # block and gather them again in backward, without re-running the forward.
         from fsharded.parallel._zero3_hooks import run_block
 
-        return run_block(block, bdef, leaves, x, m_specs, u_specs, axis, mesh, cap,
-                         prefetch.take_pending(leaves), regather=reshard, **kw)
+        out = run_block(block, bdef, leaves, x, m_specs, u_specs, axis, mesh, cap,
+                        prefetch.take_pending(leaves), regather=reshard,
+                        fetch=prefetch.regather(leaves) if reshard else None, **kw)
+        if regather_any and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(prefetch.on_backward(leaves))
+        return out
 
     def run(*args: torch.Tensor) -> torch.Tensor:
         *shards, h = args

@@ -16,7 +16,12 @@ batches from the same initial weights, at each ZeRO stage:
   pytree leaves and whose forward calls ``gpt.loss`` (exactly the same math),
   ``deepspeed.initialize`` with ``zero_optimization.stage`` set, ``torch.optim.AdamW`` as
   the client optimizer, ``gradient_clipping`` 1.0; stage 3 builds the model under
-  ``deepspeed.zero.Init`` with ``stage3_param_persistence_threshold: 0``;
+  ``deepspeed.zero.Init`` with ``stage3_param_persistence_threshold: 0``, and (as ours and
+  FSDP2 do by default) frees each block's weights after forward and gathers them again in
+  backward: ``stage3_prefetch_bucket_size`` one block's parameters (prefetch one block
+  ahead, like ours) and ``stage3_max_reuse_distance: 0``. Its defaults (a 5e7-element
+  prefetch bucket, reuse distance 1e9) keep every gathered weight of a model this small
+  from forward to backward: the ``--zero3-keep`` comparison;
 - FSDP2 (``fully_shard`` on every block and the root, same module): the peer of stage 3,
   and with ``reshard_after_forward=False`` the stage-2-like peer.
 
@@ -95,6 +100,14 @@ class Job:
 
         return gpt.GPTConfig(**self.model)
 
+    def block_numel(self) -> int:
+        """Parameters of one block of the model."""
+        import optree
+
+        from fsharded.models import gpt
+
+        return sum(x.numel() for x in optree.tree_leaves(gpt.init(self.config(), 0)["blocks"][0]))
+
     def batch(self, i: int) -> tuple[dict, dict]:
         """Global batch ``i`` and this rank's ``micro`` rows of it: ``train_step`` takes the
         global batch and trains on its rows; the peers are given their rows directly."""
@@ -133,6 +146,13 @@ def _deepspeed_config(job: Job, stage: int) -> dict:
     if stage == 3:
         # Without it every parameter of a small model stays unpartitioned (PEERS.md).
         zero["stage3_param_persistence_threshold"] = 0
+        if not job.keep:
+            # Free each block's weights after its forward and gather them again in backward,
+            # as ours and FSDP2 do: no reuse window, and a prefetch of one block ahead
+            # (DeepSpeed keeps what its prefetch already fetched for a later use, so its
+            # default 5e7-element bucket would keep every weight of a small model).
+            zero["stage3_prefetch_bucket_size"] = job.block_numel()
+            zero["stage3_max_reuse_distance"] = 0
     return {
         "train_micro_batch_size_per_gpu": job.micro,
         "gradient_accumulation_steps": 1,
@@ -398,15 +418,14 @@ def build_sections(job: Job, timing: list[dict], memory: dict, size: str,
             ours = timing[0]["stages"][s]["manifest_bytes"]  # == a["bytes"], checked in main
             rows.append(Qty(_peer_label(peer, s), size, ours, b["bytes"], unit="B"))
             notes.append(f"ZeRO-{s}: ours {_ops(a['ops'])}; {peer} {_ops(b['ops'])}")
-        if peer == DS and 3 in peer_stages and not job.keep:
-            notes.append("DeepSpeed's ZeRO-3 all-gathers each parameter once per step here (it "
-                         "does not re-gather in backward, also with stage3_max_reuse_distance "
-                         "0); ours and FSDP2 gather every block again in backward: compare "
-                         "bytes with --zero3-keep")
+        if 3 in peer_stages and not job.keep:
+            notes.append("ZeRO-3 re-gathers in backward: ours every block but the last (whose "
+                         "backward follows its forward at once), DeepSpeed likewise (prefetch "
+                         "one block ahead, reuse distance 0), FSDP2 every block")
         if 3 in peer_stages and job.keep:
             notes.append("--zero3-keep: ours reshard_after_forward=False and FSDP2 "
                          "reshard_after_forward=False keep gathered weights until backward, as "
-                         "DeepSpeed does here")
+                         "DeepSpeed's default ZeRO-3 settings do on a model this small")
         notes.append(
             "ours: step.collectives(state, batch).total_bytes(); the peer: torch.distributed's "
             "collectives wrapped and each call charged the same ring bytes as "
@@ -471,7 +490,9 @@ def _peer_desc(peer: str, keep: bool = False) -> str:
         return ("DeepSpeed " + _ds_version() + " engine on the same model as an nn.Module "
                 "(parameters = the pytree leaves, forward = gpt.loss), client optimizer "
                 "torch.optim.AdamW(fused=True), gradient_clipping 1.0, default ZeRO settings "
-                "(stage 3: zero.Init, stage3_param_persistence_threshold 0)")
+                "(stage 3: zero.Init, stage3_param_persistence_threshold 0"
+                + (")" if keep else ", re-gather in backward: stage3_prefetch_bucket_size = "
+                   "one block, stage3_max_reuse_distance 0)"))
     reshard = "True (ZeRO-3-like)" if peer == FSDP2 and not keep else "False (ZeRO-2-like)"
     return ("torch.distributed.fsdp.fully_shard on each block and the root of the same "
             f"nn.Module, reshard_after_forward={reshard}, torch.optim.AdamW(fused=True), "
@@ -521,7 +542,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None, help="blocks (default: GPT small's 4)")
     p.add_argument("--zero3-keep", action="store_true",
                    help="ZeRO-3 keeps gathered weights from forward to backward: ours "
-                        "reshard_after_forward=False, DeepSpeed's default reuse distance, FSDP2 "
+                        "reshard_after_forward=False, DeepSpeed's default prefetch bucket and "
+                        "reuse distance, FSDP2 "
                         "reshard_after_forward=False (default: every framework frees them after "
                         "forward and gathers again in backward)")
     p.add_argument("--jobs", type=int, default=2,

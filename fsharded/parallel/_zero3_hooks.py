@@ -39,6 +39,14 @@ def overlapped_backward():
             work.wait()
 
 
+def track_pending(gather: Any) -> None:
+    """Have ``overlapped_backward`` wait for an asynchronous gather issued in backward (a
+    prefetch that no block took is still completed before the step goes on)."""
+    pending = _PENDING.get()
+    if pending is not None and gather.work is not None:
+        pending.append((gather.work, gather.out))
+
+
 def _reduce_scatter_async(rows: torch.Tensor, axis: str, mesh: Mesh, pending: list) -> torch.Tensor:
     import torch.distributed as dist
 
@@ -102,9 +110,10 @@ class _Gathered(torch.autograd.Function):
 
 def run_block(block, p_tree_def, shards: list, x: torch.Tensor, m_specs: list, u_specs: list,
               axis: str, mesh: Mesh, cap: int, pending: Any, *, regather: bool = True,
-              **kw: Any) -> torch.Tensor:
+              fetch: Any = None, **kw: Any) -> torch.Tensor:
     """Forward of one block on gathered weights whose saved copies are dropped and gathered
-    again in backward (``regather``), or kept by autograd until backward."""
+    again in backward (``regather``: by ``fetch()``, a prefetching gatherer, or here), or
+    kept by autograd until backward."""
     import optree
 
     cache: dict[int, torch.Tensor] = {}
@@ -126,7 +135,8 @@ def run_block(block, p_tree_def, shards: list, x: torch.Tensor, m_specs: list, u
         _, i, shape, stride, offset = packed
         if i not in cache:  # first weight backward needs: gather the block's in one bucket
             with torch.no_grad():
-                full = B.gather_leaves(shard_refs, m_specs, u_specs, axis, mesh, cap)
+                full = fetch() if fetch is not None else \
+                    B.gather_leaves(shard_refs, m_specs, u_specs, axis, mesh, cap)
             cache.update({j: f.contiguous() for j, f in enumerate(full)})
         return cache[i].as_strided(shape, stride, offset)
 
