@@ -61,10 +61,10 @@ def _c10d_all_reduce(x: torch.Tensor, op: str, g: Any) -> torch.Tensor:
     if _tracing():
         fc = torch.ops._c10d_functional
         return fc.wait_tensor(fc.all_reduce(x.contiguous(), op, g.group_name))
-    import torch.distributed as dist
+    from fsharded import _shm
 
     y = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=g.group)
+    _shm.all_reduce_(y, op, g)
     return y
 
 
@@ -73,11 +73,10 @@ def _c10d_all_gather(x: torch.Tensor, g: Any) -> torch.Tensor:
     if _tracing():
         fc = torch.ops._c10d_functional
         return fc.wait_tensor(fc.all_gather_into_tensor(x.contiguous(), g.size, g.group_name))
-    import torch.distributed as dist
+    from fsharded import _shm
 
     out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, x.contiguous(), group=g.group)
+    _shm.all_gather_into(out, x.contiguous(), g)
     return out
 
 
@@ -86,11 +85,10 @@ def _c10d_reduce_scatter(x: torch.Tensor, g: Any) -> torch.Tensor:
     if _tracing():
         fc = torch.ops._c10d_functional
         return fc.wait_tensor(fc.reduce_scatter_tensor(x.contiguous(), "sum", g.size, g.group_name))
-    import torch.distributed as dist
+    from fsharded import _shm
 
     out = x.new_empty((x.shape[0] // g.size, *x.shape[1:]))
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, x.contiguous(), group=g.group)
+    _shm.reduce_scatter_into(out, x.contiguous(), g)
     return out
 
 

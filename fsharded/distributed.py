@@ -20,6 +20,9 @@ from fsharded.mesh._mesh import Mesh
 __all__ = ["initialize", "is_initialized", "rank", "world_size", "device_mesh", "axis_group"]
 
 
+TIMEOUT_S = 300.0  # how long a collective waits for the other ranks (initialize's timeout_s)
+
+
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -46,6 +49,8 @@ def initialize(backend: str | None = None, *, timeout_s: float = 300.0) -> None:
     import datetime
 
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    global TIMEOUT_S
+    TIMEOUT_S = timeout_s
 
 
 def rank() -> int:

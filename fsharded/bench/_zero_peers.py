@@ -149,6 +149,15 @@ class ByteCounter:
             for mod in (dist, c10d):
                 if getattr(mod, name, None) is orig:
                     setattr(mod, name, wrapped)
+        from fsharded import _shm
+
+        _shm.set_observer(self._note)  # fsharded's same-host shared-memory collectives
+
+    def _note(self, name: str, x: torch.Tensor, n: int) -> None:
+        if self.active and getattr(self._depth, "n", 0) == 0 and n > 1:
+            b = _COUNTED[name][1](_nbytes(x), n)
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.bytes[name] = self.bytes.get(name, 0) + b
 
     def _wrap(self, name: str, orig: Callable, arg: str, formula: Callable[[int, int], int]):
         import torch.distributed as dist

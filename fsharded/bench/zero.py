@@ -94,6 +94,12 @@ class Job:
     # ZeRO-3: keep gathered block weights from forward to backward (everyone) instead of
     # freeing them after forward and gathering again in backward (everyone).
     keep: bool = False
+    # Our collectives between the two ranks over shared memory (False: gloo, as the peers).
+    shm: bool = True
+
+    def transport(self) -> None:
+        """Select our collectives' transport in this worker (before its first collective)."""
+        os.environ["FSHARDED_SHM"] = "1" if self.shm else "0"
 
     def config(self):
         from fsharded.models import gpt
@@ -279,6 +285,8 @@ def time_worker(job: Job) -> dict:
     ``job.counted`` steps after the warm-up), then step times in rotating order."""
     import torch.distributed as dist
 
+    job.transport()
+
     _quiet_stdout()
     counter = ByteCounter()  # before DeepSpeed keeps references to the collectives
     out: dict[str, Any] = {"threads": torch.get_num_threads(), "stages": {}}
@@ -322,6 +330,7 @@ def time_worker(job: Job) -> dict:
 
 def memory_worker(job: Job, name: str, stage: int) -> dict:
     """One framework at one stage in fresh processes: peak RSS per rank."""
+    job.transport()
     _quiet_stdout()
     if name == DS:
         _init_deepspeed(job)
@@ -532,6 +541,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed peer")
     p.add_argument("--no-fsdp", action="store_true", help="skip the FSDP2 peer")
+    p.add_argument("--no-shm", action="store_true",
+                   help="our collectives over gloo too (default: over shared memory between "
+                        "the ranks of this host, FSHARDED_SHM)")
     p.add_argument("--stages", default="0,1,2,3",
                    help="comma-separated ZeRO stages (default 0,1,2,3)")
     p.add_argument("--rounds", type=int, default=None, help="timing rounds (default 7; quick 2)")
@@ -600,7 +612,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
               stages=stages, micro=micro, deepspeed=use_ds, fsdp=not args.no_fsdp,
               extensions_dir=args.extensions_dir, warmup=warmup, rounds=rounds, iters=iters,
               counted=counted, memory_stages=memory_stages, memory_steps=mem_steps,
-              keep=args.zero3_keep)
+              keep=args.zero3_keep, shm=not args.no_shm)
     nparams = gpt.param_count(gpt.init(cfg, 0))
     report = Report("zero", params={
         "torch": torch.__version__,
@@ -608,6 +620,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         "model": f"GPT d_model={cfg.d_model} layers={cfg.n_layers} heads={cfg.n_heads} "
                  f"vocab={cfg.vocab_size} seq={cfg.seq_len}, {nparams:,} params, fp32",
         "batch": f"{micro} sequences per rank, {world} gloo ranks, 1 torch thread per rank",
+        "fsharded collectives": "same-host shared memory (C++, csrc/shm_comm.cpp)" if job.shm
+        else "gloo (--no-shm), as the peers",
     })
 
     _log(f"timing stages {','.join(map(str, stages))} on {world} gloo ranks ...")

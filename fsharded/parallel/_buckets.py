@@ -156,9 +156,7 @@ class PendingGather:
     gives the gathered leaves. Not differentiable: for forward passes under no_grad."""
 
     def __init__(self, leaves: list, from_specs: list, to_specs: list, axis: str, mesh: Mesh) -> None:
-        import torch.distributed as dist
-
-        from fsharded import distributed
+        from fsharded import _shm, distributed
 
         self.leaves, self.n = [x.detach() for x in leaves], mesh.shape[axis]
         leaves = self.leaves
@@ -173,8 +171,7 @@ class PendingGather:
         with torch.no_grad():
             flat = torch.cat([leaves[i].movedim(self.dims[i], 0).reshape(-1) for i in moving])
             out = flat.new_empty(self.n * flat.numel())
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self.work = gather(out, flat, group=g.group, async_op=True)
+        self.work = _shm.all_gather_into(out, flat, g, async_op=True)
         self.out = out.view(self.n, flat.numel())
 
     def wait(self) -> list:

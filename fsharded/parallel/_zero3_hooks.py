@@ -48,15 +48,12 @@ def track_pending(gather: Any) -> None:
 
 
 def _reduce_scatter_async(rows: torch.Tensor, axis: str, mesh: Mesh, pending: list) -> torch.Tensor:
-    import torch.distributed as dist
-
-    from fsharded import distributed
+    from fsharded import _shm, distributed
 
     g = distributed.axis_group(mesh, (axis,))
     flat = rows.contiguous().reshape(-1)
     out = flat.new_empty(rows.shape[1])
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    pending.append((scatter(out, flat, group=g.group, async_op=True), flat))
+    pending.append((_shm.reduce_scatter_into(out, flat, g, async_op=True), flat))
     return out
 
 

@@ -1,0 +1,280 @@
+// Collectives between processes on one host through a shared-memory segment.
+//
+// One segment per process group: a header of per-rank counters, then two buffers of one
+// slot per rank. A collective is a sequence of rounds, one per chunk that fits a slot:
+// every rank copies its chunk into its slot of buffer (round % 2), publishes the round in
+// its `arrive` counter, waits until every rank has arrived, computes its output from the
+// slots (all ranks read the slots in the same order, so all-reduce results are identical
+// on every rank), and publishes the round in its `depart` counter. A rank only writes a
+// buffer once every rank has departed from the round that last used it (round - 2).
+//
+// Waiting spins briefly, then yields, then sleeps, and gives up with an error after the
+// timeout (a rank that died or a program whose ranks called different collectives).
+
+#include <torch/extension.h>
+#include <ATen/OpMathType.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <fcntl.h>
+#include <sched.h>
+#include <stdexcept>
+#include <string>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <thread>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define FSH_PAUSE() _mm_pause()
+#else
+#define FSH_PAUSE() ((void)0)
+#endif
+
+namespace {
+
+constexpr int kMaxWorld = 64;
+constexpr size_t kLine = 64;
+constexpr size_t kHeader = 2 * kMaxWorld * kLine;
+
+struct alignas(64) Counter {
+  std::atomic<uint64_t> value;
+  char pad[kLine - sizeof(std::atomic<uint64_t>)];
+};
+static_assert(sizeof(Counter) == kLine, "one counter per cache line");
+
+std::string errno_text(const char* what, const std::string& name) {
+  return std::string("fsharded shared-memory collectives: ") + what + " " + name + ": " +
+         std::strerror(errno);
+}
+
+class ShmComm {
+ public:
+  ShmComm(const std::string& name, int64_t rank, int64_t world, int64_t slot_bytes, bool create,
+          double timeout_s)
+      : name_(name), rank_(rank), world_(world), slot_(slot_bytes), timeout_s_(timeout_s) {
+    TORCH_CHECK(world >= 1 && world <= kMaxWorld, "shm comm: world size must be 1..", kMaxWorld);
+    TORCH_CHECK(rank >= 0 && rank < world, "shm comm: rank out of range");
+    TORCH_CHECK(slot_bytes >= 4096 && slot_bytes % kLine == 0, "shm comm: bad slot size");
+    size_ = kHeader + 2 * static_cast<size_t>(world) * static_cast<size_t>(slot_bytes);
+    int flags = create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR;
+    int fd = shm_open(name.c_str(), flags, 0600);
+    if (fd < 0) throw std::runtime_error(errno_text("cannot open segment", name));
+    if (create && ftruncate(fd, static_cast<off_t>(size_)) != 0) {
+      int e = errno;
+      close(fd);
+      shm_unlink(name.c_str());
+      errno = e;
+      throw std::runtime_error(errno_text("cannot size segment", name));
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < size_) {
+      close(fd);
+      throw std::runtime_error("fsharded shared-memory collectives: segment " + name +
+                               " is smaller than expected (another program's segment?)");
+    }
+    void* p = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) throw std::runtime_error(errno_text("cannot map segment", name));
+    base_ = static_cast<char*>(p);
+  }
+
+  ~ShmComm() {
+    if (base_ != nullptr) munmap(base_, size_);
+  }
+
+  // The name stays valid only until every rank has mapped the segment; then any rank
+  // removes it, so nothing is left behind if the program dies.
+  void unlink() { shm_unlink(name_.c_str()); }
+
+  int64_t slot_bytes() const { return slot_; }
+
+  void all_reduce_(torch::Tensor& t, bool max) {
+    check(t, "all_reduce");
+    const int64_t esize = t.element_size();
+    const int64_t n = t.numel();
+    const int64_t chunk = slot_ / esize;
+    char* data = static_cast<char*>(t.data_ptr());
+    for (int64_t off = 0; off < n; off += chunk) {
+      const int64_t c = std::min(chunk, n - off);
+      char* mine = begin_round();
+      std::memcpy(mine, data + off * esize, c * esize);
+      arrive_and_wait();
+      reduce_into(t.scalar_type(), data + off * esize, c, 0, max);
+      depart();
+    }
+  }
+
+  // out (world * m) <- every rank's x (m), in rank order.
+  void all_gather(const torch::Tensor& x, torch::Tensor& out) {
+    check(x, "all_gather");
+    check(out, "all_gather");
+    TORCH_CHECK(x.scalar_type() == out.scalar_type() && out.numel() == x.numel() * world_,
+                "shm all_gather: output must hold world * input elements of the same dtype");
+    const int64_t esize = x.element_size();
+    const int64_t m = x.numel();
+    const int64_t chunk = slot_ / esize;
+    const char* src = static_cast<const char*>(x.data_ptr());
+    char* dst = static_cast<char*>(out.data_ptr());
+    for (int64_t off = 0; off < m; off += chunk) {
+      const int64_t c = std::min(chunk, m - off);
+      char* mine = begin_round();
+      std::memcpy(mine, src + off * esize, c * esize);
+      arrive_and_wait();
+      for (int64_t j = 0; j < world_; ++j) {
+        std::memcpy(dst + (j * m + off) * esize, slot(buf_, j), c * esize);
+      }
+      depart();
+    }
+  }
+
+  // out (m) <- sum over ranks of block `rank` of x (world * m).
+  void reduce_scatter(const torch::Tensor& x, torch::Tensor& out) {
+    check(x, "reduce_scatter");
+    check(out, "reduce_scatter");
+    TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.numel() == out.numel() * world_,
+                "shm reduce_scatter: input must hold world * output elements of the same dtype");
+    const int64_t esize = x.element_size();
+    const int64_t m = out.numel();
+    const int64_t chunk = slot_ / (esize * world_);
+    TORCH_CHECK(chunk > 0, "shm reduce_scatter: slot too small for this world size");
+    const char* src = static_cast<const char*>(x.data_ptr());
+    char* dst = static_cast<char*>(out.data_ptr());
+    for (int64_t off = 0; off < m; off += chunk) {
+      const int64_t c = std::min(chunk, m - off);
+      char* mine = begin_round();
+      for (int64_t j = 0; j < world_; ++j) {  // slot layout: (world, c), block j first
+        std::memcpy(mine + j * c * esize, src + (j * m + off) * esize, c * esize);
+      }
+      arrive_and_wait();
+      reduce_into(x.scalar_type(), dst + off * esize, c, rank_ * c, false);
+      depart();
+    }
+  }
+
+  void barrier() {
+    begin_round();
+    arrive_and_wait();
+    depart();
+  }
+
+ private:
+  Counter* arrive_at(int64_t j) const { return reinterpret_cast<Counter*>(base_) + j; }
+  Counter* depart_at(int64_t j) const { return reinterpret_cast<Counter*>(base_) + kMaxWorld + j; }
+  char* slot(int buf, int64_t j) const {
+    return base_ + kHeader + (static_cast<size_t>(buf) * world_ + j) * static_cast<size_t>(slot_);
+  }
+
+  void check(const torch::Tensor& t, const char* op) const {
+    TORCH_CHECK(t.device().is_cpu(), "shm ", op, ": CPU tensors only");
+    TORCH_CHECK(t.is_contiguous(), "shm ", op, ": contiguous tensors only");
+  }
+
+  void wait_ge(const Counter* c, uint64_t v, const char* what) const {
+    if (c->value.load(std::memory_order_acquire) >= v) return;
+    auto start = std::chrono::steady_clock::now();
+    for (uint64_t spins = 1;; ++spins) {
+      if (c->value.load(std::memory_order_acquire) >= v) return;
+      if (spins < 4096) {
+        FSH_PAUSE();
+      } else if (spins < 65536) {
+        sched_yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+      if ((spins & 1023) == 0) {
+        double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        if (waited > timeout_s_) {
+          throw std::runtime_error(
+              std::string("fsharded shared-memory collectives: rank ") + std::to_string(rank_) +
+              " waited " + std::to_string(static_cast<int>(waited)) + " s for the other ranks to " +
+              what + " round " + std::to_string(v) + " of segment " + name_ +
+              "; a rank died or the ranks called different collectives (set FSHARDED_SHM=0 to "
+              "use gloo's own transport)");
+        }
+      }
+    }
+  }
+
+  // Start round `round_ + 1`: returns this rank's slot of the round's buffer, once every rank
+  // has left the round that last used it.
+  char* begin_round() {
+    ++round_;
+    buf_ = static_cast<int>(round_ % 2);
+    if (round_ > 2) {
+      for (int64_t j = 0; j < world_; ++j) wait_ge(depart_at(j), round_ - 2, "finish");
+    }
+    return slot(buf_, rank_);
+  }
+
+  void arrive_and_wait() {
+    arrive_at(rank_)->value.store(round_, std::memory_order_release);
+    for (int64_t j = 0; j < world_; ++j) wait_ge(arrive_at(j), round_, "reach");
+  }
+
+  void depart() { depart_at(rank_)->value.store(round_, std::memory_order_release); }
+
+  // dst[0:c] <- reduction over ranks j (in rank order) of slot j's elements [at, at + c).
+  void reduce_into(at::ScalarType dtype, char* dst, int64_t c, int64_t at, bool max) const {
+    AT_DISPATCH_ALL_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "shm_reduce", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      scalar_t* out = reinterpret_cast<scalar_t*>(dst);
+      const scalar_t* s0 = reinterpret_cast<const scalar_t*>(slot(buf_, 0)) + at;
+      if (world_ == 2 && !max) {
+        const scalar_t* s1 = reinterpret_cast<const scalar_t*>(slot(buf_, 1)) + at;
+        for (int64_t i = 0; i < c; ++i) {
+          out[i] = static_cast<scalar_t>(static_cast<acc_t>(s0[i]) + static_cast<acc_t>(s1[i]));
+        }
+        return;
+      }
+      constexpr int64_t kTile = 1024;
+      acc_t acc[kTile];
+      for (int64_t i0 = 0; i0 < c; i0 += kTile) {
+        const int64_t len = std::min(kTile, c - i0);
+        for (int64_t i = 0; i < len; ++i) acc[i] = static_cast<acc_t>(s0[i0 + i]);
+        for (int64_t j = 1; j < world_; ++j) {
+          const scalar_t* sj = reinterpret_cast<const scalar_t*>(slot(buf_, j)) + at + i0;
+          if (max) {
+            for (int64_t i = 0; i < len; ++i) {
+              acc_t v = static_cast<acc_t>(sj[i]);
+              acc[i] = (v > acc[i] || v != v) ? v : acc[i];  // NaN propagates
+            }
+          } else {
+            for (int64_t i = 0; i < len; ++i) acc[i] += static_cast<acc_t>(sj[i]);
+          }
+        }
+        for (int64_t i = 0; i < len; ++i) out[i0 + i] = static_cast<scalar_t>(acc[i]);
+      }
+    });
+  }
+
+  std::string name_;
+  int64_t rank_, world_, slot_;
+  double timeout_s_;
+  size_t size_ = 0;
+  char* base_ = nullptr;
+  uint64_t round_ = 0;
+  int buf_ = 0;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fsharded: collectives between processes on one host over shared memory";
+  py::class_<ShmComm>(m, "ShmComm")
+      .def(py::init<const std::string&, int64_t, int64_t, int64_t, bool, double>(), py::arg("name"),
+           py::arg("rank"), py::arg("world"), py::arg("slot_bytes"), py::arg("create"),
+           py::arg("timeout_s"))
+      .def("unlink", &ShmComm::unlink)
+      .def("slot_bytes", &ShmComm::slot_bytes)
+      .def("all_reduce_", &ShmComm::all_reduce_, py::arg("tensor"), py::arg("max") = false,
+           py::call_guard<py::gil_scoped_release>())
+      .def("all_gather", &ShmComm::all_gather, py::arg("input"), py::arg("output"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("reduce_scatter", &ShmComm::reduce_scatter, py::arg("input"), py::arg("output"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("barrier", &ShmComm::barrier, py::call_guard<py::gil_scoped_release>());
+}
