@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["all_reduce_", "all_gather_into", "reduce_scatter_into", "comm_for", "enabled",
+__all__ = ["all_reduce_", "all_gather_into", "reduce_scatter_into", "comm_for", "enabled", "in_use",
            "set_observer", "Done"]
 
 ENV = "FSHARDED_SHM"
@@ -137,15 +137,22 @@ def _setup(g: Any) -> Any:
     return comm
 
 
+def in_use() -> bool:
+    """Whether any group of this process runs its collectives over shared memory."""
+    return any(c is not None for _, c in _COMMS.values())
+
+
 def comm_for(x: torch.Tensor, g: Any) -> Any:
     """The group's shared-memory communicator when ``x`` can use it, else None. The first
     call on a group is collective over the group (all its ranks decide together)."""
-    if x.device.type != "cpu" or x.dtype not in _DTYPES:
-        return None
-    key = g.group_name
-    if key not in _COMMS:
-        _COMMS[key] = _setup(g)
-    return _COMMS[key]
+    if (x.device.type != "cpu" or x.dtype not in _DTYPES or type(x) is not torch.Tensor
+            or x.layout != torch.strided or torch._C._functorch.is_functorch_wrapped_tensor(x)):
+        return None  # torch.func's wrappers and tensor subclasses: torch.distributed's path
+    # By the group object (held, so its id is not reused by a later group).
+    entry = _COMMS.get(id(g.group))
+    if entry is None:
+        entry = _COMMS[id(g.group)] = (g.group, _setup(g))
+    return entry[1]
 
 
 def all_reduce_(y: torch.Tensor, op: str, g: Any) -> None:

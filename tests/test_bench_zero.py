@@ -34,3 +34,5 @@ def test_bench_zero_quick_runs():
         assert f"ZeRO-{stage} losses over" in out
     # our manifest agrees with the bytes counted at torch.distributed
     assert "our collective manifests match the torch.distributed count at every stage" in out
+    # ... here over the same-host shared-memory transport (counted by its observer)
+    assert "same-host shared memory" in out

@@ -325,6 +325,9 @@ def time_worker(job: Job) -> dict:
         out["stages"][stage] = {"times": times, "losses": losses, "sent": sent,
                                 "manifest_bytes": manifest}
         del runners
+    from fsharded import _shm
+
+    out["shm"] = _shm.in_use()
     return out
 
 
@@ -620,8 +623,6 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         "model": f"GPT d_model={cfg.d_model} layers={cfg.n_layers} heads={cfg.n_heads} "
                  f"vocab={cfg.vocab_size} seq={cfg.seq_len}, {nparams:,} params, fp32",
         "batch": f"{micro} sequences per rank, {world} gloo ranks, 1 torch thread per rank",
-        "fsharded collectives": "same-host shared memory (C++, csrc/shm_comm.cpp)" if job.shm
-        else "gloo (--no-shm), as the peers",
     })
 
     _log(f"timing stages {','.join(map(str, stages))} on {world} gloo ranks ...")
@@ -645,6 +646,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     report.finish()
     t_total = time.perf_counter() - t_start
     report.params["threads per rank"] = timing[0]["threads"]
+    report.params["fsharded collectives"] = (
+        "same-host shared memory (C++, csrc/shm_comm.cpp); the peers use gloo"
+        if timing[0]["shm"] else "gloo, as the peers" + (" (--no-shm)" if not job.shm else
+                                                          " (shared memory unavailable)"))
     if use_ds:
         report.params["DeepSpeed setup"] = (
             f"import + init_distributed took {timing[0]['deepspeed_init_s']:.1f} s in the timing "
