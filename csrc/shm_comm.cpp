@@ -155,6 +155,33 @@ class ShmComm {
     }
   }
 
+  // out block j (m elements) <- block `rank` of rank j's x (world * m).
+  void all_to_all(const torch::Tensor& x, torch::Tensor& out) {
+    check(x, "all_to_all");
+    check(out, "all_to_all");
+    TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.numel() == out.numel() &&
+                    x.numel() % world_ == 0,
+                "shm all_to_all: input and output of world * m elements of the same dtype");
+    const int64_t esize = x.element_size();
+    const int64_t m = x.numel() / world_;
+    const int64_t chunk = slot_ / (esize * world_);
+    TORCH_CHECK(chunk > 0, "shm all_to_all: slot too small for this world size");
+    const char* src = static_cast<const char*>(x.data_ptr());
+    char* dst = static_cast<char*>(out.data_ptr());
+    for (int64_t off = 0; off < m; off += chunk) {
+      const int64_t c = std::min(chunk, m - off);
+      char* mine = begin_round();
+      for (int64_t j = 0; j < world_; ++j) {  // slot layout: (world, c), block j first
+        std::memcpy(mine + j * c * esize, src + (j * m + off) * esize, c * esize);
+      }
+      arrive_and_wait();
+      for (int64_t j = 0; j < world_; ++j) {
+        std::memcpy(dst + (j * m + off) * esize, slot(buf_, j) + rank_ * c * esize, c * esize);
+      }
+      depart();
+    }
+  }
+
   void barrier() {
     begin_round();
     arrive_and_wait();
@@ -275,6 +302,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("all_gather", &ShmComm::all_gather, py::arg("input"), py::arg("output"),
            py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter", &ShmComm::reduce_scatter, py::arg("input"), py::arg("output"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("all_to_all", &ShmComm::all_to_all, py::arg("input"), py::arg("output"),
            py::call_guard<py::gil_scoped_release>())
       .def("barrier", &ShmComm::barrier, py::call_guard<py::gil_scoped_release>());
 }

@@ -1,7 +1,7 @@
 """Collectives between CPU ranks on one host through shared memory (``csrc/shm_comm.cpp``).
 
 On a gloo process group whose ranks all run on this host, fsharded's eager all-reduce,
-all-gather and reduce-scatter of CPU tensors go through a shared-memory segment instead of
+all-gather, reduce-scatter and all-to-all of CPU tensors go through a shared-memory segment instead of
 gloo's TCP loopback: each rank copies its part in once and reads the others' parts
 directly (for 2 ranks and a few MB, ~1 ms instead of ~8 ms with gloo here). Results are
 the same on every rank (every rank reduces in rank order). Everything else (other ops,
@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["all_reduce_", "all_gather_into", "reduce_scatter_into", "comm_for", "enabled", "in_use",
+__all__ = ["all_reduce_", "all_gather_into", "reduce_scatter_into", "all_to_all_into",
+           "comm_for", "enabled", "in_use",
            "set_observer", "Done"]
 
 ENV = "FSHARDED_SHM"
@@ -195,3 +196,16 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op:
 
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(out, x, group=g.group, async_op=async_op)
+
+
+def all_to_all_into(out: torch.Tensor, x: torch.Tensor, g: Any) -> None:
+    """``out`` block j <- block ``group rank`` of group rank j's ``x`` (n equal blocks)."""
+    c = comm_for(x, g)
+    if c is not None:
+        if _observer is not None:
+            _observer("all_to_all_single", x, g.size)
+        c.all_to_all(x, out)
+        return
+    import torch.distributed as dist
+
+    dist.all_to_all_single(out, x, group=g.group)

@@ -42,9 +42,11 @@ def _collectives(n: int) -> dict:
         _shm.all_gather_into(ga, x, g)
         rs = x.new_empty(n)
         _shm.reduce_scatter_into(rs, x, g)
+        a2a = torch.empty_like(x)
+        _shm.all_to_all_into(a2a, x, g)
         gloo_sum = x.clone()
         dist.all_reduce(gloo_sum, group=g.group)
-        out[str(dtype)] = {"sum": s, "max": m, "gather": ga, "scatter": rs, "gloo_sum": gloo_sum}
+        out[str(dtype)] = {"sum": s, "max": m, "gather": ga, "scatter": rs, "a2a": a2a, "gloo_sum": gloo_sum}
     return out
 
 
@@ -67,6 +69,9 @@ def test_shared_memory_collectives_match_the_reference(world):
             torch.testing.assert_close(got["gather"], torch.cat(xs), rtol=0, atol=0)
             block = exact_sum[rank * n:(rank + 1) * n]
             torch.testing.assert_close(got["scatter"].double(), block, **tol)
+            # all-to-all: block j of ours is block `rank` of rank j's input
+            mine = torch.cat([x[rank * n:(rank + 1) * n] for x in xs])
+            torch.testing.assert_close(got["a2a"], mine, rtol=0, atol=0)
             if dtype == torch.int64 or world == 2:
                 # two addends (or integers): the same as gloo's sum, bit for bit
                 torch.testing.assert_close(got["sum"], got["gloo_sum"], rtol=0, atol=0)
