@@ -20,7 +20,8 @@ Three sections, each timed in alternating rounds of ours and the peer, medians r
    ``all_to_all_single`` on a tensor of the same size over the same process group, outputs
    preallocated; one more row pits ``psum`` against ``all_reduce(x.clone())``, since psum
    (like every functional collective) returns a new tensor. The slower rank's time counts.
-   Sizes are the bytes of each rank's input.
+   Sizes are the bytes of each rank's input. Ours take fsharded's same-host shared-memory
+   transport when it is available (``FSHARDED_SHM=0``: gloo, as the peer).
 3. **Dispatch cost without communication.** The same loops on a ``fake`` process group
    (collectives return at once), in a child process: what each call costs in Python and
    the dispatcher, apart from the network and the scheduler. Explains small-message ratios.
@@ -331,10 +332,14 @@ def _time_cases(cases: Sequence[tuple[str, int, int]], rounds: int) -> Samples:
     return results
 
 
-def collective_rank(cases: Sequence[tuple[str, int, int]], rounds: int) -> Samples:
+def collective_rank(cases: Sequence[tuple[str, int, int]], rounds: int) -> tuple[Samples, bool]:
     """Runs on each gloo rank (via ``fsharded.testing.run_on_ranks``): for every
-    ``(op, bytes, iters)`` the per-round seconds per call of ours and of the peer."""
-    return _time_cases(cases, rounds)
+    ``(op, bytes, iters)`` the per-round seconds per call of ours and of the peer, and
+    whether ours went over the same-host shared-memory transport."""
+    from fsharded import _shm
+
+    samples = _time_cases(cases, rounds)
+    return samples, _shm.in_use()
 
 
 def dispatch_process(cases: Sequence[tuple[str, int, int]], rounds: int) -> Samples:
@@ -383,7 +388,11 @@ def collective_section(
     cases = _cases(sizes, iters, block_bytes=16 << 20, lo=10, hi=200)
     # By module name, so the spawned ranks can import it however this process was started.
     fn = importlib.import_module("fsharded.bench.spmd").collective_rank
-    rows = _rows(cases, rounds, run_on_ranks(fn, world_size, cases, rounds))
+    per_rank = run_on_ranks(fn, world_size, cases, rounds)
+    rows = _rows(cases, rounds, [samples for samples, _ in per_rank])
+    transport = ("ours over fsharded's same-host shared-memory transport (csrc/shm_comm.cpp; "
+                 "FSHARDED_SHM=0 sends them through gloo like the peer)"
+                 if all(shm for _, shm in per_rank) else "ours through gloo, like the peer")
     return Section(
         title=f"fsharded collectives vs torch.distributed, gloo, {world_size} ranks "
         f"(size: bytes of each rank's fp32 input)",
@@ -393,6 +402,7 @@ def collective_section(
         notes=(
             f"ours is called in a loop inside a shard_map body and timed there; {rounds} "
             f"rounds, 1 thread per rank; the slower rank's time counts",
+            transport,
         ),
     )
 
