@@ -196,11 +196,13 @@ class ShmComm {
   }
 
   void check(const torch::Tensor& t, const char* op) const {
+    TORCH_CHECK(!broken_, "fsharded shared-memory collectives: an earlier collective on segment ",
+                name_, " failed (", broken_why_, "); the ranks are out of step, start again");
     TORCH_CHECK(t.device().is_cpu(), "shm ", op, ": CPU tensors only");
     TORCH_CHECK(t.is_contiguous(), "shm ", op, ": contiguous tensors only");
   }
 
-  void wait_ge(const Counter* c, uint64_t v, const char* what) const {
+  void wait_ge(const Counter* c, uint64_t v, const char* what) {
     if (c->value.load(std::memory_order_acquire) >= v) return;
     auto start = std::chrono::steady_clock::now();
     for (uint64_t spins = 1;; ++spins) {
@@ -215,6 +217,8 @@ class ShmComm {
       if ((spins & 1023) == 0) {
         double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         if (waited > timeout_s_) {
+          broken_ = true;
+          broken_why_ = "a timeout";
           throw std::runtime_error(
               std::string("fsharded shared-memory collectives: rank ") + std::to_string(rank_) +
               " waited " + std::to_string(static_cast<int>(waited)) + " s for the other ranks to " +
@@ -285,6 +289,8 @@ class ShmComm {
   char* base_ = nullptr;
   uint64_t round_ = 0;
   int buf_ = 0;
+  bool broken_ = false;
+  std::string broken_why_;
 };
 
 }  // namespace

@@ -1,9 +1,9 @@
 """Collectives between CPU ranks on one host through shared memory (``csrc/shm_comm.cpp``).
 
 On a gloo process group whose ranks all run on this host, fsharded's eager all-reduce,
-all-gather, reduce-scatter and all-to-all of CPU tensors go through a shared-memory segment instead of
-gloo's TCP loopback: each rank copies its part in once and reads the others' parts
-directly (for 2 ranks and a few MB, ~1 ms instead of ~8 ms with gloo here). Results are
+all-gather, reduce-scatter and all-to-all of CPU tensors go through a shared-memory
+segment instead of gloo's TCP loopback: each rank copies its part in once and reads the
+others' parts directly (for 2 ranks and a few MB, ~1 ms instead of ~8 ms with gloo here). Results are
 the same on every rank (every rank reduces in rank order). Everything else (other ops,
 tracing under ``make_fx``, NCCL, ranks on several hosts, a C++ compiler missing) stays on
 ``torch.distributed``.
@@ -12,7 +12,9 @@ tracing under ``make_fx``, NCCL, ranks on several hosts, a C++ compiler missing)
 per-rank chunk (default 4 MiB; the segment is 2 x world x chunk); ``FSHARDED_SHM_TIMEOUT``
 the seconds a rank waits for the others before raising (default: the ``timeout_s`` given
 to ``fsharded.distributed.initialize``, 300). Whether a group uses
-it is decided once, by all its ranks together, so every rank takes the same path.
+it is decided once, by all its ranks together, so every rank takes the same path. A
+group's collectives must be issued from one thread at a time (as fsharded does); after a
+timeout the group's segment refuses further use (the ranks are out of step).
 """
 
 from __future__ import annotations

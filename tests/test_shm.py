@@ -106,11 +106,19 @@ def _one_rank_missing() -> str:
     try:
         _shm.all_reduce_(torch.ones(4), "sum", g)
     except RuntimeError as e:
-        return str(e)
-    return "no error"
+        first = str(e)
+    else:
+        return "no error"
+    try:  # the ranks are out of step now: the segment refuses further use
+        _shm.all_reduce_(torch.ones(4), "sum", g)
+    except RuntimeError as e:
+        return first + " | " + str(e)
+    return first + " | no error"
 
 
 def test_a_rank_that_never_arrives_is_a_clear_error():
     msg, other = run_on_ranks(_one_rank_missing, 2)
     assert other == "skipped"
-    assert "waited" in msg and "rank 0" in msg and "FSHARDED_SHM=0" in msg
+    first, again = msg.split(" | ")
+    assert "waited" in first and "rank 0" in first and "FSHARDED_SHM=0" in first
+    assert "earlier collective" in again and "out of step" in again
