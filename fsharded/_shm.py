@@ -9,7 +9,8 @@ tracing under ``make_fx``, NCCL, ranks on several hosts, a C++ compiler missing)
 ``torch.distributed``.
 
 ``FSHARDED_SHM=0`` turns it off (gloo for everything); ``FSHARDED_SHM_SLOT_MB`` sets the
-per-rank chunk (default 4 MiB; the segment is 2 x world x chunk); ``FSHARDED_SHM_TIMEOUT``
+per-rank chunk (default 4 MiB, 8/world MiB from 4 ranks on; the segment is 2 x world x
+chunk); ``FSHARDED_SHM_TIMEOUT``
 the seconds a rank waits for the others before raising (default: the ``timeout_s`` given
 to ``fsharded.distributed.initialize``, 300). Whether a group uses
 it is decided once, by all its ranks together, so every rank takes the same path. A
@@ -97,9 +98,10 @@ def _setup(g: Any) -> Any:
         _module()
     dist.barrier(group=g.group)
     mod, why = _module()
-    slot = max(1, int(float(os.environ.get("FSHARDED_SHM_SLOT_MB", "4")) * 2**20)) // 64 * 64
+    # Per-rank chunk: 4 MiB, less on big groups so the segment stays ~16 MiB.
+    default_mb = min(4.0, 8.0 / g.size)
+    slot = int(float(os.environ.get("FSHARDED_SHM_SLOT_MB", default_mb)) * 2**20) // 64 * 64
     slot = max(slot, 4096)
-    size = 2 * g.size * slot + 8192
     me = (socket.gethostname(), _boot_id(), mod is not None, why)
     infos: list = [None] * g.size
     dist.all_gather_object(infos, me, group=g.group)
@@ -109,24 +111,27 @@ def _setup(g: Any) -> Any:
         warnings.warn(f"fsharded: same-host shared-memory collectives unavailable, using gloo "
                       f"({next(i[3] for i in infos if not i[2])})", stacklevel=3)
         return None
-    name = [f"/fsharded-{os.getpid()}-{uuid.uuid4().hex[:12]}" if grank == 0 else None]
-    dist.broadcast_object_list(name, src=dist.get_global_rank(g.group, 0), group=g.group)
+    # Group rank 0's name and chunk size for all (the layout must be the same everywhere).
+    box = [(f"/fsharded-{os.getpid()}-{uuid.uuid4().hex[:12]}", slot) if grank == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(g.group, 0), group=g.group)
+    name, slot = box[0]
+    size = 2 * g.size * slot + 8192
     from fsharded import distributed
 
     timeout = float(os.environ.get("FSHARDED_SHM_TIMEOUT", distributed.TIMEOUT_S))
     comm, err = None, ""
     if grank == 0:
-        if _shm_free() < 2 * size:
-            err = f"/dev/shm has {_shm_free() >> 20} MiB free, {2 * size >> 20} MiB wanted"
+        if _shm_free() < size + (16 << 20):  # a full tmpfs would kill us with SIGBUS on touch
+            err = f"/dev/shm has {_shm_free() >> 20} MiB free, {(size >> 20) + 16} MiB wanted"
         else:
             try:
-                comm = mod.ShmComm(name[0], grank, g.size, slot, True, timeout)
+                comm = mod.ShmComm(name, grank, g.size, slot, True, timeout)
             except Exception as e:  # noqa: BLE001 - reported below, then gloo
                 err = str(e)
     dist.barrier(group=g.group)  # the segment exists (or rank 0 failed)
     if grank != 0:
         try:
-            comm = mod.ShmComm(name[0], grank, g.size, slot, False, timeout)
+            comm = mod.ShmComm(name, grank, g.size, slot, False, timeout)
         except Exception as e:  # noqa: BLE001
             err = str(e)
     oks: list = [None] * g.size
