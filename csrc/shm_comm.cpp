@@ -92,7 +92,9 @@ class ShmComm {
 
   int64_t slot_bytes() const { return slot_; }
 
-  void all_reduce_(torch::Tensor& t, bool max) {
+  // In place; a sum is then divided by `divisor` (a mean), rounded as torch rounds
+  // `psum(x) / n`: the sum to the tensor's dtype first, then the quotient.
+  void all_reduce_(torch::Tensor& t, bool max, double divisor) {
     check(t, "all_reduce");
     const int64_t esize = t.element_size();
     const int64_t n = t.numel();
@@ -103,7 +105,7 @@ class ShmComm {
       char* mine = begin_round();
       std::memcpy(mine, data + off * esize, c * esize);
       arrive_and_wait();
-      reduce_into(t.scalar_type(), data + off * esize, c, 0, max);
+      reduce_into(t.scalar_type(), data + off * esize, c, 0, max, divisor);
       depart();
     }
   }
@@ -150,7 +152,7 @@ class ShmComm {
         std::memcpy(mine + j * c * esize, src + (j * m + off) * esize, c * esize);
       }
       arrive_and_wait();
-      reduce_into(x.scalar_type(), dst + off * esize, c, rank_ * c, false);
+      reduce_into(x.scalar_type(), dst + off * esize, c, rank_ * c, false, 1.0);
       depart();
     }
   }
@@ -249,15 +251,26 @@ class ShmComm {
   void depart() { depart_at(rank_)->value.store(round_, std::memory_order_release); }
 
   // dst[0:c] <- reduction over ranks j (in rank order) of slot j's elements [at, at + c).
-  void reduce_into(at::ScalarType dtype, char* dst, int64_t c, int64_t at, bool max) const {
+  void reduce_into(at::ScalarType dtype, char* dst, int64_t c, int64_t at, bool max,
+                   double divisor) const {
     AT_DISPATCH_ALL_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "shm_reduce", [&] {
       using acc_t = at::opmath_type<scalar_t>;
+      const bool divide = !max && divisor != 1.0;
+      const acc_t d = static_cast<acc_t>(divisor);
+      auto finish = [&](acc_t v) {
+        return divide ? static_cast<scalar_t>(static_cast<acc_t>(static_cast<scalar_t>(v)) / d)
+                      : static_cast<scalar_t>(v);
+      };
       scalar_t* out = reinterpret_cast<scalar_t*>(dst);
       const scalar_t* s0 = reinterpret_cast<const scalar_t*>(slot(buf_, 0)) + at;
       if (world_ == 2 && !max) {
         const scalar_t* s1 = reinterpret_cast<const scalar_t*>(slot(buf_, 1)) + at;
-        for (int64_t i = 0; i < c; ++i) {
-          out[i] = static_cast<scalar_t>(static_cast<acc_t>(s0[i]) + static_cast<acc_t>(s1[i]));
+        if (divide) {
+          for (int64_t i = 0; i < c; ++i) out[i] = finish(static_cast<acc_t>(s0[i]) + static_cast<acc_t>(s1[i]));
+        } else {
+          for (int64_t i = 0; i < c; ++i) {
+            out[i] = static_cast<scalar_t>(static_cast<acc_t>(s0[i]) + static_cast<acc_t>(s1[i]));
+          }
         }
         return;
       }
@@ -277,7 +290,7 @@ class ShmComm {
             for (int64_t i = 0; i < len; ++i) acc[i] += static_cast<acc_t>(sj[i]);
           }
         }
-        for (int64_t i = 0; i < len; ++i) out[i0 + i] = static_cast<scalar_t>(acc[i]);
+        for (int64_t i = 0; i < len; ++i) out[i0 + i] = finish(acc[i]);
       }
     });
   }
@@ -304,6 +317,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unlink", &ShmComm::unlink)
       .def("slot_bytes", &ShmComm::slot_bytes)
       .def("all_reduce_", &ShmComm::all_reduce_, py::arg("tensor"), py::arg("max") = false,
+           py::arg("divisor") = 1.0,
            py::call_guard<py::gil_scoped_release>())
       .def("all_gather", &ShmComm::all_gather, py::arg("input"), py::arg("output"),
            py::call_guard<py::gil_scoped_release>())

@@ -163,17 +163,20 @@ def comm_for(x: torch.Tensor, g: Any) -> Any:
     return entry[1]
 
 
-def all_reduce_(y: torch.Tensor, op: str, g: Any) -> None:
-    """In place over the group: ``op`` "sum" or "max" (``y`` contiguous)."""
+def all_reduce_(y: torch.Tensor, op: str, g: Any, *, divisor: int = 1) -> None:
+    """In place over the group: ``op`` "sum" or "max" (``y`` contiguous); a sum is then
+    divided by ``divisor`` (floating ``y``), rounded as ``psum(y) / divisor`` is."""
     c = comm_for(y, g)
     if c is not None:
         if _observer is not None:
             _observer("all_reduce", y, g.size)
-        c.all_reduce_(y, op == "max")
+        c.all_reduce_(y, op == "max", float(divisor) if op == "sum" else 1.0)
         return
     import torch.distributed as dist
 
     dist.all_reduce(y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=g.group)
+    if op == "sum" and divisor != 1:
+        y.div_(divisor)
 
 
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op: bool = False) -> Any:

@@ -488,6 +488,28 @@ def pmean(x: torch.Tensor, axis: AxisName) -> torch.Tensor:
     return _run(PSUM, (), axes, x) / axes.size
 
 
+def pmean_owned(x: torch.Tensor, axis: AxisName) -> torch.Tensor:
+    """``pmean`` of a buffer the caller owns and does not differentiate (a gradient bucket):
+    on real ranks in eager mode it is reduced in place with the division folded in (no
+    copy, no second pass); elsewhere (virtual mesh, tracing, autograd, the VMA checker)
+    exactly ``pmean``. Same values either way."""
+    from fsharded import _vma
+
+    axes = _env.bind(axis, "pmean")
+    if (axes.virtual or axes.size == 1 or not x.is_floating_point() or not x.is_contiguous()
+            or (torch.is_grad_enabled() and x.requires_grad) or _vma.active() is not None
+            or _tracing() or torch._C._are_functorch_transforms_active()):
+        return _run(PSUM, (), axes, x) / axes.size
+    from fsharded import _shm, distributed
+    from fsharded.memory import collective_scope
+
+    _manifest.record(PSUM, (), axes, x)
+    with collective_scope():
+        _shm.all_reduce_(x, "sum", distributed.axis_group(axes.frame.mesh, axes.names),
+                         divisor=axes.size)
+    return x
+
+
 def pmax(x: torch.Tensor, axis: AxisName) -> torch.Tensor:
     """Elementwise max over ``axis``; the gradient goes to the shard(s) holding the max."""
     return _run(PMAX, (), _env.bind(axis, "pmax"), x)

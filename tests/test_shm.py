@@ -40,6 +40,8 @@ def _collectives(n: int) -> dict:
         _shm.all_reduce_(s, "sum", g)
         m = x.clone()
         _shm.all_reduce_(m, "max", g)
+        mean = x.clone()
+        _shm.all_reduce_(mean, "sum", g, divisor=world)  # the mean, division folded in
         ga = x.new_empty(world * x.numel())
         _shm.all_gather_into(ga, x, g)
         rs = x.new_empty(n)
@@ -48,7 +50,8 @@ def _collectives(n: int) -> dict:
         _shm.all_to_all_into(a2a, x, g)
         gloo_sum = x.clone()
         dist.all_reduce(gloo_sum, group=g.group)
-        out[str(dtype)] = {"sum": s, "max": m, "gather": ga, "scatter": rs, "a2a": a2a, "gloo_sum": gloo_sum}
+        out[str(dtype)] = {"sum": s, "max": m, "gather": ga, "scatter": rs, "a2a": a2a, "gloo_sum": gloo_sum,
+                          "mean": mean if dtype.is_floating_point else None}
     return out
 
 
@@ -74,6 +77,8 @@ def test_shared_memory_collectives_match_the_reference(world):
             # all-to-all: block j of ours is block `rank` of rank j's input
             mine = torch.cat([x[rank * n:(rank + 1) * n] for x in xs])
             torch.testing.assert_close(got["a2a"], mine, rtol=0, atol=0)
+            if dtype.is_floating_point:  # rounded as psum(x) / n: the sum, then the quotient
+                torch.testing.assert_close(got["mean"], got["sum"] / world, rtol=0, atol=0)
             if dtype == torch.int64 or world == 2:
                 # two addends (or integers): the same as gloo's sum, bit for bit
                 torch.testing.assert_close(got["sum"], got["gloo_sum"], rtol=0, atol=0)

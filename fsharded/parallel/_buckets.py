@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from fsharded.collectives import all_gather, axis_index, is_bound, pmean, psum_scatter
+from fsharded.collectives import all_gather, axis_index, is_bound, pmean, pmean_owned, psum_scatter
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, _entry_axes
 
@@ -115,7 +115,7 @@ def reduce_leaves(grads: list, param_specs: list, grad_specs: list, batch_axes: 
             allreduce.setdefault((rest, g.dtype), []).append(i)
     for (over, _), idx in allreduce.items():
         for b in buckets(idx, [grads[i].numel() for i in idx], cap):
-            flat = pmean(torch.cat([out[i].reshape(-1) for i in b]), over)
+            flat = pmean_owned(torch.cat([out[i].reshape(-1) for i in b]), over)
             for i, piece in zip(b, flat.split([grads[i].numel() for i in b])):
                 out[i] = piece.view(grads[i].shape)
     for (a, others, _), items in scatter.items():

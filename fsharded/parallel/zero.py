@@ -125,10 +125,11 @@ def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_
 
     ``reshard_after_forward`` (stage 3; FSDP's name for it): ``True`` frees each block's
     gathered weights after its forward and gathers them again in backward, so about one
-    block of full weights is alive at a time (3P(n-1)/n bytes per step for the blocks);
+    block of full weights is alive at a time (3P(n-1)/n bytes per step for the blocks, less
+    the last block's re-gather: its backward follows its forward at once, so it is kept);
     ``False`` keeps them from the block's forward until its backward (2P(n-1)/n; the full
     weights of every block are alive at the end of forward), as DeepSpeed does when its
-    ``stage3_max_reuse_distance`` allows.
+    ``stage3_max_reuse_distance`` and prefetch bucket allow.
 
     Returns ``rule(specs, params) -> ZeroPlan``; ``train_step`` resolves the plan against
     its mesh (``plan.resolve(mesh)`` gives the concrete ``Placement``). Specs that already
