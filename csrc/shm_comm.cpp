@@ -8,16 +8,22 @@
 // on every rank), and publishes the round in its `depart` counter. A rank only writes a
 // buffer once every rank has departed from the round that last used it (round - 2).
 //
-// Waiting spins briefly, then yields, then sleeps, and gives up with an error after the
-// timeout (a rank that died or a program whose ranks called different collectives).
+// Every rank also publishes what it is doing (operation, dtype, element count) with each
+// round, and checks that every rank does the same: ranks calling different collectives get
+// an error on every rank, never each other's data. Waiting spins briefly, then yields, then
+// sleeps (checking for Ctrl-C), and gives up with an error after the timeout (a dead rank).
+// After an error the segment refuses further use. One collective at a time per segment.
 
 #include <torch/extension.h>
 #include <ATen/OpMathType.h>
+
+#include <Python.h>
 
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <fcntl.h>
 #include <sched.h>
 #include <stdexcept>
@@ -42,8 +48,22 @@ constexpr size_t kHeader = 2 * kMaxWorld * kLine;
 
 struct alignas(64) Counter {
   std::atomic<uint64_t> value;
-  char pad[kLine - sizeof(std::atomic<uint64_t>)];
+  std::atomic<uint64_t> desc[2];  // what the rank does in rounds of each parity
+  char pad[kLine - 3 * sizeof(std::atomic<uint64_t>)];
 };
+
+enum Op : uint64_t { kSum = 1, kMax, kGather, kScatter, kAllToAll, kBarrier };
+
+const char* op_name(uint64_t op) {
+  static const char* names[] = {"?", "all_reduce(sum)", "all_reduce(max)", "all_gather",
+                                "reduce_scatter", "all_to_all", "barrier"};
+  return op < 7 ? names[op] : "?";
+}
+
+uint64_t describe(uint64_t op, at::ScalarType dtype, int64_t numel) {
+  return (op << 56) | (static_cast<uint64_t>(dtype) << 48) |
+         (static_cast<uint64_t>(numel) & ((uint64_t{1} << 48) - 1));
+}
 static_assert(sizeof(Counter) == kLine, "one counter per cache line");
 
 std::string errno_text(const char* what, const std::string& name) {
@@ -63,22 +83,31 @@ class ShmComm {
     int flags = create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR;
     int fd = shm_open(name.c_str(), flags, 0600);
     if (fd < 0) throw std::runtime_error(errno_text("cannot open segment", name));
-    if (create && ftruncate(fd, static_cast<off_t>(size_)) != 0) {
+    auto fail = [&](const std::string& what) {
       int e = errno;
       close(fd);
-      shm_unlink(name.c_str());
+      if (create) shm_unlink(name.c_str());
       errno = e;
-      throw std::runtime_error(errno_text("cannot size segment", name));
+      throw std::runtime_error(errno_text(what.c_str(), name));
+    };
+    if (create && ftruncate(fd, static_cast<off_t>(size_)) != 0) fail("cannot size segment");
+    // Reserve the pages now: a full /dev/shm then fails here, not with SIGBUS on first touch.
+    if (create) {
+      int e = posix_fallocate(fd, 0, static_cast<off_t>(size_));
+      if (e != 0) {
+        errno = e;
+        fail("cannot reserve memory for segment");
+      }
     }
     struct stat st;
-    if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < size_) {
-      close(fd);
-      throw std::runtime_error("fsharded shared-memory collectives: segment " + name +
-                               " is smaller than expected (another program's segment?)");
+    if (fstat(fd, &st) != 0) fail("cannot stat segment");
+    if (static_cast<size_t>(st.st_size) != size_) {
+      errno = EINVAL;
+      fail("unexpected size (another program's segment, or a different layout) of segment");
     }
     void* p = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) fail("cannot map segment");
     close(fd);
-    if (p == MAP_FAILED) throw std::runtime_error(errno_text("cannot map segment", name));
     base_ = static_cast<char*>(p);
   }
 
@@ -95,7 +124,11 @@ class ShmComm {
   // In place; a sum is then divided by `divisor` (a mean), rounded as torch rounds
   // `psum(x) / n`: the sum to the tensor's dtype first, then the quotient.
   void all_reduce_(torch::Tensor& t, bool max, double divisor) {
+    std::lock_guard<std::mutex> lock(mu_);
     check(t, "all_reduce");
+    TORCH_CHECK(divisor == 1.0 || at::isFloatingType(t.scalar_type()),
+                "shm all_reduce: a divisor needs a floating-point tensor");
+    const uint64_t desc = describe(max ? kMax : kSum, t.scalar_type(), t.numel());
     const int64_t esize = t.element_size();
     const int64_t n = t.numel();
     const int64_t chunk = slot_ / esize;
@@ -104,7 +137,7 @@ class ShmComm {
       const int64_t c = std::min(chunk, n - off);
       char* mine = begin_round();
       std::memcpy(mine, data + off * esize, c * esize);
-      arrive_and_wait();
+      arrive_and_wait(desc);
       reduce_into(t.scalar_type(), data + off * esize, c, 0, max, divisor);
       depart();
     }
@@ -112,6 +145,7 @@ class ShmComm {
 
   // out (world * m) <- every rank's x (m), in rank order.
   void all_gather(const torch::Tensor& x, torch::Tensor& out) {
+    std::lock_guard<std::mutex> lock(mu_);
     check(x, "all_gather");
     check(out, "all_gather");
     TORCH_CHECK(x.scalar_type() == out.scalar_type() && out.numel() == x.numel() * world_,
@@ -125,7 +159,7 @@ class ShmComm {
       const int64_t c = std::min(chunk, m - off);
       char* mine = begin_round();
       std::memcpy(mine, src + off * esize, c * esize);
-      arrive_and_wait();
+      arrive_and_wait(describe(kGather, x.scalar_type(), m));
       for (int64_t j = 0; j < world_; ++j) {
         std::memcpy(dst + (j * m + off) * esize, slot(buf_, j), c * esize);
       }
@@ -135,6 +169,7 @@ class ShmComm {
 
   // out (m) <- sum over ranks of block `rank` of x (world * m).
   void reduce_scatter(const torch::Tensor& x, torch::Tensor& out) {
+    std::lock_guard<std::mutex> lock(mu_);
     check(x, "reduce_scatter");
     check(out, "reduce_scatter");
     TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.numel() == out.numel() * world_,
@@ -151,7 +186,7 @@ class ShmComm {
       for (int64_t j = 0; j < world_; ++j) {  // slot layout: (world, c), block j first
         std::memcpy(mine + j * c * esize, src + (j * m + off) * esize, c * esize);
       }
-      arrive_and_wait();
+      arrive_and_wait(describe(kScatter, x.scalar_type(), m));
       reduce_into(x.scalar_type(), dst + off * esize, c, rank_ * c, false, 1.0);
       depart();
     }
@@ -159,6 +194,7 @@ class ShmComm {
 
   // out block j (m elements) <- block `rank` of rank j's x (world * m).
   void all_to_all(const torch::Tensor& x, torch::Tensor& out) {
+    std::lock_guard<std::mutex> lock(mu_);
     check(x, "all_to_all");
     check(out, "all_to_all");
     TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.numel() == out.numel() &&
@@ -176,7 +212,7 @@ class ShmComm {
       for (int64_t j = 0; j < world_; ++j) {  // slot layout: (world, c), block j first
         std::memcpy(mine + j * c * esize, src + (j * m + off) * esize, c * esize);
       }
-      arrive_and_wait();
+      arrive_and_wait(describe(kAllToAll, x.scalar_type(), m));
       for (int64_t j = 0; j < world_; ++j) {
         std::memcpy(dst + (j * m + off) * esize, slot(buf_, j) + rank_ * c * esize, c * esize);
       }
@@ -185,8 +221,11 @@ class ShmComm {
   }
 
   void barrier() {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(!broken_, "fsharded shared-memory collectives: segment ", name_, " is unusable (",
+                broken_why_, ")");
     begin_round();
-    arrive_and_wait();
+    arrive_and_wait(describe(kBarrier, at::kByte, 0));
     depart();
   }
 
@@ -215,6 +254,14 @@ class ShmComm {
         sched_yield();
       } else {
         std::this_thread::sleep_for(std::chrono::microseconds(50));
+        if ((spins & 2047) == 0) {  // ~0.1 s: let Ctrl-C through
+          py::gil_scoped_acquire gil;
+          if (PyErr_CheckSignals() != 0) {
+            broken_ = true;
+            broken_why_ = "interrupted";
+            throw py::error_already_set();
+          }
+        }
       }
       if ((spins & 1023) == 0) {
         double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -243,9 +290,28 @@ class ShmComm {
     return slot(buf_, rank_);
   }
 
-  void arrive_and_wait() {
-    arrive_at(rank_)->value.store(round_, std::memory_order_release);
+  void arrive_and_wait(uint64_t desc) {
+    Counter* me = arrive_at(rank_);
+    me->desc[round_ % 2].store(desc, std::memory_order_relaxed);
+    me->value.store(round_, std::memory_order_release);
     for (int64_t j = 0; j < world_; ++j) wait_ge(arrive_at(j), round_, "reach");
+    // Rank j's description of this round: it cannot be overwritten before this rank departs.
+    for (int64_t j = 0; j < world_; ++j) {
+      const uint64_t theirs = arrive_at(j)->desc[round_ % 2].load(std::memory_order_relaxed);
+      if (theirs != desc) {
+        depart();  // let the others reach their own check
+        broken_ = true;
+        broken_why_ = "the ranks called different collectives";
+        throw std::runtime_error(
+            std::string("fsharded shared-memory collectives: rank ") + std::to_string(rank_) +
+            " called " + op_name(desc >> 56) + " of " + std::to_string(desc & ((uint64_t{1} << 48) - 1)) +
+            " elements (dtype " + std::to_string((desc >> 48) & 0xff) + ") while rank " +
+            std::to_string(j) + " called " + op_name(theirs >> 56) + " of " +
+            std::to_string(theirs & ((uint64_t{1} << 48) - 1)) + " elements (dtype " +
+            std::to_string((theirs >> 48) & 0xff) + "); every rank of a group must issue the "
+            "same collectives in the same order");
+      }
+    }
   }
 
   void depart() { depart_at(rank_)->value.store(round_, std::memory_order_release); }
@@ -304,6 +370,7 @@ class ShmComm {
   int buf_ = 0;
   bool broken_ = false;
   std::string broken_why_;
+  std::mutex mu_;
 };
 
 }  // namespace

@@ -11,11 +11,12 @@ tracing under ``make_fx``, NCCL, ranks on several hosts, a C++ compiler missing)
 ``FSHARDED_SHM=0`` turns it off (gloo for everything); ``FSHARDED_SHM_SLOT_MB`` sets the
 per-rank chunk (default 4 MiB, 8/world MiB from 4 ranks on; the segment is 2 x world x
 chunk); ``FSHARDED_SHM_TIMEOUT``
-the seconds a rank waits for the others before raising (default: the ``timeout_s`` given
-to ``fsharded.distributed.initialize``, 300). Whether a group uses
+the seconds a rank waits for the others before raising (default: the process group's
+timeout). Whether a group uses
 it is decided once, by all its ranks together, so every rank takes the same path. A
-group's collectives must be issued from one thread at a time (as fsharded does); after a
-timeout the group's segment refuses further use (the ranks are out of step).
+group's collectives run one at a time; ranks that call different collectives (op, dtype or
+size) get an error on every rank, never each other's data; after an error, a timeout or
+Ctrl-C the group's segment refuses further use (the ranks are out of step).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import threading
 import uuid
 import warnings
 from collections.abc import Callable
@@ -37,7 +39,10 @@ __all__ = ["all_reduce_", "all_gather_into", "reduce_scatter_into", "all_to_all_
 ENV = "FSHARDED_SHM"
 _DTYPES = {torch.float32, torch.float64, torch.bfloat16, torch.float16,
            torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
-_COMMS: dict[str, Any] = {}
+_COMMS: dict[int, tuple[Any, Any]] = {}  # id(process group) -> (group, ShmComm or None)
+_SETUP_LOCK = threading.Lock()
+# A forked child must not use its parent's segments (the peers are the parent's peers).
+os.register_at_fork(after_in_child=_COMMS.clear)
 _observer: Callable[[str, torch.Tensor, int], None] | None = None
 
 
@@ -78,69 +83,82 @@ def _boot_id() -> str:
         return ""
 
 
-def _shm_free() -> int:
+def _timeout(g: Any) -> float:
+    """Seconds a rank waits for the others: FSHARDED_SHM_TIMEOUT, else the group's own."""
+    if os.environ.get("FSHARDED_SHM_TIMEOUT"):
+        return float(os.environ["FSHARDED_SHM_TIMEOUT"])
     try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
+        return g.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001 - private API; fall back to initialize's timeout
+        from fsharded import distributed
+
+        return distributed.TIMEOUT_S
+
+
+def _slot_bytes(world: int) -> int:
+    """Per-rank chunk: 4 MiB, less on big groups so the segment stays ~16 MiB."""
+    default_mb = min(4.0, 8.0 / world)
+    text = os.environ.get("FSHARDED_SHM_SLOT_MB", "")
+    try:
+        mb = float(text) if text else default_mb
+    except ValueError:
+        warnings.warn(f"fsharded: FSHARDED_SHM_SLOT_MB={text!r} is not a number; using "
+                      f"{default_mb:g}", stacklevel=4)
+        mb = default_mb
+    return max(4096, int(mb * 2**20) // 64 * 64)
 
 
 def _setup(g: Any) -> Any:
-    """Create (group rank 0) or open (the others) the group's segment; every rank of the
-    group takes part and all agree on the outcome. None: stay on torch.distributed."""
+    """Create (group rank 0) or open (the others) the group's segment. Every rank of the
+    group takes part and all agree on the outcome (also when FSHARDED_SHM differs between
+    them). None: stay on torch.distributed."""
     import torch.distributed as dist
 
-    if not enabled() or g.size == 1 or dist.get_backend(g.group) != "gloo":
+    if g.size == 1 or dist.get_backend(g.group) != "gloo":
         return None
-    grank = dist.get_rank(g.group)
-    if grank == 0:  # one rank builds the extension (first use), then the others load it
+    grank, on = dist.get_rank(g.group), enabled()
+    if grank == 0 and on:  # one rank builds the extension (first use), then the others load it
         _module()
     dist.barrier(group=g.group)
-    mod, why = _module()
-    # Per-rank chunk: 4 MiB, less on big groups so the segment stays ~16 MiB.
-    default_mb = min(4.0, 8.0 / g.size)
-    slot = int(float(os.environ.get("FSHARDED_SHM_SLOT_MB", default_mb)) * 2**20) // 64 * 64
-    slot = max(slot, 4096)
-    me = (socket.gethostname(), _boot_id(), mod is not None, why)
+    mod, why = _module() if on else (None, "")
+    me = (socket.gethostname(), _boot_id(), on, mod is not None, why)
     infos: list = [None] * g.size
     dist.all_gather_object(infos, me, group=g.group)
+    if not all(i[2] for i in infos):
+        return None  # switched off (FSHARDED_SHM=0) on some rank
     if len({i[:2] for i in infos}) != 1:
         return None  # ranks on several hosts: gloo
-    if not all(i[2] for i in infos):
+    if not all(i[3] for i in infos):
         warnings.warn(f"fsharded: same-host shared-memory collectives unavailable, using gloo "
-                      f"({next(i[3] for i in infos if not i[2])})", stacklevel=3)
+                      f"({next(i[4] for i in infos if not i[3])})", stacklevel=3)
         return None
     # Group rank 0's name and chunk size for all (the layout must be the same everywhere).
-    box = [(f"/fsharded-{os.getpid()}-{uuid.uuid4().hex[:12]}", slot) if grank == 0 else None]
+    box = [(f"/fsharded-{os.getpid()}-{uuid.uuid4().hex[:12]}", _slot_bytes(g.size))
+           if grank == 0 else None]
     dist.broadcast_object_list(box, src=dist.get_global_rank(g.group, 0), group=g.group)
     name, slot = box[0]
-    size = 2 * g.size * slot + 8192
-    from fsharded import distributed
-
-    timeout = float(os.environ.get("FSHARDED_SHM_TIMEOUT", distributed.TIMEOUT_S))
+    timeout = _timeout(g)
     comm, err = None, ""
-    if grank == 0:
-        if _shm_free() < size + (16 << 20):  # a full tmpfs would kill us with SIGBUS on touch
-            err = f"/dev/shm has {_shm_free() >> 20} MiB free, {(size >> 20) + 16} MiB wanted"
-        else:
-            try:
+    try:
+        if grank == 0:
+            try:  # pages reserved up front: a full /dev/shm is an error here, not a SIGBUS
                 comm = mod.ShmComm(name, grank, g.size, slot, True, timeout)
             except Exception as e:  # noqa: BLE001 - reported below, then gloo
                 err = str(e)
-    dist.barrier(group=g.group)  # the segment exists (or rank 0 failed)
-    if grank != 0:
-        try:
-            comm = mod.ShmComm(name, grank, g.size, slot, False, timeout)
-        except Exception as e:  # noqa: BLE001
-            err = str(e)
-    oks: list = [None] * g.size
-    dist.all_gather_object(oks, err, group=g.group)
-    if comm is not None and grank == 0:
-        comm.unlink()  # every rank has it mapped (or gave up): nothing left behind on exit
-    if any(oks):
+        dist.barrier(group=g.group)  # the segment exists (or rank 0 failed)
+        if grank != 0:
+            try:
+                comm = mod.ShmComm(name, grank, g.size, slot, False, timeout)
+            except Exception as e:  # noqa: BLE001
+                err = str(e)
+        errs: list = [None] * g.size
+        dist.all_gather_object(errs, err, group=g.group)
+    finally:
+        if comm is not None and grank == 0:
+            comm.unlink()  # every rank has it mapped (or gave up): nothing left on exit
+    if any(errs):
         warnings.warn("fsharded: same-host shared-memory collectives unavailable, using gloo "
-                      f"({next(e for e in oks if e)})", stacklevel=3)
+                      f"({next(e for e in errs if e)})", stacklevel=3)
         return None
     return comm
 
@@ -159,18 +177,24 @@ def comm_for(x: torch.Tensor, g: Any) -> Any:
     # By the group object (held, so its id is not reused by a later group).
     entry = _COMMS.get(id(g.group))
     if entry is None:
-        entry = _COMMS[id(g.group)] = (g.group, _setup(g))
+        with _SETUP_LOCK:
+            entry = _COMMS.get(id(g.group))
+            if entry is None:
+                entry = _COMMS[id(g.group)] = (g.group, _setup(g))
     return entry[1]
 
 
 def all_reduce_(y: torch.Tensor, op: str, g: Any, *, divisor: int = 1) -> None:
     """In place over the group: ``op`` "sum" or "max" (``y`` contiguous); a sum is then
     divided by ``divisor`` (floating ``y``), rounded as ``psum(y) / divisor`` is."""
+    if divisor != 1 and not y.is_floating_point():
+        raise ValueError(f"all_reduce_: a divisor needs a floating-point tensor, not {y.dtype}")
     c = comm_for(y, g)
     if c is not None:
         if _observer is not None:
             _observer("all_reduce", y, g.size)
         c.all_reduce_(y, op == "max", float(divisor) if op == "sum" else 1.0)
+        torch.autograd.graph.increment_version(y)  # written in place, as c10d's op would
         return
     import torch.distributed as dist
 
@@ -210,6 +234,9 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op:
 
 def all_to_all_into(out: torch.Tensor, x: torch.Tensor, g: Any) -> None:
     """``out`` block j <- block ``group rank`` of group rank j's ``x`` (n equal blocks)."""
+    if x.dim() == 0 or x.shape[0] % g.size:
+        raise ValueError(f"all_to_all: dim 0 of shape {tuple(x.shape)} does not split into "
+                         f"{g.size} equal blocks")
     c = comm_for(x, g)
     if c is not None:
         if _observer is not None:

@@ -13,7 +13,7 @@ from fsharded.testing import run_on_ranks
 
 pytestmark = pytest.mark.multiprocess
 
-DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64)
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64)
 
 
 def _inputs(rank: int, world: int, dtype: torch.dtype, n: int) -> torch.Tensor:
@@ -34,6 +34,12 @@ def _collectives(n: int) -> dict:
     os.environ["FSHARDED_SHM_SLOT_MB"] = "0.01" if rank == 0 else "0.05"
     g = distributed.axis_group(fs.Mesh({"data": world}), ("data",))
     out: dict = {"used": _shm.comm_for(torch.zeros(1), g) is not None}
+    dist.barrier()  # group rank 0 has removed the segment's name once every rank mapped it
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    out["left"] = [f for f in os.listdir("/dev/shm") if f.startswith(f"fsharded-{pids[0]}-")]
+    empty = torch.zeros(0)
+    _shm.all_reduce_(empty, "sum", g)  # no rounds on any rank: the ranks stay in step
     for dtype in DTYPES:
         x = _inputs(rank, world, dtype, n)
         s = x.clone()
@@ -41,7 +47,8 @@ def _collectives(n: int) -> dict:
         m = x.clone()
         _shm.all_reduce_(m, "max", g)
         mean = x.clone()
-        _shm.all_reduce_(mean, "sum", g, divisor=world)  # the mean, division folded in
+        if dtype.is_floating_point:  # the mean, division folded in
+            _shm.all_reduce_(mean, "sum", g, divisor=world)
         ga = x.new_empty(world * x.numel())
         _shm.all_gather_into(ga, x, g)
         rs = x.new_empty(n)
@@ -60,6 +67,7 @@ def test_shared_memory_collectives_match_the_reference(world):
     n = 6001  # elements per rank block: not a multiple of the chunk
     per_rank = run_on_ranks(_collectives, world, n)
     assert all(r["used"] for r in per_rank)  # the shared-memory path ran, not gloo
+    assert all(r["left"] == [] for r in per_rank)
     for dtype in DTYPES:
         xs = [_inputs(r, world, dtype, n) for r in range(world)]
         wide = torch.stack([x.double() for x in xs])
@@ -68,7 +76,8 @@ def test_shared_memory_collectives_match_the_reference(world):
             got = res[str(dtype)]
             # every rank holds bit-identical results (replicas stay in sync)
             torch.testing.assert_close(got["sum"], per_rank[0][str(dtype)]["sum"], rtol=0, atol=0)
-            tol = {"rtol": 1e-2, "atol": 1e-1} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-6}
+            tol = {"rtol": 1e-2, "atol": 1e-1} if dtype in (torch.bfloat16, torch.float16) \
+                else {"rtol": 1e-6, "atol": 1e-6}
             torch.testing.assert_close(got["sum"].double(), exact_sum, **tol)
             torch.testing.assert_close(got["max"].double(), exact_max, rtol=0, atol=0)
             torch.testing.assert_close(got["gather"], torch.cat(xs), rtol=0, atol=0)
@@ -129,3 +138,28 @@ def test_a_rank_that_never_arrives_is_a_clear_error():
     first, again = msg.split(" | ")
     assert "waited" in first and "rank 0" in first and "FSHARDED_SHM=0" in first
     assert "earlier collective" in again and "out of step" in again
+
+
+def _different_collectives() -> list[str]:
+    import torch.distributed as dist
+
+    import fsharded as fs
+    from fsharded import _shm, distributed
+
+    g = distributed.axis_group(fs.Mesh({"data": 2}), ("data",))
+    # rank 0 reduces 2000 elements, rank 1 1000: a program bug, caught on both ranks
+    x = torch.ones(2000 if dist.get_rank() == 0 else 1000)
+    errors = []
+    for _ in range(2):  # and the segment refuses further use afterwards
+        try:
+            _shm.all_reduce_(x, "sum", g)
+            errors.append("no error")
+        except RuntimeError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_ranks_calling_different_collectives_get_an_error_not_data():
+    for first, again in run_on_ranks(_different_collectives, 2):
+        assert "called all_reduce(sum) of" in first and "same collectives" in first
+        assert "out of step" in again
