@@ -42,7 +42,8 @@ _DTYPES = {torch.float32, torch.float64, torch.bfloat16, torch.float16,
 _COMMS: dict[int, tuple[Any, Any]] = {}  # id(process group) -> (group, ShmComm or None)
 _SETUP_LOCK = threading.Lock()
 # A forked child must not use its parent's segments (the peers are the parent's peers).
-os.register_at_fork(after_in_child=_COMMS.clear)
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_COMMS.clear)
 _observer: Callable[[str, torch.Tensor, int], None] | None = None
 
 
