@@ -182,10 +182,7 @@ class ShmComm {
     char* dst = static_cast<char*>(out.data_ptr());
     for (int64_t off = 0; off < m; off += chunk) {
       const int64_t c = std::min(chunk, m - off);
-      char* mine = begin_round();
-      for (int64_t j = 0; j < world_; ++j) {  // slot layout: (world, c), block j first
-        std::memcpy(mine + j * c * esize, src + (j * m + off) * esize, c * esize);
-      }
+      stage_blocks(begin_round(), src, m, off, c, esize);
       arrive_and_wait(describe(kScatter, x.scalar_type(), m));
       reduce_into(x.scalar_type(), dst + off * esize, c, rank_ * c, false, 1.0);
       depart();
@@ -208,10 +205,7 @@ class ShmComm {
     char* dst = static_cast<char*>(out.data_ptr());
     for (int64_t off = 0; off < m; off += chunk) {
       const int64_t c = std::min(chunk, m - off);
-      char* mine = begin_round();
-      for (int64_t j = 0; j < world_; ++j) {  // slot layout: (world, c), block j first
-        std::memcpy(mine + j * c * esize, src + (j * m + off) * esize, c * esize);
-      }
+      stage_blocks(begin_round(), src, m, off, c, esize);
       arrive_and_wait(describe(kAllToAll, x.scalar_type(), m));
       for (int64_t j = 0; j < world_; ++j) {
         std::memcpy(dst + (j * m + off) * esize, slot(buf_, j) + rank_ * c * esize, c * esize);
@@ -234,6 +228,15 @@ class ShmComm {
   Counter* depart_at(int64_t j) const { return reinterpret_cast<Counter*>(base_) + kMaxWorld + j; }
   char* slot(int buf, int64_t j) const {
     return base_ + kHeader + (static_cast<size_t>(buf) * world_ + j) * static_cast<size_t>(slot_);
+  }
+
+  // Elements [off, off + c) of each of the world blocks (m elements each) of src, into this
+  // rank's slot laid out (world, c): block j's piece first.
+  void stage_blocks(char* mine, const char* src, int64_t m, int64_t off, int64_t c,
+                    int64_t esize) const {
+    for (int64_t j = 0; j < world_; ++j) {
+      std::memcpy(mine + j * c * esize, src + (j * m + off) * esize, c * esize);
+    }
   }
 
   void check(const torch::Tensor& t, const char* op) const {
