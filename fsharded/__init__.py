@@ -8,32 +8,43 @@
 tensor(6.)
 """
 
-from fsharded import config, data, distributed, memory, models, optim, parallel, precision
-from fsharded._manifest import Entry, Manifest
+from fsharded import (
+    comm,
+    config,
+    data,
+    distributed,
+    lax,
+    memory,
+    models,
+    optim,
+    parallel,
+    precision,
+    spmd,
+)
 from fsharded._memory import MemoryEstimate, estimate_memory
-from fsharded._shard_map import ShardMapped, shard_map
 from fsharded._step import TrainState, TrainStep, train_step
 from fsharded._tree import rules, tree_flatten_with_paths, tree_map_with_path
-from fsharded.collectives import (
+from fsharded.mesh import Mesh, NamedSharding, P, PartitionSpec
+from fsharded.spmd import (
+    Entry,
+    Manifest,
+    ShardMapped,
     all_gather,
+    all_gather_invariant,
     all_to_all,
     axis_index,
     axis_size,
+    from_dtensor,
     is_bound,
     pmax,
     pmean,
+    pmin,
     ppermute,
     psum,
     psum_scatter,
     pvary,
-)
-from fsharded.mesh import (
-    Mesh,
-    NamedSharding,
-    P,
-    PartitionSpec,
-    from_dtensor,
     shard,
+    shard_map,
     to_dtensor,
     unshard,
 )
@@ -54,8 +65,10 @@ __all__ = [
     "psum",
     "pmean",
     "pmax",
+    "pmin",
     "pvary",
     "all_gather",
+    "all_gather_invariant",
     "psum_scatter",
     "all_to_all",
     "ppermute",
@@ -70,6 +83,9 @@ __all__ = [
     "estimate_memory",
     "MemoryEstimate",
     "distributed",
+    "comm",
+    "spmd",
+    "lax",
     "optim",
     "parallel",
     "memory",

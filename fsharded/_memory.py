@@ -18,8 +18,8 @@ import torch
 
 from fsharded import _tree
 from fsharded.mesh._mesh import Mesh
-from fsharded.mesh._shard import _backend
 from fsharded.mesh._spec import PartitionSpec, shard_shape
+from fsharded.spmd._transfer import backend_for
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
@@ -180,7 +180,7 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
     kwargs = {}
     # ZeRO-3 on the virtual mesh re-gathers through a remat of each block (activations of a
     # block are recomputed); on real ranks saved-tensor hooks re-gather only the weights.
-    virtual = _backend(mesh, None) == "virtual"
+    virtual = backend_for(mesh, None) == "virtual"
     if pl.stage == 3 and virtual and "block_fn" in inspect.signature(loss).parameters:
         def block_fn(block, p, x, **kw):
             ps, pdef = optree.tree_flatten(p)

@@ -25,11 +25,11 @@ import optree
 import torch
 
 from fsharded import _tree, optim
-from fsharded._shard_map import shard_map
-from fsharded.collectives import is_bound, pmean
 from fsharded.mesh._mesh import Mesh
-from fsharded.mesh._shard import _backend, shard, unshard
 from fsharded.mesh._spec import PartitionSpec
+from fsharded.spmd._transfer import backend_for, shard, unshard
+from fsharded.spmd.collectives import is_bound, mark_varying, pmean
+from fsharded.spmd.shard_map import shard_map
 
 __all__ = ["TrainState", "TrainStep", "train_step"]
 
@@ -125,7 +125,7 @@ class TrainStep:
 
     @property
     def distributed(self) -> bool:
-        return _backend(self.mesh, self.backend) == "distributed"
+        return backend_for(self.mesh, self.backend) == "distributed"
 
     def placement(self, params: Any):
         """The ``Placement`` this step uses for ``params`` (specs, ZeRO plan, or placement)."""
@@ -246,6 +246,15 @@ class TrainStep:
             overlap = per_block and self.distributed
             grad_fn = functools.partial(_autograd_grad_and_value, local_loss, overlap=overlap)
         x0 = params if through_gather else optree.tree_unflatten(m_def, gather(m_leaves))
+        varying = tuple(a for a in self.batch_axes if self.mesh.shape[a] > 1)
+        if varying:
+            # Data parallelism: mark the parameters varying over the batch axes before
+            # differentiating (a type change, no data moves), so each shard's gradient is
+            # its own contribution and the bucketed pmean below averages once. Left
+            # invariant, each gradient would come back summed by the implicit pvary's
+            # psum, one collective per leaf (JAX's rule). (Over a size-1 axis there is
+            # nothing to average: the gradients stay invariant.)
+            x0 = mark_varying(x0, varying)
         k = self.accumulation
         grads, loss = None, None
         for i in range(k):
@@ -514,7 +523,7 @@ def _local_batch(sm: Any, batch: Any) -> Any:
     global shapes, so a batch that does not divide over the data axis is a clear error)."""
     import torch.distributed as dist
 
-    from fsharded.mesh._shard import check_tree, local_slice
+    from fsharded.mesh._layout import check_tree, local_slice
 
     mesh, batch_spec = sm.mesh, sm.in_specs[1]
     paths, leaves, tdef = _tree.tree_flatten_with_paths(batch)
@@ -582,14 +591,14 @@ def _full_specs(specs: Any, tree: Any) -> Any:
 
 def _globalize(tree: Any, specs: Any, mesh: Mesh) -> Any:
     """Meta tensors of the global shapes of a tree of local shards."""
-    from fsharded.mesh._shard import _dims
+    from fsharded.mesh._layout import dims
 
     leaves, tdef = optree.tree_flatten(tree)
     flat_specs = _tree.broadcast_prefix(specs, tree)
     out = []
     for x, s in zip(leaves, flat_specs):
         if isinstance(x, torch.Tensor):
-            shape = [n * math.prod(mesh.shape[a] for a in ax) for n, ax in zip(x.shape, _dims(s, x.dim()))]
+            shape = [n * math.prod(mesh.shape[a] for a in ax) for n, ax in zip(x.shape, dims(s, x.dim()))]
             out.append(torch.empty(shape, dtype=x.dtype, device="meta"))
         else:
             out.append(x)

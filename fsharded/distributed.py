@@ -1,156 +1,23 @@
-"""The torch.distributed backend: process groups per mesh axis, launched by ``torchrun``.
+"""Real ranks under ``torchrun``: initialise the process group, look up per-axis groups.
 
 >>> # torchrun --nproc_per_node 4 train.py
 >>> fsharded.distributed.initialize()          # reads RANK, WORLD_SIZE, MASTER_ADDR, ...
 >>> mesh = fsharded.Mesh({"data": 2, "tensor": 2})
+
+(The transport itself lives in ``fsharded.comm``.)
 """
 
-from __future__ import annotations
+from fsharded.comm import (
+    axis_group,
+    check_world,
+    default_device_type,
+    device_mesh,
+    initialize,
+    is_initialized,
+    rank,
+    timeout_s,
+    world_size,
+)
 
-import itertools
-import os
-from dataclasses import dataclass
-from typing import Any
-
-import torch
-import torch.distributed as dist
-
-from fsharded.mesh._mesh import Mesh
-
-__all__ = ["initialize", "is_initialized", "rank", "world_size", "device_mesh", "axis_group"]
-
-
-TIMEOUT_S = 300.0  # how long a collective waits for the other ranks (initialize's timeout_s)
-
-
-def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def initialize(backend: str | None = None, *, timeout_s: float = 300.0) -> None:
-    """Initialise the default process group from torchrun's environment variables.
-
-    ``backend`` defaults to NCCL when CUDA is available and gloo otherwise. Safe to call
-    twice. Sets the CUDA device to ``LOCAL_RANK`` on GPU machines.
-    """
-    if is_initialized():
-        return
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise RuntimeError(
-            f"fsharded.distributed.initialize(): environment variables {missing} are not set; "
-            f"launch with `torchrun --nproc_per_node N script.py`, or use the virtual mesh "
-            f"(no initialize) in a single process"
-        )
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    import datetime
-
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    global TIMEOUT_S
-    TIMEOUT_S = timeout_s
-
-
-def rank() -> int:
-    return dist.get_rank() if is_initialized() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if is_initialized() else 1
-
-
-def default_device_type() -> str:
-    if is_initialized() and dist.get_backend() == "nccl":
-        return "cuda"
-    return "cpu"
-
-
-def check_world(mesh: Mesh) -> None:
-    if not is_initialized():
-        raise RuntimeError("the distributed backend needs an initialised process group")
-    ws = dist.get_world_size()
-    if mesh.size != ws:
-        raise ValueError(
-            f"{mesh!r} has {mesh.size} devices but the world size is {ws}; "
-            f"launch {mesh.size} ranks or change the mesh so its axis sizes multiply to {ws}"
-        )
-
-
-# Process groups are process-wide resources created collectively; they are memoised per
-# (mesh, axes) so every shard_map call on the same mesh reuses them.
-_GROUPS: dict[tuple[Mesh, tuple[str, ...]], AxisGroup] = {}
-_DEVICE_MESHES: dict[tuple[Mesh, str], Any] = {}
-
-
-@dataclass(frozen=True)
-class AxisGroup:
-    """The process group of the ranks that differ from this one only along ``axes``."""
-
-    axes: tuple[str, ...]
-    group: Any
-    group_name: str
-    size: int
-    index: int  # this rank's position along ``axes`` (major axis first)
-    ranks: tuple[int, ...]  # global ranks in axis order
-    to_group: tuple[int, ...]  # axis-order position -> group rank
-    identity_order: bool
-
-
-def device_mesh(mesh: Mesh, *, device_type: str | None = None) -> Any:
-    """The ``DeviceMesh`` with ``mesh``'s axes (created once per process)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    check_world(mesh)
-    device_type = device_type or mesh.device_type or default_device_type()
-    key = (mesh, device_type)
-    if key not in _DEVICE_MESHES:
-        _DEVICE_MESHES[key] = init_device_mesh(
-            device_type, mesh.axis_sizes, mesh_dim_names=mesh.axis_names
-        )
-    return _DEVICE_MESHES[key]
-
-
-def remember_device_mesh(mesh: Mesh, dm: Any) -> None:
-    """Reuse a user's ``DeviceMesh`` for ``mesh`` (called by ``Mesh.from_torch``).
-
-    Only when a process group is initialised and ``dm`` spans the whole world; otherwise
-    nothing is recorded and ``device_mesh`` builds its own on demand.
-    """
-    if is_initialized() and mesh.size == dist.get_world_size():
-        _DEVICE_MESHES.setdefault((mesh, dm.device_type), dm)
-
-
-def axis_group(mesh: Mesh, axes: tuple[str, ...]) -> AxisGroup:
-    """The group for ``axes`` (one name or several, major first); collective on first use."""
-    key = (mesh, tuple(axes))
-    if key in _GROUPS:
-        return _GROUPS[key]
-    check_world(mesh)
-    me = mesh.coords(dist.get_rank())
-    others = [a for a in mesh.axis_names if a not in axes]
-    mine = None
-    # Every rank must create every subgroup, in the same order.
-    for fixed in itertools.product(*(range(mesh.shape[a]) for a in others)):
-        base = dict(zip(others, fixed))
-        ranks = []
-        for along in itertools.product(*(range(mesh.shape[a]) for a in axes)):
-            ranks.append(mesh.rank_of({**base, **dict(zip(axes, along))}))
-        group = dist.new_group(ranks=sorted(ranks))
-        if all(base[a] == me[a] for a in others):
-            sorted_ranks = sorted(ranks)
-            to_group = tuple(sorted_ranks.index(r) for r in ranks)
-            index = ranks.index(dist.get_rank())
-            mine = AxisGroup(
-                axes=tuple(axes),
-                group=group,
-                group_name=group.group_name,
-                size=len(ranks),
-                index=index,
-                ranks=tuple(ranks),
-                to_group=to_group,
-                identity_order=to_group == tuple(range(len(ranks))),
-            )
-    _GROUPS[key] = mine
-    return mine
+__all__ = ["initialize", "is_initialized", "rank", "world_size", "device_mesh", "axis_group",
+           "check_world", "default_device_type", "timeout_s"]

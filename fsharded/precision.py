@@ -426,7 +426,7 @@ def all_finite(tree: Any, *, axis: str | tuple[str, ...] | None = None) -> torch
     ]
     finite = torch.stack(flags).all() if flags else torch.tensor(True)
     if axis is not None:
-        from fsharded.collectives import pmax
+        from fsharded.spmd.collectives import pmax
 
         # Collectives carry floats; the max of "overflowed" flags is "any shard overflowed".
         overflow = pmax((~finite).to(torch.float32), axis)

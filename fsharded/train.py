@@ -150,7 +150,7 @@ def _layer_file(base, path: str):
 
     C.load_config(path)  # full validation, with the file's own error messages
     p = Path(path)
-    raw = C._read_toml(p) if p.suffix.lower() == ".toml" else C._read_json(p)
+    raw = C.read_file(p)
     d = _merge(base.to_dict(), raw)
     if "scheduler" in raw:
         d["scheduler"] = {"name": raw["scheduler"].get("name", "constant"), "params": raw["scheduler"].get("params", {})}

@@ -40,12 +40,20 @@ def collective_specs(n: int):
         lambda X: sum(_chunks(X, n)) / n, kinds=("vary", "rep"))
     add("pmax", lambda ax: (lambda x: fs.pmax(x, ax), P(ax), P()), [(2 * n, 3, 4)],
         lambda X: np.max(np.stack(_chunks(X, n)), axis=0), linear=False)
-    add("all_gather0", lambda ax: (lambda x: fs.all_gather(x, ax), P(ax), P()), [(2 * n, 3, 4)],
-        lambda X: X)
-    add("all_gather1", lambda ax: (lambda x: fs.all_gather(x, ax, dim=1), P(ax), P()),
-        [(2 * n, 3, 4)], lambda X: np.concatenate(_chunks(X, n), axis=1))
-    add("all_gather_stack", lambda ax: (lambda x: fs.all_gather(x, ax, dim=2, tiled=False), P(ax), P()),
-        [(2 * n, 3, 4)], lambda X: np.stack(_chunks(X, n), axis=2))
+    # all_gather's result still varies over the axis (JAX's rule): under an out_spec that
+    # names the axis every shard's copy of the whole value is returned; all_gather_invariant
+    # gives a value typed invariant, returned once under P().
+    add("all_gather0", lambda ax: (lambda x: fs.all_gather(x, ax), P(ax), P(ax)), [(2 * n, 3, 4)],
+        lambda X: np.concatenate([X] * n, axis=0))
+    add("all_gather1", lambda ax: (lambda x: fs.all_gather(x, ax, dim=1), P(ax), P(ax)),
+        [(2 * n, 3, 4)], lambda X: np.concatenate([np.concatenate(_chunks(X, n), axis=1)] * n, axis=0))
+    add("all_gather_invariant0", lambda ax: (lambda x: fs.all_gather_invariant(x, ax), P(ax), P()),
+        [(2 * n, 3, 4)], lambda X: X, kinds=("vary", "rep"))
+    add("all_gather_invariant1", lambda ax: (lambda x: fs.all_gather_invariant(x, ax, dim=1), P(ax), P()),
+        [(2 * n, 3, 4)], lambda X: np.concatenate(_chunks(X, n), axis=1), kinds=("vary", "rep"))
+    add("all_gather_stack",
+        lambda ax: (lambda x: fs.all_gather_invariant(x, ax, dim=2, tiled=False), P(ax), P()),
+        [(2 * n, 3, 4)], lambda X: np.stack(_chunks(X, n), axis=2), kinds=("vary", "rep"))
     add("psum_scatter1", lambda ax: (lambda y: fs.psum_scatter(y, ax, dim=1), P(ax), P(None, ax)),
         [(2 * n, 2 * n, 4)], lambda Y: sum(_chunks(Y, n)))
     add("psum_scatter0", lambda ax: (lambda y: fs.psum_scatter(y, ax), P(None, ax), P(ax)),
@@ -147,7 +155,7 @@ def _local_out_shape(mesh, f, ispec, x):
         shapes.append(tuple(y.shape))
         return y
 
-    fs.shard_map(g, mesh=mesh, in_specs=(ispec,), out_specs=P()).collectives(x)
+    fs.shard_map(g, mesh=mesh, in_specs=(ispec,), out_specs=P(), check_vma=False).collectives(x)
     return shapes[0]
 
 
@@ -202,12 +210,14 @@ def run_megatron() -> dict:
     loss(pg, xg).backward()
     g_bwd = ({k: v.grad for k, v in pg.items()}, xg.grad)
 
-    # grad inside shard_map: per-shard grads of the local mean; data-replicated leaves are
-    # reduced explicitly (pmean over data), x's grad is already summed over tensor by pvary.
+    # grad inside shard_map (JAX's rule): the parameters are invariant over data, so their
+    # gradients of the per-shard mean come back summed over data by the implicit pvary's
+    # transpose; the global mean divides by the data size. x's grad is per data shard and
+    # already summed over tensor by the explicit pvary.
     def step(p, x):
         g = torch.func.grad(lambda p, x: mlp_local(p, x).pow(2).mean(), argnums=(0, 1))(p, x)
-        gp = {k: fs.pmean(v, "data") for k, v in g[0].items()}
-        return gp, g[1] / fs.axis_size("data")
+        n = fs.axis_size("data")
+        return {k: v / n for k, v in g[0].items()}, g[1] / n
 
     sm_in = fs.shard_map(step, mesh=mesh, in_specs=(MLP_SPECS, P("data")),
                          out_specs=(MLP_SPECS, P("data")), check_rep=True)

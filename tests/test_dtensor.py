@@ -15,7 +15,7 @@ import torch
 
 import fsharded as fs
 from fsharded import P
-from fsharded.mesh._shard import placements
+from fsharded.spmd._transfer import placements
 from fsharded.testing import run_on_ranks
 
 MESHES = {"data2": cases.MESH_2, "data2_tensor2": cases.MESH_4}

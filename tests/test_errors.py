@@ -81,26 +81,34 @@ def test_collective_outside_shard_map():
         fs.axis_index("data")
 
 
-def test_out_specs_dropping_a_varying_axis_with_check_rep():
-    f = sm((P("data"),), out_specs={"y": P(), "z": P("data")}, f=lambda x: {"y": x * 2, "z": x},
-           check_rep=True)
+def test_out_specs_leaving_out_a_varying_axis_is_an_error_by_default():
+    """check_vma is on by default (as in JAX): the error lists every offending output with
+    its varying axes and its out_spec, and no other output."""
+    f = sm((P("data"),), out_specs={"y": P(), "z": P("data")}, f=lambda x: {"y": x * 2, "z": x})
     with pytest.raises(ValueError) as e:
         f(torch.arange(4.0))
     msg = str(e.value)
-    assert "output.y" in msg and "replicated over 'data'" in msg and "output.z" not in msg
-    # Without check_rep, shard 0's value is taken (as JAX does).
-    g = sm((P("data"),), out_specs=P(), f=lambda x: x * 2)
+    assert "output.y: varies over ['data']" in msg and "PartitionSpec()" in msg
+    assert "output.z" not in msg and "check_vma=False" in msg
+    # check_rep is the old name and means the same.
+    g = sm((P("data"),), out_specs=P(), f=lambda x: x * 2, check_rep=True)
+    with pytest.raises(ValueError, match="output: varies over"):
+        g(torch.arange(4.0))
+    # Unchecked, shard 0's value is taken.
+    g = sm((P("data"),), out_specs=P(), f=lambda x: x * 2, check_vma=False)
     torch.testing.assert_close(g(torch.arange(4.0)), torch.tensor([0.0, 2.0]))
-    # A replicated value passes the check.
-    h = sm((P("data"),), out_specs=P(), f=lambda x: fs.psum(x, "data"), check_rep=True)
+    # A reduced value is invariant and passes.
+    h = sm((P("data"),), out_specs=P(), f=lambda x: fs.psum(x, "data"))
     torch.testing.assert_close(h(torch.arange(4.0)), torch.tensor([2.0, 4.0]))
 
 
-def test_check_rep_names_the_axis_that_varies():
-    f = sm((P("tensor"),), out_specs=P(), f=lambda x: fs.psum(x, "tensor") + fs.axis_index("tensor"),
-           check_rep=True)
-    with pytest.raises(ValueError, match="differs between shards along 'tensor'"):
+def test_check_vma_names_the_axis_that_varies():
+    f = sm((P("tensor"),), out_specs=P(), f=lambda x: fs.psum(x, "tensor") + fs.axis_index("tensor"))
+    with pytest.raises(ValueError, match=r"varies over \['tensor'\]"):
         f(torch.zeros(2))
+    with pytest.raises(ValueError, match="disagree"):
+        fs.shard_map(lambda x: x, mesh=MESH, in_specs=P(), out_specs=P(), check_vma=False,
+                     check_rep=True)
 
 
 def test_out_specs_errors():

@@ -277,11 +277,12 @@ def test_block_fn_hook_and_every_param_gets_gradient():
 
 
 def _step(params, batch):
-    """Per shard: gradient of the local loss, then the mean over data shards."""
+    """Per shard: gradient of the local loss; the mean over data shards. The parameters are
+    invariant over data, so (JAX's rule) their gradients come back summed over it."""
     grads, value = torch.func.grad_and_value(gpt.loss)(params, batch)
     if fs.is_bound("data"):
         value = fs.pmean(value, "data")
-        grads = optree.tree_map(lambda g: fs.pmean(g, "data"), grads)
+        grads = optree.tree_map(lambda g: g / fs.axis_size("data"), grads)
     return value, grads
 
 

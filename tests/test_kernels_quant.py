@@ -161,14 +161,14 @@ def test_quantized_all_gather(impl, n):
     x = _data(8, 24, seed=n)
     for dim, spec in ((0, P("d")), (1, P(None, "d"))):
         f = fs.shard_map(
-            lambda v, dim=dim: quantized_all_gather(v, "d", block_size=16, dim=dim, impl=impl),
+            lambda v, dim=dim: quantized_all_gather(v, "d", invariant=True, block_size=16, dim=dim, impl=impl),
             mesh=mesh,
             in_specs=(spec,),
             out_specs=P(),
         )
         got = f(x)
         exact = fs.shard_map(
-            lambda v, dim=dim: fs.all_gather(v, "d", dim=dim),
+            lambda v, dim=dim: fs.all_gather_invariant(v, "d", dim=dim),
             mesh=mesh,
             in_specs=(spec,),
             out_specs=P(),
@@ -179,7 +179,7 @@ def test_quantized_all_gather(impl, n):
         assert not torch.equal(got, exact)  # it did quantize
     xb = x.to(torch.bfloat16)
     got = fs.shard_map(
-        lambda v: quantized_all_gather(v, "d", impl=impl),
+        lambda v: quantized_all_gather(v, "d", invariant=True, impl=impl),
         mesh=mesh,
         in_specs=(P("d"),),
         out_specs=P(),
@@ -228,16 +228,16 @@ def test_quantized_collectives_bytes_grad_and_errors():
     mesh = fs.Mesh({"d": 4})
     x = torch.randn(4 * 256, device=DEV)
     m = fs.shard_map(
-        lambda v: quantized_all_gather(v, "d"), mesh=mesh, in_specs=(P("d"),), out_specs=P()
+        lambda v: quantized_all_gather(v, "d", invariant=True), mesh=mesh, in_specs=(P("d"),), out_specs=P()
     ).collectives(x)
     exact = fs.shard_map(
-        lambda v: fs.all_gather(v, "d"), mesh=mesh, in_specs=(P("d"),), out_specs=P()
+        lambda v: fs.all_gather_invariant(v, "d"), mesh=mesh, in_specs=(P("d"),), out_specs=P()
     ).collectives(x)
     assert [e.dtype for e in m] == [torch.int8, torch.float32]
     assert m.total_bytes() * 3.9 < exact.total_bytes()  # 256 int8 + one fp32 vs 256 fp32
     with pytest.raises(ValueError, match="requires grad"):
         fs.shard_map(
-            lambda v: quantized_all_gather(v, "d"), mesh=mesh, in_specs=(P("d"),), out_specs=P()
+            lambda v: quantized_all_gather(v, "d", invariant=True), mesh=mesh, in_specs=(P("d"),), out_specs=P()
         )(x.clone().requires_grad_())
     with pytest.raises(ValueError, match="requires grad"):
         fs.shard_map(
@@ -254,7 +254,7 @@ def test_quantized_collectives_bytes_grad_and_errors():
         quantized_all_gather(x, "d")
     one = fs.Mesh({"d": 1, "e": 2})  # a size-1 axis sends nothing, so nothing is quantized
     out = fs.shard_map(
-        lambda v: quantized_psum_scatter(quantized_all_gather(v, "d"), "d"),
+        lambda v: quantized_psum_scatter(quantized_all_gather(v, "d", invariant=True), "d"),
         mesh=one,
         in_specs=(P("e"),),
         out_specs=P("e"),
@@ -265,7 +265,7 @@ def test_quantized_collectives_bytes_grad_and_errors():
 def _collectives(impl: str):
     mesh = fs.Mesh({"d": 2})
     gather = fs.shard_map(
-        lambda v: quantized_all_gather(v, "d", block_size=16, impl=impl),
+        lambda v: quantized_all_gather(v, "d", invariant=True, block_size=16, impl=impl),
         mesh=mesh,
         in_specs=(P("d"),),
         out_specs=P(),

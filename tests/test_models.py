@@ -65,9 +65,10 @@ def test_ulysses_gloo(world, gloo_results):
 
 
 def test_megatron_manifest():
-    """grad inside shard_map: forward pvary (free) + psum over tensor, backward psum over
-    tensor (pvary's transpose, there because x is differentiated), then one psum over data
-    per parameter gradient."""
+    """grad inside shard_map (JAX's rule): forward pvary (free) + psum over tensor; in
+    backward one psum over data per parameter, the transpose of the implicit pvary where
+    the data-invariant parameter meets data-varying activations (last used, first
+    reduced), and the psum over tensor that is the explicit pvary's transpose for x."""
     import fsharded as fs
     from fsharded import P
 
@@ -75,8 +76,7 @@ def test_megatron_manifest():
     p, x = C.mlp_params()  # B=8, D=4, H=8: local x (4, 4), w1/w2 shards (4, 4)
 
     def step(p, x):
-        gp, gx = torch.func.grad(lambda p, x: C.mlp_local(p, x).pow(2).mean(), argnums=(0, 1))(p, x)
-        return {k: fs.psum(v, "data") for k, v in gp.items()}, gx
+        return torch.func.grad(lambda p, x: C.mlp_local(p, x).pow(2).mean(), argnums=(0, 1))(p, x)
 
     sm = fs.shard_map(step, mesh=mesh, in_specs=(C.MLP_SPECS, P("data")),
                       out_specs=(C.MLP_SPECS, P("data")))
@@ -86,11 +86,11 @@ def test_megatron_manifest():
     expected = [
         ("forward", "pvary", "tensor", (4, 4), 0),
         ("forward", "psum", "tensor", (4, 4), ring(16)),
-        ("backward", "psum", "tensor", (4, 4), ring(16)),
-        ("forward", "psum", "data", (4, 4), ring(16)),  # w1 shard (D, H/tp)
-        ("forward", "psum", "data", (4,), ring(4)),  # b1 shard
-        ("forward", "psum", "data", (4, 4), ring(16)),  # w2 shard (H/tp, D)
-        ("forward", "psum", "data", (4,), ring(4)),  # b2
+        ("backward", "psum", "data", (4,), ring(4)),  # b2
+        ("backward", "psum", "data", (4, 4), ring(16)),  # w2 shard (H/tp, D)
+        ("backward", "psum", "data", (4,), ring(4)),  # b1 shard
+        ("backward", "psum", "data", (4, 4), ring(16)),  # w1 shard (D, H/tp)
+        ("backward", "psum", "tensor", (4, 4), ring(16)),  # x: pvary's transpose
     ]
     assert [(e.phase, e.op, e.axis, e.shape, e.bytes_sent) for e in m] == expected
     assert m.by_axis() == {"tensor": 2 * ring(16), "data": 2 * ring(16) + 2 * ring(4)}

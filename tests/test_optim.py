@@ -372,8 +372,12 @@ def test_norms_and_lamb_inside_shard_map_equal_unsharded():
     got = clip_and_lamb_sharded(mesh, SHARD_SPECS, params, grads)
     want = clip_and_lamb_unsharded(params, grads)
     torch.testing.assert_close(got, want, **TOL)
-    # Without specs each shard sees only its local norm: the check has teeth.
-    bad = fs.shard_map(lambda g: fo.global_norm(g), mesh=mesh, in_specs=(SHARD_SPECS,), out_specs=P())
+    # Without specs each shard sees only its local norm: a value that varies over the
+    # mesh, which out_specs=P() refuses; unchecked, it is a different number.
+    with pytest.raises(ValueError, match=r"varies over \['data', 'tensor'\]"):
+        fs.shard_map(lambda g: fo.global_norm(g), mesh=mesh, in_specs=(SHARD_SPECS,), out_specs=P())(grads)
+    bad = fs.shard_map(lambda g: fo.global_norm(g), mesh=mesh, in_specs=(SHARD_SPECS,), out_specs=P(),
+                       check_vma=False)
     assert not torch.allclose(bad(grads), want[0])
 
 

@@ -26,7 +26,8 @@ def _collectives(n: int) -> dict:
     import torch.distributed as dist
 
     import fsharded as fs
-    from fsharded import _shm, distributed
+    from fsharded import distributed
+    from fsharded.comm import _shm
 
     world, rank = dist.get_world_size(), dist.get_rank()
     # 10 kB slots: every op takes many rounds. Group rank 0's size holds for all (the
@@ -97,7 +98,8 @@ def _switched_off() -> bool:
     import torch.distributed as dist
 
     import fsharded as fs
-    from fsharded import _shm, distributed
+    from fsharded import distributed
+    from fsharded.comm import _shm
 
     g = distributed.axis_group(fs.Mesh({"data": dist.get_world_size()}), ("data",))
     return _shm.comm_for(torch.zeros(1), g) is None
@@ -112,7 +114,8 @@ def _one_rank_missing() -> str:
     import torch.distributed as dist
 
     import fsharded as fs
-    from fsharded import _shm, distributed
+    from fsharded import distributed
+    from fsharded.comm import _shm
 
     os.environ["FSHARDED_SHM_TIMEOUT"] = "2"
     g = distributed.axis_group(fs.Mesh({"data": 2}), ("data",))
@@ -144,7 +147,8 @@ def _different_collectives() -> list[str]:
     import torch.distributed as dist
 
     import fsharded as fs
-    from fsharded import _shm, distributed
+    from fsharded import distributed
+    from fsharded.comm import _shm
 
     g = distributed.axis_group(fs.Mesh({"data": 2}), ("data",))
     # rank 0 reduces 2000 elements, rank 1 1000: a program bug, caught on both ranks

@@ -97,7 +97,7 @@ def _part(b: int, n: int) -> int:
 
 
 # op -> (argument holding what this rank contributes, bytes one rank sends for it). The
-# ring formulas of fsharded/_manifest.py; rooted ops (broadcast, reduce, gather, scatter)
+# ring formulas of fsharded/spmd/_prims.py; rooted ops (broadcast, reduce, gather, scatter)
 # are charged their per-rank average, (n - 1)/n of the tensor.
 _COUNTED: dict[str, tuple[str, Callable[[int, int], int]]] = {
     "all_reduce": ("tensor", _ar),
@@ -149,7 +149,7 @@ class ByteCounter:
             for mod in (dist, c10d):
                 if getattr(mod, name, None) is orig:
                     setattr(mod, name, wrapped)
-        from fsharded import _shm
+        from fsharded.comm import _shm
 
         _shm.set_observer(self._note)  # fsharded's same-host shared-memory collectives
 

@@ -179,9 +179,13 @@ def _dp(n: int, batch: int) -> Step:
 
 
 def _dp_inner(n: int, batch: int) -> Step:
-    """Data parallel with ``torch.func.grad_and_value`` inside the body, grads ``psum``'d."""
+    """Data parallel with ``torch.func.grad_and_value`` inside the body, grads ``psum``'d
+    (the weights marked varying over data first, as train_step does, so each shard's
+    gradient is its own and one psum per gradient sums them)."""
 
     def local(x, w1, w2):
+        w1, w2 = fs.pvary(w1, "data"), fs.pvary(w2, "data")
+
         def loss(w1, w2):
             return _mlp(x, w1, w2).pow(2).sum() / batch
 
@@ -336,7 +340,7 @@ def collective_rank(cases: Sequence[tuple[str, int, int]], rounds: int) -> tuple
     """Runs on each gloo rank (via ``fsharded.testing.run_on_ranks``): for every
     ``(op, bytes, iters)`` the per-round seconds per call of ours and of the peer, and
     whether ours went over the same-host shared-memory transport."""
-    from fsharded import _shm
+    from fsharded.comm import _shm
 
     samples = _time_cases(cases, rounds)
     return samples, _shm.in_use()

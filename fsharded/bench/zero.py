@@ -30,7 +30,7 @@ in the same two processes, the order rotating each round), the bytes each rank s
 step, and the peak RSS per rank (each framework and stage in fresh processes of its own,
 since ``ru_maxrss`` is a per-process high-water mark). Bytes are counted the same way for
 every framework: ``torch.distributed``'s collectives are wrapped (before DeepSpeed is
-imported) and each call is charged the ring-algorithm bytes of ``fsharded/_manifest.py``;
+imported) and each call is charged the ring-algorithm bytes of ``fsharded/spmd/_prims.py``;
 ours are also read from ``step.collectives(state, batch)`` and checked to agree. Every
 framework's losses are printed next to ours: same init and data, so in fp32 they agree to
 ~1e-6 at the first step and stay close.
@@ -325,7 +325,7 @@ def time_worker(job: Job) -> dict:
         out["stages"][stage] = {"times": times, "losses": losses, "sent": sent,
                                 "manifest_bytes": manifest}
         del runners
-    from fsharded import _shm
+    from fsharded.comm import _shm
 
     out["shm"] = _shm.in_use()
     return out
@@ -441,7 +441,7 @@ def build_sections(job: Job, timing: list[dict], memory: dict, size: str,
         notes.append(
             "ours: step.collectives(state, batch).total_bytes(); the peer: torch.distributed's "
             "collectives wrapped and each call charged the same ring bytes as "
-            "fsharded/_manifest.py (all-reduce 2(n-1)/n x tensor, all-gather (n-1) x shard, "
+            "fsharded/spmd/_prims.py (all-reduce 2(n-1)/n x tensor, all-gather (n-1) x shard, "
             "reduce-scatter (n-1)/n x input, broadcast (n-1)/n x tensor), mean over ranks and "
             f"over {job.counted} steps after {job.warmup} warm-up steps; ours counted that way "
             "too gives the manifest's bytes (per-op breakdowns above are those counts)")

@@ -304,7 +304,7 @@ def cross_entropy_reference(
     if axis is not None:
         from fsharded import collectives as C
 
-        logits = C.all_gather(logits, axis, dim=-1)
+        logits = C.all_gather_invariant(logits, axis, dim=-1)  # every shard: the whole row
     x = logits.to(_stat_dtype(logits.dtype))
     V = x.shape[-1]
     valid = targets != ignore_index

@@ -280,12 +280,15 @@ def quantized_all_gather(
     block_size: int = 256,
     dim: int = 0,
     impl: str | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """``all_gather(x, axis, dim=dim)`` (tiled) sending int8 blocks and fp32 scales.
 
     Inside ``shard_map`` only. Each shard quantizes its own ``x`` (blocks over its
     flattened elements), so every gathered element is within its block's ``scale / 2`` of
     the exact gather (module docstring). Returns ``x``'s dtype. Not differentiable.
+    ``invariant=True``: the result is typed invariant over ``axis``, as
+    ``all_gather_invariant``'s (every shard dequantizes the same bytes).
     """
     from fsharded import collectives as C
 
@@ -301,7 +304,8 @@ def quantized_all_gather(
     d = dim % x.dim()
     kind = _dispatch.choose("quantize_int8", x, impl=impl)
     q, s = _quant_op(x.reshape(1, -1), block_size, kind)  # (1, L) int8, (1, nb) fp32
-    q, s = C.all_gather(q, axis), C.all_gather(s, axis)  # (n, L), (n, nb): shard order
+    gather = C.all_gather_invariant if invariant else C.all_gather
+    q, s = gather(q, axis), gather(s, axis)  # (n, L), (n, nb): shard order
     y = _dequant_op(q, s, x.numel(), block_size, x.dtype, kind)  # (n, numel)
     return y.view(n, *x.shape).movedim(0, d).flatten(d, d + 1)
 

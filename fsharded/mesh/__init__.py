@@ -1,7 +1,9 @@
-"""Meshes, partition specs and moving tensors between global and sharded form."""
+"""Meshes and partition specs: values only (no process groups, no communication).
+
+``shard``/``unshard``/``to_dtensor``/``from_dtensor`` live in ``fsharded.spmd`` (and
+at the top level, ``fsharded.shard``...)."""
 
 from fsharded.mesh._mesh import Mesh
-from fsharded.mesh._shard import from_dtensor, shard, to_dtensor, unshard
 from fsharded.mesh._spec import NamedSharding, P, PartitionSpec
 
 __all__ = [
@@ -9,8 +11,4 @@ __all__ = [
     "PartitionSpec",
     "P",
     "NamedSharding",
-    "shard",
-    "unshard",
-    "to_dtensor",
-    "from_dtensor",
 ]

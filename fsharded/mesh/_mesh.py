@@ -120,9 +120,11 @@ class Mesh:
             dict(zip(names, (int(s) for s in device_mesh.mesh.shape))),
             device_type=device_mesh.device_type,
         )
-        from fsharded import distributed
+        # DeviceMesh interop is the transport's business; the mesh value itself holds no
+        # process groups, so the transport is imported only when asked for.
+        from fsharded import comm
 
-        distributed.remember_device_mesh(mesh, device_mesh)
+        comm.remember_device_mesh(mesh, device_mesh)
         return mesh
 
     def to_torch(self, device_type: str | None = None) -> Any:
@@ -131,6 +133,6 @@ class Mesh:
         Created once per (mesh, device type) and reused; the mesh size must equal the
         world size.
         """
-        from fsharded.distributed import device_mesh
+        from fsharded import comm
 
-        return device_mesh(self, device_type=device_type)
+        return comm.device_mesh(self, device_type=device_type)

@@ -46,9 +46,9 @@ import torch
 import torch.nn.functional as F
 
 from fsharded._tree import rules
-from fsharded.collectives import is_bound, psum, pvary
 from fsharded.mesh import P
 from fsharded.models._gpt_config import GPTConfig
+from fsharded.spmd.collectives import is_bound, psum, pvary
 
 __all__ = [
     "GPTConfig",

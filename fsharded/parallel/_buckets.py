@@ -12,9 +12,16 @@ import math
 
 import torch
 
-from fsharded.collectives import all_gather, axis_index, is_bound, pmean, pmean_owned, psum_scatter
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, _entry_axes
+from fsharded.spmd.collectives import (
+    all_gather,
+    axis_index,
+    is_bound,
+    pmean,
+    pmean_owned,
+    psum_scatter,
+)
 
 __all__ = ["buckets", "split_dim", "gather_leaves", "reduce_leaves", "slice_leaves"]
 
@@ -71,9 +78,11 @@ def gather_leaves(leaves: list, from_specs: list, to_specs: list, axis: str, mes
             todo.append((i, d))
     if not todo or n == 1 or not is_bound(axis):
         return out
-    groups: dict[torch.dtype, list[tuple[int, int]]] = {}
+    # One bucket holds leaves of one dtype and one set of sharded axes: concatenating
+    # leaves that vary over different axes would make every piece vary over all of them.
+    groups: dict[tuple, list[tuple[int, int]]] = {}
     for i, d in todo:
-        groups.setdefault(leaves[i].dtype, []).append((i, d))
+        groups.setdefault((leaves[i].dtype, frozenset(from_specs[i].axes)), []).append((i, d))
     for items in groups.values():
         dims = dict(items)
         for b in buckets([i for i, _ in items], [leaves[i].numel() for i, _ in items], cap):
@@ -110,15 +119,16 @@ def reduce_leaves(grads: list, param_specs: list, grad_specs: list, batch_axes: 
         if extra:
             a = extra[0]
             d = split_dim(gs, ps, a)
-            scatter.setdefault((a, tuple(x for x in rest if x != a), g.dtype), []).append((i, d))
-        elif rest:
-            allreduce.setdefault((rest, g.dtype), []).append(i)
-    for (over, _), idx in allreduce.items():
+            scatter.setdefault((a, tuple(x for x in rest if x != a), g.dtype, frozenset(ps.axes)),
+                               []).append((i, d))
+        elif rest:  # buckets by dtype and by the axes the leaf varies over (see gather_leaves)
+            allreduce.setdefault((rest, g.dtype, frozenset(ps.axes)), []).append(i)
+    for (over, _, _), idx in allreduce.items():
         for b in buckets(idx, [grads[i].numel() for i in idx], cap):
             flat = pmean_owned(torch.cat([out[i].reshape(-1) for i in b]), over)
             for i, piece in zip(b, flat.split([grads[i].numel() for i in b])):
                 out[i] = piece.view(grads[i].shape)
-    for (a, others, _), items in scatter.items():
+    for (a, others, _, _), items in scatter.items():
         n = mesh.shape[a]
         dims = dict(items)
         for b in buckets([i for i, _ in items], [grads[i].numel() for i, _ in items], cap):
@@ -156,7 +166,8 @@ class PendingGather:
     gives the gathered leaves. Not differentiable: for forward passes under no_grad."""
 
     def __init__(self, leaves: list, from_specs: list, to_specs: list, axis: str, mesh: Mesh) -> None:
-        from fsharded import _shm, distributed
+        from fsharded import comm
+        from fsharded.comm import _shm
 
         self.leaves, self.n = [x.detach() for x in leaves], mesh.shape[axis]
         leaves = self.leaves
@@ -167,7 +178,7 @@ class PendingGather:
         self.work = None
         if not moving:
             return
-        g = distributed.axis_group(mesh, (axis,))
+        g = comm.axis_group(mesh, (axis,))
         with torch.no_grad():
             flat = torch.cat([leaves[i].movedim(self.dims[i], 0).reshape(-1) for i in moving])
             out = flat.new_empty(self.n * flat.numel())

@@ -48,9 +48,10 @@ def track_pending(gather: Any) -> None:
 
 
 def _reduce_scatter_async(rows: torch.Tensor, axis: str, mesh: Mesh, pending: list) -> torch.Tensor:
-    from fsharded import _shm, distributed
+    from fsharded import comm
+    from fsharded.comm import _shm
 
-    g = distributed.axis_group(mesh, (axis,))
+    g = comm.axis_group(mesh, (axis,))
     flat = rows.contiguous().reshape(-1)
     out = flat.new_empty(rows.shape[1])
     pending.append((_shm.reduce_scatter_into(out, flat, g, async_op=True), flat))
@@ -74,7 +75,7 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        from fsharded.collectives import psum_scatter
+        from fsharded.spmd.collectives import psum_scatter
 
         m_specs, u_specs, axis, mesh, cap = ctx.info
         if ctx.cache is not None:  # the block's backward is over: drop its re-gathered weights

@@ -32,11 +32,11 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, outdir: str, ar
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from fsharded import distributed
+    from fsharded import comm
 
     path = os.path.join(outdir, f"rank{rank}.pt")
     try:
-        distributed.initialize("gloo", timeout_s=120)
+        comm.initialize("gloo", timeout_s=120)
         result = fn(*args, **kwargs)
         torch.save({"ok": True, "result": result}, path)
     except BaseException as e:  # report every rank's failure to the parent

@@ -29,6 +29,8 @@ class AxisFrame:
     tokens: dict[str, torch.Tensor] = field(default_factory=dict)
     # distributed: this rank's mesh coordinates.
     coords: dict[str, int] = field(default_factory=dict)
+    # The varying-axes table of this body (a ``_vma.VmaMode``), or None when untyped.
+    vma: Any = None
 
 
 @dataclass(frozen=True, eq=False)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fsharded.config import (
+from fsharded.config._train import (
     _DTYPES,
     _NONNEG,
     _OPTIMIZER_EXTRAS,

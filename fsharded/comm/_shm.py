@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from fsharded.comm import _groups
+
 __all__ = ["all_reduce_", "all_gather_into", "reduce_scatter_into", "all_to_all_into",
            "comm_for", "enabled", "in_use",
            "set_observer", "Done"]
@@ -91,9 +93,7 @@ def _timeout(g: Any) -> float:
     try:
         return g.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     except Exception:  # noqa: BLE001 - private API; fall back to initialize's timeout
-        from fsharded import distributed
-
-        return distributed.TIMEOUT_S
+        return _groups.timeout_s()
 
 
 def _slot_bytes(world: int) -> int:

@@ -15,15 +15,12 @@ from typing import Any
 import optree
 import torch
 
-from fsharded import _env, _manifest, _tree
+from fsharded import _tree
+from fsharded.mesh._layout import check_tree
 from fsharded.mesh._mesh import Mesh
-from fsharded.mesh._shard import (
-    _backend,
-    check_tree,
-    from_stacked,
-    to_stacked,
-)
-from fsharded.mesh._spec import PartitionSpec
+from fsharded.mesh._spec import PartitionSpec, format_spec_errors
+from fsharded.spmd import _distributed, _manifest, _virtual
+from fsharded.spmd._transfer import backend_for
 
 __all__ = ["shard_map", "ShardMapped"]
 
@@ -35,7 +32,8 @@ def shard_map(
     mesh: Mesh,
     in_specs: Any,
     out_specs: Any,
-    check_rep: bool = False,
+    check_vma: bool = True,
+    check_rep: bool | None = None,
     backend: str | None = None,
     randomness: str = "error",
 ) -> ShardMapped:
@@ -45,9 +43,15 @@ def shard_map(
     a single spec is accepted when ``f`` takes one argument. Each tensor argument is
     split by its spec; ``f`` runs once per device on its shard and may call the
     collectives (``psum``, ``all_gather``, ...) over the mesh axes. Outputs are
-    reassembled into global tensors by ``out_specs``; an output replicated over an axis
-    (its spec does not name it) takes the value of shard 0 along that axis, and with
-    ``check_rep=True`` every replica is checked to be equal.
+    reassembled into global tensors by ``out_specs``.
+
+    Every value in ``f`` has a type: the mesh axes it varies over (JAX's varying manual
+    axes; see ``fsharded.spmd._vma``). ``check_vma=True`` (the default, as in JAX) makes an
+    out_spec that leaves out an axis its output varies over a ``ValueError`` at the call,
+    naming the output; ``check_vma=False`` takes shard 0's value along such axes
+    unchecked. An output invariant over an axis its out_spec names is the same on every
+    shard along it (its gradient sums the shards' cotangents). ``check_rep`` is accepted
+    as the old name of ``check_vma``.
 
     ``backend``: ``"virtual"`` (nested ``torch.func.vmap``, one level per mesh axis, in
     one process) or ``"distributed"`` (one rank per device, under ``torchrun``). By
@@ -56,16 +60,23 @@ def shard_map(
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"shard_map: mesh must be a fsharded.Mesh, got {type(mesh).__name__}")
-    return ShardMapped(f, mesh, in_specs, out_specs, check_rep, backend, randomness)
+    if check_rep is not None:
+        if check_vma is not True and bool(check_rep) != bool(check_vma):
+            raise ValueError(
+                f"shard_map: check_rep={check_rep!r} and check_vma={check_vma!r} disagree; "
+                f"check_rep is the old name of check_vma: pass only check_vma"
+            )
+        check_vma = bool(check_rep)
+    return ShardMapped(f, mesh, in_specs, out_specs, bool(check_vma), backend, randomness)
 
 
 class ShardMapped:
     """The callable returned by ``shard_map``; ``.collectives(*args)`` gives its manifest."""
 
-    def __init__(self, f, mesh, in_specs, out_specs, check_rep, backend, randomness):
+    def __init__(self, f, mesh, in_specs, out_specs, check_vma, backend, randomness):
         self.f, self.mesh = f, mesh
         self.in_specs, self.out_specs = in_specs, out_specs
-        self.check_rep, self.backend, self.randomness = check_rep, backend, randomness
+        self.check_vma, self.backend, self.randomness = check_vma, backend, randomness
         self._cache: dict = {}
         functools.update_wrapper(self, f)
 
@@ -123,13 +134,15 @@ class ShardMapped:
 
     # -- call -----------------------------------------------------------------------------
 
-    def __call__(self, *args: Any) -> Any:
-        backend = _backend(self.mesh, self.backend)
-        if backend == "virtual":
-            return self._virtual(args)
-        from fsharded import _dist_map
+    @property
+    def check_rep(self) -> bool:
+        """The old name of ``check_vma``."""
+        return self.check_vma
 
-        return _dist_map.call(self, args)
+    def __call__(self, *args: Any) -> Any:
+        if backend_for(self.mesh, self.backend) == "virtual":
+            return _virtual.call(self, args)
+        return _distributed.call(self, args)
 
     def local(self, *args: Any) -> Any:
         """Call with this rank's shards and get this rank's shards back.
@@ -139,12 +152,9 @@ class ShardMapped:
         left as shards. Step functions keep their state this way. On the virtual mesh the
         whole mesh lives in one process, so this is the same as calling with global values.
         """
-        backend = _backend(self.mesh, self.backend)
-        if backend == "virtual":
-            return self._virtual(args)
-        from fsharded import _dist_map
-
-        return _dist_map.call(self, args, local=True)
+        if backend_for(self.mesh, self.backend) == "virtual":
+            return _virtual.call(self, args)
+        return _distributed.call(self, args, local=True)
 
     def collectives(self, *args: Any) -> _manifest.Manifest:
         """The collectives one call runs, in order, without running them.
@@ -161,72 +171,8 @@ class ShardMapped:
             args,
         )
         with _manifest.recording() as entries:
-            self._virtual(meta, check=False)
+            _virtual.call(self, meta)
         return _manifest.Manifest(entries)
-
-    def _virtual(self, args: tuple, *, check: bool = True) -> Any:
-        mesh = self.mesh
-        names = mesh.axis_names
-        if mesh.size == 1:
-            return self._single(args)
-        leaves, specs, treedef, _ = self._flat_in(args)
-        is_t = [isinstance(x, torch.Tensor) for x in leaves]
-        stacked = [to_stacked(x, s, mesh) if t else x for x, s, t in zip(leaves, specs, is_t)]
-        dev = next((x.device for x, t in zip(leaves, is_t) if t), torch.device("cpu"))
-        tokens = [torch.arange(n, device=dev) for n in mesh.axis_sizes]
-        out_info: dict[str, Any] = {}
-
-        def body(tok_list, flat):
-            frame = _env.AxisFrame(mesh, "virtual", tokens=dict(zip(names, tok_list)))
-            with _env.enter(frame):
-                out = self.f(*optree.tree_unflatten(treedef, list(flat)))
-                o_leaves, o_specs, o_def, o_paths = self._flat_out(out)
-                res, flags = [], []
-                for y, s in zip(o_leaves, o_specs):
-                    named = set(s.axes)
-                    # A plain tensor is batched at no level: replicated everywhere already.
-                    varying = torch._C._functorch.is_batchedtensor(y)
-                    for a in names:
-                        if a not in named:
-                            if self.check_rep and check:
-                                flags.append(_differs(y, frame, a))
-                            if varying:
-                                y = _take_replica(y, frame, a)
-                    res.append(y)
-            out_info.update(o_def=o_def, o_specs=o_specs, o_paths=o_paths)
-            return res, flags
-
-        # One vmap level per mesh axis, the first axis outermost. Every output comes back
-        # with a leading dim per axis (vmap broadcasts values that do not vary along it).
-        fn = body
-        for i in reversed(range(len(names))):
-            tok_dims = [0 if j == i else None for j in range(len(names))]
-            arg_dims = [0 if t and names[i] in s.axes else None for s, t in zip(specs, is_t)]
-            fn = torch.func.vmap(
-                fn, in_dims=(tok_dims, arg_dims), out_dims=0, randomness=self.randomness
-            )
-        res, flags = fn(tokens, stacked)
-        if flags:
-            _raise_if_differs(flags, out_info, names)
-        outs = []
-        for y, s in zip(res, out_info["o_specs"]):
-            named = set(s.axes)
-            # Drop the (broadcast) dims of axes the output is replicated over.
-            for k in reversed(range(len(names))):
-                if names[k] not in named:
-                    y = y.select(k, 0)
-            outs.append(from_stacked(y, s, mesh))
-        return optree.tree_unflatten(out_info["o_def"], outs)
-
-
-    def _single(self, args: tuple) -> Any:
-        """A one-device mesh: every collective is the identity, so skip vmap altogether."""
-        self._flat_in(args)
-        zeros = {a: torch.zeros((), dtype=torch.int64) for a in self.mesh.axis_names}
-        with _env.enter(_env.AxisFrame(self.mesh, "virtual", tokens=zeros)):
-            out = self.f(*args)
-            self._flat_out(out)
-        return out
 
 
 def _signature(leaves: list) -> tuple:
@@ -260,8 +206,6 @@ def check_tree_local(leaves, specs, paths, mesh, what) -> None:
         if errs:
             bad.append((path, s, tuple(getattr(y, "shape", ())), errs))
     if bad:
-        from fsharded.mesh._spec import format_spec_errors
-
         raise ValueError(f"{what}: " + format_spec_errors(bad, mesh))
 
 
@@ -274,54 +218,3 @@ def _spec_axis_errors(spec, mesh):
             errs.append(f"axis {a!r} is used twice")
         seen.add(a)
     return errs
-
-
-def _take_replica(y, frame, axis):
-    from fsharded._env import Axes
-    from fsharded.collectives import _REPLICA, _Collective
-
-    axes = Axes((axis,), (frame.mesh.shape[axis],), frame)
-    return _Collective.apply(_REPLICA, (), axes, y, frame.tokens[axis])
-
-
-def _differs(y, frame, axis):
-    from fsharded.collectives import pmax
-
-    r = _take_replica(y.detach(), frame, axis)
-    d = (y.detach() != r) & ~(y.detach().isnan() & r.isnan())
-    return pmax(d.any().to(torch.float32), axis)
-
-
-def _raise_if_differs(flags, out_info, names):
-    """``flags`` are per-(leaf, dropped axis) 0/1 tensors, already max-reduced over the axis."""
-    msgs = []
-    i = 0
-    for path, s in zip(out_info["o_paths"], out_info["o_specs"]):
-        for a in names:
-            if a not in set(s.axes):
-                if bool(flags[i].detach().max() > 0):
-                    msgs.append(
-                        f"  {path}: out_specs {s!r} declare it replicated over {a!r}, but its "
-                        f"value differs between shards along {a!r}; add {a!r} to its spec, or "
-                        f"reduce it first (psum / pmean / all_gather over {a!r})"
-                    )
-                i += 1
-    if msgs:
-        raise ValueError("shard_map(check_rep=True): outputs are not replicated:\n" + "\n".join(msgs))
-
-
-def _differs_local(y, frame, axis):
-    """Distributed check_rep: 1.0 where any element differs between shards along ``axis``."""
-    from fsharded import distributed
-    from fsharded.collectives import PMAX
-
-    g = distributed.axis_group(frame.mesh, (axis,))
-    v = y.detach()
-    if v.dtype == torch.bool:
-        v = v.to(torch.int32)
-    hi = PMAX.dist(v, g, ())
-    lo = -PMAX.dist(-v, g, ())
-    d = (hi != lo) & ~(hi.isnan() | lo.isnan()) if v.is_floating_point() else hi != lo
-    nan_mix = (v.isnan().to(torch.int32) if v.is_floating_point() else torch.zeros_like(v, dtype=torch.int32))
-    nm = PMAX.dist(nan_mix, g, ()) - (-PMAX.dist(-nan_mix, g, ()))
-    return (d.any() | (nm != 0).any()).to(torch.float32)

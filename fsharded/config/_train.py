@@ -45,8 +45,8 @@ __all__ = [
     "SchedulerConfig",
     "LossScaleConfig",
     "ConfigWarning",
-    "from_deepspeed",
     "load_config",
+    "read_file",
     "apply_overrides",
     "parse_overrides",
     "OPTIMIZERS",
@@ -567,6 +567,12 @@ def _read_json(path: Path) -> dict:
         return json.load(f, object_pairs_hook=_no_duplicates)
 
 
+def read_file(path: str | Path) -> dict:
+    """The raw mapping a ``.toml`` or ``.json`` config file holds (no validation)."""
+    p = Path(path)
+    return _read_toml(p) if p.suffix.lower() == ".toml" else _read_json(p)
+
+
 def load_config(path: str | Path, *, overrides: Mapping[str, Any] | Iterable[str] = ()) -> TrainConfig:
     """Read a ``TrainConfig`` from a ``.toml`` or ``.json`` file of its fields, nested.
 
@@ -722,11 +728,3 @@ def apply_overrides(cfg: TrainConfig, overrides: Mapping[str, Any] | Iterable[st
 
 def _deepcopy_dict(d: dict) -> dict:
     return {k: _deepcopy_dict(v) if isinstance(v, dict) else v for k, v in d.items()}
-
-
-# The DeepSpeed reader lives in fsharded/_deepspeed_config.py and is re-exported here.
-# It imports config's validation helpers and dataclasses at its top, so the dependency
-# runs one way (_deepspeed_config -> config); this import sits at the bottom, after every
-# name it needs is defined, and fsharded/__init__ imports config first, so the pair loads
-# cleanly whichever module is imported first.
-from fsharded._deepspeed_config import from_deepspeed  # noqa: E402

@@ -1,0 +1,131 @@
+"""The eager and traceable collective calls under fsharded's collectives, per axis group.
+
+Under ``make_fx`` / fake tensors the functional (traceable) c10d ops are used; in eager
+mode the same-host shared-memory transport (``_shm``) where a group uses it, else
+torch.distributed's own calls. Every function returns a new tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+from fsharded.comm import _shm
+
+__all__ = ["tracing", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv",
+           "all_gather_dim", "reduce_scatter_dim", "all_to_all_dims"]
+
+
+def tracing() -> bool:
+    """Under make_fx / fake tensors the functional (traceable) collectives are used;
+    in eager mode the c10d calls, which skip a dispatcher round trip and a copy."""
+    return is_in_torch_dispatch_mode() or torch.compiler.is_compiling()
+
+
+def all_reduce(x: torch.Tensor, op: str, g: Any) -> torch.Tensor:
+    if tracing():
+        fc = torch.ops._c10d_functional
+        return fc.wait_tensor(fc.all_reduce(x.contiguous(), op, g.group_name))
+    y = x.clone(memory_format=torch.contiguous_format)
+    _shm.all_reduce_(y, op, g)
+    return y
+
+
+def all_gather(x: torch.Tensor, g: Any) -> torch.Tensor:
+    """(s, ...) -> (n * s, ...) in group-rank order."""
+    if tracing():
+        fc = torch.ops._c10d_functional
+        return fc.wait_tensor(fc.all_gather_into_tensor(x.contiguous(), g.size, g.group_name))
+    out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
+    _shm.all_gather_into(out, x.contiguous(), g)
+    return out
+
+
+def reduce_scatter(x: torch.Tensor, g: Any) -> torch.Tensor:
+    """(n * c, ...) -> (c, ...), summed, chunk = group rank."""
+    if tracing():
+        fc = torch.ops._c10d_functional
+        return fc.wait_tensor(fc.reduce_scatter_tensor(x.contiguous(), "sum", g.size, g.group_name))
+    out = x.new_empty((x.shape[0] // g.size, *x.shape[1:]))
+    _shm.reduce_scatter_into(out, x.contiguous(), g)
+    return out
+
+
+def all_to_all(x: torch.Tensor, g: Any) -> torch.Tensor:
+    """(n * c, ...) -> (n * c, ...): chunk i goes to group rank i."""
+    if tracing():
+        fc = torch.ops._c10d_functional
+        splits = [x.shape[0] // g.size] * g.size
+        return fc.wait_tensor(fc.all_to_all_single(x.contiguous(), splits, splits, g.group_name))
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _shm.all_to_all_into(out, x.contiguous(), g)
+    return out
+
+
+def send_recv(x: torch.Tensor, g: Any, perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """Point-to-point exchange along ``perm`` (``(src, dst)`` axis positions); positions
+    that receive nothing get zeros."""
+    xs = x.contiguous()
+    out = torch.zeros_like(xs)
+    ops = []
+    for s, d in perm:
+        if s == g.index:
+            ops.append(dist.P2POp(dist.isend, xs, g.ranks[d], group=g.group))
+        if d == g.index:
+            ops.append(dist.P2POp(dist.irecv, out, g.ranks[s], group=g.group))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    return out
+
+
+def _inverse(order: Sequence[int]) -> list[int]:
+    inv = [0] * len(order)
+    for i, r in enumerate(order):
+        inv[r] = i
+    return inv
+
+
+def all_gather_dim(x: torch.Tensor, g: Any, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in the group's axis order."""
+    if dim == 0 and g.identity_order:
+        return all_gather(x, g)
+    xs = x.movedim(dim, 0).contiguous()  # (s, rest...)
+    out = all_gather(xs, g).view(g.size, *xs.shape)  # (n, s, rest...) in group-rank order
+    if not g.identity_order:
+        out = out[list(g.to_group)]
+    return out.movedim((0, 1), (dim, dim + 1)).flatten(dim, dim + 1)
+
+
+def reduce_scatter_dim(x: torch.Tensor, g: Any, dim: int) -> torch.Tensor:
+    """Sum over the group and keep this rank's chunk (its axis position) of ``dim``."""
+    if dim == 0 and g.identity_order:
+        return reduce_scatter(x, g)
+    xs = x.movedim(dim, 0)
+    xs = xs.unflatten(0, (g.size, xs.shape[0] // g.size))  # (n, c, rest...)
+    if not g.identity_order:
+        xs = xs[_inverse(g.to_group)]
+    return reduce_scatter(xs.flatten(0, 1).contiguous(), g).movedim(0, dim)
+
+
+def all_to_all_dims(x: torch.Tensor, g: Any, split: int, concat: int) -> torch.Tensor:
+    """Chunk ``i`` of ``split`` goes to axis position ``i``; received chunks are
+    concatenated along ``concat`` in axis order."""
+    if split == 0 and concat == 0 and g.identity_order:
+        return all_to_all(x, g)
+    xs = x.movedim(split, 0)
+    xs = xs.unflatten(0, (g.size, xs.shape[0] // g.size))  # (n_dst, c, ...)
+    if not g.identity_order:
+        xs = xs[_inverse(g.to_group)]
+    chunk_shape = xs.shape[1:]
+    flat = xs.reshape(-1, *chunk_shape[1:]).contiguous()
+    out = all_to_all(flat, g).view(g.size, *chunk_shape)  # (n_src in group order, c, ...)
+    if not g.identity_order:
+        out = out[list(g.to_group)]
+    out = out.movedim(1, split + 1)  # (n_src, per-shard dims with split size c)
+    out = out.movedim(0, concat)
+    return out.flatten(concat, concat + 1)

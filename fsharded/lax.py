@@ -1,0 +1,95 @@
+"""JAX's collective signatures, so code written for ``jax.lax`` ports by changing the import.
+
+>>> from fsharded import lax           # instead of: from jax import lax
+>>> y = lax.all_gather(x, "i", axis=0, tiled=True)
+
+The same primitives as ``fsharded.psum`` and friends (same transposes and varying-axes
+rules), with JAX's argument names and defaults: ``all_gather``, ``psum_scatter`` and
+``all_to_all`` are untiled unless ``tiled=True``. ``axis_index_groups`` is not supported
+(a ``NotImplementedError``); map over a sub-mesh axis instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fsharded.spmd import collectives as _c
+
+__all__ = ["psum", "pmean", "pmax", "pmin", "pvary", "pcast", "all_gather", "all_gather_invariant",
+           "psum_scatter", "all_to_all", "ppermute", "axis_index", "axis_size"]
+
+
+def _no_groups(op: str, groups: Any) -> None:
+    if groups is not None:
+        raise NotImplementedError(
+            f"fsharded.lax.{op}: axis_index_groups is not supported; give the groups their own "
+            f"mesh axis (e.g. Mesh({{'outer': k, 'inner': n // k}})) and reduce over it"
+        )
+
+
+def psum(x: Any, axis_name: Any, *, axis_index_groups: Any = None) -> Any:
+    _no_groups("psum", axis_index_groups)
+    return _c.psum(x, axis_name)
+
+
+def pmean(x: Any, axis_name: Any, *, axis_index_groups: Any = None) -> Any:
+    _no_groups("pmean", axis_index_groups)
+    return _c.pmean(x, axis_name)
+
+
+def pmax(x: Any, axis_name: Any, *, axis_index_groups: Any = None) -> Any:
+    _no_groups("pmax", axis_index_groups)
+    return _c.pmax(x, axis_name)
+
+
+def pmin(x: Any, axis_name: Any, *, axis_index_groups: Any = None) -> Any:
+    _no_groups("pmin", axis_index_groups)
+    return _c.pmin(x, axis_name)
+
+
+def pvary(x: Any, axis_name: Any) -> Any:
+    return _c.pvary(x, axis_name)
+
+
+def pcast(x: Any, axis_name: Any, *, to: str) -> Any:
+    """``to="varying"``: ``pvary``. Other targets are not types fsharded has."""
+    if to != "varying":
+        raise NotImplementedError(f"fsharded.lax.pcast: to={to!r}; only to='varying' is supported")
+    return _c.pvary(x, axis_name)
+
+
+def all_gather(x: Any, axis_name: Any, *, axis_index_groups: Any = None, axis: int = 0,
+               tiled: bool = False) -> Any:
+    _no_groups("all_gather", axis_index_groups)
+    return _c.all_gather(x, axis_name, dim=axis, tiled=tiled)
+
+
+def all_gather_invariant(x: Any, axis_name: Any, *, axis_index_groups: Any = None, axis: int = 0,
+                         tiled: bool = False) -> Any:
+    _no_groups("all_gather_invariant", axis_index_groups)
+    return _c.all_gather_invariant(x, axis_name, dim=axis, tiled=tiled)
+
+
+def psum_scatter(x: Any, axis_name: Any, *, scatter_dimension: int = 0,
+                 axis_index_groups: Any = None, tiled: bool = False) -> Any:
+    _no_groups("psum_scatter", axis_index_groups)
+    return _c.psum_scatter(x, axis_name, dim=scatter_dimension, tiled=tiled)
+
+
+def all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int, *,
+               axis_index_groups: Any = None, tiled: bool = False) -> Any:
+    _no_groups("all_to_all", axis_index_groups)
+    return _c.all_to_all(x, axis_name, split_dim=split_axis, concat_dim=concat_axis, tiled=tiled)
+
+
+def ppermute(x: Any, axis_name: Any, perm: Sequence[tuple[int, int]]) -> Any:
+    return _c.ppermute(x, axis_name, perm)
+
+
+def axis_index(axis_name: Any) -> Any:
+    return _c.axis_index(axis_name)
+
+
+def axis_size(axis_name: Any) -> int:
+    return _c.axis_size(axis_name)

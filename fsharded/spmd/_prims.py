@@ -1,0 +1,437 @@
+"""The collective primitives: each one a unit, as in JAX's ``lax/parallel.py``.
+
+A ``_Prim`` keeps side by side what the collective does at the vmap level of its axis on
+the virtual mesh (``virtual``), how it composes over several axes (``virtual_multi``),
+what it does on this rank's tensor on real ranks (``dist``), its transpose (the VJP),
+its tangent rule (JVP), its varying-axes rule (``reduces``: whether the axes leave the
+value's type) and the bytes one rank sends. ``run`` is the one place every collective
+goes through: manifest, varying-axes typing (with the implicit ``pvary`` JAX inserts in
+front of a collective over an axis its operand is invariant over), then dispatch.
+
+Transposes (JAX's, with Megatron's f/g pair):
+
+=====================  ===========================  =================================
+collective             forward                      transpose
+=====================  ===========================  =================================
+psum                   sum over the axis            identity (cotangent invariant)
+pvary                  identity                     psum
+pmax                   max over the axis            cotangent to the arg-max shards
+all_gather             concatenate shards           psum_scatter
+all_gather_invariant   concatenate shards           this shard's slice
+psum_scatter           sum, keep own chunk          all_gather
+all_to_all             chunk i to shard i           all_to_all with dims swapped
+ppermute               send to perm[src]            ppermute with the inverse perm
+=====================  ===========================  =================================
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from fsharded import comm, memory
+from fsharded.spmd import _manifest
+from fsharded.spmd._env import Axes
+
+__all__ = ["run", "PSUM", "PMAX", "PVARY", "ALL_GATHER", "ALL_GATHER_INVARIANT",
+           "PSUM_SCATTER", "ALL_TO_ALL", "PPERMUTE", "REPLICA", "Collective", "dist_call"]
+
+_F = torch._C._functorch
+
+
+def _expand0(x: torch.Tensor, bdim: int | None, n: int) -> torch.Tensor:
+    """Physical view with the axis dim first; an unbatched (invariant) value is broadcast."""
+    if bdim is None:
+        return x.unsqueeze(0).expand(n, *x.shape)
+    return x.movedim(bdim, 0)
+
+
+# ``virtual(x, bdim, n, p)`` runs at the vmap level of the collective's axis: ``x`` is
+# physical with the axis at ``bdim`` (None: the value does not vary along the axis) and
+# returns ``(y, out_bdim)``. ``dist(x, g, p)`` runs on this rank's local tensor.
+# ``transpose(ctx, g)`` is the VJP, ``tangent(ctx, t)`` the JVP; ``shift(p)`` renumbers
+# dims when a batch dim is prepended; ``sent(shape, itemsize, n, p)`` is the bytes one
+# rank sends (ring algorithms).
+
+
+class _Prim:
+    name = ""
+    reduces = False  # the axes leave the result's varying axes (psum), or join them
+    linear = True  # tangent = the same collective applied to the tangent
+    order = "major"  # several axes: compose one axis at a time, major first
+
+    def shift(self, p: tuple) -> tuple:
+        return p
+
+    def save(self, ctx: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+        pass
+
+    def tangent(self, ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return _dispatch(self, ctx.params, ctx.axes, t)
+
+    def virtual_multi(self, params: tuple, axes: Axes, x: torch.Tensor) -> torch.Tensor:
+        names = axes.names if self.order == "major" else tuple(reversed(axes.names))
+        for a in names:
+            x = Collective.apply(self, params, axes.single(a), x, axes.frame.tokens[a])
+        return x
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class _Psum(_Prim):
+    name, reduces = "psum", True
+
+    def virtual(self, x, bdim, n, p):
+        return (x * n if bdim is None else x.sum(bdim, dtype=x.dtype)), None
+
+    def dist(self, x, g, p):
+        return comm.all_reduce(x, "sum", g)
+
+    def transpose(self, ctx, g):
+        # A new value: the cotangent of the (varying) operand is not the invariant
+        # cotangent object itself, which keeps its own type.
+        return g.view_as(g)
+
+    def sent(self, shape, itemsize, n, p):
+        return 2 * (n - 1) * math.prod(shape) * itemsize // n
+
+
+class _Pmax(_Prim):
+    name, reduces, linear = "pmax", True, False
+
+    def virtual(self, x, bdim, n, p):
+        return (x if bdim is None else x.amax(bdim)), None
+
+    def dist(self, x, g, p):
+        return comm.all_reduce(x, "max", g)
+
+    def save(self, ctx, x, y):
+        ctx.save_for_backward(x, y)
+        ctx.save_for_forward(x, y)
+
+    def _share(self, ctx):
+        # The cotangent goes evenly to every shard holding the max (torch.amax's rule).
+        x, y = ctx.saved_tensors
+        hit = (x == y).to(y.dtype if y.is_floating_point() else torch.float32)
+        return hit / _dispatch(PSUM, (), ctx.axes, hit, record=False)
+
+    def transpose(self, ctx, g):
+        return g * self._share(ctx).to(g.dtype)
+
+    def tangent(self, ctx, t):
+        return _dispatch(PSUM, (), ctx.axes, t * self._share(ctx).to(t.dtype))
+
+    def sent(self, shape, itemsize, n, p):
+        return 2 * (n - 1) * math.prod(shape) * itemsize // n
+
+
+class _Pvary(_Prim):
+    name = "pvary"
+
+    def virtual(self, x, bdim, n, p):
+        return x.view_as(x), bdim
+
+    def dist(self, x, g, p):
+        return x.view_as(x)
+
+    def transpose(self, ctx, g):
+        return _dispatch(PSUM, (), ctx.axes, g)
+
+    def tangent(self, ctx, t):
+        return t.view_as(t)
+
+    def sent(self, shape, itemsize, n, p):
+        return 0
+
+
+class _AllGather(_Prim):
+    name = "all_gather"  # params: (dim,), always tiled; stacking is unsqueeze + tiled
+    order = "minor"  # so that chunks end up major-first
+
+    def shift(self, p):
+        return (p[0] + 1,)
+
+    def virtual(self, x, bdim, n, p):
+        (dim,) = p
+        return _expand0(x, bdim, n).movedim(0, dim).flatten(dim, dim + 1), None
+
+    def dist(self, x, g, p):
+        return comm.all_gather_dim(x, g, p[0])
+
+    def transpose(self, ctx, g):
+        return _dispatch(PSUM_SCATTER, ctx.params, ctx.axes, g)
+
+    def sent(self, shape, itemsize, n, p):
+        return (n - 1) * math.prod(shape) * itemsize
+
+
+class _AllGatherInvariant(_AllGather):
+    """all_gather whose result is invariant over the axes: its transpose keeps this
+    shard's slice of the (invariant) cotangent instead of reduce-scattering."""
+
+    name, reduces = "all_gather_invariant", True
+
+    def transpose(self, ctx, g):
+        (dim,) = ctx.params
+        i = int(axis_position(ctx.axes)) if not ctx.axes.virtual else None
+        size = g.shape[dim] // ctx.axes.size
+        if i is not None:
+            return g.narrow(dim, i * size, size)
+        idx = axis_position(ctx.axes) * size + torch.arange(size, device=g.device)
+        return g.index_select(dim, idx)
+
+
+class _PsumScatter(_Prim):
+    name = "psum_scatter"  # params: (dim,), always tiled
+
+    def shift(self, p):
+        return (p[0] + 1,)
+
+    def virtual(self, x, bdim, n, p):
+        (dim,) = p
+        s = x * n if bdim is None else x.sum(bdim, dtype=x.dtype)
+        return s.unflatten(dim, (n, s.shape[dim] // n)).movedim(dim, 0), 0
+
+    def dist(self, x, g, p):
+        return comm.reduce_scatter_dim(x, g, p[0])
+
+    def transpose(self, ctx, g):
+        return _dispatch(ALL_GATHER, ctx.params, ctx.axes, g)
+
+    def sent(self, shape, itemsize, n, p):
+        return (n - 1) * math.prod(shape) * itemsize // n
+
+
+class _AllToAll(_Prim):
+    name = "all_to_all"
+
+    def shift(self, p):
+        return (p[0] + 1, p[1] + 1)
+
+    def virtual(self, x, bdim, n, p):
+        split, concat = p
+        X = _expand0(x, bdim, n)  # (n_src, ...)
+        X = X.unflatten(split + 1, (n, X.shape[split + 1] // n))  # (n_src, .., n_dst, c, ..)
+        X = X.movedim(split + 1, 0)  # (n_dst, n_src, ...)
+        X = X.movedim(1, 1 + concat)  # (n_dst, .., n_src, d_concat, ..)
+        return X.flatten(1 + concat, 2 + concat), 0
+
+    def virtual_multi(self, params, axes, x):
+        # Stack the chunks in new leading dims, exchange each with its axis, unstack.
+        split, concat = params
+        n = axes.sizes
+        xs = x.unflatten(split, (math.prod(n), x.shape[split] // math.prod(n))).movedim(split, 0)
+        xs = xs.unflatten(0, n)  # (n_a, n_b, ..., chunk...)
+        for i, a in enumerate(axes.names):
+            xs = Collective.apply(self, (i, i), axes.single(a), xs, axes.frame.tokens[a])
+        xs = xs.flatten(0, len(n) - 1)  # (n_src major-first, chunk...)
+        return xs.movedim(0, concat).flatten(concat, concat + 1)
+
+    def dist(self, x, g, p):
+        return comm.all_to_all_dims(x, g, *p)
+
+    def transpose(self, ctx, g):
+        split, concat = ctx.params
+        return _dispatch(ALL_TO_ALL, (concat, split), ctx.axes, g)
+
+    def sent(self, shape, itemsize, n, p):
+        return (n - 1) * math.prod(shape) * itemsize // n
+
+
+class _Ppermute(_Prim):
+    name = "ppermute"
+
+    def virtual(self, x, bdim, n, p):
+        (perm,) = p
+        X = _expand0(x, bdim, n)
+        src = [-1] * n
+        for s, d in perm:
+            src[d] = s
+        idx = torch.tensor([max(s, 0) for s in src], device=X.device)
+        Y = X.index_select(0, idx)
+        if min(src) < 0:
+            keep = torch.tensor([s >= 0 for s in src], device=X.device, dtype=X.dtype)
+            Y = Y * keep.view(n, *([1] * (Y.dim() - 1)))
+        return Y, 0
+
+    def virtual_multi(self, params, axes, x):
+        # Every shard's value stacked (an all_gather over the axes), then each shard
+        # picks its source's.
+        (perm,) = params
+        n = axes.size
+        stacked = ALL_GATHER.virtual_multi((0,), axes, x.unsqueeze(0))  # (n, ...)
+        src = [-1] * n
+        for s, d in perm:
+            src[d] = s
+        me = axis_position(axes).reshape(1)
+        table = torch.tensor([max(s, 0) for s in src], device=x.device)
+        keep = torch.tensor([float(s >= 0) for s in src], device=x.device, dtype=x.dtype)
+        y = stacked.index_select(0, table.index_select(0, me)).squeeze(0)
+        return y * keep.index_select(0, me).reshape(())
+
+    def dist(self, x, g, p):
+        return comm.send_recv(x, g, p[0])
+
+    def transpose(self, ctx, g):
+        (perm,) = ctx.params
+        return _dispatch(PPERMUTE, (tuple((d, s) for s, d in perm),), ctx.axes, g)
+
+    def sent(self, shape, itemsize, n, p):
+        return math.prod(shape) * itemsize
+
+
+class _Replica(_Prim):
+    """Internal: the value of shard 0 along the axis (shard_map's outputs declared
+    replicated under ``check_vma=False``)."""
+
+    name, reduces = "replica", True
+
+    def virtual(self, x, bdim, n, p):
+        return (x.view_as(x) if bdim is None else x.select(bdim, 0)), None
+
+    def dist(self, x, g, p):
+        return comm.all_gather_dim(x.unsqueeze(0), g, 0)[0]
+
+    def transpose(self, ctx, g):
+        return g.view_as(g) if ctx.axes.virtual else g * (axis_position(ctx.axes) == 0).to(g.dtype)
+
+    def sent(self, shape, itemsize, n, p):
+        return 0
+
+
+PSUM, PMAX, PVARY, REPLICA = _Psum(), _Pmax(), _Pvary(), _Replica()
+ALL_GATHER, ALL_GATHER_INVARIANT = _AllGather(), _AllGatherInvariant()
+PSUM_SCATTER, ALL_TO_ALL, PPERMUTE = _PsumScatter(), _AllToAll(), _Ppermute()
+
+
+def axis_position(axes: Axes) -> torch.Tensor:
+    """This shard's index along ``axes`` (major first), an int64 scalar tensor."""
+    frame = axes.frame
+    if frame.backend == "virtual":
+        idx = None
+        for a in axes.names:
+            t = frame.tokens[a]
+            idx = t if idx is None else idx * frame.mesh.shape[a] + t
+        return idx
+    i = 0
+    for a in axes.names:
+        i = i * frame.mesh.shape[a] + frame.coords[a]
+    return torch.tensor(i, dtype=torch.int64)
+
+
+class Collective(torch.autograd.Function):
+    """One autograd Function for every primitive: forward = the real-rank call, vmap =
+    the virtual mesh (find the token's level), backward = the transpose, jvp = the
+    tangent rule."""
+
+    @staticmethod
+    def forward(prim, params, axes, x, token):
+        if axes.virtual:
+            raise RuntimeError(
+                f"{prim.name}: the virtual-mesh axis {axes.label!r} was not bound by a vmap "
+                f"level; call collectives only from inside the shard_map'ed function"
+            )
+        return dist_call(prim, params, axes, x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        prim, params, axes, x, token = inputs
+        ctx.prim, ctx.params, ctx.axes = prim, params, axes
+        prim.save(ctx, x, output)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, None, None, ctx.prim.transpose(ctx, g), None
+
+    @staticmethod
+    def jvp(ctx, _p, _params, _axes, t, _token):
+        return ctx.prim.tangent(ctx, t)
+
+    @staticmethod
+    def vmap(info, in_dims, prim, params, axes, x, token):
+        xd, td = in_dims[3], in_dims[4]
+        if td is None:
+            # Not this collective's level (a user's vmap, or real ranks): carry the batch
+            # dim along as a leading dim.
+            x = x.movedim(xd, 0)
+            return Collective.apply(prim, prim.shift(params), axes, x, token), 0
+        return prim.virtual(x, xd, axes.size, params)
+
+
+def dist_call(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor) -> torch.Tensor:
+    """The real-rank call on this rank's tensor (no autograd)."""
+    with memory.collective_scope():
+        return prim.dist(x, comm.axis_group(axes.frame.mesh, axes.names), params)
+
+
+def _dispatch(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor, *,
+              record: bool = True) -> torch.Tensor:
+    """Run ``prim`` untyped (transposes, tangents, internals); ``record``: list it in an
+    open manifest."""
+    if record:
+        _manifest.record(prim, params, axes, x)
+    if axes.size == 1:
+        return x
+    if axes.virtual:
+        if len(axes.names) == 1:
+            return Collective.apply(prim, params, axes, x, axes.frame.tokens[axes.names[0]])
+        return prim.virtual_multi(params, axes, x)
+    if (x.requires_grad and torch.is_grad_enabled()) or _F.is_functorch_wrapped_tensor(x):
+        return Collective.apply(prim, params, axes, x, None)
+    return dist_call(prim, params, axes, x)  # nothing to differentiate: skip the Function
+
+
+def run(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor) -> torch.Tensor:
+    """A collective called by the program: recorded, typed, dispatched."""
+    mode = axes.frame.vma
+    if mode is None or mode.dispatching:
+        return _dispatch(prim, params, axes, x)
+    x_in = x
+    have = mode.get(x)
+    missing = mode.ordered(set(axes.names) - have)
+    if prim is PVARY:
+        _manifest.record(prim, params, axes, x)
+        return mode.pvary(x, missing)
+    if missing and prim.reduces and prim is not ALL_GATHER_INVARIANT:
+        # Over axes the operand is invariant over a reduction needs no communication: a
+        # sum of n equal copies is n times the value, their max the value itself. (JAX
+        # inserts a pvary and all-reduces; the numbers and the gradient are the same.)
+        if prim is PSUM:
+            x = x * math.prod(axes.frame.mesh.shape[a] for a in missing)
+        rest = tuple(a for a in axes.names if a not in missing)
+        if not rest:
+            y = x if x is not x_in else x.view_as(x)
+            mode.set(y, have)
+            return y
+        axes = Axes(rest, tuple(axes.frame.mesh.shape[a] for a in rest), axes.frame)
+        missing = ()
+    if missing:  # JAX's implicit pvary in front of a collective over an invariant operand
+        x = mode.pvary(x, missing)
+        have = have | set(missing)
+    mode.dispatching += 1
+    try:
+        # The collective's own ops are not the program's: keep them off the table (and
+        # off Python's __torch_function__ path, tens of microseconds per call).
+        with torch._C.DisableTorchFunction():
+            y = _dispatch(prim, params, axes, x)
+            if y is x:
+                y = x.view_as(x)  # a new value, so it can have its own type
+    finally:
+        mode.dispatching -= 1
+    mode.set(y, have - set(axes.names) if prim.reduces else have | set(axes.names))
+    return y
+
+
+def implicit_pvary(frame: Any):
+    """The pvary a varying-axes table inserts where an invariant value being
+    differentiated meets a varying one (an autograd node whose backward is a psum)."""
+
+    def pvary(x: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor:
+        axes = Axes(names, tuple(frame.mesh.shape[a] for a in names), frame)
+        y = _dispatch(PVARY, (), axes, x, record=False)
+        return x.view_as(x) if y is x else y
+
+    return pvary

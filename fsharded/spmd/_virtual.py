@@ -1,0 +1,96 @@
+"""shard_map on the virtual mesh: every mesh axis a ``torch.func.vmap`` level, in one process.
+
+Each axis' level vmaps a token ``arange(n)``; a collective finds its axis' level as the
+one where the token is batched (see ``_prims.Collective.vmap``). Values batched at a
+level vary over that axis; the varying-axes table (``_vma``) types them by rules as on
+real ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import optree
+import torch
+
+from fsharded.mesh._layout import from_stacked, to_stacked
+from fsharded.spmd import _env, _prims, _vma
+from fsharded.spmd._env import Axes
+
+_F = torch._C._functorch
+
+
+def call(sm: Any, args: tuple) -> Any:
+    mesh = sm.mesh
+    names = mesh.axis_names
+    if mesh.size == 1:
+        return _single(sm, args)
+    leaves, specs, treedef, _ = sm._flat_in(args)
+    is_t = [isinstance(x, torch.Tensor) for x in leaves]
+    stacked = [to_stacked(x, s, mesh) if t else x for x, s, t in zip(leaves, specs, is_t)]
+    dev = next((x.device for x, t in zip(leaves, is_t) if t), torch.device("cpu"))
+    tokens = [torch.arange(n, device=dev) for n in mesh.axis_sizes]
+    out_info: dict[str, Any] = {}
+
+    def body(tok_list, flat):
+        toks = dict(zip(names, tok_list))
+        levels = {_F.maybe_get_level(t): a for a, t in toks.items()}
+        frame, mode = _typed_frame(_env.AxisFrame(mesh, "virtual", tokens=toks), levels)
+        with _env.enter(frame), mode:
+            for x, s in zip(flat, specs):
+                if isinstance(x, torch.Tensor):
+                    mode.set(x, frozenset(s.axes))
+            out = sm.f(*optree.tree_unflatten(treedef, list(flat)))
+            o_leaves, o_specs, o_def, o_paths = sm._flat_out(out)
+            kinds = _vma.output_types(mode, o_leaves, o_specs, o_paths, check=sm.check_vma)
+            res = []
+            for y, (_, undeclared) in zip(o_leaves, kinds):
+                for a in undeclared:  # check_vma=False: shard 0's value along the axis
+                    y = _take_replica(y, frame, a)
+                res.append(y)
+        out_info.update(o_def=o_def, o_specs=o_specs)
+        return res
+
+    # One vmap level per mesh axis, the first axis outermost. Every output comes back
+    # with a leading dim per axis (vmap broadcasts values that do not vary along it).
+    fn = body
+    for i in reversed(range(len(names))):
+        tok_dims = [0 if j == i else None for j in range(len(names))]
+        arg_dims = [0 if t and names[i] in s.axes else None for s, t in zip(specs, is_t)]
+        fn = torch.func.vmap(fn, in_dims=(tok_dims, arg_dims), out_dims=0, randomness=sm.randomness)
+    res = fn(tokens, stacked)
+    outs = []
+    for y, s in zip(res, out_info["o_specs"]):
+        named = set(s.axes)
+        # Drop the (broadcast) dims of axes the output is invariant over.
+        for k in reversed(range(len(names))):
+            if names[k] not in named:
+                y = y.select(k, 0)
+        outs.append(from_stacked(y, s, mesh))
+    return optree.tree_unflatten(out_info["o_def"], outs)
+
+
+def _single(sm: Any, args: tuple) -> Any:
+    """A one-device mesh: every collective is the identity, so skip vmap altogether."""
+    leaves, specs, treedef, _ = sm._flat_in(args)
+    zeros = {a: torch.zeros((), dtype=torch.int64) for a in sm.mesh.axis_names}
+    frame, mode = _typed_frame(_env.AxisFrame(sm.mesh, "virtual", tokens=zeros), {})
+    with _env.enter(frame), mode:
+        for x, s in zip(leaves, specs):
+            if isinstance(x, torch.Tensor):
+                mode.set(x, frozenset(s.axes))
+        out = sm.f(*optree.tree_unflatten(treedef, leaves))
+        o_leaves, o_specs, o_def, o_paths = sm._flat_out(out)
+        _vma.output_types(mode, o_leaves, o_specs, o_paths, check=sm.check_vma)
+    return out
+
+
+def _typed_frame(frame: _env.AxisFrame, levels: dict) -> tuple[_env.AxisFrame, _vma.VmaMode]:
+    mode = _vma.VmaMode(frame.mesh.axis_names, _prims.implicit_pvary(frame), levels)
+    return dataclasses.replace(frame, vma=mode), mode
+
+
+def _take_replica(y: torch.Tensor, frame: _env.AxisFrame, axis: str) -> torch.Tensor:
+    axes = Axes((axis,), (frame.mesh.shape[axis],), frame)
+    return _prims.Collective.apply(_prims.REPLICA, (), axes, y, frame.tokens[axis])

@@ -1,0 +1,297 @@
+"""Varying manual axes (JAX's *vma*): the set of mesh axes each value in a shard_map body
+varies over, computed by rules as the body runs, the same way on both backends.
+
+* Inputs start with the axes their ``in_specs`` name; ``axis_index`` varies over its axes.
+* Each collective has its rule beside it (``_prims``): ``psum``/``pmean``/``pmax`` remove
+  the axes, ``pvary``, ``all_gather``, ``psum_scatter``, ``all_to_all`` and ``ppermute``
+  keep or add them, ``all_gather_invariant`` removes them.
+* Every other op takes the union of its operands' axes. Where an invariant operand that is
+  being differentiated meets a varying one, an implicit ``pvary`` is inserted (identity
+  forward, ``psum`` backward): the cotangent of a value that is the same on every shard
+  is the sum of the shards' cotangents. This is what makes gradients taken inside the body
+  JAX's, and what makes fan-out (an invariant output under an out_spec that names the
+  axis) transpose to a ``psum``.
+* ``torch.autograd.grad`` (so also ``torch.func.grad``/``vjp``) and ``Tensor.grad`` give
+  a cotangent the type of its primal. ``_foreach_*`` ops act index by index.
+* An autograd Function is opaque: its outputs get the union of its inputs' types, unless
+  the Function types its own insides (``vma_typed = True`` on the class, as the remat
+  ``fsharded.parallel.remat.checkpoint`` does with ``VmaMode.typing``).
+
+The types are tracked by a ``TorchFunctionMode`` that ``shard_map`` enters for the body;
+each value's axes are kept by object identity. Values whose history the mode did not see
+(created inside a ``torch.func`` transform and unwrapped at its exit) are typed by looking
+through the functorch wrappers, and on the virtual mesh also by the vmap levels they are
+batched at (a value batched at an axis' level certainly varies over it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import optree
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["VmaMode"]
+
+_F = torch._C._functorch
+_NONE: frozenset = frozenset()
+_AUTOGRAD_GRAD = torch.autograd.grad
+_GRAD_GET = torch.Tensor.grad.__get__
+
+
+class VmaMode(TorchFunctionMode):
+    """Tracks the varying axes of every value computed in one shard_map body.
+
+    ``pvary(x, axes)`` inserts an implicit pvary (an autograd node whose backward is a
+    psum over ``axes``); ``levels`` maps the virtual mesh's vmap levels to axis names.
+    """
+
+    def __init__(self, axis_names: tuple[str, ...],
+                 pvary: Callable[[torch.Tensor, tuple[str, ...]], torch.Tensor],
+                 levels: dict[int, str] | None = None) -> None:
+        super().__init__()
+        self.axis_names = axis_names
+        self._pvary = pvary
+        self.levels = levels or {}
+        self._vma: dict[int, tuple[weakref.ref, frozenset]] = {}
+        # >0 while an op runs on the mode's behalf (a collective's own implementation,
+        # autograd's backward pass): those internals are not typed.
+        self.dispatching = 0
+        self._carried: list[list[frozenset]] = []
+
+    # -- the table ------------------------------------------------------------------------
+
+    def _lookup(self, t: torch.Tensor) -> frozenset | None:
+        e = self._vma.get(id(t))
+        return e[1] if e is not None and e[0]() is t else None
+
+    def get(self, t: torch.Tensor) -> frozenset:
+        """The axes ``t`` varies over."""
+        found = self._lookup(t)
+        if found is not None:
+            return found
+        if not _F.is_functorch_wrapped_tensor(t):
+            return _NONE
+        # Look through torch.func's wrappers: a wrapper has its inner value's type, plus
+        # the virtual mesh axis whose vmap level it is batched at.
+        axes: set[str] = set()
+        cur = t
+        while _F.is_functorch_wrapped_tensor(cur):
+            if _F.is_batchedtensor(cur):
+                name = self.levels.get(_F.maybe_get_level(cur))
+                if name is not None:
+                    axes.add(name)
+            cur = _F.get_unwrapped(cur)
+            found = self._lookup(cur)
+            if found is not None:
+                return found  # typed by the rules: the batching above it adds nothing
+        return frozenset(axes)
+
+    def set(self, t: torch.Tensor, axes: frozenset) -> None:
+        """Record that ``t`` varies over ``axes``. The value inside a grad-tracking or a
+        user's vmap wrapper (what the transform hands back when it returns) gets the same
+        type."""
+        axes = frozenset(axes)
+        cur = t
+        while True:
+            self._vma[id(cur)] = (weakref.ref(cur), axes)
+            if not _F.is_functorch_wrapped_tensor(cur):
+                return
+            if _F.is_batchedtensor(cur) and _F.maybe_get_level(cur) in self.levels:
+                return  # a mesh axis' own level: the inner value is outside the body
+            cur = _F.get_unwrapped(cur)
+
+    def ordered(self, axes: frozenset | set) -> tuple[str, ...]:
+        return tuple(a for a in self.axis_names if a in axes)
+
+    def pvary(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        """``x`` marked varying over ``axes`` as well: an autograd node (psum backward)
+        when ``x`` is being differentiated, a new typed view otherwise."""
+        if not axes:
+            return x
+        self.dispatching += 1
+        try:
+            differentiated = x.requires_grad and torch.is_grad_enabled()
+            with torch._C.DisableTorchFunction():
+                y = self._pvary(x, axes) if differentiated else x.view_as(x)
+        finally:
+            self.dispatching -= 1
+        self.set(y, self.get(x) | frozenset(axes))
+        return y
+
+    @contextlib.contextmanager
+    def typing(self) -> Iterator[VmaMode]:
+        """Type the ops run inside (from within an op the mode dispatches, where torch
+        has set the mode aside): how a remat'ed function is typed in its forward and in
+        its recomputation, so both insert the same implicit pvarys."""
+        saved, self.dispatching = self.dispatching, 0
+        try:
+            with self:
+                yield self
+        finally:
+            self.dispatching = saved
+
+    # -- the rule for every other op ----------------------------------------------------
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.dispatching:
+            return func(*args, **kwargs)
+        if func is _AUTOGRAD_GRAD:
+            return self._autograd_grad(args, kwargs)
+        name = getattr(func, "__name__", "")
+        if name.startswith("_foreach_"):
+            return self._foreach(func, args, kwargs)
+        if name == "custom_function_call" and getattr(args[0], "vma_typed", False):
+            return self._self_typed(func, args, kwargs)
+        tensors = _tensors(args, kwargs)
+        union = _NONE
+        types_in = []
+        for t in tensors:
+            v = self.get(t)
+            types_in.append(v)
+            union = union | v if v else union
+        if union and torch.is_grad_enabled():
+            args, kwargs = self._insert_pvary(func, args, kwargs, tensors, types_in, union)
+        self.dispatching += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.dispatching -= 1
+        if union:
+            if func is _GRAD_GET:  # ``x.grad``: a cotangent has its primal's type
+                if isinstance(out, torch.Tensor):
+                    self.set(out, types_in[0])
+                return out
+            if _mutates(func) and args and isinstance(args[0], torch.Tensor):
+                self.set(args[0], union)
+            for t in _out_tensors(out):
+                self.set(t, union)
+        return out
+
+    def _insert_pvary(self, func, args, kwargs, tensors, types_in, union):
+        missing = [(t, union - v) for t, v in zip(tensors, types_in)
+                   if v != union and t.requires_grad]
+        if _mutates(func) and args and isinstance(args[0], torch.Tensor):
+            missing = [(t, m) for t, m in missing if t is not args[0]]
+        if not missing:
+            return args, kwargs
+        swap = {id(t): self.pvary(t, self.ordered(m)) for t, m in missing}
+        args, kwargs = optree.tree_map(
+            lambda x: swap.get(id(x), x) if isinstance(x, torch.Tensor) else x, (args, kwargs),
+            none_is_leaf=True)
+        return args, kwargs
+
+    def _self_typed(self, func, args, kwargs):
+        """An autograd Function that types its own insides, under a torch.func transform
+        (which hands back new wrappers of its outputs): the wrappers get the types the
+        insides computed, passed up through ``carry``."""
+        self._carried.append([])
+        self.dispatching += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.dispatching -= 1
+            carried = self._carried.pop()
+        for t, v in zip(_out_tensors(out), carried):
+            self.set(t, v)
+        return out
+
+    def carry(self, out: Any) -> None:
+        """Called by a self-typed Function with what its forward returns."""
+        if self._carried:
+            self._carried[-1].extend(self.get(t) for t in _out_tensors(out))
+
+    def _foreach(self, func, args, kwargs):
+        """Multi-tensor ops act list index by list index: element i of the result has the
+        union of the i-th elements' types (and of any single tensor operand)."""
+        lists = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple))
+                 and a and isinstance(a[0], torch.Tensor)]
+        shared = _NONE
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                shared = shared | self.get(a)
+        n = len(lists[0]) if lists else 0
+        per = [frozenset().union(shared, *(self.get(lst[i]) for lst in lists)) for i in range(n)]
+        self.dispatching += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.dispatching -= 1
+        targets = out if isinstance(out, (list, tuple)) else lists[0] if lists else []
+        if func.__name__.endswith("_") and lists:
+            targets = lists[0]  # in place: the first list is the result
+        for t, v in zip(targets, per):
+            if isinstance(t, torch.Tensor) and v:
+                self.set(t, v)
+        return out
+
+    def _autograd_grad(self, args, kwargs):
+        inputs = kwargs["inputs"] if "inputs" in kwargs else args[1]
+        self.dispatching += 1
+        try:
+            out = _AUTOGRAD_GRAD(*args, **kwargs)
+        finally:
+            self.dispatching -= 1
+        ins = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        for x, g in zip(ins, out):
+            if isinstance(g, torch.Tensor):
+                self.set(g, self.get(x))  # a cotangent has its primal's type
+        return out
+
+
+def _mutates(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensor operands, one level into lists and tuples (``torch.cat([a, b])``)."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
+
+
+def _out_tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [x for x in out if isinstance(x, torch.Tensor)]
+    return []
+
+
+def output_types(mode: VmaMode, leaves: list, specs: list, paths: list[str], *,
+                 check: bool) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+    """For each output: ``(fan_out, undeclared)`` — the axes its out_spec names that it is
+    invariant over (they get an implicit pvary, so the fan-out transposes to a psum), and
+    the axes it varies over that its out_spec leaves out. With ``check`` (JAX's
+    ``check_vma``) any of the latter is a ValueError listing every such output."""
+    out, bad = [], []
+    for path, y, s in zip(paths, leaves, specs):
+        vma = mode.get(y)
+        named = set(s.axes)
+        fan = mode.ordered(named - vma)
+        undeclared = mode.ordered(vma - named)
+        if undeclared:
+            bad.append(
+                f"  {path}: varies over {list(undeclared)} (its varying axes: "
+                f"{list(mode.ordered(vma))}) but out_specs {s!r} leave "
+                f"{'it' if len(undeclared) == 1 else 'them'} out"
+            )
+        out.append((fan, undeclared))
+    if check and bad:
+        raise ValueError(
+            "shard_map: out_specs must name every mesh axis an output varies over "
+            "(check_vma=True, as in JAX):\n" + "\n".join(bad) + "\nAdd the axes to the "
+            "out_specs, reduce over them first (psum / pmean / pmax, or all_gather_invariant), "
+            "or pass check_vma=False to take shard 0's value along them unchecked."
+        )
+    return out
