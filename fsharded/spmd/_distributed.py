@@ -27,11 +27,17 @@ class _EnterShard(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.spec, ctx.mesh = inputs[1], inputs[2]
+        ctx.spec, ctx.mesh, ctx.coords = inputs[1], inputs[2], inputs[3]
 
     @staticmethod
     def backward(ctx, g):
-        return gather_global(g.contiguous(), ctx.spec, ctx.mesh), None, None, None
+        # Through the collectives' own Function, so a vmap over this backward (jacrev
+        # through shard_map) batches the gathers.
+        return _gather(g, ctx.spec, ctx.mesh, ctx.coords), None, None, None
+
+    @staticmethod
+    def jvp(ctx, t, _spec, _mesh, _coords):
+        return local_slice(t, ctx.spec, ctx.mesh, ctx.coords).clone()
 
     @staticmethod
     def vmap(info, in_dims, x, spec, mesh, coords):
@@ -58,10 +64,24 @@ class _Assemble(torch.autograd.Function):
         return local_slice(g, ctx.spec, ctx.mesh, ctx.coords).contiguous(), None, None, None
 
     @staticmethod
+    def jvp(ctx, t, _spec, _mesh, _coords):
+        return _gather(t, ctx.spec, ctx.mesh, ctx.coords)
+
+    @staticmethod
     def vmap(info, in_dims, y, spec, mesh, coords):
         d = in_dims[0]
         y = y.movedim(d, 0) if d is not None else y.unsqueeze(0).expand(info.batch_size, *y.shape)
         return _Assemble.apply(y, PartitionSpec(None, *spec), mesh, coords), 0
+
+
+def _gather(t: torch.Tensor, spec: Any, mesh: Any, coords: dict) -> torch.Tensor:
+    """The global tensor of this rank's shard ``t``, through the collectives' own Function
+    (so a vmap over it, as in jacrev and jacfwd, batches the gathers)."""
+    frame = _env.AxisFrame(mesh, "distributed", coords=coords)
+    for d, axes in enumerate(dims(spec, t.dim())):
+        if axes:
+            t = _prims._dispatch(_prims.ALL_GATHER, (d,), _axes(frame, axes), t, record=False)
+    return t
 
 
 def call(sm: Any, args: tuple, *, local: bool = False) -> Any:

@@ -384,17 +384,22 @@ def _dispatch(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor, *,
     return dist_call(prim, params, axes, x)  # nothing to differentiate: skip the Function
 
 
-def run(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor) -> torch.Tensor:
-    """A collective called by the program: recorded, typed, dispatched."""
+def run(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor, *,
+        like: torch.Tensor | None = None) -> torch.Tensor:
+    """A collective called by the program: recorded, typed, dispatched. ``like``: the
+    program's value ``x`` was derived from inside the collective's wrapper (a dtype cast,
+    a new dim), whose type ``x`` has."""
     mode = axes.frame.vma
     if mode is None or mode.dispatching:
         return _dispatch(prim, params, axes, x)
     x_in = x
-    have = mode.get(x)
+    have = mode.get(like if like is not None else x)
     missing = mode.ordered(set(axes.names) - have)
     if prim is PVARY:
         _manifest.record(prim, params, axes, x)
-        return mode.pvary(x, missing)
+        y = mode.pvary(x, missing)
+        mode.last = mode.get(y)
+        return y
     if missing and prim.reduces and prim is not ALL_GATHER_INVARIANT:
         # Over axes the operand is invariant over a reduction needs no communication: a
         # sum of n equal copies is n times the value, their max the value itself. (JAX
@@ -405,6 +410,7 @@ def run(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor) -> torch.Tensor
         if not rest:
             y = x if x is not x_in else x.view_as(x)
             mode.set(y, have)
+            mode.last = have
             return y
         axes = Axes(rest, tuple(axes.frame.mesh.shape[a] for a in rest), axes.frame)
         missing = ()
@@ -421,7 +427,8 @@ def run(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor) -> torch.Tensor
                 y = x.view_as(x)  # a new value, so it can have its own type
     finally:
         mode.dispatching -= 1
-    mode.set(y, have - set(axes.names) if prim.reduces else have | set(axes.names))
+    mode.last = frozenset(have - set(axes.names) if prim.reduces else have | set(axes.names))
+    mode.set(y, mode.last)
     return y
 
 

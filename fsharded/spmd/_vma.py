@@ -62,6 +62,7 @@ class VmaMode(TorchFunctionMode):
         # autograd's backward pass): those internals are not typed.
         self.dispatching = 0
         self._carried: list[list[frozenset]] = []
+        self.last: frozenset | None = None  # the type of the last collective's result
 
     # -- the table ------------------------------------------------------------------------
 

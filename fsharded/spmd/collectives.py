@@ -59,18 +59,37 @@ def _treewise(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(x: Any, *args: Any, **kwargs: Any) -> Any:
-        # A collective's own tensor ops (shape checks, reshapes) are not the program's:
-        # they stay off the varying-axes table, which types the result itself.
-        with torch._C.DisableTorchFunction():
-            if isinstance(x, torch.Tensor) or isinstance(x, numbers.Number):
-                return fn(x, *args, **kwargs)
-            return optree.tree_map(lambda leaf: fn(leaf, *args, **kwargs), x)
+        if isinstance(x, torch.Tensor) or isinstance(x, numbers.Number):
+            return _typed_call(fn, x, args, kwargs)
+        return optree.tree_map(lambda leaf: _typed_call(fn, leaf, args, kwargs), x)
 
     return wrapper
 
 
+def _typed_call(fn: Callable, x: Any, args: tuple, kwargs: dict) -> Any:
+    """Run one collective with its own tensor ops (casts, new dims, the division of
+    pmean) off the varying-axes table and off Python's __torch_function__ path: the
+    primitive (``_prims.run``) types its result, and the collective's result (that value,
+    reshaped or cast) gets that type."""
+    frame = _env.current()
+    mode = frame.vma if frame is not None else None
+    if mode is None or mode.dispatching:
+        with torch._C.DisableTorchFunction():
+            return fn(x, *args, **kwargs)
+    mode.last = None
+    with torch._C.DisableTorchFunction():
+        y = fn(x, *args, **kwargs)
+    if isinstance(y, torch.Tensor) and mode.last is not None:
+        mode.set(y, mode.last)
+    return y
+
+
 def _tensor(x: Any) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+
+
+def _summable(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.int32) if x.dtype == torch.bool else x  # JAX sums booleans as int32
 
 
 @_treewise
@@ -85,9 +104,7 @@ def psum(x: torch.Tensor, axis: AxisName) -> torch.Tensor:
     if isinstance(x, numbers.Number) and not isinstance(x, bool):
         return x * axes.size
     x = _tensor(x)
-    if x.dtype == torch.bool:
-        x = x.to(torch.int32)
-    return run(PSUM, (), axes, x)
+    return run(PSUM, (), axes, _summable(x), like=x)
 
 
 @_treewise
@@ -97,9 +114,7 @@ def pmean(x: torch.Tensor, axis: AxisName) -> torch.Tensor:
     if isinstance(x, numbers.Number) and not isinstance(x, bool):
         return x
     x = _tensor(x)
-    if x.dtype == torch.bool:
-        x = x.to(torch.int32)
-    return run(PSUM, (), axes, x) / axes.size
+    return run(PSUM, (), axes, _summable(x), like=x) / axes.size
 
 
 def pmean_owned(x: torch.Tensor, axis: AxisName) -> torch.Tensor:
@@ -133,23 +148,23 @@ def pmax(x: torch.Tensor, axis: AxisName) -> torch.Tensor:
         return x
     x = _tensor(x)
     if x.dtype == torch.bool:
-        return run(PMAX, (), axes, x.to(torch.uint8)).to(torch.bool)
+        return run(PMAX, (), axes, x.to(torch.uint8), like=x).to(torch.bool)
     return run(PMAX, (), axes, x)
 
 
 @_treewise
 def pmin(x: torch.Tensor, axis: AxisName) -> torch.Tensor:
     """Elementwise min over ``axis`` (``-pmax(-x)``; booleans: logical and)."""
+    axes = _env.bind(axis, "pmin")
     if isinstance(x, numbers.Number):
-        _env.bind(axis, "pmin")
         return x
     x = _tensor(x)
     if x.dtype == torch.bool:
-        return ~pmax(~x, axis)
+        return run(PMAX, (), axes, (~x).to(torch.uint8), like=x) == 0
     if not x.dtype.is_signed and not x.is_floating_point():
-        info = torch.iinfo(x.dtype)
-        return (info.max - pmax(info.max - x, axis)).to(x.dtype)
-    return -pmax(-x, axis)
+        top = torch.iinfo(x.dtype).max
+        return (top - run(PMAX, (), axes, top - x, like=x)).to(x.dtype)
+    return -run(PMAX, (), axes, -x, like=x)
 
 
 @_treewise
@@ -208,7 +223,7 @@ def _all_gather(prim, op, x, axis, dim, tiled):
     axes = _env.bind(axis, op)
     x = _tensor(x)
     d = _gather_dim(x, dim, tiled, op)
-    return run(prim, (d,), axes, x if tiled else x.unsqueeze(d))
+    return run(prim, (d,), axes, x if tiled else x.unsqueeze(d), like=x)
 
 
 @_treewise
@@ -219,9 +234,8 @@ def psum_scatter(x: torch.Tensor, axis: AxisName, *, dim: int = 0, tiled: bool =
     needs it equal to the axis size and removes ``dim``. Integer dtypes are kept.
     """
     axes = _env.bind(axis, "psum_scatter")
-    x = _tensor(x)
-    if x.dtype == torch.bool:
-        x = x.to(torch.int32)
+    src = _tensor(x)
+    x = _summable(src)
     d = _dim(dim, x.dim(), "psum_scatter")
     n = axes.size
     if tiled and x.shape[d] % n:
@@ -234,7 +248,7 @@ def psum_scatter(x: torch.Tensor, axis: AxisName, *, dim: int = 0, tiled: bool =
             f"psum_scatter(tiled=False): dim {d} has size {x.shape[d]}, it must equal the "
             f"size {n} of axis {axes.label!r}"
         )
-    y = run(PSUM_SCATTER, (d,), axes, x)
+    y = run(PSUM_SCATTER, (d,), axes, x, like=src)
     return y if tiled else y.squeeze(d)
 
 

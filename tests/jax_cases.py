@@ -1,0 +1,175 @@
+"""JAX's shard_map semantics, as cases that run unchanged on the virtual mesh and on gloo ranks.
+
+Each case returns plain values (tensors, dtypes as strings, error messages); the tests
+compare them with references computed here from numpy (the values JAX gives: checked
+against JAX 0.10.2 with 4 simulated CPU devices) and the two backends with each other.
+Mesh ``{"i": n}``, x = [1, ..., n], loss ``(f(x) * c).sum()`` with c = [1, 10, 100, ...].
+"""
+
+from __future__ import annotations
+
+import torch
+
+import fsharded as fs
+from fsharded import P
+
+
+def _x(n):
+    return torch.arange(1.0, n + 1, dtype=torch.float64)
+
+
+def _c(n, reps=1):
+    return (10.0 ** torch.arange(n * reps, dtype=torch.float64))
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def fan_out_grads(n: int) -> dict:
+    """Defect 1: a value invariant over ``i`` returned under out_specs naming ``i``."""
+    mesh = fs.Mesh({"i": n})
+    out = {}
+    cases = {
+        "psum": (lambda x: fs.psum(x, "i"), P("i"), _x(n), 1),
+        "all_gather": (lambda x: fs.all_gather(x, "i"), P("i"), _x(n), n),
+        "input_P()": (lambda w: w, P(), torch.ones(1, dtype=torch.float64), 1),
+        "pmean": (lambda x: fs.pmean(x, "i"), P("i"), _x(n), 1),
+        "all_gather_invariant": (lambda x: fs.all_gather_invariant(x, "i"), P("i"), _x(n), n),
+    }
+    for name, (f, ispec, x0, reps) in cases.items():
+        x = x0.clone().requires_grad_()
+        y = fs.shard_map(f, mesh=mesh, in_specs=ispec, out_specs=P("i"))(x)
+        (y * _c(n, reps)[: y.numel()]).sum().backward()
+        out[name] = {"value": y.detach(), "grad": x.grad}
+    return out
+
+
+def bool_and_int_reductions(n: int) -> dict:
+    """Defects 2 and 5: bool sums as int32, integer dtypes kept, pmean of ints is float32."""
+    mesh = fs.Mesh({"i": n})
+    b = torch.tensor([i != 1 for i in range(n)])  # [T, F, T, T] for n = 4
+    res = {}
+
+    def sm(f, i=P("i"), o=P()):
+        return fs.shard_map(f, mesh=mesh, in_specs=i, out_specs=o)
+
+    res["psum_bool"] = sm(lambda v: fs.psum(v, "i"))(b)
+    res["pmean_bool"] = sm(lambda v: fs.pmean(v, "i"))(b)
+    res["pmax_bool"] = sm(lambda v: fs.pmax(v, "i"))(b)
+    res["pmin_bool"] = sm(lambda v: fs.pmin(v, "i"))(b)
+    for dt in (torch.int32, torch.int16, torch.uint8, torch.int64):
+        name = str(dt).replace("torch.", "")
+        x = torch.arange(1, n + 1).to(dt)
+        res[f"psum_{name}"] = sm(lambda v: fs.psum(v, "i"))(x)
+        res[f"pmean_{name}"] = sm(lambda v: fs.pmean(v, "i"))(x)
+        res[f"pmax_{name}"] = sm(lambda v: fs.pmax(v, "i"))(x)
+        res[f"psum_scatter_{name}"] = sm(lambda v: fs.psum_scatter(v, "i"), P(), P("i"))(x)
+        res[f"psum_vary_{name}"] = sm(lambda v: fs.psum(v * 1, "i"))(x)  # varying operand
+    return res
+
+
+def grads_inside(n: int) -> dict:
+    """Defect 3: grad of an invariant parameter inside the body is summed over shards;
+    of a varying one it is the shard's own."""
+    mesh = fs.Mesh({"i": n})
+    x = _x(n)
+
+    def inner(w, x):
+        return torch.func.grad(lambda w: (w * x).sum())(w)
+
+    def inner_vary(w, x):
+        w = fs.pvary(w, "i")
+        return torch.func.grad(lambda w: (w * x).sum())(w)
+
+    w = torch.ones(1, dtype=torch.float64)
+    return {
+        "invariant": fs.shard_map(inner, mesh=mesh, in_specs=(P(), P("i")), out_specs=P())(w, x),
+        "varying": fs.shard_map(inner_vary, mesh=mesh, in_specs=(P(), P("i")), out_specs=P("i"))(w, x),
+        # An invariant operand of psum is summed over its n copies, and so is its gradient.
+        "psum_invariant": fs.shard_map(lambda w: torch.func.grad(lambda w: fs.psum(w, "i").sum())(w),
+                                       mesh=mesh, in_specs=P(), out_specs=P())(w),
+    }
+
+
+def vma_errors(n: int) -> dict:
+    """Defect 4: out_specs that leave out a varying axis are an error, statically."""
+    mesh = fs.Mesh({"i": n})
+    x = _x(n)
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return {"a": x * 2, "b": fs.psum(x, "i"), "c": fs.all_gather(x, "i")}
+
+    sm = fs.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs={"a": P(), "b": P(), "c": P()})
+    err = _error(lambda: sm(x))
+    unchecked = fs.shard_map(lambda x: x * 2, mesh=mesh, in_specs=P("i"), out_specs=P(),
+                             check_vma=False)(x)
+    vmapped = torch.func.vmap(fs.shard_map(lambda x: fs.psum(x, "i"), mesh=mesh, in_specs=P("i"),
+                                           out_specs=P()))(torch.stack([x, 2 * x]))
+    return {"error": err, "calls": len(calls), "unchecked": unchecked, "vmapped": vmapped}
+
+
+def transforms(n: int) -> dict:
+    """Defect 6: jacrev, jacfwd, jvp, vmap over a shard_map'ed function and inside its body."""
+    mesh = fs.Mesh({"i": n})
+    x = _x(n)
+    gather = fs.shard_map(lambda x: fs.all_gather(x * x, "i"), mesh=mesh, in_specs=P("i"),
+                          out_specs=P("i"))
+    total = fs.shard_map(lambda x: fs.psum((x ** 3).sum(), "i"), mesh=mesh, in_specs=P("i"),
+                         out_specs=P())
+    out = {
+        "jacrev": torch.func.jacrev(gather)(x),
+        "jacfwd": torch.func.jacfwd(gather)(x),
+        "jvp": torch.func.jvp(total, (x,), (torch.ones_like(x),))[1],
+        "vmap_outside": torch.func.vmap(total)(torch.stack([x, -x, 2 * x])),
+        "grad_outside": torch.func.grad(total)(x),
+        "hessian_diag": torch.func.jacfwd(torch.func.jacrev(total))(x).diagonal(),
+    }
+    inside = fs.shard_map(lambda x: torch.func.vmap(lambda r: fs.psum(r, "i"))(x.reshape(-1, 1)).reshape(-1),
+                          mesh=mesh, in_specs=P("i"), out_specs=P())
+    out["vmap_inside"] = inside(torch.arange(1.0, 2 * n + 1, dtype=torch.float64))
+    jvp_inside = fs.shard_map(
+        lambda x: torch.func.jvp(lambda v: fs.psum(v * v, "i"), (x,), (torch.ones_like(x),))[1],
+        mesh=mesh, in_specs=P("i"), out_specs=P())
+    out["jvp_inside"] = jvp_inside(x)
+    return out
+
+
+def scalars_and_errors(n: int) -> dict:
+    mesh = fs.Mesh({"i": n})
+    x = _x(n)
+    return {
+        "psum_1": fs.shard_map(lambda x: x * 0 + fs.psum(1, "i"), mesh=mesh, in_specs=P("i"),
+                               out_specs=P("i"))(x),
+        "scalar_arg": fs.shard_map(lambda x, s: fs.psum(x * s, "i"), mesh=mesh,
+                                   in_specs=(P("i"), P()), out_specs=P())(x, 3.0),
+        "gather_0d_tiled": _error(lambda: fs.shard_map(lambda x: fs.all_gather(x[0], "i"), mesh=mesh,
+                                                       in_specs=P("i"), out_specs=P("i"))(x)),
+        "gather_0d_stacked": fs.shard_map(lambda x: fs.all_gather(x[0], "i", tiled=False), mesh=mesh,
+                                          in_specs=P("i"), out_specs=P("i"))(x),
+        "lax_all_to_all": fs.shard_map(lambda x: fs.lax.all_to_all(x, "i", 0, 0), mesh=mesh,
+                                       in_specs=P("i"), out_specs=P("i"))(
+            torch.arange(float(n * n), dtype=torch.float64).reshape(n * n, 1)),
+        "lax_psum_scatter": fs.shard_map(lambda x: fs.lax.psum_scatter(x, "i"), mesh=mesh,
+                                         in_specs=P(), out_specs=P("i"))(
+            torch.arange(float(2 * n), dtype=torch.float64).reshape(n, 2)),
+        "lax_all_gather": fs.shard_map(lambda x: fs.lax.all_gather(x, "i"), mesh=mesh,
+                                       in_specs=P("i"), out_specs=P("i"))(x),
+    }
+
+
+def all_cases(n: int) -> dict:
+    return {
+        "fan_out": fan_out_grads(n),
+        "dtypes": bool_and_int_reductions(n),
+        "inside": grads_inside(n),
+        "vma": vma_errors(n),
+        "transforms": transforms(n),
+        "scalars": scalars_and_errors(n),
+    }

@@ -1,0 +1,144 @@
+"""JAX's shard_map semantics on both backends: every case against the value JAX gives
+(computed here with numpy; checked against JAX 0.10.2 with simulated CPU devices), and the
+virtual mesh against 2 and 4 gloo ranks, value for value and dtype for dtype."""
+
+from __future__ import annotations
+
+import jax_cases as J
+import numpy as np
+import optree
+import pytest
+import torch
+
+import fsharded as fs
+from fsharded import P
+
+# float64 throughout: every expected value is exact in binary floating point.
+TOL = dict(rtol=1e-12, atol=1e-12)
+
+
+def _close(got, want):
+    torch.testing.assert_close(got, torch.as_tensor(want, dtype=got.dtype), **TOL)
+
+
+def check_fan_out(res: dict, n: int) -> None:
+    c = (10.0 ** np.arange(n * n))
+    x = np.arange(1.0, n + 1)
+    csum = c[:n].sum()  # 1111 for n = 4: the sum of every shard's cotangent
+    _close(res["psum"]["value"], np.full(n, x.sum()))
+    _close(res["psum"]["grad"], np.full(n, csum))
+    _close(res["pmean"]["grad"], np.full(n, csum / n))
+    _close(res["input_P()"]["value"], np.ones(n))
+    _close(res["input_P()"]["grad"], [csum])
+    # all_gather: element j sits at j, n + j, 2n + j, ... of the n x n output.
+    want = c.reshape(n, n).sum(0)
+    for name in ("all_gather", "all_gather_invariant"):
+        _close(res[name]["value"], np.tile(x, n))
+        _close(res[name]["grad"], want)
+
+
+def check_dtypes(res: dict, n: int) -> None:
+    trues = n - 1 if n > 1 else 1
+    assert res["psum_bool"].dtype == torch.int32 and res["psum_bool"].tolist() == [trues]
+    assert res["pmean_bool"].dtype == torch.float32
+    _close(res["pmean_bool"], [trues / n])
+    assert res["pmax_bool"].dtype == torch.bool and res["pmax_bool"].tolist() == [True]
+    assert res["pmin_bool"].dtype == torch.bool and res["pmin_bool"].tolist() == [n == 1]
+    total = n * (n + 1) // 2
+    for name in ("int32", "int16", "uint8", "int64"):
+        dt = getattr(torch, name)
+        for op, want in (("psum", [total]), ("psum_vary", [total]), ("pmax", [n]),
+                         ("psum_scatter", [n * v for v in range(1, n + 1)])):
+            got = res[f"{op}_{name}"]
+            assert got.dtype == dt and got.tolist() == want, (op, name, got)
+        assert res[f"pmean_{name}"].dtype == torch.float32
+        _close(res[f"pmean_{name}"], [total / n])
+
+
+def check_inside(res: dict, n: int) -> None:
+    x = np.arange(1.0, n + 1)
+    _close(res["invariant"], [x.sum()])  # summed over the shards, as JAX does
+    _close(res["varying"], x)  # each shard's own
+    _close(res["psum_invariant"], [float(n)])
+
+
+def check_vma(res: dict, n: int) -> None:
+    err = res["error"]
+    assert err.startswith("ValueError: shard_map: out_specs must name every mesh axis")
+    assert "output.a: varies over ['i']" in err and "output.c: varies over ['i']" in err
+    assert "output.b" not in err and "check_vma=False" in err
+    assert res["calls"] == 1  # one run of the body: the check is from types, not values
+    _close(res["unchecked"], [2.0])  # shard 0's value
+    x = np.arange(1.0, n + 1)
+    _close(res["vmapped"], [[x.sum()], [2 * x.sum()]])
+
+
+def check_transforms(res: dict, n: int) -> None:
+    x = np.arange(1.0, n + 1)
+    jac = np.tile(np.diag(2 * x), (n, 1))  # d all_gather(x*x) / dx, one block per shard
+    _close(res["jacrev"], jac)
+    _close(res["jacfwd"], jac)
+    _close(res["jvp"], (3 * x**2).sum())
+    _close(res["grad_outside"], 3 * x**2)
+    _close(res["hessian_diag"], 6 * x)
+    _close(res["vmap_outside"], [(x**3).sum(), -(x**3).sum(), 8 * (x**3).sum()])
+    rows = np.arange(1.0, 2 * n + 1).reshape(n, 2)  # shard k holds row k
+    _close(res["vmap_inside"], rows.sum(0))
+    _close(res["jvp_inside"], [2 * x.sum()])
+
+
+def check_scalars(res: dict, n: int) -> None:
+    x = np.arange(1.0, n + 1)
+    _close(res["psum_1"], np.full(n, float(n)))
+    _close(res["scalar_arg"], [3 * x.sum()])
+    assert "tiled=True" in res["gather_0d_tiled"] and res["gather_0d_tiled"].startswith("ValueError")
+    _close(res["gather_0d_stacked"], np.tile(x, n))
+    a = np.arange(float(n * n)).reshape(n * n, 1)
+    # all_to_all(split 0, concat 0), untiled: shard k receives element k of every shard.
+    want = np.concatenate([a.reshape(n, n, 1)[:, k] for k in range(n)])
+    _close(res["lax_all_to_all"], want)
+    _close(res["lax_psum_scatter"], n * np.arange(2.0 * n))
+    _close(res["lax_all_gather"], np.tile(x, n).reshape(n * n, 1))  # untiled: a new dim
+
+
+CHECKS = {"fan_out": check_fan_out, "dtypes": check_dtypes, "inside": check_inside,
+          "vma": check_vma, "transforms": check_transforms, "scalars": check_scalars}
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("group", list(CHECKS))
+def test_virtual_matches_jax(group, n):
+    CHECKS[group](getattr(J, {"fan_out": "fan_out_grads", "dtypes": "bool_and_int_reductions",
+                              "inside": "grads_inside", "vma": "vma_errors",
+                              "transforms": "transforms", "scalars": "scalars_and_errors"}[group])(n), n)
+
+
+def _same(a, b, where):
+    la, ta = optree.tree_flatten(a)
+    lb, tb = optree.tree_flatten(b)
+    assert ta == tb, where
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype, where
+            torch.testing.assert_close(x, y, **TOL, msg=where)
+        else:
+            assert x == y, where
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [2, 4])
+def test_gloo_ranks_match_jax_and_the_virtual_mesh(n):
+    from fsharded.testing import run_on_ranks
+
+    virtual = J.all_cases(n)
+    for rank, res in enumerate(run_on_ranks(J.all_cases, n, n)):
+        for group, check in CHECKS.items():
+            check(res[group], n)
+            _same(res[group], virtual[group], f"rank {rank}: {group}")
+
+
+def test_lax_refuses_axis_index_groups():
+    mesh = fs.Mesh({"i": 2})
+    with pytest.raises(NotImplementedError, match="axis_index_groups"):
+        fs.shard_map(lambda x: fs.lax.psum(x, "i", axis_index_groups=[[0], [1]]), mesh=mesh,
+                     in_specs=P("i"), out_specs=P())(torch.ones(2))
