@@ -47,6 +47,7 @@ from fsharded.spmd import (
     shard_map,
     to_dtensor,
     unshard,
+    varying_axes,
 )
 
 __version__ = "0.1.0"
@@ -75,6 +76,7 @@ __all__ = [
     "axis_index",
     "axis_size",
     "is_bound",
+    "varying_axes",
     "rules",
     "tree_flatten_with_paths",
     "tree_map_with_path",

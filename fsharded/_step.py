@@ -28,7 +28,7 @@ from fsharded import _tree, optim
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
 from fsharded.spmd._transfer import backend_for, shard, unshard
-from fsharded.spmd.collectives import is_bound, mark_varying, pmean
+from fsharded.spmd.collectives import is_bound, mark_varying, pmean, varying_axes
 from fsharded.spmd.shard_map import shard_map
 
 __all__ = ["TrainState", "TrainStep", "train_step"]
@@ -237,6 +237,7 @@ class TrainStep:
                     f"train_step: loss_fn must return a scalar tensor, got "
                     f"{type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}"
                 )
+            _check_loss_type(loss, self.batch_axes, self.mesh)
             loss = loss.float()
             return (loss * scale if scale is not None else loss), loss
 
@@ -391,6 +392,23 @@ class TrainStep:
             specs = self.state_specs(state)
             state = _globalize(state, specs, self.mesh)
         return sm.collectives(state, batch)
+
+
+def _check_loss_type(loss: torch.Tensor, batch_axes: tuple[str, ...], mesh: Mesh) -> None:
+    """A shard's loss may vary over the batch axes only: one that still varies over
+    another axis is each shard's partial piece of a different model (its parameters are
+    sharded over the axis and the model does not reduce over it)."""
+    extra = [a for a in varying_axes(loss) if a not in batch_axes and mesh.shape[a] > 1]
+    if extra:
+        raise ValueError(
+            f"train_step: the loss varies over mesh axis {extra[0]!r}"
+            + (f" (and {extra[1:]})" if len(extra) > 1 else "")
+            + f" after loss_fn, but only the batch axes {list(batch_axes)} may differ between "
+            f"shards: parameters are sharded over {extra[0]!r} and the model does not reduce "
+            f"over it (a missing psum). Tell the model the axis name (e.g. "
+            f"functools.partial(gpt.loss, tensor_axis={extra[0]!r})), add the psum, or keep "
+            f"the parameters replicated over {extra[0]!r}"
+        )
 
 
 def _accepts(fn: Callable, name: str) -> bool:

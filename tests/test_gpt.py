@@ -266,7 +266,7 @@ def test_block_fn_hook_and_every_param_gets_gradient():
         return block(p, x, **kw)
 
     torch.testing.assert_close(gpt.loss(params, batch, block_fn=wrapped), gpt.loss(params, batch))
-    assert calls[0] == {"rotary": True, "attention": "auto"}
+    assert calls[0] == {"rotary": True, "attention": "auto", "tensor_axis": "tensor"}
     grads = torch.func.grad(gpt.loss)(params, batch)
     assert all(bool(g.abs().sum() > 0) for g in optree.tree_leaves(grads))
 

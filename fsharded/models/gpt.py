@@ -2,8 +2,11 @@
 
 The same ``loss(params, batch)`` runs on one device, data-parallel, or Megatron
 tensor-parallel inside ``shard_map``: attention heads and the MLP hidden width may be
-sharded over the mesh axis ``"tensor"``, and every collective is skipped when that axis is
-not bound. Local head counts and widths come from the local tensor shapes.
+sharded over a mesh axis (``tensor_axis``, ``"tensor"`` by default). The model reduces over
+it exactly where its values are split (their varying axes, ``fsharded.varying_axes``): with
+replicated weights nothing is reduced, and a mesh that names the axis otherwise leaves a
+loss that still varies over it, which ``train_step`` reports. Local head counts and widths
+come from the local tensor shapes.
 
 >>> import torch
 >>> cfg = GPTConfig.tiny()
@@ -48,7 +51,7 @@ import torch.nn.functional as F
 from fsharded._tree import rules
 from fsharded.mesh import P
 from fsharded.models._gpt_config import GPTConfig
-from fsharded.spmd.collectives import is_bound, psum, pvary
+from fsharded.spmd.collectives import is_bound, psum, pvary, varying_axes
 
 __all__ = [
     "GPTConfig",
@@ -144,15 +147,22 @@ def param_count(params: Any) -> int:
 # ------------------------------------------------------------------------------------------
 
 
-def _enter_tp(x: torch.Tensor) -> torch.Tensor:
-    """Megatron's f: identity forward, all-reduce of the gradient over ``tensor`` backward,
-    so replicated inputs of column-parallel layers get their full gradient."""
-    return pvary(x, TENSOR) if is_bound(TENSOR) else x
+def _split(axis: str | None, w: torch.Tensor) -> bool:
+    """Whether the weight ``w`` is split over the mesh axis ``axis`` in this shard_map."""
+    return axis is not None and is_bound(axis) and axis in varying_axes(w)
 
 
-def _exit_tp(x: torch.Tensor) -> torch.Tensor:
-    """Megatron's g: sum the partial outputs of row-parallel layers over ``tensor``."""
-    return psum(x, TENSOR) if is_bound(TENSOR) else x
+def _enter_tp(x: torch.Tensor, axis: str | None, w: torch.Tensor) -> torch.Tensor:
+    """Megatron's f: identity forward, all-reduce of the gradient over ``axis`` backward,
+    so replicated inputs of column-parallel layers (weight ``w``) get their full gradient;
+    one all-reduce for the layer (an implicit pvary would add one per weight it meets)."""
+    return pvary(x, axis) if _split(axis, w) else x
+
+
+def _exit_tp(x: torch.Tensor, axis: str | None) -> torch.Tensor:
+    """Megatron's g: sum the partial outputs of row-parallel layers over ``axis``, where
+    they are partial (vary over it); outputs of replicated weights are already whole."""
+    return psum(x, axis) if axis is not None and is_bound(axis) and axis in varying_axes(x) else x
 
 
 def _triton(x: torch.Tensor, kind: str) -> bool:
@@ -235,8 +245,8 @@ _ATTENTION = {"auto": _auto_attention, "einsum": _causal_attention, "sdpa": _sdp
               "flash": _flash_attention}
 
 
-def _attn(p: Params, x: torch.Tensor, rotary: bool, attention: str) -> torch.Tensor:
-    x = _enter_tp(x)  # (B, T, D)
+def _attn(p: Params, x: torch.Tensor, rotary: bool, attention: str, axis: str | None) -> torch.Tensor:
+    x = _enter_tp(x, axis, p["wq"])  # (B, T, D)
     q = torch.einsum("btd,dhe->bthe", x, p["wq"])  # (B, T, H/tp, Dh)
     k = torch.einsum("btd,dhe->bthe", x, p["wk"])  # (B, T, KV/tp, Dh)
     v = torch.einsum("btd,dhe->bthe", x, p["wv"])  # (B, T, KV/tp, Dh)
@@ -245,35 +255,36 @@ def _attn(p: Params, x: torch.Tensor, rotary: bool, attention: str) -> torch.Ten
     if rotary:
         q, k = _rotary(q), _rotary(k)
     o = _ATTENTION[attention](q, k, v)  # (B, T, H/tp, Dh)
-    y = _exit_tp(torch.einsum("bthe,hed->btd", o, p["wo"]))  # (B, T, D)
+    y = _exit_tp(torch.einsum("bthe,hed->btd", o, p["wo"]), axis)  # (B, T, D)
     return y + p["bo"] if "bo" in p else y
 
 
-def _mlp(p: Params, x: torch.Tensor) -> torch.Tensor:
-    x = _enter_tp(x)  # (B, T, D)
+def _mlp(p: Params, x: torch.Tensor, axis: str | None) -> torch.Tensor:
+    x = _enter_tp(x, axis, p["w_gate"] if "w_gate" in p else p["w_in"])  # (B, T, D)
     if "w_gate" in p:
         gate, up = x @ p["w_gate"], x @ p["w_up"]  # (B, T, F/tp)
         if "b_gate" in p:
             gate, up = gate + p["b_gate"], up + p["b_up"]
-        y = _exit_tp((F.silu(gate) * up) @ p["w_down"])  # (B, T, D)
+        y = _exit_tp((F.silu(gate) * up) @ p["w_down"], axis)  # (B, T, D)
         return y + p["b_down"] if "b_down" in p else y
     h = x @ p["w_in"]  # (B, T, F/tp)
     if "b_in" in p:
         h = h + p["b_in"]
-    y = _exit_tp(F.gelu(h) @ p["w_out"])  # (B, T, D)
+    y = _exit_tp(F.gelu(h) @ p["w_out"], axis)  # (B, T, D)
     return y + p["b_out"] if "b_out" in p else y
 
 
 def block(p: Params, x: torch.Tensor, *, rotary: bool = False,
-          attention: str = "auto") -> torch.Tensor:
+          attention: str = "auto", tensor_axis: str | None = TENSOR) -> torch.Tensor:
     """One pre-norm transformer block, ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``.
 
-    ``p`` is one entry of ``params["blocks"]``; x: (B, T, D), replicated over ``tensor``.
+    ``p`` is one entry of ``params["blocks"]``; x: (B, T, D), replicated over
+    ``tensor_axis`` (the mesh axis the heads and hidden width may be split over).
     Every tensor it reads is in ``p`` or ``x`` (nothing captured), so it can be wrapped by
     remat or a ZeRO-3 gather, or placed on a pipeline stage as is.
     """
-    x = x + _attn(p["attn"], _norm(p["norm1"], x), rotary, attention)
-    return x + _mlp(p["mlp"], _norm(p["norm2"], x))
+    x = x + _attn(p["attn"], _norm(p["norm1"], x), rotary, attention, tensor_axis)
+    return x + _mlp(p["mlp"], _norm(p["norm2"], x), tensor_axis)
 
 
 def embed(params: Params, tokens: torch.Tensor) -> torch.Tensor:
@@ -304,7 +315,8 @@ def unembed(params: Params, x: torch.Tensor) -> torch.Tensor:
 
 
 def apply(params: Params, tokens: torch.Tensor, *, attention: str = "auto",
-          block_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+          block_fn: Callable[..., torch.Tensor] | None = None,
+          tensor_axis: str | None = TENSOR) -> torch.Tensor:
     """Logits ``(B, T, V)`` for integer ``tokens`` ``(B, T)``.
 
     ``attention``: ``"auto"`` (default: ``"flash"`` where its Triton kernel runs, i.e. on
@@ -312,7 +324,8 @@ def apply(params: Params, tokens: torch.Tensor, *, attention: str = "auto",
     mesh), ``"flash"`` (``fsharded.kernels.flash_attention``) or ``"sdpa"``
     (``scaled_dot_product_attention``; a slow per-sample loop under vmap on CPU). ``block_fn(block, p, x, *, rotary, attention)``
     runs every layer instead of ``block(p, x, ...)``: a wrapper (remat, ZeRO-3 gathering)
-    that receives the block function and calls it.
+    that receives the block function and calls it. ``tensor_axis``: the mesh axis the
+    tensor-parallel weights are split over (``None``: no tensor parallelism).
     """
     if attention not in _ATTENTION:
         raise ValueError(f"attention must be one of {list(_ATTENTION)}, got {attention!r}")
@@ -320,7 +333,7 @@ def apply(params: Params, tokens: torch.Tensor, *, attention: str = "auto",
     rotary = "pos" not in params
     x = embed(params, tokens)
     for p in params["blocks"]:
-        x = fn(p, x, rotary=rotary, attention=attention)
+        x = fn(p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis)
     return unembed(params, x)
 
 
@@ -349,16 +362,20 @@ def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss(params: Params, batch: dict[str, torch.Tensor], *, attention: str = "auto",
-         block_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+         block_fn: Callable[..., torch.Tensor] | None = None,
+         tensor_axis: str | None = TENSOR) -> torch.Tensor:
     """Mean next-token cross-entropy over this shard's batch (a 0-d tensor).
 
     ``batch["tokens"]`` (B, T + 1): inputs are ``tokens[:, :-1]``, targets
     ``tokens[:, 1:]``; or give ``batch["inputs"]`` and ``batch["targets"]`` (B, T).
     Inside ``shard_map`` with the batch sharded over ``"data"`` this is the local mean:
-    ``pmean`` it (and the gradients) over ``"data"`` for the global mean.
+    ``pmean`` it over ``"data"`` for the global mean. ``tensor_axis``: the mesh axis of
+    ``tensor_parallel_specs(params, axis=...)``, e.g. ``functools.partial(loss,
+    tensor_axis="tp")`` on a mesh whose axis is named ``"tp"``.
     """
     inputs, targets = _split_batch(batch)
-    logits = apply(params, inputs, attention=attention, block_fn=block_fn)  # (B, T, V)
+    logits = apply(params, inputs, attention=attention, block_fn=block_fn,
+                   tensor_axis=tensor_axis)  # (B, T, V)
     flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
     if _triton(flat, "cross_entropy"):
         # Chunked over the vocabulary with fp32 statistics: no fp32 copy of the logits.
@@ -392,8 +409,8 @@ TENSOR_PARALLEL_RULES: dict[str, P] = {
 biases of row-parallel layers) is replicated."""
 
 
-def tensor_parallel_specs(params: Params) -> Any:
-    """The spec tree that shards ``params`` Megatron-style over the mesh axis ``"tensor"``.
+def tensor_parallel_specs(params: Params, axis: str = TENSOR) -> Any:
+    """The spec tree that shards ``params`` Megatron-style over the mesh axis ``axis``.
 
     Query heads, key/value heads and the MLP hidden width are split, so ``n_heads``,
     ``n_kv_heads`` and ``d_ff`` must be divisible by the tensor-parallel size
@@ -403,4 +420,7 @@ def tensor_parallel_specs(params: Params) -> Any:
     >>> specs["blocks"][0]["attn"]["wo"], specs["emb"]
     (PartitionSpec('tensor', None, None), PartitionSpec())
     """
-    return rules(params, TENSOR_PARALLEL_RULES)
+    if axis == TENSOR:
+        return rules(params, TENSOR_PARALLEL_RULES)
+    return rules(params, {k: P(*(axis if e == TENSOR else e for e in v))
+                          for k, v in TENSOR_PARALLEL_RULES.items()})

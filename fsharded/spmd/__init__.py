@@ -23,6 +23,7 @@ from fsharded.spmd.collectives import (
     psum,
     psum_scatter,
     pvary,
+    varying_axes,
 )
 from fsharded.spmd.shard_map import ShardMapped, shard_map
 
@@ -42,6 +43,7 @@ __all__ = [
     "axis_index",
     "axis_size",
     "is_bound",
+    "varying_axes",
     "shard",
     "unshard",
     "to_dtensor",

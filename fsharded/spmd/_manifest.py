@@ -34,7 +34,7 @@ class Entry:
 
     def __str__(self) -> str:
         return (
-            f"{self.phase:8s} {self.op:12s} {self.axis:>14s} {str(self.dtype).replace('torch.', ''):9s} "
+            f"{self.phase:8s} {self.op:20s} {self.axis:>14s} {str(self.dtype).replace('torch.', ''):9s} "
             f"{str(list(self.shape)):>18s} {self.bytes_sent:>12,d}"
         )
 
@@ -55,7 +55,7 @@ class Manifest(tuple):
         return [(e.op, e.axis) for e in self]
 
     def __str__(self) -> str:
-        head = f"{'phase':8s} {'op':12s} {'axis':>14s} {'dtype':9s} {'local shape':>18s} {'bytes/rank':>12s}"
+        head = f"{'phase':8s} {'op':20s} {'axis':>14s} {'dtype':9s} {'local shape':>18s} {'bytes/rank':>12s}"
         lines = [head, "-" * len(head)]
         lines += [str(e) for e in self]
         lines.append("-" * len(head))

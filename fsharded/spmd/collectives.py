@@ -49,6 +49,7 @@ __all__ = [
     "axis_index",
     "axis_size",
     "is_bound",
+    "varying_axes",
 ]
 
 AxisName = str | Sequence[str]
@@ -309,6 +310,20 @@ def axis_index(axis: AxisName) -> torch.Tensor:
         idx = idx.view_as(idx)  # its own value, typed; the token stays untyped
         mode.set(idx, frozenset(axes.names))
     return idx
+
+
+def varying_axes(x: torch.Tensor) -> tuple[str, ...]:
+    """The mesh axes ``x`` varies over (mesh order), JAX's ``jax.typeof(x).vma``: inside
+    ``shard_map`` its type by the rules of ``fsharded.spmd._vma``; outside, ``()``.
+
+    Model code can reduce exactly where its values are split:
+
+    >>> y = psum(y, "tensor") if "tensor" in varying_axes(y) else y
+    """
+    frame = _env.current()
+    if frame is None or frame.vma is None:
+        return ()
+    return frame.vma.ordered(frame.vma.get(x))
 
 
 def axis_size(axis: AxisName) -> int:
