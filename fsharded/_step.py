@@ -27,6 +27,7 @@ import torch
 from fsharded import _tree, optim
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
+from fsharded.spmd import _manifest, _schedule
 from fsharded.spmd._transfer import backend_for, shard, unshard
 from fsharded.spmd.collectives import is_bound, mark_varying, pmean, varying_axes
 from fsharded.spmd.shard_map import shard_map
@@ -56,6 +57,7 @@ def train_step(
     check_finite: bool = True,
     donate: bool = False,
     backend: str | None = None,
+    check_schedule: bool = True,
 ) -> TrainStep:
     """Build a training step for ``loss_fn(params, batch) -> scalar``.
 
@@ -73,10 +75,14 @@ def train_step(
     must survive a call (it cannot be restored after a NaN stop), or with fp16 loss scaling.
     With donation, ``adamw``/``adam``/``lion`` (no mask) run as one fused in-place kernel
     (``fsharded.optim.fused_update_``: Triton on CUDA, the C++ optimizer on CPU).
+    ``check_schedule`` (real ranks): before the first step for a state layout, every rank
+    lists the collectives it will run (a dry run on meta tensors) and the ranks compare them;
+    a mismatch is an error on every rank naming the first differing collective, not a hang.
     """
     return TrainStep(loss_fn, optimizer, mesh=mesh, param_specs=param_specs,
                      batch_spec=batch_spec, precision=precision, accumulation=accumulation,
-                     clip=clip, check_finite=check_finite, donate=donate, backend=backend)
+                     clip=clip, check_finite=check_finite, donate=donate, backend=backend,
+                     check_schedule=check_schedule)
 
 
 def _policy(precision: Any):
@@ -89,7 +95,7 @@ class TrainStep:
     """The object ``train_step`` returns: ``.init``, call, ``.collectives``, ``.params``."""
 
     def __init__(self, loss_fn, optimizer, *, mesh, param_specs, batch_spec, precision,
-                 accumulation, clip, check_finite, donate, backend):
+                 accumulation, clip, check_finite, donate, backend, check_schedule=True):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.mesh = mesh if mesh is not None else Mesh({"data": 1})
@@ -120,6 +126,8 @@ class TrainStep:
         self.batch_axes = _batch_axes(batch_spec, self.mesh)
         self._scaler = self.policy.loss_scaler()
         self._compiled: dict = {}
+        self.check_schedule = check_schedule
+        self._agreed: set = set()
 
     # -- state -------------------------------------------------------------------------
 
@@ -224,7 +232,7 @@ class TrainStep:
             if per_block:
                 specs_of = {id(x): (m, u) for x, m, u, b in zip(leaves, master_specs, use, block_mask) if b}
                 prefetch = _Prefetch(p, specs_of, axis, self.mesh) if self.distributed and \
-                    not torch._C._are_functorch_transforms_active() else None
+                    not torch._C._are_functorch_transforms_active() and not _manifest.dry() else None
                 # The last block's backward follows its forward at once: keep its weights.
                 last = p.get("blocks") if isinstance(p, dict) else None
                 kept = {id(t) for t in optree.tree_leaves(last[-1])} if last else set()
@@ -244,7 +252,7 @@ class TrainStep:
         if torch._C._are_functorch_transforms_active():  # the virtual mesh's vmap levels
             grad_fn = torch.func.grad_and_value(local_loss, has_aux=True)
         else:  # one device or a real rank: plain autograd skips functorch's wrapping (~8%)
-            overlap = per_block and self.distributed
+            overlap = per_block and self.distributed and not _manifest.dry()
             grad_fn = functools.partial(_autograd_grad_and_value, local_loss, overlap=overlap)
         x0 = params if through_gather else optree.tree_unflatten(m_def, gather(m_leaves))
         varying = tuple(a for a in self.batch_axes if self.mesh.shape[a] > 1)
@@ -288,7 +296,7 @@ class TrainStep:
             finite = all_finite(grads, axis=tuple(a for a in self.mesh.axis_names if is_bound(a)))
         # Donated state on plain tensors: adamw / adam / lion run as one fused in-place
         # kernel (Triton on CUDA, C++ on CPU) with the clipping factor applied on load.
-        fused = (self.donate and optim.has_fused(self.optimizer)
+        fused = (self.donate and optim.has_fused(self.optimizer) and not _manifest.dry()
                  and not torch._C._are_functorch_transforms_active()
                  and all(t.dtype == torch.float32 for t in optree.tree_leaves(params)))
         factor = torch.clamp(self.clip / (gnorm + 1e-6), max=1.0) if self.clip is not None else None
@@ -372,6 +380,12 @@ class TrainStep:
         sm = self._shard_mapped(state)
         if self.distributed:  # the batch is global (the same on every rank): take our rows
             batch = _local_batch(sm, batch)
+            key = optree.tree_structure((state, batch)), _shapes((state, batch))
+            if self.check_schedule and key not in self._agreed:
+                with torch.no_grad():
+                    schedule = _schedule.dry_run(sm.local, state, batch)
+                _schedule.agree(schedule, "train_step")
+                self._agreed.add(key)
         with torch.no_grad():
             new_state, metrics = sm.local(state, batch)
         if self.check_finite and state.loss_scale is None and not bool(torch.isfinite(metrics["loss"])):
@@ -392,6 +406,10 @@ class TrainStep:
             specs = self.state_specs(state)
             state = _globalize(state, specs, self.mesh)
         return sm.collectives(state, batch)
+
+
+def _shapes(tree: Any) -> tuple:
+    return tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in optree.tree_leaves(tree))
 
 
 def _check_loss_type(loss: torch.Tensor, batch_axes: tuple[str, ...], mesh: Mesh) -> None:

@@ -94,3 +94,33 @@ def test_a_model_without_its_psum_is_refused_by_name():
     step = fs.train_step(fixed, fs.optim.sgd(0.1), mesh=mesh, param_specs=specs)
     state, m = step(step.init(params), torch.randn(8, 4))
     assert torch.isfinite(m["loss"])
+
+
+def schedule_case(bad: bool) -> str:
+    """On each gloo rank: one step where, if ``bad``, rank 1 runs one collective more."""
+    mesh = fs.Mesh({"data": 2})
+
+    def loss(p, batch):
+        value = gpt.loss(p, batch)
+        if bad and fs.distributed.rank() == 1:
+            value = value + fs.psum(value * 0, "data")  # a collective only rank 1 runs
+        return value
+
+    step = fs.train_step(loss, fs.optim.adamw(T.LR), mesh=mesh, param_specs=P())
+    state = step.init(gpt.init(T.CONFIG, 0))
+    try:
+        step(state, T.batches(1)[0])
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.multiprocess
+def test_ranks_running_different_collectives_fail_before_the_step():
+    from fsharded.testing import run_on_ranks
+
+    assert run_on_ranks(schedule_case, 2, False) == ["", ""]
+    for msg in run_on_ranks(schedule_case, 2, True):  # an error on every rank, no hang
+        assert "the ranks would run different collectives" in msg
+        assert "collective #0: rank 0 runs ('forward', 'psum', 'data', 'float32', (" in msg
+        assert "rank 1 runs ('forward', 'psum', 'data', 'float32', ())" in msg

@@ -72,14 +72,26 @@ class Manifest(tuple):
 _REC: contextvars.ContextVar[list | None] = contextvars.ContextVar("fsharded_manifest", default=None)
 
 
+_DRY: contextvars.ContextVar[bool] = contextvars.ContextVar("fsharded_dry_run", default=False)
+
+
 @contextlib.contextmanager
-def recording() -> Iterator[list]:
+def recording(*, dry: bool = False) -> Iterator[list]:
+    """Record every collective called inside. ``dry=True`` (real ranks, meta tensors):
+    collectives only say what they would return (meta tensors of their output shapes) and
+    send nothing, so a rank can list its own schedule without its peers."""
     entries: list = []
-    tok = _REC.set(entries)
+    tok, dtok = _REC.set(entries), _DRY.set(dry)
     try:
         yield entries
     finally:
         _REC.reset(tok)
+        _DRY.reset(dtok)
+
+
+def dry() -> bool:
+    """Inside ``recording(dry=True)``."""
+    return _DRY.get()
 
 
 def _phase() -> str:

@@ -65,6 +65,9 @@ class _Prim:
     def shift(self, p: tuple) -> tuple:
         return p
 
+    def out_shape(self, shape: tuple, n: int, p: tuple) -> tuple:
+        return shape
+
     def save(self, ctx: Any, x: torch.Tensor, y: torch.Tensor) -> None:
         pass
 
@@ -161,6 +164,9 @@ class _AllGather(_Prim):
     def dist(self, x, g, p):
         return comm.all_gather_dim(x, g, p[0])
 
+    def out_shape(self, shape, n, p):
+        return (*shape[:p[0]], shape[p[0]] * n, *shape[p[0] + 1:])
+
     def transpose(self, ctx, g):
         return _dispatch(PSUM_SCATTER, ctx.params, ctx.axes, g)
 
@@ -198,6 +204,9 @@ class _PsumScatter(_Prim):
     def dist(self, x, g, p):
         return comm.reduce_scatter_dim(x, g, p[0])
 
+    def out_shape(self, shape, n, p):
+        return (*shape[:p[0]], shape[p[0]] // n, *shape[p[0] + 1:])
+
     def transpose(self, ctx, g):
         return _dispatch(ALL_GATHER, ctx.params, ctx.axes, g)
 
@@ -232,6 +241,12 @@ class _AllToAll(_Prim):
 
     def dist(self, x, g, p):
         return comm.all_to_all_dims(x, g, *p)
+
+    def out_shape(self, shape, n, p):
+        out = list(shape)
+        out[p[0]] //= n
+        out[p[1]] *= n
+        return tuple(out)
 
     def transpose(self, ctx, g):
         split, concat = ctx.params
@@ -362,7 +377,11 @@ class Collective(torch.autograd.Function):
 
 
 def dist_call(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor) -> torch.Tensor:
-    """The real-rank call on this rank's tensor (no autograd)."""
+    """The real-rank call on this rank's tensor (no autograd). In a dry run, what it
+    would return, without touching a process group."""
+    if _manifest.dry():
+        return torch.empty(prim.out_shape(tuple(x.shape), axes.size, params), dtype=x.dtype,
+                           device="meta")
     with memory.collective_scope():
         return prim.dist(x, comm.axis_group(axes.frame.mesh, axes.names), params)
 

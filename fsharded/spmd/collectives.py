@@ -127,7 +127,7 @@ def pmean_owned(x: torch.Tensor, axis: AxisName) -> torch.Tensor:
     mode = axes.frame.vma
     if (axes.virtual or axes.size == 1 or not x.is_floating_point() or not x.is_contiguous()
             or (torch.is_grad_enabled() and x.requires_grad) or comm.tracing()
-            or torch._C._functorch.is_functorch_wrapped_tensor(x)
+            or torch._C._functorch.is_functorch_wrapped_tensor(x) or _manifest.dry()
             or (mode is not None and mode.dispatching)):
         return run(PSUM, (), axes, x) / axes.size
     _manifest.record(PSUM, (), axes, x)
