@@ -28,6 +28,7 @@ from fsharded.mesh import Mesh, NamedSharding, P, PartitionSpec
 from fsharded.spmd import (
     Entry,
     Manifest,
+    Sharded,
     ShardMapped,
     all_gather,
     all_gather_invariant,
@@ -58,6 +59,7 @@ __all__ = [
     "P",
     "NamedSharding",
     "shard",
+    "Sharded",
     "unshard",
     "to_dtensor",
     "from_dtensor",

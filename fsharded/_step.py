@@ -28,7 +28,7 @@ from fsharded import _tree, optim
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
 from fsharded.spmd import _manifest, _schedule
-from fsharded.spmd._transfer import backend_for, shard, unshard
+from fsharded.spmd._transfer import backend_for, local_shards, unshard
 from fsharded.spmd.collectives import is_bound, mark_varying, pmean, varying_axes
 from fsharded.spmd.shard_map import shard_map
 
@@ -161,7 +161,7 @@ class TrainStep:
         pl = self.placement(params)
         master = cast_tree(optree.tree_map(lambda x: x.detach().clone(), params), self.policy.master_dtype)
         if self.distributed:
-            master = shard(master, pl.master, self.mesh)
+            master = local_shards(master, pl.master, self.mesh)
         else:  # validates every leaf against the mesh
             shard_map(lambda p: p, mesh=self.mesh, in_specs=(pl.master,),
                       out_specs=pl.master)._flat_in((master,))

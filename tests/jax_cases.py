@@ -172,4 +172,18 @@ def all_cases(n: int) -> dict:
         "vma": vma_errors(n),
         "transforms": transforms(n),
         "scalars": scalars_and_errors(n),
+        "sharded": sharded_values(n),
     }
+
+
+def sharded_values(n: int) -> dict:
+    """Defect 7: what fs.shard returns stands for the global value in shard_map."""
+    mesh = fs.Mesh({"i": n})
+    x = torch.arange(float(2 * n), dtype=torch.float64).reshape(2 * n, 1)
+    xs = fs.shard(x, P("i"), mesh)
+    f = fs.shard_map(lambda v: fs.psum(v.sum(0), "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
+    other = fs.shard(x, P(), mesh)  # replicated: the whole value, under another layout
+    res = {"as_global": f(xs), "type_after_op": type(xs * 2).__name__,
+           "roundtrip": fs.unshard(xs, P("i"), mesh)}
+    res["other_layout"] = _error(lambda: f(other)) if fs.distributed.is_initialized() else f(other)
+    return res

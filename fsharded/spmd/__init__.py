@@ -8,7 +8,7 @@ backends (``_virtual``, ``_distributed``), and moving values in and out (``_tran
 """
 
 from fsharded.spmd._manifest import Entry, Manifest
-from fsharded.spmd._transfer import from_dtensor, shard, to_dtensor, unshard
+from fsharded.spmd._transfer import Sharded, from_dtensor, shard, to_dtensor, unshard
 from fsharded.spmd.collectives import (
     all_gather,
     all_gather_invariant,
@@ -45,6 +45,7 @@ __all__ = [
     "is_bound",
     "varying_axes",
     "shard",
+    "Sharded",
     "unshard",
     "to_dtensor",
     "from_dtensor",

@@ -14,7 +14,7 @@ from fsharded.mesh._layout import dims, local_slice
 from fsharded.mesh._spec import PartitionSpec
 from fsharded.spmd import _env, _prims, _vma
 from fsharded.spmd._env import Axes
-from fsharded.spmd._transfer import from_dtensor, gather_global
+from fsharded.spmd._transfer import Sharded, from_dtensor, gather_global
 
 
 class _EnterShard(torch.autograd.Function):
@@ -90,10 +90,13 @@ def call(sm: Any, args: tuple, *, local: bool = False) -> Any:
     mesh = sm.mesh
     coords = mesh.coords(comm.rank())
     leaves, specs, treedef, paths = sm._flat_in(args, local=local)
+    was_sharded = [isinstance(x, Sharded) for x in leaves]
+    leaves = [x.plain() if sh else x for x, sh in zip(leaves, was_sharded)]  # already shards
     if local:
         shards = list(leaves)
     else:
-        shards = [_enter(x, s, mesh, coords, p) for x, s, p in zip(leaves, specs, paths)]
+        shards = [x if sh else _enter(x, s, mesh, coords, p)
+                  for x, s, p, sh in zip(leaves, specs, paths, was_sharded)]
     frame = _env.AxisFrame(mesh, "distributed", coords=coords)
     mode = _vma.VmaMode(mesh.axis_names, _prims.implicit_pvary(frame))
     frame = dataclasses.replace(frame, vma=mode)

@@ -17,12 +17,14 @@ from fsharded.mesh._layout import (
     from_stacked,
     global_shape,
     local_slice,
+    spec_mesh_axes,
     to_stacked,
 )
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, format_spec_errors, spec_errors
 
-__all__ = ["shard", "unshard", "to_dtensor", "from_dtensor", "gather_global", "backend_for"]
+__all__ = ["shard", "unshard", "Sharded", "local_shards", "to_dtensor", "from_dtensor",
+           "gather_global", "backend_for"]
 
 
 def backend_for(mesh: Mesh, backend: str | None) -> str:
@@ -35,14 +37,66 @@ def backend_for(mesh: Mesh, backend: str | None) -> str:
     return backend
 
 
+class Sharded(torch.Tensor):
+    """A value in a backend's sharded form that remembers the global value it stands for:
+    what ``shard`` returns. On the virtual mesh the stacked tensor, on real ranks this
+    rank's shard; ``spec``, ``mesh`` and ``backend`` say how. It computes like a plain
+    tensor (every op gives a plain tensor back), and ``shard_map`` takes it as the global
+    value, where a plain stacked tensor or local shard would be split a second time."""
+
+    spec: PartitionSpec
+    mesh: Mesh
+    backend: str
+
+    @staticmethod
+    def wrap(x: torch.Tensor, spec: PartitionSpec, mesh: Mesh, backend: str) -> Sharded:
+        out = x.as_subclass(Sharded)
+        out.spec, out.mesh, out.backend = spec, mesh, backend
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def plain(self) -> torch.Tensor:
+        """The same data as a plain tensor."""
+        return self.as_subclass(torch.Tensor)
+
+    def global_shape(self) -> tuple[int, ...]:
+        shape = tuple(self.shape)
+        if self.backend == "virtual":
+            shape = shape[len(spec_mesh_axes(self.spec, self.mesh)):]
+        return global_shape(self.spec, shape, self.mesh)
+
+    def __reduce_ex__(self, protocol):
+        # Saved as the plain shard with its layout; loads back as a Sharded.
+        return (_rebuild, (self.plain(), self.spec, self.mesh, self.backend))
+
+
+def _rebuild(x: torch.Tensor, spec: PartitionSpec, mesh: Mesh, backend: str) -> Sharded:
+    return Sharded.wrap(x, spec, mesh, backend)
+
+
 def shard(tree: Any, specs: Any, mesh: Mesh, *, backend: str | None = None) -> Any:
-    """Global tensors -> the backend's sharded form (see module docstring).
+    """Global tensors -> the backend's sharded form (see module docstring), as ``Sharded``
+    values: ``shard_map`` takes them for the global values they stand for.
 
     >>> mesh = Mesh({"data": 2})
-    >>> shard(torch.arange(4.0), P("data"), mesh)   # virtual: (2, 2) stacked
+    >>> shard(torch.arange(4.0), P("data"), mesh).plain()   # virtual: (2, 2) stacked
     tensor([[0., 1.],
             [2., 3.]])
     """
+    backend = backend_for(mesh, backend)
+    flat_specs = _tree.broadcast_prefix(specs, tree)
+    leaves, treedef = optree.tree_flatten(local_shards(tree, specs, mesh, backend=backend))
+    out = [Sharded.wrap(x, s, mesh, backend) if isinstance(x, torch.Tensor) else x
+           for x, s in zip(leaves, flat_specs)]
+    return optree.tree_unflatten(treedef, out)
+
+
+def local_shards(tree: Any, specs: Any, mesh: Mesh, *, backend: str | None = None) -> Any:
+    """``shard`` as plain tensors (how a training step keeps its state)."""
     backend = backend_for(mesh, backend)
     paths, leaves, treedef = _tree.tree_flatten_with_paths(tree)
     flat_specs = _tree.broadcast_prefix(specs, tree)
@@ -59,6 +113,25 @@ def shard(tree: Any, specs: Any, mesh: Mesh, *, backend: str | None = None) -> A
             for x, s in zip(leaves, flat_specs)
         ]
     return optree.tree_unflatten(treedef, out)
+
+
+def globals_of(leaves: list, mesh: Mesh, backend: str, paths: list[str]) -> list:
+    """``Sharded`` arguments of a shard_map call -> what the checks and the backend take:
+    on the virtual mesh the global value (any layout); on real ranks the shard itself
+    (kept; its layout is checked against in_specs by the caller)."""
+    out = []
+    for x, path in zip(leaves, paths):
+        if isinstance(x, Sharded):
+            if x.mesh != mesh or x.backend != backend:
+                raise ValueError(
+                    f"shard_map: argument {path} was sharded on {x.mesh!r} for the {x.backend} "
+                    f"backend, but this shard_map runs on {mesh!r} ({backend}); unshard it "
+                    f"(fsharded.unshard) and pass the global value"
+                )
+            if backend == "virtual":
+                x = from_stacked(x.plain(), x.spec, mesh)
+        out.append(x)
+    return out
 
 
 def unshard(tree: Any, specs: Any, mesh: Mesh, *, backend: str | None = None) -> Any:

@@ -16,11 +16,11 @@ import optree
 import torch
 
 from fsharded import _tree
-from fsharded.mesh._layout import check_tree
+from fsharded.mesh._layout import check_tree, dims
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, format_spec_errors
 from fsharded.spmd import _distributed, _manifest, _virtual
-from fsharded.spmd._transfer import backend_for
+from fsharded.spmd._transfer import Sharded, backend_for, globals_of
 
 __all__ = ["shard_map", "ShardMapped"]
 
@@ -87,6 +87,11 @@ class ShardMapped:
 
     def _flat_in(self, args: tuple, *, local: bool = False) -> tuple[list, list, Any, list[str]]:
         leaves, treedef = optree.tree_flatten(args)
+        sharded = [isinstance(x, Sharded) for x in leaves]
+        if any(sharded):  # values from fsharded.shard stand for their global values
+            paths = [_argpath(p) for p in _tree.tree_flatten_with_paths(args)[0]]
+            leaves = globals_of(leaves, self.mesh, backend_for(self.mesh, self.backend), paths)
+            sharded = [isinstance(x, Sharded) for x in leaves]
         key = ("in", local, treedef, _signature(leaves))
         hit = self._cache.get(key)
         if hit is not None:
@@ -103,10 +108,22 @@ class ShardMapped:
             )
         paths = [_argpath(p) for p in _tree.tree_flatten_with_paths(args)[0]]
         flat_specs = _tree.broadcast_prefix(specs, args, what="in_specs", name=_argpath)
+        if any(sharded):  # real ranks: a shard is taken as it is if it is laid out as asked
+            bad = [f"  {p}: sharded as {x.spec!r}, in_specs say {sp!r}"
+                   for p, x, sp, sh in zip(paths, leaves, flat_specs, sharded)
+                   if sh and dims(x.spec, x.dim()) != dims(sp, x.dim())]
+            if bad:
+                raise ValueError(
+                    "shard_map: arguments sharded with another layout than in_specs:\n"
+                    + "\n".join(bad) + "\nShard them with the in_specs' spec, or unshard them "
+                    "(fsharded.unshard) and pass the global values"
+                )
+        checked = [torch.empty(x.global_shape(), dtype=x.dtype, device="meta") if sh else x
+                   for x, sh in zip(leaves, sharded)]
         if local:  # shard shapes: only the axes and ranks can be checked
-            check_tree_local(leaves, flat_specs, paths, self.mesh, "shard_map in_specs")
+            check_tree_local(checked, flat_specs, paths, self.mesh, "shard_map in_specs")
         else:
-            check_tree(leaves, flat_specs, paths, self.mesh, "shard_map in_specs")
+            check_tree(checked, flat_specs, paths, self.mesh, "shard_map in_specs")
         self._remember(key, (flat_specs, paths))
         return leaves, flat_specs, treedef, paths
 
@@ -177,7 +194,7 @@ class ShardMapped:
 
 def _signature(leaves: list) -> tuple:
     return tuple(
-        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in leaves
+        (tuple(x.shape), x.dtype, type(x)) if isinstance(x, torch.Tensor) else type(x) for x in leaves
     )
 
 
