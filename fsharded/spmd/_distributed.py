@@ -98,15 +98,18 @@ def call(sm: Any, args: tuple, *, local: bool = False) -> Any:
         shards = [x if sh else _enter(x, s, mesh, coords, p)
                   for x, s, p, sh in zip(leaves, specs, paths, was_sharded)]
     frame = _env.AxisFrame(mesh, "distributed", coords=coords)
+    if mesh.size == 1:  # one rank: nothing can differ between devices, nothing to type
+        with _env.enter(frame):
+            out = sm.f(*optree.tree_unflatten(treedef, shards))
+            o_leaves, o_specs, o_def, _ = sm._flat_out(out)
+        if local:
+            return out
+        return optree.tree_unflatten(o_def, [_Assemble.apply(y, s, mesh, coords)
+                                             for y, s in zip(o_leaves, o_specs)])
     mode = _vma.VmaMode(mesh.axis_names, _prims.implicit_pvary(frame))
     frame = dataclasses.replace(frame, vma=mode)
     with _env.enter(frame), mode:
-        for x, s in zip(shards, specs):
-            if isinstance(x, torch.Tensor):
-                mode.set(x, frozenset(s.axes))
-        out = sm.f(*optree.tree_unflatten(treedef, shards))
-        o_leaves, o_specs, o_def, o_paths = sm._flat_out(out)
-        kinds = _vma.output_types(mode, o_leaves, o_specs, o_paths, check=sm.check_vma)
+        o_leaves, o_specs, o_def, kinds = _vma.run_body(mode, sm, shards, specs, treedef)
         res = []
         for y, (fan, undeclared) in zip(o_leaves, kinds):
             if undeclared:  # check_vma=False: shard 0's value along them, as on the virtual mesh

@@ -38,12 +38,7 @@ def call(sm: Any, args: tuple) -> Any:
         levels = {_F.maybe_get_level(t): a for a, t in toks.items()}
         frame, mode = _typed_frame(_env.AxisFrame(mesh, "virtual", tokens=toks), levels)
         with _env.enter(frame), mode:
-            for x, s in zip(flat, specs):
-                if isinstance(x, torch.Tensor):
-                    mode.set(x, frozenset(s.axes))
-            out = sm.f(*optree.tree_unflatten(treedef, list(flat)))
-            o_leaves, o_specs, o_def, o_paths = sm._flat_out(out)
-            kinds = _vma.output_types(mode, o_leaves, o_specs, o_paths, check=sm.check_vma)
+            o_leaves, o_specs, o_def, kinds = _vma.run_body(mode, sm, flat, specs, treedef)
             res = []
             for y, (_, undeclared) in zip(o_leaves, kinds):
                 for a in undeclared:  # check_vma=False: shard 0's value along the axis
@@ -72,17 +67,13 @@ def call(sm: Any, args: tuple) -> Any:
 
 
 def _single(sm: Any, args: tuple) -> Any:
-    """A one-device mesh: every collective is the identity, so skip vmap altogether."""
+    """A one-device mesh: every collective is the identity, so skip vmap altogether, and
+    the typing (nothing can differ between devices: out_specs are not checked here)."""
     leaves, specs, treedef, _ = sm._flat_in(args)
     zeros = {a: torch.zeros((), dtype=torch.int64) for a in sm.mesh.axis_names}
-    frame, mode = _typed_frame(_env.AxisFrame(sm.mesh, "virtual", tokens=zeros), {})
-    with _env.enter(frame), mode:
-        for x, s in zip(leaves, specs):
-            if isinstance(x, torch.Tensor):
-                mode.set(x, frozenset(s.axes))
+    with _env.enter(_env.AxisFrame(sm.mesh, "virtual", tokens=zeros)):
         out = sm.f(*optree.tree_unflatten(treedef, leaves))
-        o_leaves, o_specs, o_def, o_paths = sm._flat_out(out)
-        _vma.output_types(mode, o_leaves, o_specs, o_paths, check=sm.check_vma)
+        sm._flat_out(out)
     return out
 
 

@@ -27,6 +27,7 @@ batched at (a value batched at an axis' level certainly varies over it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -139,44 +140,66 @@ class VmaMode(TorchFunctionMode):
     # -- the rule for every other op ----------------------------------------------------
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         if self.dispatching:
             return func(*args, **kwargs)
-        if func is _AUTOGRAD_GRAD:
-            return self._autograd_grad(args, kwargs)
-        name = getattr(func, "__name__", "")
-        if name.startswith("_foreach_"):
-            return self._foreach(func, args, kwargs)
-        if name == "custom_function_call" and getattr(args[0], "vma_typed", False):
-            return self._self_typed(func, args, kwargs)
-        tensors = _tensors(args, kwargs)
+        try:
+            kind = _kind(func)
+        except TypeError:  # an unhashable callable: classify it each time
+            kind = _kind.__wrapped__(func)
+        if kind is not _PLAIN:
+            if kind is _GRAD:
+                return self._autograd_grad(args, kwargs)
+            if kind is _FOREACH:
+                return self._foreach(func, args, kwargs)
+            if kind is _CUSTOM and getattr(args[0], "vma_typed", False):
+                return self._self_typed(func, args, kwargs)
+        # The hot path (every op of the body): the operands' types, inlined.
+        table, wrapped = self._vma, _F.is_functorch_wrapped_tensor
+        typed = []
         union = _NONE
-        types_in = []
-        for t in tensors:
-            v = self.get(t)
-            types_in.append(v)
-            union = union | v if v else union
+        for a in (args if not kwargs else (*args, *kwargs.values())):
+            if isinstance(a, torch.Tensor):
+                items = (a,)
+            elif isinstance(a, (list, tuple)):
+                items = a
+            else:
+                continue
+            for t in items:
+                if not isinstance(t, torch.Tensor):
+                    continue
+                e = table.get(id(t))
+                if e is not None and e[0]() is t:
+                    v = e[1]
+                else:
+                    v = self.get(t) if wrapped(t) else _NONE
+                typed.append((t, v))
+                if v:
+                    union = union | v
         if union and torch.is_grad_enabled():
-            args, kwargs = self._insert_pvary(func, args, kwargs, tensors, types_in, union)
+            args, kwargs = self._insert_pvary(func, args, kwargs, typed, union)
         self.dispatching += 1
         try:
             out = func(*args, **kwargs)
         finally:
             self.dispatching -= 1
         if union:
-            if func is _GRAD_GET:  # ``x.grad``: a cotangent has its primal's type
+            if kind is _GETGRAD:  # ``x.grad``: a cotangent has its primal's type
                 if isinstance(out, torch.Tensor):
-                    self.set(out, types_in[0])
+                    self.set(out, typed[0][1])
                 return out
-            if _mutates(func) and args and isinstance(args[0], torch.Tensor):
+            if kind is _MUTATES and args and isinstance(args[0], torch.Tensor):
                 self.set(args[0], union)
-            for t in _out_tensors(out):
-                self.set(t, union)
+            if isinstance(out, torch.Tensor):
+                self.set(out, union)
+            else:
+                for t in _out_tensors(out):
+                    self.set(t, union)
         return out
 
-    def _insert_pvary(self, func, args, kwargs, tensors, types_in, union):
-        missing = [(t, union - v) for t, v in zip(tensors, types_in)
-                   if v != union and t.requires_grad]
+    def _insert_pvary(self, func, args, kwargs, typed, union):
+        missing = [(t, union - v) for t, v in typed if v != union and t.requires_grad]
         if _mutates(func) and args and isinstance(args[0], torch.Tensor):
             missing = [(t, m) for t, m in missing if t is not args[0]]
         if not missing:
@@ -245,6 +268,24 @@ class VmaMode(TorchFunctionMode):
         return out
 
 
+_PLAIN, _GRAD, _FOREACH, _CUSTOM, _MUTATES, _GETGRAD = "plain", "grad", "foreach", "custom", "mutates", "getgrad"
+
+
+@functools.lru_cache(maxsize=4096)
+def _kind(func: Any) -> str:
+    """Which rule a function follows (looked up once per function)."""
+    if func is _AUTOGRAD_GRAD:
+        return _GRAD
+    if func is _GRAD_GET:
+        return _GETGRAD
+    name = getattr(func, "__name__", "")
+    if name.startswith("_foreach_"):
+        return _FOREACH
+    if name == "custom_function_call":
+        return _CUSTOM
+    return _MUTATES if _mutates(func) else _PLAIN
+
+
 def _mutates(func: Any) -> bool:
     name = getattr(func, "__name__", "")
     return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
@@ -296,3 +337,14 @@ def output_types(mode: VmaMode, leaves: list, specs: list, paths: list[str], *,
             "or pass check_vma=False to take shard 0's value along them unchecked."
         )
     return out
+
+
+def run_body(mode: VmaMode, sm: Any, leaves: list, specs: list, treedef: Any) -> tuple:
+    """Call the shard_map'ed function on this shard's arguments with their types set from
+    ``in_specs``; its outputs with their specs and ``output_types``."""
+    for x, s in zip(leaves, specs):
+        if isinstance(x, torch.Tensor):
+            mode.set(x, frozenset(s.axes))
+    out = sm.f(*optree.tree_unflatten(treedef, list(leaves)))
+    o_leaves, o_specs, o_def, o_paths = sm._flat_out(out)
+    return o_leaves, o_specs, o_def, output_types(mode, o_leaves, o_specs, o_paths, check=sm.check_vma)
