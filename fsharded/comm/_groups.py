@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 __all__ = ["initialize", "is_initialized", "rank", "world_size", "device_mesh", "axis_group",
            "AxisGroup", "check_world", "remember_device_mesh", "default_device_type", "timeout_s"]
@@ -108,8 +109,6 @@ class AxisGroup:
 
 def device_mesh(mesh: Mesh, *, device_type: str | None = None) -> Any:
     """The ``DeviceMesh`` with ``mesh``'s axes (created once per process)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     check_world(mesh)
     device_type = device_type or mesh.device_type or default_device_type()
     key = (mesh, device_type)

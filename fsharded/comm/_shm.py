@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fsharded.comm import _groups
 
@@ -113,8 +114,6 @@ def _setup(g: Any) -> Any:
     """Create (group rank 0) or open (the others) the group's segment. Every rank of the
     group takes part and all agree on the outcome (also when FSHARDED_SHM differs between
     them). None: stay on torch.distributed."""
-    import torch.distributed as dist
-
     if g.size == 1 or dist.get_backend(g.group) != "gloo":
         return None
     grank, on = dist.get_rank(g.group), enabled()
@@ -197,8 +196,6 @@ def all_reduce_(y: torch.Tensor, op: str, g: Any, *, divisor: int = 1) -> None:
         c.all_reduce_(y, op == "max", float(divisor) if op == "sum" else 1.0)
         torch.autograd.graph.increment_version(y)  # written in place, as c10d's op would
         return
-    import torch.distributed as dist
-
     dist.all_reduce(y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=g.group)
     if op == "sum" and divisor != 1:
         y.div_(divisor)
@@ -213,8 +210,6 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op: boo
             _observer("all_gather_into_tensor", x, g.size)
         c.all_gather(x, out)
         return Done() if async_op else None
-    import torch.distributed as dist
-
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(out, x, group=g.group, async_op=async_op)
 
@@ -227,8 +222,6 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op:
             _observer("reduce_scatter_tensor", x, g.size)
         c.reduce_scatter(x, out)
         return Done() if async_op else None
-    import torch.distributed as dist
-
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(out, x, group=g.group, async_op=async_op)
 
@@ -244,6 +237,4 @@ def all_to_all_into(out: torch.Tensor, x: torch.Tensor, g: Any) -> None:
             _observer("all_to_all_single", x, g.size)
         c.all_to_all(x, out)
         return
-    import torch.distributed as dist
-
     dist.all_to_all_single(out, x, group=g.group)
