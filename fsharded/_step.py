@@ -27,7 +27,7 @@ import torch
 from fsharded import _tree, optim
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
-from fsharded.spmd import _manifest, _schedule
+from fsharded.spmd import _env, _manifest, _schedule
 from fsharded.spmd._transfer import backend_for, local_shards, unshard
 from fsharded.spmd.collectives import is_bound, mark_varying, pmean, varying_axes
 from fsharded.spmd.shard_map import shard_map
@@ -194,7 +194,7 @@ class TrainStep:
         from fsharded.parallel import _buckets as B
         from fsharded.precision import all_finite, cast_tree, tree_where
 
-        use, grad_specs, master_specs, stage, axis, block_mask, reshard = pl_flat
+        use, grad_specs, master_specs, stage, axis, block_mask, reshard, state_flat = pl_flat
         policy = self.policy
         mem = memory.current() if not torch._C._are_functorch_transforms_active() else None
         if mem is not None:  # label what a tracker sees: state, then parameter gradients
@@ -286,6 +286,14 @@ class TrainStep:
                 g_leaves = B.slice_leaves(g_leaves, grad_specs, master_specs, axis, self.mesh)
         grads = optree.tree_unflatten(m_def, g_leaves)
         memory.label(grads, "gradients")
+        # From here on every value is a shard of a leaf laid out by its spec (gradients,
+        # parameters, optimizer moments): check that the gradients are typed so (reduced
+        # over every axis their parameter is not sharded on), then run the per-leaf
+        # update untyped (hundreds of small ops) and type the new state by its specs.
+        _check_grad_types(g_leaves, master_specs, self.mesh, _tree.tree_flatten_with_paths(params)[0])
+        vma = _env.current().vma
+        pause = vma.paused() if vma is not None else contextlib.nullcontext()
+        pause.__enter__()
         pspecs_flat = master_specs
         loss = pmean(loss, self.batch_axes) if self.batch_axes else loss
         if scale is not None:
@@ -332,7 +340,13 @@ class TrainStep:
         else:
             new_scale = None
             metrics.update(loss_scale=torch.ones(()), skipped=torch.zeros((), dtype=torch.int64))
-        return TrainState(state.step + 1, new_params, opt_state, new_scale), metrics
+        pause.__exit__(None, None, None)
+        out = TrainState(state.step + 1, new_params, opt_state, new_scale)
+        if vma is not None:
+            for t, spec in zip(optree.tree_leaves(out), state_flat):
+                if isinstance(t, torch.Tensor):
+                    vma.set(t, frozenset(spec.axes))
+        return out, metrics
 
     def _shard_mapped(self, state: TrainState):
         key = optree.tree_structure(state)
@@ -342,7 +356,7 @@ class TrainStep:
             flat = lambda t: optree.tree_leaves(t, is_leaf=lambda x: isinstance(x, PartitionSpec))  # noqa: E731
             pl_flat = (flat(pl.use), flat(pl.grads), flat(pl.master), pl.stage,
                        pl.axis if pl.stage > 0 else None, _block_mask(state.params),
-                       pl.reshard_after_forward)
+                       pl.reshard_after_forward, _tree.broadcast_prefix(specs, state))
             self._compiled[key] = shard_map(
                 lambda s, b: self._body(s, b, pl_flat),
                 mesh=self.mesh,
@@ -410,6 +424,16 @@ class TrainStep:
 
 def _shapes(tree: Any) -> tuple:
     return tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in optree.tree_leaves(tree))
+
+
+def _check_grad_types(grads: list, specs: list, mesh: Mesh, paths: list[str]) -> None:
+    """Each reduced gradient may vary only over the axes its parameter is sharded on."""
+    bad = [f"  params.{p}: varies over {extra}, its spec is {s!r}"
+           for p, g, s in zip(paths, grads, specs)
+           if (extra := [a for a in varying_axes(g) if a not in s.axes and mesh.shape[a] > 1])]
+    if bad:
+        raise ValueError("train_step: gradients left unreduced over mesh axes their parameters "
+                         "are not sharded on:\n" + "\n".join(bad[:8]))
 
 
 def _check_loss_type(loss: torch.Tensor, batch_axes: tuple[str, ...], mesh: Mesh) -> None:

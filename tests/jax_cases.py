@@ -187,3 +187,20 @@ def sharded_values(n: int) -> dict:
            "roundtrip": fs.unshard(xs, P("i"), mesh)}
     res["other_layout"] = _error(lambda: f(other)) if fs.distributed.is_initialized() else f(other)
     return res
+
+
+def jacobians_of_every_collective(n: int) -> dict:
+    """jacrev and jacfwd through shard_map of every linear collective case of spmd_cases
+    (each a small float64 problem), for comparison with the case's exact Jacobian."""
+    import spmd_cases as C
+
+    mesh = fs.Mesh({"i": n})
+    out = {}
+    for k, (name, make, shapes, _ref, linear, _kinds) in enumerate(C.collective_specs(n)):
+        if not linear or name == "axis_index":
+            continue
+        f, ispec, ospec = make("i")
+        sm = fs.shard_map(f, mesh=mesh, in_specs=(ispec,), out_specs=ospec)
+        (x,) = C.inputs_for(shapes, seed=k)
+        out[name] = {"jacrev": torch.func.jacrev(sm)(x), "jacfwd": torch.func.jacfwd(sm)(x)}
+    return out

@@ -158,3 +158,37 @@ def test_lax_refuses_axis_index_groups():
     with pytest.raises(NotImplementedError, match="axis_index_groups"):
         fs.shard_map(lambda x: fs.lax.psum(x, "i", axis_index_groups=[[0], [1]]), mesh=mesh,
                      in_specs=P("i"), out_specs=P())(torch.ones(2))
+
+
+def _exact_jacobian(ref, shape):
+    """The Jacobian of an affine numpy reference, column by column."""
+    size = int(np.prod(shape))
+    base = ref(np.zeros(shape))
+    cols = [(ref(np.eye(size)[i].reshape(shape)) - base).reshape(-1) for i in range(size)]
+    return np.stack(cols, axis=-1).reshape(*base.shape, *shape)
+
+
+def check_jacobians(res: dict, n: int) -> None:
+    import spmd_cases as C
+
+    for name, make, shapes, ref, linear, _kinds in C.collective_specs(n):
+        if name not in res:
+            continue
+        want = _exact_jacobian(ref, shapes[0])
+        for how in ("jacrev", "jacfwd"):
+            torch.testing.assert_close(res[name][how], torch.as_tensor(want), **TOL,
+                                       msg=f"{how} of {name} over {n} shards")
+    assert len(res) >= 12
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_jacobians_of_every_collective_virtual(n):
+    check_jacobians(J.jacobians_of_every_collective(n), n)
+
+
+@pytest.mark.multiprocess
+def test_jacobians_of_every_collective_gloo():
+    from fsharded.testing import run_on_ranks
+
+    for res in run_on_ranks(J.jacobians_of_every_collective, 2, 2):
+        check_jacobians(res, 2)

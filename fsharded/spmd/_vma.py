@@ -126,6 +126,19 @@ class VmaMode(TorchFunctionMode):
         return y
 
     @contextlib.contextmanager
+    def paused(self) -> Iterator[VmaMode]:
+        """Ops run inside are not typed (collectives still communicate over every axis
+        they name: nothing is shortcut). For a stretch of per-leaf arithmetic whose types
+        the caller knows (a training step's optimizer update on shards laid out by their
+        specs), where typing every op would cost more than the math."""
+        self.dispatching += 1
+        try:
+            with torch._C.DisableTorchFunction():  # off the __torch_function__ path too
+                yield self
+        finally:
+            self.dispatching -= 1
+
+    @contextlib.contextmanager
     def typing(self) -> Iterator[VmaMode]:
         """Type the ops run inside (from within an op the mode dispatches, where torch
         has set the mode aside): how a remat'ed function is typed in its forward and in
@@ -149,6 +162,13 @@ class VmaMode(TorchFunctionMode):
         except TypeError:  # an unhashable callable: classify it each time
             kind = _kind.__wrapped__(func)
         if kind is not _PLAIN:
+            if kind is _ATTR:  # x.shape, x.dtype, ...: a tensor only for x.T, x.data, ...
+                out = func(*args, **kwargs)
+                if isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
+                    v = self.get(args[0])
+                    if v:
+                        self.set(out, v)
+                return out
             if kind is _GRAD:
                 return self._autograd_grad(args, kwargs)
             if kind is _FOREACH:
@@ -268,7 +288,8 @@ class VmaMode(TorchFunctionMode):
         return out
 
 
-_PLAIN, _GRAD, _FOREACH, _CUSTOM, _MUTATES, _GETGRAD = "plain", "grad", "foreach", "custom", "mutates", "getgrad"
+_PLAIN, _GRAD, _FOREACH, _CUSTOM, _MUTATES, _GETGRAD, _ATTR = (
+    "plain", "grad", "foreach", "custom", "mutates", "getgrad", "attr")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -279,6 +300,8 @@ def _kind(func: Any) -> str:
     if func is _GRAD_GET:
         return _GETGRAD
     name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return _ATTR
     if name.startswith("_foreach_"):
         return _FOREACH
     if name == "custom_function_call":
