@@ -218,8 +218,20 @@ class VmaMode(TorchFunctionMode):
                     self.set(t, union)
         return out
 
+    def _differentiated_here(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is differentiated in a way the implicit pvary matters for. On the
+        virtual mesh only by a torch.func transform inside the body (its wrapper sits above
+        the mesh's vmap levels): a gradient taken outside shard_map already sums over the
+        shards through vmap's own broadcasting. On real ranks, by any autograd."""
+        if not t.requires_grad:
+            return False
+        if not self.levels:
+            return True
+        return (_F.is_functorch_wrapped_tensor(t) and not _F.is_batchedtensor(t)
+                and _F.maybe_get_level(t) > max(self.levels))
+
     def _insert_pvary(self, func, args, kwargs, typed, union):
-        missing = [(t, union - v) for t, v in typed if v != union and t.requires_grad]
+        missing = [(t, union - v) for t, v in typed if v != union and self._differentiated_here(t)]
         if _mutates(func) and args and isinstance(args[0], torch.Tensor):
             missing = [(t, m) for t, m in missing if t is not args[0]]
         if not missing:
