@@ -171,7 +171,7 @@ def _exact_jacobian(ref, shape):
 def check_jacobians(res: dict, n: int) -> None:
     import spmd_cases as C
 
-    for name, make, shapes, ref, linear, _kinds in C.collective_specs(n):
+    for name, _make, shapes, ref, _linear, _kinds in C.collective_specs(n):
         if name not in res:
             continue
         want = _exact_jacobian(ref, shapes[0])

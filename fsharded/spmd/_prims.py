@@ -419,10 +419,13 @@ def run(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor, *,
         y = mode.pvary(x, missing)
         mode.last = mode.get(y)
         return y
-    if missing and prim.reduces and prim is not ALL_GATHER_INVARIANT:
+    typed_operand = mode.known(like if like is not None else x_in)
+    if missing and prim.reduces and prim is not ALL_GATHER_INVARIANT and typed_operand:
         # Over axes the operand is invariant over a reduction needs no communication: a
         # sum of n equal copies is n times the value, their max the value itself. (JAX
         # inserts a pvary and all-reduces; the numbers and the gradient are the same.)
+        # Only for operands the table has typed: one whose history it did not see (made
+        # where the table cannot look) is reduced for real, which is right either way.
         if prim is PSUM:
             x = x * math.prod(axes.frame.mesh.shape[a] for a in missing)
         rest = tuple(a for a in axes.names if a not in missing)

@@ -71,6 +71,17 @@ class VmaMode(TorchFunctionMode):
         e = self._vma.get(id(t))
         return e[1] if e is not None and e[0]() is t else None
 
+    def known(self, t: torch.Tensor) -> bool:
+        """Whether the table typed ``t`` itself, or its value inside a torch.func wrapper
+        (rather than defaulting an unseen value to invariant)."""
+        cur = t
+        while True:
+            if self._lookup(cur) is not None:
+                return True
+            if not _F.is_functorch_wrapped_tensor(cur):
+                return False
+            cur = _F.get_unwrapped(cur)
+
     def get(self, t: torch.Tensor) -> frozenset:
         """The axes ``t`` varies over."""
         found = self._lookup(t)
