@@ -59,7 +59,6 @@ def _expand0(x: torch.Tensor, bdim: int | None, n: int) -> torch.Tensor:
 class _Prim:
     name = ""
     reduces = False  # the axes leave the result's varying axes (psum), or join them
-    linear = True  # tangent = the same collective applied to the tangent
     order = "major"  # several axes: compose one axis at a time, major first
 
     def shift(self, p: tuple) -> tuple:
@@ -103,7 +102,7 @@ class _Psum(_Prim):
 
 
 class _Pmax(_Prim):
-    name, reduces, linear = "pmax", True, False
+    name, reduces = "pmax", True
 
     def virtual(self, x, bdim, n, p):
         return (x if bdim is None else x.amax(bdim)), None
