@@ -173,6 +173,7 @@ def all_cases(n: int) -> dict:
         "transforms": transforms(n),
         "scalars": scalars_and_errors(n),
         "sharded": sharded_values(n),
+        "shapes": shapes_and_dims(n),
     }
 
 
@@ -203,4 +204,41 @@ def jacobians_of_every_collective(n: int) -> dict:
         sm = fs.shard_map(f, mesh=mesh, in_specs=(ispec,), out_specs=ospec)
         (x,) = C.inputs_for(shapes, seed=k)
         out[name] = {"jacrev": torch.func.jacrev(sm)(x), "jacfwd": torch.func.jacfwd(sm)(x)}
+    return out
+
+
+def shapes_and_dims(n: int) -> dict:
+    """Negative dims (counted as torch and JAX count them: an untiled gather's new dim
+    against the output's rank) and zero-size values through every collective."""
+    mesh = fs.Mesh({"i": n})
+
+    def sm(f, i=P("i"), o=P("i")):
+        return fs.shard_map(f, mesh=mesh, in_specs=i, out_specs=o)
+
+    X = torch.arange(float(2 * n * 3 * 4), dtype=torch.float64).reshape(2 * n, 3, 4)
+    Y = torch.arange(float(2 * n * n * 4), dtype=torch.float64).reshape(2 * n, n, 4)
+    Z = torch.zeros(n, 0, 3, dtype=torch.float64)
+    Z2 = torch.zeros(n, 0, 2 * n, dtype=torch.float64)
+    shift = [(k, (k + 1) % n) for k in range(n)]
+    out = {
+        "gather_-1_tiled": sm(lambda v: fs.lax.all_gather(v, "i", axis=-1, tiled=True))(X),
+        "gather_-1_untiled": sm(lambda v: fs.lax.all_gather(v, "i", axis=-1))(X),
+        "gather_-2_untiled": sm(lambda v: fs.lax.all_gather(v, "i", axis=-2))(X),
+        "scatter_-1_tiled": sm(lambda v: fs.lax.psum_scatter(v, "i", scatter_dimension=-1, tiled=True))(X),
+        "scatter_-2_untiled": sm(lambda v: fs.lax.psum_scatter(v, "i", scatter_dimension=-2))(Y),
+        "a2a_-1_-2_tiled": sm(lambda v: fs.lax.all_to_all(v, "i", -1, -2, tiled=True))(X),
+        "a2a_-2_-1_untiled": sm(lambda v: fs.lax.all_to_all(v, "i", -2, -1))(Y),
+        "zero_psum": sm(lambda v: fs.psum(v, "i"), o=P())(Z),
+        "zero_pmean": sm(lambda v: fs.pmean(v, "i"), o=P())(Z),
+        "zero_pmax": sm(lambda v: fs.pmax(v, "i"), o=P())(Z),
+        "zero_gather_tiled": sm(lambda v: fs.all_gather(v, "i", dim=1))(Z),
+        "zero_gather_untiled": sm(lambda v: fs.all_gather(v, "i", tiled=False))(Z),
+        "zero_scatter": sm(lambda v: fs.psum_scatter(v, "i", dim=2))(Z2),
+        "zero_ppermute": sm(lambda v: fs.ppermute(v, "i", shift))(Z),
+        "zero_a2a": sm(lambda v: fs.all_to_all(v, "i", split_dim=2, concat_dim=1))(Z2),
+        "zero_global": sm(lambda v: fs.psum(v.sum(0), "i"), o=P())(torch.zeros(0, 3, dtype=torch.float64)),
+    }
+    z = Z.clone().requires_grad_()
+    sm(lambda v: fs.psum(v, "i"), o=P())(z).sum().backward()
+    out["zero_grad"] = z.grad
     return out

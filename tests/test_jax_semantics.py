@@ -116,8 +116,33 @@ def check_sharded(res: dict, n: int) -> None:
         _close(res["other_layout"], [total])
 
 
+def check_shapes(res: dict, n: int) -> None:
+    X = np.arange(2.0 * n * 3 * 4).reshape(2 * n, 3, 4)
+    Y = np.arange(2.0 * n * n * 4).reshape(2 * n, n, 4)
+    xb, yb = np.split(X, n), np.split(Y, n)
+
+    def per_shard(f):  # out_specs P("i"): shard k's value stacked along dim 0
+        return np.concatenate([f(k) for k in range(n)])
+
+    _close(res["gather_-1_tiled"], per_shard(lambda k: np.concatenate(xb, -1)))
+    _close(res["gather_-1_untiled"], per_shard(lambda k: np.stack(xb, -1)))  # new dim last
+    _close(res["gather_-2_untiled"], per_shard(lambda k: np.stack(xb, -2)))
+    _close(res["scatter_-1_tiled"], per_shard(lambda k: np.split(sum(xb), n, -1)[k]))
+    _close(res["scatter_-2_untiled"], per_shard(lambda k: sum(yb)[:, k]))
+    _close(res["a2a_-1_-2_tiled"], per_shard(lambda k: np.concatenate([np.split(b, n, -1)[k] for b in xb], -2)))
+    _close(res["a2a_-2_-1_untiled"], per_shard(lambda k: np.stack([b[:, k] for b in yb], -1)))
+    zeros = {"zero_psum": (1, 0, 3), "zero_pmean": (1, 0, 3), "zero_pmax": (1, 0, 3),
+             "zero_gather_tiled": (n, 0, 3), "zero_gather_untiled": (n * n, 1, 0, 3),
+             "zero_scatter": (n, 0, 2), "zero_ppermute": (n, 0, 3), "zero_a2a": (n, 0, 2),
+             "zero_grad": (n, 0, 3)}
+    for name, shape in zeros.items():
+        assert tuple(res[name].shape) == shape and res[name].dtype == torch.float64, (name, res[name].shape)
+    _close(res["zero_global"], np.zeros(3))
+
+
 CHECKS = {"sharded": check_sharded, "fan_out": check_fan_out, "dtypes": check_dtypes, "inside": check_inside,
-          "vma": check_vma, "transforms": check_transforms, "scalars": check_scalars}
+          "vma": check_vma, "transforms": check_transforms, "scalars": check_scalars,
+          "shapes": check_shapes}
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
@@ -125,7 +150,8 @@ CHECKS = {"sharded": check_sharded, "fan_out": check_fan_out, "dtypes": check_dt
 def test_virtual_matches_jax(group, n):
     CHECKS[group](getattr(J, {"sharded": "sharded_values", "fan_out": "fan_out_grads", "dtypes": "bool_and_int_reductions",
                               "inside": "grads_inside", "vma": "vma_errors",
-                              "transforms": "transforms", "scalars": "scalars_and_errors"}[group])(n), n)
+                              "transforms": "transforms", "scalars": "scalars_and_errors",
+                              "shapes": "shapes_and_dims"}[group])(n), n)
 
 
 def _same(a, b, where):

@@ -122,7 +122,7 @@ def all_to_all_dims(x: torch.Tensor, g: Any, split: int, concat: int) -> torch.T
     if not g.identity_order:
         xs = xs[_inverse(g.to_group)]
     chunk_shape = xs.shape[1:]
-    flat = xs.reshape(-1, *chunk_shape[1:]).contiguous()
+    flat = xs.flatten(0, 1).contiguous()
     out = all_to_all(flat, g).view(g.size, *chunk_shape)  # (n_src in group order, c, ...)
     if not g.identity_order:
         out = out[list(g.to_group)]
