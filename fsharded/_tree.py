@@ -14,6 +14,8 @@ from typing import Any
 
 import optree
 
+from fsharded.mesh._spec import PartitionSpec
+
 __all__ = [
     "path_str",
     "tree_flatten_with_paths",
@@ -40,8 +42,6 @@ def tree_map_with_path(fn: Callable[[str, Any], Any], tree: Any, *rest: Any) -> 
 
 
 def _is_spec_leaf(x: Any) -> bool:
-    from fsharded.mesh._spec import PartitionSpec
-
     return x is None or isinstance(x, PartitionSpec)
 
 
@@ -54,8 +54,6 @@ def broadcast_prefix(
     ``optree.tree_leaves(tree)``. A spec tree that does not match raises ``ValueError``
     listing every mismatch with its path (``name`` renders a dotted path for messages).
     """
-    from fsharded.mesh._spec import PartitionSpec
-
     out: list = []
     errors: list[str] = []
 
@@ -114,7 +112,6 @@ def rules(
     >>> rules(params, {"*.w1": P(None, "tensor")})
     {'mlp': {'b1': PartitionSpec(), 'w1': PartitionSpec(None, 'tensor')}}
     """
-    from fsharded.mesh._spec import PartitionSpec
 
     compiled: list[tuple[Callable[[str], bool], Any]] = []
     for pat, spec in table.items():

@@ -35,6 +35,7 @@ import optree
 import torch
 
 from fsharded._tree import tree_map_with_path
+from fsharded.spmd.collectives import pmax
 
 __all__ = [
     "Policy",
@@ -426,8 +427,6 @@ def all_finite(tree: Any, *, axis: str | tuple[str, ...] | None = None) -> torch
     ]
     finite = torch.stack(flags).all() if flags else torch.tensor(True)
     if axis is not None:
-        from fsharded.spmd.collectives import pmax
-
         # Collectives carry floats; the max of "overflowed" flags is "any shard overflowed".
         overflow = pmax((~finite).to(torch.float32), axis)
         finite = overflow == 0

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from fsharded.mesh import PartitionSpec
 from fsharded.optim._schedules import constant
 
 __all__ = [
@@ -284,8 +285,6 @@ def state_specs(state: State, params: Params, param_specs: Any) -> Any:
     >>> state_specs(adam(0.1).init(params), params, {"w": P("data")})
     (EmptyState(), ScaleByAdamState(count=PartitionSpec(), mu={'w': PartitionSpec('data')}, nu={'w': PartitionSpec('data')}), ScaleByScheduleState(count=PartitionSpec()))
     """
-    from fsharded.mesh import PartitionSpec
-
     ptree = optree.tree_structure(params)
     pshapes = [tuple(x.shape) for x in optree.tree_leaves(params)]
 
