@@ -156,9 +156,8 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
                          batch_spec: Any) -> int:
     """Peak bytes of one device's forward + backward other than parameters and their
     gradients, on meta tensors."""
-    import inspect
-
     from fsharded import memory
+    from fsharded.parallel.blocks import handling
     from fsharded.parallel.remat import checkpoint
 
     use = optree.tree_leaves(pl.use, is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -177,23 +176,22 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
         if isinstance(x, torch.Tensor) else x
         for x, s in zip(b_leaves, b_specs)
     ])
-    kwargs = {}
+    handler = None
     # ZeRO-3 on the virtual mesh re-gathers through a remat of each block (activations of a
     # block are recomputed); on real ranks saved-tensor hooks re-gather only the weights.
     virtual = backend_for(mesh, None) == "virtual"
-    if pl.stage == 3 and virtual and "block_fn" in inspect.signature(loss).parameters:
-        def block_fn(block, p, x, **kw):
+    if pl.stage == 3 and virtual:
+        def handler(block, p, x, *args, **kw):
             ps, pdef = optree.tree_flatten(p)
-            run = lambda x, *ps: block(optree.tree_unflatten(pdef, list(ps)), x, **kw)  # noqa: E731
+            run = lambda x, *ps: block(optree.tree_unflatten(pdef, list(ps)), x, *args, **kw)  # noqa: E731
             return checkpoint(run)(x, *ps)
-
-        kwargs["block_fn"] = block_fn
     p_local = optree.tree_unflatten(tdef, local)
     try:
         with memory.track(include_meta=True) as mem:
             mem.backward_category = "activations"
             mem.register(local, "parameters")
-            out = loss(p_local, local_batch, **kwargs)
+            with handling(handler):
+                out = loss(p_local, local_batch)
             grads = torch.autograd.grad(out, local, allow_unused=True)
             mem.reclassify([g for g in grads if g is not None], "gradients")
     except Exception as e:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import math
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -27,6 +27,7 @@ import torch
 from fsharded import _tree, optim
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
+from fsharded.parallel.blocks import handling as run_blocks
 from fsharded.spmd import _env, _manifest, _schedule
 from fsharded.spmd._transfer import backend_for, local_shards, unshard
 from fsharded.spmd.collectives import is_bound, mark_varying, pmean, varying_axes
@@ -58,6 +59,7 @@ def train_step(
     donate: bool = False,
     backend: str | None = None,
     check_schedule: bool = True,
+    blocks: str | None = None,
 ) -> TrainStep:
     """Build a training step for ``loss_fn(params, batch) -> scalar``.
 
@@ -78,11 +80,19 @@ def train_step(
     ``check_schedule`` (real ranks): before the first step for a state layout, every rank
     lists the collectives it will run (a dry run on meta tensors) and the ranks compare them;
     a mismatch is an error on every rank naming the first differing collective, not a hang.
+
+    ``blocks``: the dotted path of the model's block list in the parameter tree (a list of
+    per-block subtrees, e.g. ``"blocks"`` for the bundled GPT, ``"transformer.h"`` for a
+    nanoGPT module through ``fs.nn.functional``, which finds it). The loss must run each
+    block through ``fs.parallel.run_block(block_fn, block_params, x, ...)``; at ZeRO stage 3
+    each block's parameters stay sharded until its ``run_block``, are gathered there, and
+    are gathered again in backward, so about two blocks' full weights are alive at a time.
+    Without ``blocks`` a ZeRO-3 step gathers every parameter up front (and warns once).
     """
     return TrainStep(loss_fn, optimizer, mesh=mesh, param_specs=param_specs,
                      batch_spec=batch_spec, precision=precision, accumulation=accumulation,
                      clip=clip, check_finite=check_finite, donate=donate, backend=backend,
-                     check_schedule=check_schedule)
+                     check_schedule=check_schedule, blocks=blocks)
 
 
 def _policy(precision: Any):
@@ -95,7 +105,8 @@ class TrainStep:
     """The object ``train_step`` returns: ``.init``, call, ``.collectives``, ``.params``."""
 
     def __init__(self, loss_fn, optimizer, *, mesh, param_specs, batch_spec, precision,
-                 accumulation, clip, check_finite, donate, backend, check_schedule=True):
+                 accumulation, clip, check_finite, donate, backend, check_schedule=True,
+                 blocks=None):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.mesh = mesh if mesh is not None else Mesh({"data": 1})
@@ -120,7 +131,10 @@ class TrainStep:
         self.donate = donate
         # Elements per gradient all-reduce bucket (DeepSpeed's reduce_bucket_size default).
         self.bucket_elems = 500_000_000
-        self._block_hook = _accepts(loss_fn, "block_fn")
+        if blocks is not None and not isinstance(blocks, str):
+            raise TypeError(f"train_step: blocks must be a dotted path such as 'blocks', got {blocks!r}")
+        self.blocks = blocks
+        self._warned_blocks = False
         self._placements: dict = {}
         self._local_shapes: dict = {}
         self.batch_axes = _batch_axes(batch_spec, self.mesh)
@@ -218,7 +232,7 @@ class TrainStep:
         # ZeRO-3 with a loss that runs its blocks through a ``block_fn`` hook: the leaves
         # under params["blocks"] stay sharded until their block runs, are gathered inside a
         # remat'ed block, and are gathered again in backward; the rest is gathered up front.
-        per_block = through_gather and self._block_hook and block_mask is not None
+        per_block = through_gather and block_mask is not None
 
         def local_loss(p, micro):
             leaves = optree.tree_leaves(p)
@@ -231,13 +245,14 @@ class TrainStep:
             p = optree.tree_unflatten(m_def, leaves)
             if per_block:
                 specs_of = {id(x): (m, u) for x, m, u, b in zip(leaves, master_specs, use, block_mask) if b}
-                prefetch = _Prefetch(p, specs_of, axis, self.mesh) if self.distributed and \
+                prefetch = _Prefetch(_tree.get_path(p, self.blocks), specs_of, axis, self.mesh) if self.distributed and \
                     not torch._C._are_functorch_transforms_active() and not _manifest.dry() else None
                 # The last block's backward follows its forward at once: keep its weights.
-                last = p.get("blocks") if isinstance(p, dict) else None
+                last = _tree.get_path(p, self.blocks)
                 kept = {id(t) for t in optree.tree_leaves(last[-1])} if last else set()
-                loss = self.loss_fn(p, micro, block_fn=functools.partial(
-                    _zero3_block, specs_of, axis, self.mesh, cap, prefetch, reshard, kept))
+                with run_blocks(functools.partial(
+                        _zero3_block, specs_of, axis, self.mesh, cap, prefetch, reshard, kept)):
+                    loss = self.loss_fn(p, micro)
             else:
                 loss = self.loss_fn(p, micro)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -354,8 +369,18 @@ class TrainStep:
             specs = self.state_specs(state)
             pl = self.placement(state.params)
             flat = lambda t: optree.tree_leaves(t, is_leaf=lambda x: isinstance(x, PartitionSpec))  # noqa: E731
+            if pl.stage == 3 and self.blocks is None and not self._warned_blocks \
+                    and self.mesh.shape.get(pl.axis, 1) > 1:
+                self._warned_blocks = True
+                warnings.warn(
+                    "train_step: ZeRO stage 3 without blocks= gathers every parameter up front, "
+                    "so the full model is alive during forward and backward. Run the model's "
+                    "blocks through fs.parallel.run_block and pass train_step(..., "
+                    "blocks='<path of the block list>') (the bundled GPT: blocks='blocks'; an "
+                    "nn.Module: fs.nn.functional(module).blocks) to gather one block at a time",
+                    stacklevel=3)
             pl_flat = (flat(pl.use), flat(pl.grads), flat(pl.master), pl.stage,
-                       pl.axis if pl.stage > 0 else None, _block_mask(state.params),
+                       pl.axis if pl.stage > 0 else None, _block_mask(state.params, self.blocks),
                        pl.reshard_after_forward, _tree.broadcast_prefix(specs, state))
             self._compiled[key] = shard_map(
                 lambda s, b: self._body(s, b, pl_flat),
@@ -453,20 +478,21 @@ def _check_loss_type(loss: torch.Tensor, batch_axes: tuple[str, ...], mesh: Mesh
         )
 
 
-def _accepts(fn: Callable, name: str) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-def _block_mask(params: Any) -> list[bool] | None:
-    """Which leaves live under ``params["blocks"]`` (a list of per-block subtrees)."""
-    if not (isinstance(params, dict) and isinstance(params.get("blocks"), (list, tuple))):
+def _block_mask(params: Any, path: str | None) -> list[bool] | None:
+    """Which leaves live under the block list at ``path`` (a list of per-block subtrees)."""
+    if path is None:
         return None
+    try:
+        node = _tree.get_path(params, path)
+    except KeyError as e:
+        raise ValueError(f"train_step(blocks={path!r}): {e.args[0]}") from None
+    if not isinstance(node, (list, tuple)) or not node:
+        raise ValueError(
+            f"train_step(blocks={path!r}): the parameters there are a {type(node).__name__}, "
+            f"not a non-empty list of per-block subtrees"
+        )
     paths = _tree.tree_flatten_with_paths(params)[0]
-    return [p.startswith("blocks.") for p in paths]
+    return [p.startswith(path + ".") for p in paths]
 
 
 class _Prefetch:
@@ -476,8 +502,7 @@ class _Prefetch:
     so it travels while block i's backward computes. Two blocks' full weights are alive at
     most (three around the last block, which is kept from forward to backward)."""
 
-    def __init__(self, params: Any, specs_of: dict, axis: str, mesh: Mesh) -> None:
-        blocks = params["blocks"] if isinstance(params, dict) else []
+    def __init__(self, blocks: list, specs_of: dict, axis: str, mesh: Mesh) -> None:
         self.order = [optree.tree_leaves(b) for b in blocks]
         self.index = {id(lv[0]): i for i, lv in enumerate(self.order) if lv}
         self.specs_of, self.axis, self.mesh = specs_of, axis, mesh

@@ -20,6 +20,7 @@ __all__ = [
     "path_str",
     "tree_flatten_with_paths",
     "tree_map_with_path",
+    "get_path",
     "broadcast_prefix",
     "rules",
 ]
@@ -100,12 +101,14 @@ def rules(
     table: Mapping[str | re.Pattern, Any],
     *,
     default: Any = None,
+    allow_unmatched: bool = False,
 ) -> Any:
     """Build a spec tree from ``{pattern: spec}``, matched against each leaf's dotted path.
 
     Patterns are globs (``"blocks.*.mlp.w1"``), or regular expressions when given as a
     compiled ``re.Pattern`` or a string starting with ``"re:"``. The first matching rule
-    wins; leaves that match nothing get ``default`` (``P()`` when ``None``).
+    wins; leaves that match nothing get ``default`` (``P()`` when ``None``). A pattern that
+    matches no path is an error (``allow_unmatched=True`` for tables shared by models).
 
     >>> from fsharded import P
     >>> params = {"mlp": {"w1": torch.zeros(4, 8), "b1": torch.zeros(8)}}
@@ -113,21 +116,54 @@ def rules(
     {'mlp': {'b1': PartitionSpec(), 'w1': PartitionSpec(None, 'tensor')}}
     """
 
-    compiled: list[tuple[Callable[[str], bool], Any]] = []
+    compiled: list[tuple[str, Callable[[str], bool], Any]] = []
     for pat, spec in table.items():
+        name = pat.pattern if isinstance(pat, re.Pattern) else pat
         if isinstance(pat, re.Pattern):
-            compiled.append((lambda p, r=pat: r.fullmatch(p) is not None, spec))
+            compiled.append((name, lambda p, r=pat: r.fullmatch(p) is not None, spec))
         elif pat.startswith("re:"):
             r = re.compile(pat[3:])
-            compiled.append((lambda p, r=r: r.fullmatch(p) is not None, spec))
+            compiled.append((name, lambda p, r=r: r.fullmatch(p) is not None, spec))
         else:
-            compiled.append((lambda p, g=pat: fnmatch.fnmatchcase(p, g), spec))
+            compiled.append((name, lambda p, g=pat: fnmatch.fnmatchcase(p, g), spec))
     fallback = PartitionSpec() if default is None else default
+    used: set[str] = set()
 
     def pick(path: str, _leaf: Any) -> Any:
-        for match, spec in compiled:
+        for name, match, spec in compiled:
             if match(path):
+                used.add(name)
                 return spec
         return fallback
 
-    return tree_map_with_path(pick, tree)
+    out = tree_map_with_path(pick, tree)
+    unused = [name for name, _, _ in compiled if name not in used]
+    if unused and not allow_unmatched:
+        paths = tree_flatten_with_paths(tree)[0]
+        raise ValueError(
+            f"rules: pattern(s) {unused} match no parameter path (a rule that matches nothing "
+            f"would leave those parameters replicated). Paths look like {paths[:6]}"
+            + (" ..." if len(paths) > 6 else "")
+            + "; fix the pattern, or pass allow_unmatched=True for a table shared between models"
+        )
+    return out
+
+
+def get_path(tree: Any, path: str) -> Any:
+    """The subtree at dotted ``path`` (``"transformer.h"``, ``"blocks.0.w"``): dict keys,
+    and list/tuple indices for integer parts. A path that is not in the tree is a
+    ``KeyError`` naming the first missing part and what exists there."""
+    node = tree
+    done: list[str] = []
+    for part in path.split(".") if path else []:
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, (list, tuple)) and part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node):
+            node = node[int(part)]
+        else:
+            have = list(node) if isinstance(node, Mapping) else (
+                f"indices 0..{len(node) - 1}" if isinstance(node, (list, tuple)) else type(node).__name__)
+            at = ".".join(done) or "the root"
+            raise KeyError(f"path {path!r}: no {part!r} under {at} (it has {have})")
+        done.append(part)
+    return node

@@ -295,7 +295,7 @@ def run(cfg, *, progress: str = "auto") -> dict:
     step = fs.train_step(gpt.loss, opt, mesh=mesh, param_specs=specs,
                          batch_spec=fs.P("data") if "data" in mesh.shape else fs.P(),
                          precision=cfg.policy(), accumulation=cfg.grad_accum_steps,
-                         clip=cfg.grad_clip or None)
+                         clip=cfg.grad_clip or None, blocks="blocks")
     state = step.init(params)
     n_params = gpt.param_count(params)
     manifest = step.collectives(state, batches.batch_at(0))

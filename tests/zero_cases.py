@@ -19,7 +19,8 @@ def run_zero(mesh_axes: dict, stage: int, *, precision="fp32", accumulation=1, a
     plan = fs.parallel.zero(stage, axis=axis, min_size=16,
                             reshard_after_forward=reshard_after_forward)(specs, params)
     step = fs.train_step(gpt.loss, fs.optim.adamw(T.LR, weight_decay=T.WD), mesh=mesh, param_specs=plan,
-                         batch_spec=batch_spec, precision=precision, accumulation=accumulation, clip=T.CLIP)
+                         batch_spec=batch_spec, precision=precision, accumulation=accumulation, clip=T.CLIP,
+                         blocks="blocks")
     state = step.init(params)
     losses = []
     for b in T.batches(steps):
@@ -38,7 +39,7 @@ def measure_memory(mesh_axes: dict, stage: int, donate: bool = False) -> dict:
     params = gpt.init(T.CONFIG, 0)
     plan = fs.parallel.zero(stage, min_size=16)(P(), params)
     opt = fs.optim.adamw(T.LR)
-    step = fs.train_step(gpt.loss, opt, mesh=mesh, param_specs=plan, donate=donate)
+    step = fs.train_step(gpt.loss, opt, mesh=mesh, param_specs=plan, donate=donate, blocks="blocks")
     state = step.init(params)
     b = T.batches(1)[0]
     state, _ = step(state, b)
@@ -73,7 +74,7 @@ def stage_mismatch(mesh_axes: dict) -> str:
     params = gpt.init(T.CONFIG, 0)
     s0 = fs.train_step(gpt.loss, fs.optim.adamw(T.LR), mesh=mesh)
     s3 = fs.train_step(gpt.loss, fs.optim.adamw(T.LR), mesh=mesh,
-                       param_specs=fs.parallel.zero(3, min_size=16)(P(), params))
+                       param_specs=fs.parallel.zero(3, min_size=16)(P(), params), blocks="blocks")
     s3.init(params)
     try:
         s3(s0.init(params), T.batches(1)[0])

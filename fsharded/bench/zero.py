@@ -135,7 +135,7 @@ class _Ours:
             gpt.loss, fs.optim.adamw(job.lr, weight_decay=job.wd),
             mesh=fs.Mesh({"data": dist.get_world_size()}),
             param_specs=fs.parallel.zero(stage, reshard_after_forward=not job.keep)(fs.P(), params),
-            clip=job.clip, donate=True)  # in place, as the peers' optimizers update
+            clip=job.clip, donate=True, blocks="blocks")  # in place, as the peers' optimizers update
         self.state = self.step_fn.init(params)
 
     def __call__(self, global_batch: dict, local_batch: dict) -> torch.Tensor:

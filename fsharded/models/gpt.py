@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from fsharded._tree import rules
 from fsharded.mesh import P
 from fsharded.models._gpt_config import GPTConfig
+from fsharded.parallel.blocks import run_block
 from fsharded.spmd.collectives import is_bound, psum, pvary, varying_axes
 
 __all__ = [
@@ -332,8 +333,8 @@ def apply(params: Params, tokens: torch.Tensor, *, attention: str = "auto",
     fn = block if block_fn is None else functools.partial(block_fn, block)
     rotary = "pos" not in params
     x = embed(params, tokens)
-    for p in params["blocks"]:
-        x = fn(p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis)
+    for p in params["blocks"]:  # each through the step's block hook (ZeRO-3 gathers here)
+        x = run_block(fn, p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis)
     return unembed(params, x)
 
 
@@ -421,6 +422,8 @@ def tensor_parallel_specs(params: Params, axis: str = TENSOR) -> Any:
     (PartitionSpec('tensor', None, None), PartitionSpec())
     """
     if axis == TENSOR:
-        return rules(params, TENSOR_PARALLEL_RULES)
-    return rules(params, {k: P(*(axis if e == TENSOR else e for e in v))
-                          for k, v in TENSOR_PARALLEL_RULES.items()})
+        table = TENSOR_PARALLEL_RULES
+    else:
+        table = {k: P(*(axis if e == TENSOR else e for e in v)) for k, v in TENSOR_PARALLEL_RULES.items()}
+    # One table for every GPT variant (biases, gated MLPs): not every rule matches.
+    return rules(params, table, allow_unmatched=True)
