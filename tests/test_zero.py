@@ -278,3 +278,17 @@ def test_gloo_four_ranks_stages_and_hybrid(one_device):
     for a, b in zip(T.flat(per_rank[0]["hybrid"]["params"]), T.flat(virtual["params"])):
         torch.testing.assert_close(a, b, **TOL)
     assert per_rank[0]["hybrid"]["manifest"] == virtual["manifest"]
+
+
+@pytest.mark.multiprocess
+def test_gloo_zero3_one_rank_and_without_shared_memory_equal_one_device(one_device, monkeypatch):
+    """World size 1 (``torchrun --nproc-per-node 1``) and 2 ranks on gloo's own
+    asynchronous collectives (the shared-memory transport off): the prefetched gathers
+    must read sources that are still alive, so the losses equal one device's."""
+    from fsharded.testing import run_on_ranks
+
+    (lone,) = run_on_ranks(Z.zero3_losses, 1, 1)
+    torch.testing.assert_close(torch.tensor(lone["losses"]), torch.tensor(one_device["losses"][:6]), **TOL)
+    monkeypatch.setenv("FSHARDED_SHM", "0")
+    for res in run_on_ranks(Z.zero3_losses, 2, 2):
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(one_device["losses"][:6]), **TOL)

@@ -89,3 +89,8 @@ def gloo_zero4(world: int) -> dict:
     out["hybrid"] = run_zero({"replica": 2, "shard": 2}, 3, axis="shard",
                              batch_spec=P(("replica", "shard")), steps=10)
     return out
+
+
+def zero3_losses(world: int, steps: int = 6) -> dict:
+    """ZeRO-3 with per-block gathering and backward prefetch, losses only."""
+    return run_zero({"data": world}, 3, steps=steps)

@@ -176,12 +176,15 @@ class PendingGather:
         moving = [i for i, d in enumerate(self.dims) if d is not None]
         self.moving = moving
         self.work = None
-        if not moving:
+        if not moving or self.n == 1:  # nothing to gather: the shards are the whole weights
             return
         g = comm.axis_group(mesh, (axis,))
         with torch.no_grad():
             flat = torch.cat([leaves[i].movedim(self.dims[i], 0).reshape(-1) for i in moving])
             out = flat.new_empty(self.n * flat.numel())
+        # The source must outlive the asynchronous collective (gloo reads it on its own
+        # thread): freed early, its memory is reused and the gather returns other data.
+        self._src = flat
         self.work = _shm.all_gather_into(out, flat, g, async_op=True)
         self.out = out.view(self.n, flat.numel())
 
