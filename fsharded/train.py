@@ -222,10 +222,14 @@ def build_optimizer(cfg):
     return optim.adagrad(lr, weight_decay=o.weight_decay, **{k: v for k, v in kw.items() if k == "eps"}, **o.extra)
 
 
-def build_model_config(cfg):
+def build_model_config(cfg, data_vocab: int | None = None):
+    """The GPT config of ``cfg.model``; a preset takes the data's vocabulary size unless
+    ``model.vocab_size`` is given (a preset must run on the default data as given)."""
     from fsharded.models import GPTConfig
 
     m = dict(cfg.model)
+    if data_vocab is not None:
+        m.setdefault("vocab_size", data_vocab)
     preset = m.pop("preset", "small")
     make = getattr(GPTConfig, preset, None)
     if make is None or preset.startswith("_"):
@@ -271,7 +275,8 @@ def run(cfg, *, progress: str = "auto") -> dict:
     dist_on = fs.distributed.is_initialized()
     main_rank = fs.distributed.rank() == 0
     mesh = fs.Mesh(cfg.mesh)
-    mcfg = build_model_config(cfg)
+    tokens = fs.data.load_tokens(cfg.data)
+    mcfg = build_model_config(cfg, tokens.vocab_size)
     params = gpt.init(mcfg, cfg.seed)
     if "tensor" in mesh.shape and mesh.shape["tensor"] > 1:
         mcfg.check_tensor_parallel(mesh.shape["tensor"])
@@ -284,7 +289,6 @@ def run(cfg, *, progress: str = "auto") -> dict:
         specs = fs.parallel.zero(cfg.zero_stage, axis="data")(specs, params)
     data_size = mesh.shape.get("data", 1)
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * data_size
-    tokens = fs.data.load_tokens(cfg.data)
     if tokens.vocab_size > mcfg.vocab_size:
         raise ValueError(f"data {cfg.data!r} has vocab {tokens.vocab_size} but the model has {mcfg.vocab_size}; "
                          f"set model.vocab_size (--set model.vocab_size={tokens.vocab_size})")
