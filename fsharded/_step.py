@@ -23,14 +23,18 @@ from typing import Any, NamedTuple
 
 import optree
 import torch
+import torch.distributed as dist
 
-from fsharded import _tree, optim
+from fsharded import _step_parts as P
+from fsharded import _tree, memory, optim
+from fsharded.mesh._layout import check_tree, dims, local_slice
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
-from fsharded.parallel.blocks import handling as run_blocks
-from fsharded.spmd import _env, _manifest, _schedule
+from fsharded.parallel.zero import Placement, ZeroPlan
+from fsharded.precision import as_policy, cast_tree
+from fsharded.spmd import _env, _schedule
 from fsharded.spmd._transfer import backend_for, local_shards, unshard
-from fsharded.spmd.collectives import is_bound, mark_varying, pmean, varying_axes
+from fsharded.spmd.collectives import mark_varying, pmean, varying_axes
 from fsharded.spmd.shard_map import shard_map
 
 __all__ = ["TrainState", "TrainStep", "train_step"]
@@ -95,10 +99,15 @@ def train_step(
                      check_schedule=check_schedule, blocks=blocks)
 
 
-def _policy(precision: Any):
-    from fsharded.precision import as_policy
+class _Plan(NamedTuple):
+    """The pieces of one state layout's step (see ``fsharded._step_parts``)."""
 
-    return as_policy(precision)
+    layout: P.Layout
+    gradients: P.Gradients
+    scaling: Any  # P.NoScaling | P.DynamicScaling
+    update: P.PureUpdate
+    eager: bool  # nothing vmapped: one process per device, or a one-device mesh
+    state_specs: list  # one spec per leaf of the state, to type the new state by
 
 
 class TrainStep:
@@ -114,7 +123,7 @@ class TrainStep:
         if batch_spec is None:
             batch_spec = PartitionSpec("data") if "data" in self.mesh.shape else PartitionSpec()
         self.batch_spec = batch_spec
-        self.policy = _policy(precision)
+        self.policy = as_policy(precision)
         if not isinstance(accumulation, int) or accumulation < 1:
             raise ValueError(f"train_step: accumulation must be a positive int, got {accumulation!r}")
         self.accumulation = accumulation
@@ -129,6 +138,7 @@ class TrainStep:
                 "the old state to skip overflowing steps"
             )
         self.donate = donate
+        self._compiled: dict = {}
         # Elements per gradient all-reduce bucket (DeepSpeed's reduce_bucket_size default).
         self.bucket_elems = 500_000_000
         if blocks is not None and not isinstance(blocks, str):
@@ -139,9 +149,20 @@ class TrainStep:
         self._local_shapes: dict = {}
         self.batch_axes = _batch_axes(batch_spec, self.mesh)
         self._scaler = self.policy.loss_scaler()
-        self._compiled: dict = {}
         self.check_schedule = check_schedule
         self._agreed: set = set()
+
+    @property
+    def bucket_elems(self) -> int:
+        """Elements per communication bucket (gradient reductions, ZeRO gathers)."""
+        return self._bucket_elems
+
+    @bucket_elems.setter
+    def bucket_elems(self, n: int) -> None:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"train_step: bucket_elems must be a positive int, got {n!r}")
+        self._bucket_elems = n
+        self._compiled.clear()  # the plans hold the bucket size: rebuild them
 
     # -- state -------------------------------------------------------------------------
 
@@ -151,8 +172,6 @@ class TrainStep:
 
     def placement(self, params: Any):
         """The ``Placement`` this step uses for ``params`` (specs, ZeRO plan, or placement)."""
-        from fsharded.parallel.zero import Placement, ZeroPlan
-
         key = optree.tree_structure(params)
         hit = self._placements.get(key)
         if hit is not None:
@@ -170,8 +189,6 @@ class TrainStep:
     def init(self, params: Any) -> TrainState:
         """State for global ``params``: master copies laid out by the placement (this
         rank's shards on the distributed backend), optimizer state, loss scale."""
-        from fsharded.precision import cast_tree
-
         pl = self.placement(params)
         master = cast_tree(optree.tree_map(lambda x: x.detach().clone(), params), self.policy.master_dtype)
         if self.distributed:
@@ -203,190 +220,87 @@ class TrainStep:
 
     # -- the step ----------------------------------------------------------------------
 
-    def _body(self, state: TrainState, batch: Any, pl_flat: tuple) -> tuple[TrainState, dict]:
-        from fsharded import memory, optim
-        from fsharded.parallel import _buckets as B
-        from fsharded.precision import all_finite, cast_tree, tree_where
-
-        use, grad_specs, master_specs, stage, axis, block_mask, reshard, state_flat = pl_flat
-        policy = self.policy
-        mem = memory.current() if not torch._C._are_functorch_transforms_active() else None
+    def _body(self, state: TrainState, batch: Any, plans: Callable[[bool], _Plan]) -> tuple[TrainState, dict]:
+        """One step on this shard: a straight line through the pieces of the plan for the
+        backend running it (the shard_map frame says which: a step's manifest is computed
+        on the virtual mesh even when the step runs on real ranks)."""
+        frame = _env.current()
+        eager = frame.backend == "distributed" or frame.mesh.size == 1
+        plan = plans(eager)
+        mem = memory.current() if eager else None
         if mem is not None:  # label what a tracker sees: state, then parameter gradients
             mem.register(state.params, "parameters")
             mem.register(state.opt_state, "optimizer state")
             mem.backward_category = "activations"
         params = state.params  # master weights, in the master placement
-        scale = state.loss_scale.scale if state.loss_scale is not None else None
-        m_leaves, m_def = optree.tree_flatten(params)
-        cap = self.bucket_elems
-
-        def gather(leaves):  # master placement -> how the loss sees the parameters
-            if axis is None:
-                return list(leaves)
-            return B.gather_leaves(list(leaves), master_specs, use, axis, self.mesh, cap)
-
-        # ZeRO-3 gathers inside the differentiated function, so gradients come back
-        # reduce-scattered by the all-gather's transpose; stages 0-2 gather outside it.
-        through_gather = stage == 3
-
-        # ZeRO-3 with a loss that runs its blocks through a ``block_fn`` hook: the leaves
-        # under params["blocks"] stay sharded until their block runs, are gathered inside a
-        # remat'ed block, and are gathered again in backward; the rest is gathered up front.
-        per_block = through_gather and block_mask is not None
-
-        def local_loss(p, micro):
-            leaves = optree.tree_leaves(p)
-            if per_block:
-                keep = [m if b else u for m, u, b in zip(master_specs, use, block_mask)]
-                leaves = B.gather_leaves(leaves, master_specs, keep, axis, self.mesh, cap)
-            elif through_gather:
-                leaves = gather(leaves)
-            leaves = [cast_tree(x, policy.compute_dtype) for x in leaves]
-            p = optree.tree_unflatten(m_def, leaves)
-            if per_block:
-                specs_of = {id(x): (m, u) for x, m, u, b in zip(leaves, master_specs, use, block_mask) if b}
-                prefetch = _Prefetch(_tree.get_path(p, self.blocks), specs_of, axis, self.mesh) if self.distributed and \
-                    not torch._C._are_functorch_transforms_active() and not _manifest.dry() else None
-                # The last block's backward follows its forward at once: keep its weights.
-                last = _tree.get_path(p, self.blocks)
-                kept = {id(t) for t in optree.tree_leaves(last[-1])} if last else set()
-                with run_blocks(functools.partial(
-                        _zero3_block, specs_of, axis, self.mesh, cap, prefetch, reshard, kept)):
-                    loss = self.loss_fn(p, micro)
-            else:
-                loss = self.loss_fn(p, micro)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise ValueError(
-                    f"train_step: loss_fn must return a scalar tensor, got "
-                    f"{type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}"
-                )
-            _check_loss_type(loss, self.batch_axes, self.mesh)
-            loss = loss.float()
-            return (loss * scale if scale is not None else loss), loss
-
-        if torch._C._are_functorch_transforms_active():  # the virtual mesh's vmap levels
-            grad_fn = torch.func.grad_and_value(local_loss, has_aux=True)
-        else:  # one device or a real rank: plain autograd skips functorch's wrapping (~8%)
-            overlap = per_block and self.distributed and not _manifest.dry()
-            grad_fn = functools.partial(_autograd_grad_and_value, local_loss, overlap=overlap)
-        x0 = params if through_gather else optree.tree_unflatten(m_def, gather(m_leaves))
         varying = tuple(a for a in self.batch_axes if self.mesh.shape[a] > 1)
-        if varying:
-            # Data parallelism: mark the parameters varying over the batch axes before
-            # differentiating (a type change, no data moves), so each shard's gradient is
-            # its own contribution and the bucketed pmean below averages once. Left
-            # invariant, each gradient would come back summed by the implicit pvary's
-            # psum, one collective per leaf (JAX's rule). (Over a size-1 axis there is
-            # nothing to average: the gradients stay invariant.)
-            x0 = mark_varying(x0, varying)
-        k = self.accumulation
-        grads, loss = None, None
-        for i in range(k):
-            micro = batch if k == 1 else optree.tree_map(lambda x, i=i: _micro(x, i, k), batch)
-            g, (_, l_i) = grad_fn(x0, micro)
-            g = optree.tree_map(lambda t: t.to(policy.reduce_dtype), g)
-            grads = g if grads is None else optree.tree_map(torch.add, grads, g)
-            loss = l_i if loss is None else loss + l_i
-        if k > 1:
-            grads = optree.tree_map(lambda t: t / k, grads)
-            loss = loss / k
-        # Average over the batch axes into the gradient placement, in flat buckets
-        # (DeepSpeed's reduce buckets) rather than one collective per leaf.
-        g_leaves = optree.tree_leaves(grads)
-        if through_gather:
-            g_leaves = B.reduce_leaves(g_leaves, master_specs, master_specs, self.batch_axes, self.mesh, cap)
-        else:
-            g_leaves = B.reduce_leaves(g_leaves, use, grad_specs, self.batch_axes, self.mesh, cap)
-            if axis is not None:  # ZeRO-1: each rank keeps its block of the full gradient
-                g_leaves = B.slice_leaves(g_leaves, grad_specs, master_specs, axis, self.mesh)
-        grads = optree.tree_unflatten(m_def, g_leaves)
-        memory.label(grads, "gradients")
+        g_leaves, loss = plan.gradients(params, batch, state.loss_scale, varying, mark_varying)
+        grads = optree.tree_unflatten(optree.tree_structure(params), g_leaves)
+        P.label(grads, "gradients", eager)
         # From here on every value is a shard of a leaf laid out by its spec (gradients,
         # parameters, optimizer moments): check that the gradients are typed so (reduced
         # over every axis their parameter is not sharded on), then run the per-leaf
         # update untyped (hundreds of small ops) and type the new state by its specs.
-        _check_grad_types(g_leaves, master_specs, self.mesh, _tree.tree_flatten_with_paths(params)[0])
+        master = plan.layout.master
+        _check_grad_types(g_leaves, master, self.mesh, plan.layout.paths)
         vma = _env.current().vma
-        pause = vma.paused() if vma is not None else contextlib.nullcontext()
-        pause.__enter__()
-        pspecs_flat = master_specs
-        loss = pmean(loss, self.batch_axes) if self.batch_axes else loss
-        if scale is not None:
-            grads = optree.tree_map(lambda t: t / scale, grads)
-        grads = optree.tree_map(lambda t, p: t.to(p.dtype), grads, params)
-        gnorm = optim.global_norm(grads, flat_specs=pspecs_flat)
-        if state.loss_scale is not None:  # every shard must agree to skip
-            finite = all_finite(grads, axis=tuple(a for a in self.mesh.axis_names if is_bound(a)))
-        # Donated state on plain tensors: adamw / adam / lion run as one fused in-place
-        # kernel (Triton on CUDA, C++ on CPU) with the clipping factor applied on load.
-        fused = (self.donate and optim.has_fused(self.optimizer) and not _manifest.dry()
-                 and not torch._C._are_functorch_transforms_active()
-                 and all(t.dtype == torch.float32 for t in optree.tree_leaves(params)))
-        factor = torch.clamp(self.clip / (gnorm + 1e-6), max=1.0) if self.clip is not None else None
-        if factor is not None and not fused:
-            if torch._C._are_functorch_transforms_active():
-                grads = optree.tree_map(lambda t: t * factor.to(t.dtype), grads)
-            else:
-                g_leaves, g_def = optree.tree_flatten(grads)
-                grads = optree.tree_unflatten(g_def, torch._foreach_mul(g_leaves, factor))
-        if fused:
-            # No inf/nan check in the kernel: the other path does not skip non-finite steps
-            # either, and donation is refused with fp16 loss scaling (which would need it).
-            opt_state, _ = optim.fused_update_(self.optimizer, grads, state.opt_state, params,
-                                               inv_scale=1.0 if factor is None else factor,
-                                               check_finite=False)
-            new_params = params
-        else:
-            with optim.donating() if self.donate else contextlib.nullcontext():
-                updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
-                new_params = optim.apply_updates(params, updates)
-        memory.label(new_params, "parameters")
-        memory.label(opt_state, "optimizer state")
-        # Skipped (overflowed) steps do not advance the schedule, as in DeepSpeed.
-        applied = state.step - state.loss_scale.skipped if state.loss_scale is not None else state.step
-        metrics = {"loss": loss, "grad_norm": gnorm}
-        if optim.get_lr_schedule(self.optimizer) is not None:
-            metrics["lr"] = optim.get_lr(self.optimizer, applied)
-        if state.loss_scale is not None:
-            new_params = tree_where(finite, new_params, params)
-            opt_state = tree_where(finite, opt_state, state.opt_state)
-            new_scale = self._scaler.update(state.loss_scale, finite)
-            metrics.update(loss_scale=state.loss_scale.scale, skipped=new_scale.skipped)
-        else:
-            new_scale = None
-            metrics.update(loss_scale=torch.ones(()), skipped=torch.zeros((), dtype=torch.int64))
-        pause.__exit__(None, None, None)
+        with vma.paused() if vma is not None else contextlib.nullcontext():
+            loss = pmean(loss, self.batch_axes) if self.batch_axes else loss
+            grads = plan.scaling.unscale(grads, state.loss_scale)
+            grads = optree.tree_map(lambda t, p: t.to(p.dtype), grads, params)
+            gnorm = optim.global_norm(grads, flat_specs=master)
+            finite = plan.scaling.finite(grads, self.mesh.axis_names)
+            new_params, opt_state = plan.update(grads, gnorm, state.opt_state, params)
+            P.label(new_params, "parameters", eager)
+            P.label(opt_state, "optimizer state", eager)
+            (new_params, opt_state), new_scale, scale_metrics = plan.scaling.select(
+                finite, (new_params, opt_state), (params, state.opt_state), state.loss_scale)
+            metrics = {"loss": loss, "grad_norm": gnorm}
+            if optim.get_lr_schedule(self.optimizer) is not None:
+                metrics["lr"] = optim.get_lr(self.optimizer, plan.scaling.applied(state.step, state.loss_scale))
+            metrics.update(scale_metrics)
         out = TrainState(state.step + 1, new_params, opt_state, new_scale)
         if vma is not None:
-            for t, spec in zip(optree.tree_leaves(out), state_flat):
+            for t, spec in zip(optree.tree_leaves(out), plan.state_specs):
                 if isinstance(t, torch.Tensor):
                     vma.set(t, frozenset(spec.axes))
         return out, metrics
 
+    def _plan(self, state: TrainState, eager: bool) -> _Plan:
+        """The step's pieces for this state layout and backend, chosen once. ``eager``: one
+        process per device, or a one-device mesh (nothing vmapped)."""
+        pl = self.placement(state.params)
+        layout = P.Layout(pl, state.params, self.blocks, self.mesh)
+        if pl.stage == 3 and self.blocks is None and not self._warned_blocks \
+                and self.mesh.shape.get(pl.axis, 1) > 1:
+            self._warned_blocks = True
+            warnings.warn(
+                "train_step: ZeRO stage 3 without blocks= gathers every parameter up front, "
+                "so the full model is alive during forward and backward. Run the model's "
+                "blocks through fs.parallel.run_block and pass train_step(..., "
+                "blocks='<path of the block list>') (the bundled GPT: blocks='blocks'; an "
+                "nn.Module: fs.nn.functional(module).blocks) to gather one block at a time",
+                stacklevel=4)
+        scaling = P.DynamicScaling(self._scaler) if self._scaler is not None else P.NoScaling()
+        gradients = P.Gradients(layout, self.loss_fn, policy=self.policy, scaling=scaling,
+                                batch_axes=self.batch_axes, accumulation=self.accumulation,
+                                eager=eager, distributed=self.distributed and eager, cap=self.bucket_elems,
+                                check_loss=functools.partial(_check_loss, self.batch_axes, self.mesh))
+        update = P.choose_update(self.optimizer, clip=self.clip, donate=self.donate, eager=eager,
+                                 params=state.params)
+        specs = _tree.broadcast_prefix(self.state_specs(state), state)
+        return _Plan(layout, gradients, scaling, update, eager, specs)
+
     def _shard_mapped(self, state: TrainState):
         key = optree.tree_structure(state)
         if key not in self._compiled:
-            specs = self.state_specs(state)
-            pl = self.placement(state.params)
-            flat = lambda t: optree.tree_leaves(t, is_leaf=lambda x: isinstance(x, PartitionSpec))  # noqa: E731
-            if pl.stage == 3 and self.blocks is None and not self._warned_blocks \
-                    and self.mesh.shape.get(pl.axis, 1) > 1:
-                self._warned_blocks = True
-                warnings.warn(
-                    "train_step: ZeRO stage 3 without blocks= gathers every parameter up front, "
-                    "so the full model is alive during forward and backward. Run the model's "
-                    "blocks through fs.parallel.run_block and pass train_step(..., "
-                    "blocks='<path of the block list>') (the bundled GPT: blocks='blocks'; an "
-                    "nn.Module: fs.nn.functional(module).blocks) to gather one block at a time",
-                    stacklevel=3)
-            pl_flat = (flat(pl.use), flat(pl.grads), flat(pl.master), pl.stage,
-                       pl.axis if pl.stage > 0 else None, _block_mask(state.params, self.blocks),
-                       pl.reshard_after_forward, _tree.broadcast_prefix(specs, state))
+            # Both backends' plans (cheap: no tensors are held), so no state is kept alive.
+            plans = {eager: self._plan(state, eager) for eager in (False, True)}
             self._compiled[key] = shard_map(
-                lambda s, b: self._body(s, b, pl_flat),
+                lambda s, b: self._body(s, b, plans.__getitem__),
                 mesh=self.mesh,
-                in_specs=(specs, self.batch_spec),
-                out_specs=(specs, PartitionSpec()),
+                in_specs=(self.state_specs(state), self.batch_spec),
+                out_specs=(self.state_specs(state), PartitionSpec()),
                 backend=self.backend,
             )
         return self._compiled[key]
@@ -461,6 +375,15 @@ def _check_grad_types(grads: list, specs: list, mesh: Mesh, paths: list[str]) ->
                          "are not sharded on:\n" + "\n".join(bad[:8]))
 
 
+def _check_loss(batch_axes: tuple[str, ...], mesh: Mesh, loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(
+            f"train_step: loss_fn must return a scalar tensor, got "
+            f"{type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}"
+        )
+    _check_loss_type(loss, batch_axes, mesh)
+
+
 def _check_loss_type(loss: torch.Tensor, batch_axes: tuple[str, ...], mesh: Mesh) -> None:
     """A shard's loss may vary over the batch axes only: one that still varies over
     another axis is each shard's partial piece of a different model (its parameters are
@@ -478,138 +401,9 @@ def _check_loss_type(loss: torch.Tensor, batch_axes: tuple[str, ...], mesh: Mesh
         )
 
 
-def _block_mask(params: Any, path: str | None) -> list[bool] | None:
-    """Which leaves live under the block list at ``path`` (a list of per-block subtrees)."""
-    if path is None:
-        return None
-    try:
-        node = _tree.get_path(params, path)
-    except KeyError as e:
-        raise ValueError(f"train_step(blocks={path!r}): {e.args[0]}") from None
-    if not isinstance(node, (list, tuple)) or not node:
-        raise ValueError(
-            f"train_step(blocks={path!r}): the parameters there are a {type(node).__name__}, "
-            f"not a non-empty list of per-block subtrees"
-        )
-    paths = _tree.tree_flatten_with_paths(params)[0]
-    return [p.startswith(path + ".") for p in paths]
-
-
-class _Prefetch:
-    """ZeRO-3 prefetch on real ranks. Forward: when block i starts, block i+1's gather is
-    issued asynchronously, so it travels while block i computes. Backward (re-gather): when
-    block i's backward begins (its output's gradient arrives), block i-1's gather is issued,
-    so it travels while block i's backward computes. Two blocks' full weights are alive at
-    most (three around the last block, which is kept from forward to backward)."""
-
-    def __init__(self, blocks: list, specs_of: dict, axis: str, mesh: Mesh) -> None:
-        self.order = [optree.tree_leaves(b) for b in blocks]
-        self.index = {id(lv[0]): i for i, lv in enumerate(self.order) if lv}
-        self.specs_of, self.axis, self.mesh = specs_of, axis, mesh
-        self.pending: dict[int, Any] = {}
-        self.backward: dict[int, Any] = {}
-
-    def _gather(self, i: int) -> Any:
-        from fsharded.parallel import _buckets as B
-
-        leaves = self.order[i]
-        specs = [self.specs_of[id(t)] for t in leaves]
-        return B.PendingGather(leaves, [m for m, _ in specs], [u for _, u in specs], self.axis, self.mesh)
-
-    def start(self, i: int) -> None:
-        if 0 <= i < len(self.order) and i not in self.pending:
-            self.pending[i] = self._gather(i)
-
-    def _start_backward(self, i: int) -> None:
-        from fsharded.parallel._zero3_hooks import track_pending
-
-        if 0 <= i < len(self.order) and i not in self.backward:
-            self.backward[i] = g = self._gather(i)
-            track_pending(g)  # waited for when backward ends, even if no block takes it
-
-    def on_backward(self, leaves: list) -> Callable[[torch.Tensor], None]:
-        """A hook for a block's output: its gradient arriving means the block's backward
-        begins, so the previous block's gather is issued to travel meanwhile."""
-        i = self.index.get(id(leaves[0]), -1) if leaves else -1
-
-        def hook(_grad: torch.Tensor) -> None:
-            self._start_backward(i - 1)
-
-        return hook
-
-    def regather(self, leaves: list) -> Callable[[], list] | None:
-        """For a block of the list: a function giving its full weights again in backward
-        (from the gather issued when this block's backward began, or issued now)."""
-        i = self.index.get(id(leaves[0])) if leaves else None
-        if i is None:
-            return None
-
-        def fetch() -> list:
-            self._start_backward(i)
-            return self.backward.pop(i).wait()
-
-        return fetch
-
-    def take_pending(self, leaves: list) -> Any:
-        """The in-flight gather of this block (issued now if not yet), after issuing the
-        next block's; None for parameters that are not a block of the list."""
-        i = self.index.get(id(leaves[0])) if leaves else None
-        if i is None:
-            return None
-        self.start(i)
-        self.start(i + 1)  # the next block's weights travel while this one computes
-        return self.pending.pop(i)
-
-
-def _zero3_block(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: _Prefetch | None,
-                 reshard: bool, kept: set, block: Callable, p: Any, x: torch.Tensor,
-                 **kw: Any) -> torch.Tensor:
-    """Run ``block`` on its sharded parameters: gather them inside a remat, so only this
-    block's full weights are alive while it runs, and they are gathered again in backward
-    (``reshard``, except for the leaves in ``kept``: the last block, whose backward comes
-    right after its forward); or gather them once and let autograd keep them until
-    backward."""
-    from fsharded.parallel import _buckets as B
-    from fsharded.parallel.remat import checkpoint
-
-    leaves, bdef = optree.tree_flatten(p)
-    regather_any, reshard = reshard, reshard and not (leaves and id(leaves[0]) in kept)
-    try:
-        specs = [specs_of[id(t)] for t in leaves]
-    except KeyError:
-        raise ValueError(
-            "ZeRO-3 block_fn: the block received parameters that are not leaves of "
-            "params['blocks']; pass each block its own subtree unchanged"
-        ) from None
-    m_specs, u_specs = [m for m, _ in specs], [u for _, u in specs]
-
-    if prefetch is not None:
-        # Real ranks, plain autograd: saved-tensor hooks drop the gathered weights after the
-        # block and gather them again in backward, without re-running the forward.
-        from fsharded.parallel._zero3_hooks import run_block
-
-        out = run_block(block, bdef, leaves, x, m_specs, u_specs, axis, mesh, cap,
-                        prefetch.take_pending(leaves), regather=reshard,
-                        fetch=prefetch.regather(leaves) if reshard else None, **kw)
-        if regather_any and isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(prefetch.on_backward(leaves))
-        return out
-
-    def run(*args: torch.Tensor) -> torch.Tensor:
-        *shards, h = args
-        full = B.gather_leaves(list(shards), m_specs, u_specs, axis, mesh, cap)
-        return block(optree.tree_unflatten(bdef, full), h, **kw)
-
-    return checkpoint(run)(*leaves, x) if reshard else run(*leaves, x)
-
-
 def _local_batch(sm: Any, batch: Any) -> Any:
     """This rank's shard of a global batch, by the step's batch spec (validated against the
     global shapes, so a batch that does not divide over the data axis is a clear error)."""
-    import torch.distributed as dist
-
-    from fsharded.mesh._layout import check_tree, local_slice
-
     mesh, batch_spec = sm.mesh, sm.in_specs[1]
     paths, leaves, tdef = _tree.tree_flatten_with_paths(batch)
     specs = _tree.broadcast_prefix(batch_spec, batch, what="batch_spec")
@@ -631,35 +425,6 @@ def _count_tokens(batch: Any) -> int | None:
     return None
 
 
-def _autograd_grad_and_value(f, p, batch, *, overlap: bool = False):
-    """``torch.func.grad_and_value(f, has_aux=True)(p, batch)`` with torch.autograd.
-
-    ``overlap``: ZeRO-3 gradient reduce-scatters run asynchronously during backward and
-    are all complete when this returns."""
-    from fsharded.parallel._zero3_hooks import overlapped_backward
-
-    leaves, tdef = optree.tree_flatten(p)
-    with torch.enable_grad():
-        req = [x.detach().requires_grad_() for x in leaves]
-        out, aux = f(optree.tree_unflatten(tdef, req), batch)
-        with overlapped_backward() if overlap else contextlib.nullcontext():
-            grads = torch.autograd.grad(out, req, allow_unused=True)
-    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
-    return optree.tree_unflatten(tdef, grads), optree.tree_map(torch.Tensor.detach, (out, aux))
-
-
-def _micro(x: Any, i: int, k: int) -> Any:
-    if not isinstance(x, torch.Tensor):
-        return x
-    if x.shape[0] % k:
-        raise ValueError(
-            f"train_step(accumulation={k}): each shard's batch has {x.shape[0]} rows, not "
-            f"divisible into {k} micro-batches"
-        )
-    m = x.shape[0] // k
-    return x[i * m:(i + 1) * m]
-
-
 def _batch_axes(batch_spec: Any, mesh: Mesh) -> tuple[str, ...]:
     named = set()
     for s in optree.tree_leaves(batch_spec, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None,
@@ -676,8 +441,6 @@ def _full_specs(specs: Any, tree: Any) -> Any:
 
 def _globalize(tree: Any, specs: Any, mesh: Mesh) -> Any:
     """Meta tensors of the global shapes of a tree of local shards."""
-    from fsharded.mesh._layout import dims
-
     leaves, tdef = optree.tree_flatten(tree)
     flat_specs = _tree.broadcast_prefix(specs, tree)
     out = []

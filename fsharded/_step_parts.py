@@ -1,0 +1,313 @@
+"""The pieces a training step is composed of, each chosen once when the step is built.
+
+``train_step`` composes, per shard: how the loss sees the parameters and how their
+gradients are computed (``Gradients``: plain, ZeRO-3 gathered inside the differentiated
+function, or per block through ``fsharded.parallel.run_block``; accumulated over
+micro-batches), how the gradients are reduced into their placement (part of the same
+piece: it follows the gathers), loss scaling (``NoScaling`` or ``DynamicScaling``: unscale,
+the finite check every shard agrees on, skip-or-apply), and the update (``PureUpdate``,
+``DonatedUpdate`` or ``FusedUpdate``, the in-place multi-tensor kernel), with clipping by
+the mesh-aware global norm inside it. None of them asks which backend runs it: the step
+knows (``eager``: one process per device, or a one-device mesh; otherwise the virtual
+mesh's vmap levels, where only torch.func transforms apply).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+
+from fsharded import _tree, memory, optim
+from fsharded.mesh._mesh import Mesh
+from fsharded.mesh._spec import PartitionSpec
+from fsharded.parallel import _buckets as B
+from fsharded.parallel import zero3
+from fsharded.parallel.blocks import handling
+from fsharded.precision import all_finite, cast_tree, tree_where, unscale
+from fsharded.spmd import _manifest
+from fsharded.spmd.collectives import is_bound
+
+__all__ = ["Layout", "Gradients", "NoScaling", "DynamicScaling", "PureUpdate", "DonatedUpdate",
+           "FusedUpdate", "choose_update"]
+
+
+class Layout:
+    """One state layout's specs, flat (one per parameter leaf), and where its blocks are."""
+
+    def __init__(self, pl: Any, params: Any, blocks: str | None, mesh: Mesh) -> None:
+        def flat(t):
+            return optree.tree_leaves(t, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+        self.use, self.grads, self.master = flat(pl.use), flat(pl.grads), flat(pl.master)
+        self.stage, self.reshard = pl.stage, pl.reshard_after_forward
+        self.axis = pl.axis if pl.stage > 0 else None
+        self.blocks = blocks
+        self.block_mask = block_mask(params, blocks)
+        self.paths = _tree.tree_flatten_with_paths(params)[0]
+        self.mesh = mesh
+
+
+def block_mask(params: Any, path: str | None) -> list[bool] | None:
+    """Which leaves live under the block list at ``path`` (a list of per-block subtrees)."""
+    if path is None:
+        return None
+    try:
+        node = _tree.get_path(params, path)
+    except KeyError as e:
+        raise ValueError(f"train_step(blocks={path!r}): {e.args[0]}") from None
+    if not isinstance(node, (list, tuple)) or not node:
+        raise ValueError(
+            f"train_step(blocks={path!r}): the parameters there are a {type(node).__name__}, "
+            f"not a non-empty list of per-block subtrees"
+        )
+    return [p.startswith(path + ".") for p in _tree.tree_flatten_with_paths(params)[0]]
+
+
+# -- gradients ---------------------------------------------------------------------------
+
+
+def _autograd_grad_and_value(f, p, batch, *, backward_ctx=contextlib.nullcontext):
+    """``torch.func.grad_and_value(f, has_aux=True)(p, batch)`` with plain autograd, which
+    skips functorch's wrapping (~8%) where nothing is transformed. ``backward_ctx``: around
+    the backward pass (ZeRO-3's overlapped reduce-scatters complete on its exit)."""
+    leaves, tdef = optree.tree_flatten(p)
+    with torch.enable_grad():
+        req = [x.detach().requires_grad_() for x in leaves]
+        out, aux = f(optree.tree_unflatten(tdef, req), batch)
+        with backward_ctx():
+            grads = torch.autograd.grad(out, req, allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
+    return optree.tree_unflatten(tdef, grads), optree.tree_map(torch.Tensor.detach, (out, aux))
+
+
+class Gradients:
+    """How the loss sees the parameters, how their gradients are computed, and how they
+    are reduced into the gradient placement.
+
+    Stages 0-2 gather the master shards (ZeRO-1/2) before differentiating and reduce the
+    full gradients after (all-reduce; reduce-scatter at stage 2; a slice at stage 1).
+    Stage 3 gathers inside the differentiated function, so gradients come back
+    reduce-scattered by the all-gather's transpose: every leaf up front, or, given the
+    block list, the leaves outside it up front and each block's at its ``run_block``.
+    """
+
+    def __init__(self, layout: Layout, loss_fn: Callable, *, policy: Any, scaling: Any,
+                 batch_axes: tuple[str, ...], accumulation: int, eager: bool, distributed: bool,
+                 cap: int, check_loss: Callable) -> None:
+        self.layout, self.loss_fn, self.policy, self.scaling = layout, loss_fn, policy, scaling
+        self.batch_axes, self.k, self.eager, self.distributed = batch_axes, accumulation, eager, distributed
+        self.cap, self.check_loss = cap, check_loss
+        self.inside = layout.stage == 3
+        self.per_block = self.inside and layout.block_mask is not None
+
+    def _gather(self, leaves: list, to: list) -> list:
+        lay = self.layout
+        if lay.axis is None:
+            return list(leaves)
+        return B.gather_leaves(list(leaves), lay.master, to, lay.axis, lay.mesh, self.cap)
+
+    def _handler(self, p: Any) -> Any:
+        """The run_block handler of a per-block ZeRO-3 step (prefetching on real ranks)."""
+        lay = self.layout
+        leaves = optree.tree_leaves(p)
+        specs_of = {id(x): (m, u) for x, m, u, b in zip(leaves, lay.master, lay.use, lay.block_mask) if b}
+        blocks = _tree.get_path(p, lay.blocks)
+        prefetch = zero3.Prefetch(blocks, specs_of, lay.axis, lay.mesh) \
+            if self.distributed and not _manifest.dry() else None
+        # The last block's backward follows its forward at once: keep its weights.
+        kept = {id(t) for t in optree.tree_leaves(blocks[-1])}
+        return zero3.block_handler(specs_of, lay.axis, lay.mesh, self.cap, prefetch, lay.reshard, kept)
+
+    def _local_loss(self, p: Any, micro: Any, scale: Any):
+        lay = self.layout
+        leaves, tdef = optree.tree_flatten(p)
+        if self.per_block:  # blocks stay sharded until their run_block
+            keep = [m if b else u for m, u, b in zip(lay.master, lay.use, lay.block_mask)]
+            leaves = self._gather(leaves, keep)
+        elif self.inside:
+            leaves = self._gather(leaves, lay.use)
+        p = optree.tree_unflatten(tdef, [cast_tree(x, self.policy.compute_dtype) for x in leaves])
+        with handling(self._handler(p)) if self.per_block else contextlib.nullcontext():
+            loss = self.loss_fn(p, micro)
+        self.check_loss(loss)
+        loss = loss.float()
+        return self.scaling.scale(loss, scale), loss
+
+    def __call__(self, params: Any, batch: Any, scale: Any, varying: tuple[str, ...],
+                 mark: Callable) -> tuple[list, torch.Tensor]:
+        """(reduced gradient leaves in the gradient placement, the mean local loss)."""
+        lay = self.layout
+        m_leaves, m_def = optree.tree_flatten(params)
+        x0 = params if self.inside else optree.tree_unflatten(m_def, self._gather(m_leaves, lay.use))
+        if varying:
+            # Data parallelism: mark the parameters varying over the batch axes before
+            # differentiating (a type change, no data moves), so each shard's gradient is
+            # its own contribution and the bucketed pmean below averages once. Left
+            # invariant, each gradient would come back summed by the implicit pvary's
+            # psum, one collective per leaf (JAX's rule).
+            x0 = mark(x0, varying)
+        loss_fn = functools.partial(self._local_loss, scale=scale)
+        overlap = self.per_block and self.distributed and self.eager and not _manifest.dry()
+        if self.eager:
+            grad_fn = functools.partial(_autograd_grad_and_value, loss_fn,
+                                        backward_ctx=zero3.overlapped_backward if overlap
+                                        else contextlib.nullcontext)
+        else:
+            grad_fn = torch.func.grad_and_value(loss_fn, has_aux=True)
+        grads, loss = None, None
+        for i in range(self.k):
+            micro = batch if self.k == 1 else optree.tree_map(lambda x, i=i: _micro(x, i, self.k), batch)
+            g, (_, l_i) = grad_fn(x0, micro)
+            g = optree.tree_map(lambda t: t.to(self.policy.reduce_dtype), g)
+            grads = g if grads is None else optree.tree_map(torch.add, grads, g)
+            loss = l_i if loss is None else loss + l_i
+        if self.k > 1:
+            grads = optree.tree_map(lambda t: t / self.k, grads)
+            loss = loss / self.k
+        return self._reduce(optree.tree_leaves(grads)), loss
+
+    def _reduce(self, g: list) -> list:
+        """Average over the batch axes into the gradient placement, in flat buckets
+        (DeepSpeed's reduce buckets) rather than one collective per leaf."""
+        lay = self.layout
+        if self.inside:
+            return B.reduce_leaves(g, lay.master, lay.master, self.batch_axes, lay.mesh, self.cap)
+        g = B.reduce_leaves(g, lay.use, lay.grads, self.batch_axes, lay.mesh, self.cap)
+        if lay.axis is not None:  # ZeRO-1: each rank keeps its block of the full gradient
+            g = B.slice_leaves(g, lay.grads, lay.master, lay.axis, lay.mesh)
+        return g
+
+
+def _micro(x: Any, i: int, k: int) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.shape[0] % k:
+        raise ValueError(
+            f"train_step(accumulation={k}): each shard's batch has {x.shape[0]} rows, not "
+            f"divisible into {k} micro-batches"
+        )
+    m = x.shape[0] // k
+    return x[i * m:(i + 1) * m]
+
+
+# -- loss scaling ------------------------------------------------------------------------
+
+
+class NoScaling:
+    """fp32 / bf16: the loss is differentiated as is and every step is applied."""
+
+    def scale(self, loss: torch.Tensor, state: Any) -> torch.Tensor:
+        return loss
+
+    def unscale(self, grads: Any, state: Any) -> Any:
+        return grads
+
+    def finite(self, grads: Any, axes: tuple[str, ...]) -> Any:
+        return None
+
+    def select(self, finite: Any, new: tuple, old: tuple, state: Any) -> tuple[tuple, Any, dict]:
+        return new, None, {"loss_scale": torch.ones(()), "skipped": torch.zeros((), dtype=torch.int64)}
+
+    def applied(self, step: torch.Tensor, state: Any) -> torch.Tensor:
+        return step
+
+
+class DynamicScaling:
+    """fp16: the loss is multiplied by the scale, gradients divided by it; a step whose
+    gradients overflowed on any shard is skipped by every shard (the old parameters and
+    optimizer state are kept, as in DeepSpeed), and the scale adapts (``scaler.update``)."""
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+
+    def scale(self, loss: torch.Tensor, state: Any) -> torch.Tensor:
+        return loss * state.scale
+
+    def unscale(self, grads: Any, state: Any) -> Any:
+        return unscale(grads, state, dtype=None)
+
+    def finite(self, grads: Any, axes: tuple[str, ...]) -> torch.Tensor:
+        return all_finite(grads, axis=tuple(a for a in axes if is_bound(a)))
+
+    def select(self, finite: torch.Tensor, new: tuple, old: tuple, state: Any) -> tuple[tuple, Any, dict]:
+        kept = tuple(tree_where(finite, n, o) for n, o in zip(new, old))
+        new_state = self.scaler.update(state, finite)
+        return kept, new_state, {"loss_scale": state.scale, "skipped": new_state.skipped}
+
+    def applied(self, step: torch.Tensor, state: Any) -> torch.Tensor:
+        # Skipped (overflowed) steps do not advance the schedule, as in DeepSpeed.
+        return step - state.skipped
+
+
+# -- the update --------------------------------------------------------------------------
+
+
+class PureUpdate:
+    """``optimizer.update`` + ``apply_updates`` on gradients clipped to ``clip`` (the
+    mesh-aware global norm, as ``torch.nn.utils.clip_grad_norm_``): new tensors, the old
+    state stays valid."""
+
+    def __init__(self, optimizer: Any, clip: float | None, eager: bool) -> None:
+        self.optimizer, self.clip, self.eager = optimizer, clip, eager
+
+    def _clip(self, grads: Any, gnorm: torch.Tensor) -> Any:
+        if self.clip is None:
+            return grads
+        factor = torch.clamp(self.clip / (gnorm + 1e-6), max=1.0)
+        if not self.eager:  # per leaf: foreach kernels have no batching rule
+            return optree.tree_map(lambda t: t * factor.to(t.dtype), grads)
+        leaves, tdef = optree.tree_flatten(grads)
+        return optree.tree_unflatten(tdef, torch._foreach_mul(leaves, factor))
+
+    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any) -> tuple[Any, Any]:
+        updates, opt_state = self.optimizer.update(self._clip(grads, gnorm), opt_state, params)
+        return optim.apply_updates(params, updates), opt_state
+
+
+class DonatedUpdate(PureUpdate):
+    """The pure update allowed to overwrite the parameters and moments in place (the state
+    passed in is consumed, like JAX's donated buffers): for optimizers without a fused form."""
+
+    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any) -> tuple[Any, Any]:
+        with optim.donating():
+            return super().__call__(grads, gnorm, opt_state, params)
+
+
+class FusedUpdate(PureUpdate):
+    """Donated fp32 state with adamw / adam / lion: one fused in-place multi-tensor kernel
+    (Triton on CUDA, C++ on CPU) with the clipping factor applied as the gradients load.
+    A dry run (meta tensors) takes the pure form, which communicates the same."""
+
+    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any) -> tuple[Any, Any]:
+        if _manifest.dry():
+            return super().__call__(grads, gnorm, opt_state, params)
+        factor = torch.clamp(self.clip / (gnorm + 1e-6), max=1.0) if self.clip is not None else 1.0
+        # No inf/nan check in the kernel: the pure form does not skip non-finite steps
+        # either, and donation is refused with fp16 loss scaling (which would need it).
+        opt_state, _ = optim.fused_update_(self.optimizer, grads, opt_state, params,
+                                           inv_scale=factor, check_finite=False)
+        return params, opt_state
+
+
+def choose_update(optimizer: Any, *, clip: float | None, donate: bool, eager: bool,
+                  params: Any) -> PureUpdate:
+    """The update a step runs: fused where the state is donated, plain fp32 tensors on one
+    process per device and the optimizer has a fused form; in place where donated; else pure."""
+    if donate and eager and optim.has_fused(optimizer) and \
+            all(t.dtype == torch.float32 for t in optree.tree_leaves(params)):
+        return FusedUpdate(optimizer, clip, eager)
+    if donate and eager:
+        return DonatedUpdate(optimizer, clip, eager)
+    return PureUpdate(optimizer, clip, eager)
+
+
+def label(tree: Any, category: str, eager: bool) -> None:
+    """Name ``tree``'s storages in an active memory tracker (eager tensors only: under
+    torch.func the tensors are wrappers a tracker does not see)."""
+    if eager:
+        memory.label(tree, category)
