@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from fsharded import _step_parts as P
 from fsharded import _tree, memory, optim
+from fsharded import random as R
 from fsharded.mesh._layout import check_tree, dims, local_slice
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
@@ -47,6 +48,7 @@ class TrainState(NamedTuple):
     params: Any  # master weights, laid out by the step's param_specs
     opt_state: Any
     loss_scale: Any  # precision.LossScaleState, or None without loss scaling
+    rng: Any = None  # fs.random key (int64 (2,)) random ops in the loss draw from, or None
 
 
 def train_step(
@@ -64,6 +66,7 @@ def train_step(
     backend: str | None = None,
     check_schedule: bool = True,
     blocks: str | None = None,
+    seed: int | None = 0,
 ) -> TrainStep:
     """Build a training step for ``loss_fn(params, batch) -> scalar``.
 
@@ -92,11 +95,19 @@ def train_step(
     each block's parameters stay sharded until its ``run_block``, are gathered there, and
     are gathered again in backward, so about two blocks' full weights are alive at a time.
     Without ``blocks`` a ZeRO-3 step gathers every parameter up front (and warns once).
+
+    Randomness (dropout, ``torch.rand`` in the loss): the state carries a key made from
+    ``seed`` (``TrainState.rng``); each step runs the loss under
+    ``fs.random.scope(fs.random.shard_key(fs.random.fold_in(rng, step), batch_axes))``, so
+    every step and every batch shard draws its own masks, shards that must agree (tensor
+    parallel replicas) draw the same, and a run is reproducible bit for bit and the same on
+    the virtual mesh and on real ranks (torch's global generator is not used; ops that
+    would use it raise). ``seed=None``: no key, random ops run as torch runs them.
     """
     return TrainStep(loss_fn, optimizer, mesh=mesh, param_specs=param_specs,
                      batch_spec=batch_spec, precision=precision, accumulation=accumulation,
                      clip=clip, check_finite=check_finite, donate=donate, backend=backend,
-                     check_schedule=check_schedule, blocks=blocks)
+                     check_schedule=check_schedule, blocks=blocks, seed=seed)
 
 
 class _Plan(NamedTuple):
@@ -115,7 +126,7 @@ class TrainStep:
 
     def __init__(self, loss_fn, optimizer, *, mesh, param_specs, batch_spec, precision,
                  accumulation, clip, check_finite, donate, backend, check_schedule=True,
-                 blocks=None):
+                 blocks=None, seed=0):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.mesh = mesh if mesh is not None else Mesh({"data": 1})
@@ -144,6 +155,9 @@ class TrainStep:
         if blocks is not None and not isinstance(blocks, str):
             raise TypeError(f"train_step: blocks must be a dotted path such as 'blocks', got {blocks!r}")
         self.blocks = blocks
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise TypeError(f"train_step: seed must be an int or None, got {seed!r}")
+        self.seed = seed
         self._warned_blocks = False
         self._placements: dict = {}
         self._local_shapes: dict = {}
@@ -199,7 +213,8 @@ class TrainStep:
         opt_state = self.optimizer.init(master)
         scale = self._scaler.init() if self._scaler is not None else None
         self._local_shapes[optree.tree_structure(master)] = [tuple(x.shape) for x in optree.tree_leaves(master)]
-        return TrainState(torch.zeros((), dtype=torch.int64), master, opt_state, scale)
+        rng = R.key(self.seed) if self.seed is not None else None
+        return TrainState(torch.zeros((), dtype=torch.int64), master, opt_state, scale, rng)
 
     def params(self, state: TrainState) -> Any:
         """Full (global) master parameters, on every rank."""
@@ -216,6 +231,7 @@ class TrainStep:
             pspecs,
             optim.state_specs(state.opt_state, state.params, pspecs),
             optree.tree_map(lambda _: PartitionSpec(), state.loss_scale) if state.loss_scale is not None else None,
+            PartitionSpec() if state.rng is not None else None,
         )
 
     # -- the step ----------------------------------------------------------------------
@@ -234,7 +250,11 @@ class TrainStep:
             mem.backward_category = "activations"
         params = state.params  # master weights, in the master placement
         varying = tuple(a for a in self.batch_axes if self.mesh.shape[a] > 1)
-        g_leaves, loss = plan.gradients(params, batch, state.loss_scale, varying, mark_varying)
+        # This step's and this batch shard's key: random ops in the loss draw from it.
+        keys = R.scope(R.shard_key(R.fold_in(state.rng, state.step), self.batch_axes)) \
+            if state.rng is not None else contextlib.nullcontext()
+        with keys:
+            g_leaves, loss = plan.gradients(params, batch, state.loss_scale, varying, mark_varying)
         grads = optree.tree_unflatten(optree.tree_structure(params), g_leaves)
         P.label(grads, "gradients", eager)
         # From here on every value is a shard of a leaf laid out by its spec (gradients,
@@ -259,7 +279,7 @@ class TrainStep:
             if optim.get_lr_schedule(self.optimizer) is not None:
                 metrics["lr"] = optim.get_lr(self.optimizer, plan.scaling.applied(state.step, state.loss_scale))
             metrics.update(scale_metrics)
-        out = TrainState(state.step + 1, new_params, opt_state, new_scale)
+        out = TrainState(state.step + 1, new_params, opt_state, new_scale, state.rng)
         if vma is not None:
             for t, spec in zip(optree.tree_leaves(out), plan.state_specs):
                 if isinstance(t, torch.Tensor):

@@ -21,14 +21,24 @@ import contextvars
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["run_block", "handling", "active"]
+from fsharded import random as R
+
+__all__ = ["run_block", "handling", "active", "Keyed"]
 
 _HANDLER: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar(
     "fsharded_block_handler", default=None)
 
 
 def run_block(block: Callable[..., Any], params: Any, *args: Any, **kwargs: Any) -> Any:
-    """``block(params, *args, **kwargs)``, through the handler of the step running it."""
+    """``block(params, *args, **kwargs)``, through the handler of the step running it.
+
+    Inside an ``fs.random.scope`` the block gets a key of its own (forked from the scope)
+    and every run of it draws from that key: a handler that runs the block again in
+    backward (ZeRO-3's remat) draws the same dropout masks, and the draws are the same
+    whichever handler runs it."""
+    key = R.fork()
+    if key is not None:
+        block = Keyed(block, key)
     handler = _HANDLER.get()
     if handler is None:
         return block(params, *args, **kwargs)
@@ -45,6 +55,18 @@ def handling(handler: Callable[..., Any] | None) -> Iterator[None]:
         yield
     finally:
         _HANDLER.reset(token)
+
+
+class Keyed:
+    """``block`` run under ``scope(key)`` each time it is called (a handler that recomputes
+    the block inside an autograd Function passes ``key`` in as an input instead)."""
+
+    def __init__(self, block: Callable[..., Any], key: Any) -> None:
+        self.block, self.key = block, key
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with R.scope(self.key):
+            return self.block(*args, **kwargs)
 
 
 def active() -> bool:

@@ -8,7 +8,10 @@ transforms, on the virtual mesh (vmap) and on real ranks, and it is how ZeRO-3 d
 block's gathered weights after the block and gathers them again in backward.
 
 Every tensor the function differentiates must be an argument: a tensor captured by
-closure is a constant here and gets no gradient.
+closure is a constant here and gets no gradient. Random ops inside (dropout) draw the same
+values in the recomputation: inside an ``fs.random.scope`` the remat forks a key when it is
+applied and runs both passes under it (outside a scope, random ops are refused on the
+virtual mesh by vmap and would draw differently on a rank: use a scope).
 
 >>> y = checkpoint(lambda w, x: torch.tanh(x @ w))(w, x)
 """
@@ -20,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from fsharded import random as R
 from fsharded.spmd import _env
 
 __all__ = ["checkpoint"]
@@ -30,24 +34,39 @@ class _Remat(torch.autograd.Function):
     vma_typed = True  # inside a shard_map body, its insides are typed (see _typed)
 
     @staticmethod
-    def forward(fn, *args):
-        with torch.no_grad():
+    def forward(fn, rng, *args):
+        with torch.no_grad(), _keyed(rng):
             return _typed(fn, args, None)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        fn, *args = inputs
-        ctx.fn = fn
+        fn, rng, *args = inputs
+        ctx.fn, ctx.keyed = fn, rng is not None
         mode = _mode()
         ctx.types = [mode.get(a) for a in args] if mode is not None else None
-        ctx.save_for_backward(*args)
+        ctx.save_for_backward(*((rng,) if rng is not None else ()), *args)
 
     @staticmethod
     def backward(ctx, g):
-        args = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        rng, args = (saved[0], saved[1:]) if ctx.keyed else (None, saved)
+        # Differentiate only the floating inputs autograd wants a gradient for: integer
+        # inputs (positions, masks) and constants ride along as they are.
+        want = [i for i, a in enumerate(args) if ctx.needs_input_grad[2 + i] and a.is_floating_point()]
+        if not want:
+            return (None, None, *(None for _ in args))
+
+        def f(*diff):
+            full = list(args)
+            for i, d in zip(want, diff):
+                full[i] = d
+            return _run_keyed(ctx.fn, rng, tuple(full), ctx.types)
+
         with torch.enable_grad():
-            _, vjp = torch.func.vjp(lambda *a: _typed(ctx.fn, a, ctx.types), *args)
-        return (None, *vjp(g))
+            # The same key as the forward: the recomputation draws the same dropout masks.
+            _, vjp = torch.func.vjp(f, *(args[i] for i in want))
+        grads = dict(zip(want, vjp(g)))
+        return (None, None, *(grads.get(i) for i in range(len(args))))
 
 
 def _mode():
@@ -71,13 +90,26 @@ def _typed(fn: Callable, args: tuple, types: list | None) -> torch.Tensor:
     return out
 
 
-def checkpoint(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``fn`` (tensors in, one tensor out) recomputed in backward instead of stored."""
+def _keyed(rng: torch.Tensor | None):
+    return R.scope(rng) if rng is not None else contextlib.nullcontext()
+
+
+def _run_keyed(fn: Callable, rng: torch.Tensor | None, args: tuple, types: list | None) -> torch.Tensor:
+    with _keyed(rng):
+        return _typed(fn, args, types)
+
+
+def checkpoint(fn: Callable[..., torch.Tensor], *, key: torch.Tensor | None = None) -> Callable[..., torch.Tensor]:
+    """``fn`` (tensors in, one tensor out) recomputed in backward instead of stored.
+
+    ``key``: run both passes under ``fs.random.scope(key)`` (a block's own key, see
+    ``run_block``) instead of a key forked from the enclosing scope. It travels as an
+    input of the recomputation, not captured (torch.func cannot lift captured tensors)."""
 
     def wrapped(*args: torch.Tensor) -> torch.Tensor:
         bad = [type(a).__name__ for a in args if not isinstance(a, torch.Tensor)]
         if bad:
             raise TypeError(f"checkpoint: arguments must be tensors (close over the rest), got {bad}")
-        return _Remat.apply(fn, *args)
+        return _Remat.apply(fn, key if key is not None else R.fork(), *args)
 
     return wrapped
