@@ -16,9 +16,11 @@ from fsharded import (
     lax,
     memory,
     models,
+    nn,
     optim,
     parallel,
     precision,
+    random,
     spmd,
 )
 from fsharded._memory import MemoryEstimate, estimate_memory
@@ -92,6 +94,8 @@ __all__ = [
     "lax",
     "optim",
     "parallel",
+    "nn",
+    "random",
     "memory",
     "models",
     "precision",
