@@ -28,3 +28,17 @@ def test_readme_training_example_runs():
     with contextlib.redirect_stdout(buf):
         exec(compile(code.replace("range(1000)", "range(2)"), "README.md", "exec"), {})
     assert "total over data" in buf.getvalue() and "total over tensor" in buf.getvalue()
+
+
+def test_readme_hugging_face_example_runs(tmp_path):
+    """The "Your own model" section's Hugging Face example: every ZeRO stage, then
+    load_into and save_pretrained."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    text = README.read_text()
+    section = text[text.index("## Your own model"):text.index("### Tensor parallelism for any")]
+    code = [c for c in re.findall(r"```python\n(.*?)```", section, re.S) if "transformers" in c][0]
+    out = tmp_path / "llama-trained"
+    exec(compile(code.replace("/tmp/llama-trained", str(out)), "README.md", "exec"), {})
+    assert (out / "config.json").exists()
