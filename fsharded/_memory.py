@@ -17,8 +17,10 @@ import optree
 import torch
 
 from fsharded import _tree
+from fsharded.mesh._layout import local_slice
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, shard_shape
+from fsharded.spmd import _schedule
 from fsharded.spmd._transfer import backend_for
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
@@ -37,31 +39,44 @@ class MemoryEstimate:
     """Bytes per device by category (the largest device, which all are with even shards)."""
 
     master: int  # master weights (optimizer precision), in their placement
-    compute_params: int  # low-precision copies / gathered full weights alive at once
-    grads: int  # gradients at their largest (before the reduction shrinks them)
-    optimizer: int  # optimizer state
-    activations: int  # measured on a meta run of the loss, or as given
+    compute_params: int  # gathered full weights alive at the peak beyond ``params`` (ZeRO-3: two blocks)
+    grads: int  # gradients at their largest: reduced ones + unreduced buckets + a block's full ones
+    optimizer: int  # optimizer state (the moments; the master weights are ``master``)
+    activations: int  # measured on a dry run of the loss (see estimate_memory), or as given
     buffers: int  # communication buckets
     placed_grads: int = 0  # gradients once reduced into their placement
     notes: tuple[str, ...] = field(default=())
+    params: int = 0  # parameters in their dtype as held through the step (0: the master weights are used)
+    update_copy: int = 0  # a pure (not donated) update's new master weights + moments beside the old
+    backward_grads: int = 0  # gradient bytes alive beside the activations in backward (buckets, a block's)
 
     @property
     def model_states(self) -> int:
-        """Master weights + reduced gradients + optimizer state: what stays per device
-        through a step with donated (in-place) updates; ``fs.memory`` measures the same."""
-        return self.master + self.placed_grads + self.optimizer
+        """Model states as the ZeRO paper counts them (its Figure 1): parameters as held
+        (fp16 / bf16 copies: full at stages 0-2, a shard at 3) + gradients in their placement
+        + optimizer state with the fp32 master weights: (2+2+K)P, 2P+2P+KP/N, 2P+(2+K)P/N,
+        (2+2+K)P/N for fp16 Adam (K=12)."""
+        return self.params + self.placed_grads + self.master + self.optimizer
+
+    @property
+    def peak(self) -> int:
+        """The device's peak in a step with donated updates: the state and gathered weights,
+        plus the larger of two moments: in backward (activations and the gradients being
+        reduced beside them) or after it (every gradient reduced, the activations freed)."""
+        base = self.master + self.params + self.compute_params + self.optimizer + self.buffers
+        return base + max(self.activations + self.backward_grads, self.grads)
 
     @property
     def total(self) -> int:
-        """Sum of every category at its own peak: an upper bound on the device's peak (the
-        categories peak at different moments of the step)."""
-        return self.master + self.compute_params + self.grads + self.optimizer + self.activations + self.buffers
+        """``peak`` plus the new state of a pure (not donated) update: an upper bound."""
+        return self.peak + self.update_copy
 
     def __str__(self) -> str:
         rows = [("master weights", self.master), ("compute params", self.compute_params),
                 ("gradients", self.grads), ("optimizer state", self.optimizer),
                 ("activations", self.activations), ("comm buffers", self.buffers),
-                ("total", self.total), ("model states", self.model_states)]
+                ("parameters", self.params), ("peak", self.peak), ("total", self.total),
+                ("model states", self.model_states)]
         w = max(len(r[0]) for r in rows)
         out = [f"{name.ljust(w)}  {b / 2**20:12,.2f} MiB" for name, b in rows]
         return "\n".join(out + [f"- {n}" for n in self.notes])
@@ -70,7 +85,7 @@ class MemoryEstimate:
 def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any = "fp32",
                     mesh: Mesh, loss: Any = None, batch: Any = None, batch_spec: Any = None,
                     activation_bytes: int | None = None,
-                    bucket_elems: int = 500_000_000) -> MemoryEstimate:
+                    bucket_elems: int = 500_000_000, blocks: str | None = "blocks") -> MemoryEstimate:
     """Per-device bytes of training ``params`` laid out by ``specs`` (a spec tree, a ZeRO
     plan or a ``Placement``) with ``optimizer`` under ``precision`` on ``mesh``.
 
@@ -84,8 +99,11 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     written with ``fsharded.collectives.is_bound`` allows), and the memory tracker reports
     the peak of everything they allocate except the parameter gradients: saved
     activations, temporaries and activation gradients. At ZeRO stage 3 each block runs
-    under the same remat as in ``train_step``, so only block inputs are kept. Or pass
-    ``activation_bytes`` yourself.
+    under the same remat as in ``train_step``, so only block inputs are kept. Code meta
+    tensors cannot run gets fake tensors, and a loss that reads tensor values on the host
+    (``.item()``, ``if mask.all():``) runs on copies of the shards' values on CPU: one real
+    forward and backward of compute (``fsharded.spmd._schedule``; the notes say which
+    ran). Or pass ``activation_bytes`` yourself.
     """
     from fsharded.parallel.zero import Placement, ZeroPlan
     from fsharded.precision import as_policy
@@ -102,30 +120,53 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     flat = lambda t: optree.tree_leaves(t, is_leaf=lambda x: isinstance(x, PartitionSpec))  # noqa: E731
     use, grads, master = flat(pl.use), flat(pl.grads), flat(pl.master)
     mb = _itemsize(policy.master_dtype)
-    cb = _itemsize(policy.compute_dtype)
     rb = _itemsize(policy.reduce_dtype)
     shapes = [tuple(x.shape) for x in leaves]
     master_n = [_local_numel(s, m, mesh) for s, m in zip(shapes, master)]
     use_n = [_local_numel(s, u, mesh) for s, u in zip(shapes, use)]
     grad_n = [_local_numel(s, g, mesh) for s, g in zip(shapes, grads)]
     notes = []
-    in_blocks = [p.startswith("blocks.") for p in paths]
-    if pl.stage == 3 and any(in_blocks) and pl.reshard_after_forward:
-        # Outside the blocks everything is gathered for the step; inside, one block's full
-        # weights at a time (plus the next one's in backward, when it is re-gathered).
-        per_block: dict[str, int] = {}
-        for p, n, b in zip(paths, use_n, in_blocks):
-            if b:
-                key = ".".join(p.split(".")[:2])
-                per_block[key] = per_block.get(key, 0) + n
-        largest = max(per_block.values())
-        outside = sum(n for n, b in zip(use_n, in_blocks) if not b)
-        compute = (outside + 2 * largest) * cb
-        grad_peak = sum(grad_n) * rb + (outside + largest) * rb
+    # ``blocks``: where the block list is (train_step's blocks=; the bundled GPT's by default,
+    # ignored when params have no list there). What the step holds, on real ranks:
+    pb = _itemsize(policy.param_dtype)
+    S = sum(use_n)
+    block_of = _block_index(params, paths, blocks)
+    per_block: dict[int, int] = {}
+    for j, n in zip(block_of, use_n):
+        if j is not None:
+            per_block[j] = per_block.get(j, 0) + n
+    largest = max(per_block.values(), default=0)
+    outside = sum(n for n, j in zip(use_n, block_of) if j is None)
+    placed = sum(grad_n) * rb
+    biggest_leaf = max(use_n, default=0)
+    compute, buffers = 0, 0
+    if pl.stage == 3 and per_block and pl.reshard_after_forward:
+        # Block shards cast to the param dtype, the rest gathered for the whole step; two
+        # blocks' full weights at a time (one computing, the next one's gather in flight:
+        # its buffer is one of the two). The peak is where backward starts, all activations
+        # alive and the last block's gradient being made (measured on 2 gloo ranks).
+        shards = sum(m for m, j in zip(master_n, block_of) if j is not None)
+        held = (shards * pb if policy.param_dtype != policy.master_dtype else 0) + outside * pb
+        compute = 2 * largest * pb
+        grad_peak, in_backward = placed, largest * rb + outside * rb
         notes.append(f"ZeRO-3: full weights of at most 2 blocks alive ({largest:,d} elements per block)")
+    elif pl.stage == 3:  # every parameter gathered up front, its gradient reduce-scattered by the transpose
+        held = S * pb
+        grad_peak, in_backward = placed, S * (pb + rb)
     else:
-        compute = sum(use_n) * cb if (pl.stage or policy.compute_dtype != policy.master_dtype) else 0
-        grad_peak = sum(use_n) * rb  # autograd produces full-size gradients, then reduces
+        # Stages 0-2 hold the full parameters (gathered from the master shards at 1-2, in the
+        # master dtype, then cast). The gradients are reduced bucket by bucket as backward
+        # makes them: at stages 0-1 the buckets are the full averaged gradient (stage 1 then
+        # keeps its block), at stage 2 one bucket at a time is unreduced beside the shards.
+        held = S * pb if (pl.stage or policy.param_dtype != policy.master_dtype) else 0
+        if pl.stage and policy.param_dtype != policy.master_dtype:
+            compute = S * mb
+        bucket = min(S, bucket_elems) * rb  # the first bucket is made as backward begins
+        in_backward = bucket + biggest_leaf * pb
+        if pl.stage == 2:  # the last bucket beside the shards reduced out of it
+            grad_peak = placed + bucket
+        else:  # the averaged buckets, and at stage 1 this rank's block taken out of them
+            grad_peak = S * rb + (sum(master_n) * rb if pl.stage == 1 else 0)
     meta = optree.tree_unflatten(tdef, [
         torch.empty(shard_shape(m, s, mesh), dtype=policy.master_dtype, device="meta")
         for s, m in zip(shapes, master)
@@ -137,43 +178,59 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     elif loss is not None:
         if batch is None:
             raise ValueError("estimate_memory: loss= needs a batch= (a global batch, as train_step takes)")
-        activations = _measure_activations(loss, params, pl, mesh, policy, batch, batch_spec)
-        notes.append("activations measured on a meta run of one device's forward + backward")
+        activations, ran_on = _measure_activations(loss, params, pl, mesh, policy, batch, batch_spec)
+        notes.append(f"activations measured on one device's forward + backward, run on {ran_on}")
     else:
         activations = 0
-    buffers = 0
-    if pl.stage or mesh.size > 1:
-        buffers = min(sum(use_n), bucket_elems) * rb * 2
     return MemoryEstimate(
         master=sum(master_n) * mb, compute_params=compute, grads=grad_peak, optimizer=opt_bytes,
-        activations=activations, buffers=buffers,
-        placed_grads=sum(master_n) * mb,
-        notes=tuple(notes),
+        activations=activations, buffers=buffers, placed_grads=placed, notes=tuple(notes),
+        params=held, update_copy=sum(master_n) * mb + opt_bytes, backward_grads=in_backward,
     )
 
 
+def _block_index(params: Any, paths: list[str], blocks: str | None) -> list[int | None]:
+    """For each leaf, the index of its block in the list at ``blocks``, or None."""
+    if blocks is None:
+        return [None] * len(paths)
+    try:
+        node = _tree.get_path(params, blocks)
+    except KeyError:
+        if blocks == "blocks":  # the default: a tree without the bundled GPT's list
+            return [None] * len(paths)
+        raise ValueError(f"estimate_memory(blocks={blocks!r}): no such path in the parameters") from None
+    if not isinstance(node, (list, tuple)):
+        raise ValueError(f"estimate_memory(blocks={blocks!r}): a {type(node).__name__}, not a list of blocks")
+    pre = blocks + "."
+    return [int(p[len(pre):].split(".")[0]) if p.startswith(pre) else None for p in paths]
+
+
 def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: Any, batch: Any,
-                         batch_spec: Any) -> int:
+                         batch_spec: Any) -> tuple[int, str]:
     """Peak bytes of one device's forward + backward other than parameters and their
-    gradients, on meta tensors."""
+    gradients, and what they were measured on: stand-ins for device 0's shards, tried in
+    turn (``fsharded.spmd._schedule``): meta tensors, fake tensors, and for a loss that
+    reads values on the host, copies of the shards' values on CPU (one real forward and
+    backward of compute)."""
     from fsharded import memory
     from fsharded.parallel.blocks import handling
     from fsharded.parallel.remat import checkpoint
 
     use = optree.tree_leaves(pl.use, is_leaf=lambda x: isinstance(x, PartitionSpec))
     leaves, tdef = optree.tree_flatten(params)
-    local = [
-        torch.empty(shard_shape(u, x.shape, mesh), dtype=policy.compute_dtype,
-                    device="meta", requires_grad=True)
+    coords = mesh.coords(0)
+    # Device 0's shards: views of the global values (the stand-ins copy only what they need).
+    p_views = [
+        local_slice(x, u, mesh, coords) if isinstance(x, torch.Tensor)
+        else torch.empty(shard_shape(u, tuple(x.shape), mesh), dtype=policy.compute_dtype, device="meta")
         for x, u in zip(leaves, use)
     ]
     if batch_spec is None:
         batch_spec = PartitionSpec("data") if "data" in mesh.shape else PartitionSpec()
     b_leaves, b_def = optree.tree_flatten(batch)
     b_specs = _tree.broadcast_prefix(batch_spec, batch, what="batch_spec")
-    local_batch = optree.tree_unflatten(b_def, [
-        torch.empty(shard_shape(s, x.shape, mesh), dtype=x.dtype, device="meta")
-        if isinstance(x, torch.Tensor) else x
+    b_views = optree.tree_unflatten(b_def, [
+        local_slice(x, s, mesh, coords) if isinstance(x, torch.Tensor) else x
         for x, s in zip(b_leaves, b_specs)
     ])
     handler = None
@@ -185,18 +242,31 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
             ps, pdef = optree.tree_flatten(p)
             run = lambda x, *ps: block(optree.tree_unflatten(pdef, list(ps)), x, *args, **kw)  # noqa: E731
             return checkpoint(run)(x, *ps)
-    p_local = optree.tree_unflatten(tdef, local)
+
+    def attempt(kind: _schedule.Kind) -> int:
+        with _schedule.stand_ins(kind) as convert:
+            local = [convert(v).to(policy.compute_dtype).requires_grad_() for v in p_views]
+            local_batch = convert(b_views)
+            with memory.track(include_meta=True) as mem:
+                mem.backward_category = "activations"
+                mem.register(local, "parameters")
+                with handling(handler):
+                    out = loss(optree.tree_unflatten(tdef, local), local_batch)
+                grads = torch.autograd.grad(out, local, allow_unused=True)
+                mem.reclassify([g for g in grads if g is not None], "gradients")
+            return mem.peak_of(("activations",))
+
     try:
-        with memory.track(include_meta=True) as mem:
-            mem.backward_category = "activations"
-            mem.register(local, "parameters")
-            with handling(handler):
-                out = loss(p_local, local_batch)
-            grads = torch.autograd.grad(out, local, allow_unused=True)
-            mem.reclassify([g for g in grads if g is not None], "gradients")
+        kind, peak = _schedule.first_run(attempt, what="estimate_memory", fix=_FIX)
+    except _schedule.DryRunError:
+        raise
     except Exception as e:
         raise RuntimeError(
-            f"estimate_memory: could not run the loss on meta tensors of one device's shards "
+            f"estimate_memory: could not run the loss on one device's shards "
             f"({type(e).__name__}: {e}); pass activation_bytes= instead"
         ) from e
-    return mem.peak_of(("activations",))
+    return peak, kind.name
+
+
+_FIX = (_schedule.FIX + " Or pass activation_bytes= to estimate_memory: measure them with "
+        "fs.memory.track() around one real step (tracker.peak_of(('activations',))).")

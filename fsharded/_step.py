@@ -85,7 +85,9 @@ def train_step(
     With donation, ``adamw``/``adam``/``lion`` (no mask) run as one fused in-place kernel
     (``fsharded.optim.fused_update_``: Triton on CUDA, the C++ optimizer on CPU).
     ``check_schedule`` (real ranks): before the first step for a state layout, every rank
-    lists the collectives it will run (a dry run on meta tensors) and the ranks compare them;
+    lists the collectives it will run (a dry run on meta or fake tensors, or on copies of
+    this rank's values on CPU for code that reads values; see ``fsharded.spmd._schedule``)
+    and the ranks compare them;
     a mismatch is an error on every rank naming the first differing collective, not a hang.
 
     ``blocks``: the dotted path of the model's block list in the parameter tree (a list of
@@ -251,7 +253,8 @@ class TrainStep:
         params = state.params  # master weights, in the master placement
         varying = tuple(a for a in self.batch_axes if self.mesh.shape[a] > 1)
         # This step's and this batch shard's key: random ops in the loss draw from it.
-        keys = R.scope(R.shard_key(R.fold_in(state.rng, state.step), self.batch_axes)) \
+        # Derived at the first draw (a loss without random ops pays nothing for it).
+        keys = R.scope(functools.partial(_step_key, state.rng, state.step, self.batch_axes)) \
             if state.rng is not None else contextlib.nullcontext()
         with keys:
             g_leaves, loss = plan.gradients(params, batch, state.loss_scale, varying, mark_varying)
@@ -383,6 +386,10 @@ class TrainStep:
 
 def _shapes(tree: Any) -> tuple:
     return tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in optree.tree_leaves(tree))
+
+
+def _step_key(rng: torch.Tensor, step: torch.Tensor, batch_axes: tuple[str, ...]) -> torch.Tensor:
+    return R.shard_key(R.fold_in(rng, step), batch_axes)
 
 
 def _check_grad_types(grads: list, specs: list, mesh: Mesh, paths: list[str]) -> None:

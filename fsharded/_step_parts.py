@@ -29,7 +29,7 @@ from fsharded.parallel import _buckets as B
 from fsharded.parallel import zero3
 from fsharded.parallel.blocks import handling
 from fsharded.precision import all_finite, cast_tree, tree_where, unscale
-from fsharded.spmd import _manifest
+from fsharded.spmd import _env, _manifest
 from fsharded.spmd.collectives import is_bound
 
 __all__ = ["Layout", "Gradients", "NoScaling", "DynamicScaling", "PureUpdate", "DonatedUpdate",
@@ -71,17 +71,26 @@ def block_mask(params: Any, path: str | None) -> list[bool] | None:
 # -- gradients ---------------------------------------------------------------------------
 
 
-def _autograd_grad_and_value(f, p, batch, *, backward_ctx=contextlib.nullcontext):
+def _autograd_grad_and_value(f, p, batch, *, backward_ctx=contextlib.nullcontext, reducer=None):
     """``torch.func.grad_and_value(f, has_aux=True)(p, batch)`` with plain autograd, which
     skips functorch's wrapping (~8%) where nothing is transformed. ``backward_ctx``: around
-    the backward pass (ZeRO-3's overlapped reduce-scatters complete on its exit)."""
+    the backward pass (ZeRO-3's overlapped reduce-scatters complete on its exit).
+    ``reducer`` (``_buckets.InBackward``): reduces the gradients while backward runs; the
+    gradients returned are then its reduced ones."""
     leaves, tdef = optree.tree_flatten(p)
     with torch.enable_grad():
         req = [x.detach().requires_grad_() for x in leaves]
+        if reducer is not None:
+            reducer.watch(req)
         out, aux = f(optree.tree_unflatten(tdef, req), batch)
         with backward_ctx():
             grads = torch.autograd.grad(out, req, allow_unused=True)
-    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
+    if reducer is not None:
+        del grads  # stride-0 stand-ins: the values are in the reducer's buckets
+        grads = reducer.finish()
+    else:  # what backward made for the parameters (the rest of it is activation gradients)
+        memory.label([g for g in grads if g is not None], "gradients")
+        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
     return optree.tree_unflatten(tdef, grads), optree.tree_map(torch.Tensor.detach, (out, aux))
 
 
@@ -144,6 +153,8 @@ class Gradients:
         lay = self.layout
         m_leaves, m_def = optree.tree_flatten(params)
         x0 = params if self.inside else optree.tree_unflatten(m_def, self._gather(m_leaves, lay.use))
+        if not self.inside and lay.axis is not None:  # ZeRO-1/2 hold the full parameters
+            label(x0, "parameters", self.eager)
         if varying:
             # Data parallelism: mark the parameters varying over the batch axes before
             # differentiating (a type change, no data moves), so each shard's gradient is
@@ -152,13 +163,17 @@ class Gradients:
             # psum, one collective per leaf (JAX's rule).
             x0 = mark(x0, varying)
         loss_fn = functools.partial(self._local_loss, scale=scale)
-        overlap = self.per_block and self.distributed and self.eager and not _manifest.dry()
+        real = self.distributed and self.eager and not _manifest.dry()
+        reducer = self._in_backward(x0) if real else None
         if self.eager:
             grad_fn = functools.partial(_autograd_grad_and_value, loss_fn,
-                                        backward_ctx=zero3.overlapped_backward if overlap
-                                        else contextlib.nullcontext)
+                                        backward_ctx=zero3.overlapped_backward if self.per_block and real
+                                        else contextlib.nullcontext, reducer=reducer)
         else:
             grad_fn = torch.func.grad_and_value(loss_fn, has_aux=True)
+        if reducer is not None:  # reduced into the gradient placement during backward
+            g, (_, loss) = grad_fn(x0, batch)
+            return self._place(optree.tree_leaves(g)), loss
         grads, loss = None, None
         for i in range(self.k):
             micro = batch if self.k == 1 else optree.tree_map(lambda x, i=i: _micro(x, i, self.k), batch)
@@ -170,6 +185,25 @@ class Gradients:
             grads = optree.tree_map(lambda t: t / self.k, grads)
             loss = loss / self.k
         return self._reduce(optree.tree_leaves(grads)), loss
+
+    def _in_backward(self, x0: Any) -> Any:
+        """Stages 0-2 on real ranks, one micro-batch: the bucketed reduction run inside
+        backward (``_buckets.InBackward``), so at stage 2 the full gradient never exists at
+        once. With accumulation the micro-batches' gradients are summed in full first, as
+        before (reducing each micro-batch would cost k times the communication)."""
+        lay = self.layout
+        if self.inside or self.k > 1:
+            return None
+        frame = _env.current()
+        shapes = [tuple(x.shape) for x in optree.tree_leaves(x0)]
+        return B.InBackward.plan(shapes, lay.use, lay.grads, self.batch_axes, lay.mesh, self.cap,
+                                 self.policy.reduce_dtype, frame.vma if frame is not None else None)
+
+    def _place(self, g: list) -> list:
+        lay = self.layout
+        if lay.axis is not None:  # ZeRO-1: this rank's block of the gradient (as _reduce)
+            g = B.slice_leaves(g, lay.grads, lay.master, lay.axis, lay.mesh)
+        return g
 
     def _reduce(self, g: list) -> list:
         """Average over the batch axes into the gradient placement, in flat buckets
@@ -281,7 +315,7 @@ class DonatedUpdate(PureUpdate):
 class FusedUpdate(PureUpdate):
     """Donated fp32 state with adamw / adam / lion: one fused in-place multi-tensor kernel
     (Triton on CUDA, C++ on CPU) with the clipping factor applied as the gradients load.
-    A dry run (meta tensors) takes the pure form, which communicates the same."""
+    A dry run takes the pure form, which communicates the same."""
 
     def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any) -> tuple[Any, Any]:
         if _manifest.dry():

@@ -375,17 +375,42 @@ class KeyScope(TorchFunctionMode):
     ``fork()`` a key and run under ``scope`` of it both times.
     """
 
-    def __init__(self, key: torch.Tensor) -> None:
+    def __init__(self, key: torch.Tensor | Callable[[], torch.Tensor]) -> None:
         super().__init__()
-        _check_key(key, "scope")
-        self.key = key
-        self.calls = 0  # keys drawn so far
+        # A callable is a key derived only when the first draw needs it (most programs
+        # run under a step's scope draw nothing: deriving costs ~150 small int ops).
+        self._make = key if callable(key) and not isinstance(key, torch.Tensor) else None
+        self._key = None if self._make is not None else key
+        if self._key is not None:
+            _check_key(key, "scope")
+        self.calls = 0  # keys drawn (or reserved) so far
+
+    @property
+    def key(self) -> torch.Tensor:
+        if self._key is None:
+            k = self._make()
+            _check_key(k, "scope")
+            self._key, self._make = k, None
+        return self._key
 
     def next_key(self) -> torch.Tensor:
         """The key of the next draw, ``fold_in(key, calls)``; advances the stream."""
         k = fold_in(self.key, self.calls)
         self.calls += 1
         return k
+
+    def reserve(self) -> Callable[[], torch.Tensor]:
+        """Advance the stream by one key now and give a function that derives that key
+        when (and only when) it is needed, the same key every call."""
+        i, box = self.calls, []
+        self.calls += 1
+
+        def make() -> torch.Tensor:
+            if not box:
+                box.append(fold_in(self.key, i))
+            return box[0]
+
+        return make
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -399,9 +424,10 @@ class KeyScope(TorchFunctionMode):
         return rule(self, func, args, kwargs)
 
 
-def scope(key: torch.Tensor) -> KeyScope:
+def scope(key: torch.Tensor | Callable[[], torch.Tensor]) -> KeyScope:
     """Make torch's random ops (``nn.Dropout``, ``torch.rand``, ...) draw from ``key``
-    while entered; see ``KeyScope``. Scopes nest (the innermost draws).
+    while entered; see ``KeyScope``. Scopes nest (the innermost draws). ``key`` may be a
+    function giving the key, called at the first draw.
 
     >>> drop = torch.nn.Dropout(0.1)
     >>> with scope(key(0)):
@@ -414,14 +440,15 @@ def scope(key: torch.Tensor) -> KeyScope:
     return KeyScope(key)
 
 
-def fork() -> torch.Tensor | None:
+def fork(*, lazy: bool = False) -> torch.Tensor | Callable[[], torch.Tensor] | None:
     """The next key of the innermost entered scope (advancing it), or None outside any.
     For code that runs a function twice and needs the same draws both times (remat): fork
     before the first run, pass the key along as an argument, and run each time under
-    ``scope`` of it."""
+    ``scope`` of it. ``lazy=True``: the stream advances now, but the key is derived only
+    if the returned function is called (``scope`` takes such a function too)."""
     for mode in reversed(torch.overrides._get_current_function_mode_stack()):
         if isinstance(mode, KeyScope):
-            return mode.next_key()
+            return mode.reserve() if lazy else mode.next_key()
     return None
 
 

@@ -37,12 +37,12 @@ def batches(n: int = 4) -> list[dict]:
     return [{"x": torch.randn(ROWS, 8, generator=g), "y": torch.randn(ROWS, generator=g)} for _ in range(n)]
 
 
-def run(mesh_axes: dict, stage: int = 0, seed: int = 0, steps: int = 4) -> list[float]:
+def run(mesh_axes: dict, stage: int = 0, seed: int = 0, steps: int = 4, accumulation: int = 1) -> list[float]:
     mesh = fs.Mesh(mesh_axes)
     params = init()
     specs = fs.parallel.zero(stage, min_size=8)(P(), params) if stage else P()
     step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, param_specs=specs, blocks="blocks",
-                         seed=seed, clip=1.0)
+                         seed=seed, clip=1.0, accumulation=accumulation)
     state = step.init(params)
     out = []
     for b in batches(steps):

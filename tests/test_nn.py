@@ -346,8 +346,9 @@ def test_each_block_runs_through_run_block(kind):
     for (p, shape, n_args, kw), sub in zip(calls, subs):
         assert [id(t) for t in optree.tree_leaves(p)] == [id(t) for t in optree.tree_leaves(sub)]
         assert shape == (BATCH, SEQ - 1, 32) and n_args == 0
-        assert kw == {"nanogpt": [], "hf_llama": ["attention_mask", "position_embeddings"],
-                      "hf_gpt2": ["attention_mask"]}[kind]
+        assert kw == {"nanogpt": [], "hf_llama": ["attention_mask", "cache_position", "position_embeddings",
+                                                     "position_ids"],
+                      "hf_gpt2": ["attention_mask", "cache_position"]}[kind]
 
 
 # --- load_into ----------------------------------------------------------------------------

@@ -29,6 +29,12 @@ def test_zero3_recomputed_blocks_draw_the_forward_masks():
     _close(C.run({"data": 2}, stage=3), C.run({"data": 2}, stage=0))
 
 
+def test_micro_batches_continue_the_stream():
+    # Each micro-batch draws its own masks from the step's stream, in every layout.
+    _close(C.run({"data": 2}, stage=3, accumulation=2), C.run({"data": 2}, stage=0, accumulation=2))
+    assert C.run({"data": 2}, accumulation=2) != C.run({"data": 2})
+
+
 def test_masks_follow_the_batch_shards_not_the_mesh_size():
     # One device and two shards draw differently (each shard folds in its index), but a
     # data axis of size 1 is the one-device run.

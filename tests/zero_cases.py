@@ -54,7 +54,7 @@ def measure_memory(mesh_axes: dict, stage: int, donate: bool = False) -> dict:
     return {"activations": mem.peak_of(("activations",)), "est_activations": est.activations,
             "total": mem.peak_bytes, "est_total": est.total,"start": start, "peak": mem.peak_bytes, "peak_by": mem.peak_by_category,
             "est_master": est.master, "est_optimizer": est.optimizer,
-            "est_model_states": est.model_states,
+            "est_model_states": est.model_states, "est_peak": est.peak,
             "model_states": mem.peak_of(("parameters", "gradients", "optimizer state")),
             "with_buffers": mem.peak_of(("parameters", "gradients", "optimizer state", "comm buffers"))}
 

@@ -75,6 +75,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             "`fsharded train` job",
         ),
         Benchmark(
+            "nn",
+            "fsharded.bench.nn",
+            "a nanoGPT-style nn.Module through fs.nn.functional: train_step vs its eager loop "
+            "(one process) and ZeRO-3 vs FSDP2 (2 gloo ranks)",
+        ),
+        Benchmark(
             "zero",
             "fsharded.bench.zero",
             "ZeRO stages 0-3 on 2 gloo ranks vs DeepSpeed and FSDP2: step time, bytes sent "

@@ -36,7 +36,7 @@ def run_block(block: Callable[..., Any], params: Any, *args: Any, **kwargs: Any)
     and every run of it draws from that key: a handler that runs the block again in
     backward (ZeRO-3's remat) draws the same dropout masks, and the draws are the same
     whichever handler runs it."""
-    key = R.fork()
+    key = R.fork(lazy=True)  # derived only if the block draws (or a remat needs it)
     if key is not None:
         block = Keyed(block, key)
     handler = _HANDLER.get()
@@ -59,9 +59,10 @@ def handling(handler: Callable[..., Any] | None) -> Iterator[None]:
 
 class Keyed:
     """``block`` run under ``scope(key)`` each time it is called (a handler that recomputes
-    the block inside an autograd Function passes ``key`` in as an input instead)."""
+    the block inside an autograd Function passes ``key()`` in as an input instead).
+    ``key``: a function giving the block's key, the same each call."""
 
-    def __init__(self, block: Callable[..., Any], key: Any) -> None:
+    def __init__(self, block: Callable[..., Any], key: Callable[[], Any]) -> None:
         self.block, self.key = block, key
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

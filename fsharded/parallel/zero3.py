@@ -20,10 +20,11 @@ from typing import Any
 import optree
 import torch
 
-from fsharded import comm
+from fsharded import comm, memory
 from fsharded.comm import _shm
 from fsharded.mesh._mesh import Mesh
-from fsharded.parallel._buckets import gather_leaves, split_dim
+from fsharded.parallel._buckets import InFlight, gather_leaves, issue, split_dim
+from fsharded.parallel.blocks import Keyed
 from fsharded.parallel.remat import checkpoint
 from fsharded.spmd.collectives import psum_scatter
 
@@ -58,16 +59,29 @@ class PendingGather:
         with torch.no_grad():
             return self._wait()
 
+    def finish(self) -> None:
+        """Complete the gather and let go of its source (the output stays for ``wait``)."""
+        if self.work is not None:
+            self.work.wait()
+            self.work, self._src = None, None
+
+    def done(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
     def _wait(self) -> list:
         out = list(self.leaves)
-        if self.work is None:
+        if not hasattr(self, "out"):
             return out
-        self.work.wait()
+        self.finish()
         sizes = [self.leaves[i].numel() for i in self.moving]
         for i, piece in zip(self.moving, self.out.split(sizes, dim=1)):
             x, d = self.leaves[i], self.dims[i]
             moved = x.movedim(d, 0).shape
-            out[i] = piece.reshape(self.n, *moved).flatten(0, 1).movedim(0, d)
+            y = piece.reshape(self.n * moved[0], *moved[1:])  # a column block: copied, own storage
+            out[i] = y if d == 0 else y.movedim(0, d)
+        # The leaves are copies: drop the gather buffer now, not when this object dies (a
+        # backward gather is referenced until backward ends; its buffer must not be).
+        del self.out
         return out
 
 
@@ -84,8 +98,8 @@ def overlapped_backward():
         yield
     finally:
         _PENDING.reset(tok)
-        for work, _keep in pending:
-            work.wait()
+        for op in pending:
+            op.finish()
 
 
 def track_pending(gather: Any) -> None:
@@ -93,14 +107,14 @@ def track_pending(gather: Any) -> None:
     prefetch that no block took is still completed before the step goes on)."""
     pending = _PENDING.get()
     if pending is not None and gather.work is not None:
-        pending.append((gather.work, gather.out))
+        issue(pending, gather)
 
 
 def _reduce_scatter_async(rows: torch.Tensor, axis: str, mesh: Mesh, pending: list) -> torch.Tensor:
     g = comm.axis_group(mesh, (axis,))
     flat = rows.contiguous().reshape(-1)
     out = flat.new_empty(rows.shape[1])
-    pending.append((_shm.reduce_scatter_into(out, flat, g, async_op=True), flat))
+    issue(pending, InFlight(_shm.reduce_scatter_into(out, flat, g, async_op=True), flat, out))
     return out
 
 
@@ -134,7 +148,11 @@ class _Gathered(torch.autograd.Function):
             # The gather's transpose for the whole block in one reduce-scatter: each
             # gradient's row j is the block of its dim owned by shard j.
             idx = list(dims)
+            # What a memory tracker sees: the block's full parameter gradients (made in
+            # backward, where the rest is activation gradients) and the bucket sent.
+            memory.label([grads[i] for i in idx], "gradients")
             rows = torch.cat([grads[i].movedim(dims[i], 0).reshape(n, -1) for i in idx], dim=1)
+            memory.label(rows, "gradients")
             pending = _PENDING.get()
             if pending is not None:
                 # Issued without waiting: the rest of backward runs while it travels. The
@@ -147,6 +165,7 @@ class _Gathered(torch.autograd.Function):
                 moved = list(grads[i].movedim(dims[i], 0).shape)
                 moved[0] //= n
                 out[i] = piece.reshape(moved).movedim(0, dims[i])
+            memory.label(mine, "gradients")
         return (None, None, None, *out)
 
 
@@ -289,6 +308,13 @@ def block_handler(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: Pre
             return block(optree.tree_unflatten(bdef, full), *a, **k)
 
         inputs = (*leaves, *(e for e, t in zip(extra, is_t) if t))
-        return checkpoint(run)(*inputs) if again else run(*inputs)
+        # run_block keyed the block already: its recomputation draws the forward's masks.
+        if not again:
+            return run(*inputs)
+        # A keyed block's key goes into the remat as an input: the recomputation in
+        # backward draws the forward's masks.
+        key = block.key() if isinstance(block, Keyed) else None
+        block = block.block if key is not None else block
+        return checkpoint(run, key=key)(*inputs)
 
     return handle

@@ -2,8 +2,9 @@
 
 Every collective passes through ``record``; while a ``recording()`` context is open each
 call is appended, in program order, as an ``Entry``. ``shard_map(...).collectives(*args)``
-runs the function on the virtual mesh over meta tensors (shapes only, no data, no
-communication) inside such a context.
+runs the function without its data (a dry run: meta or fake tensors on the virtual mesh,
+or one device's values where the program reads them; see ``_schedule``), with no
+communication, inside such a context.
 """
 
 from __future__ import annotations
@@ -77,9 +78,10 @@ _DRY: contextvars.ContextVar[bool] = contextvars.ContextVar("fsharded_dry_run", 
 
 @contextlib.contextmanager
 def recording(*, dry: bool = False) -> Iterator[list]:
-    """Record every collective called inside. ``dry=True`` (real ranks, meta tensors):
-    collectives only say what they would return (meta tensors of their output shapes) and
-    send nothing, so a rank can list its own schedule without its peers."""
+    """Record every collective called inside. ``dry=True`` (a dry run as one device, on
+    real ranks or not): collectives answer locally (``_prims.dry_answer``: their result if
+    every shard held this one's value, of the exact shape) and send nothing, so a rank can
+    list its own schedule without its peers."""
     entries: list = []
     tok, dtok = _REC.set(entries), _DRY.set(dry)
     try:

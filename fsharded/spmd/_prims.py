@@ -64,9 +64,6 @@ class _Prim:
     def shift(self, p: tuple) -> tuple:
         return p
 
-    def out_shape(self, shape: tuple, n: int, p: tuple) -> tuple:
-        return shape
-
     def save(self, ctx: Any, x: torch.Tensor, y: torch.Tensor) -> None:
         pass
 
@@ -163,9 +160,6 @@ class _AllGather(_Prim):
     def dist(self, x, g, p):
         return comm.all_gather_dim(x, g, p[0])
 
-    def out_shape(self, shape, n, p):
-        return (*shape[:p[0]], shape[p[0]] * n, *shape[p[0] + 1:])
-
     def transpose(self, ctx, g):
         return _dispatch(PSUM_SCATTER, ctx.params, ctx.axes, g)
 
@@ -203,9 +197,6 @@ class _PsumScatter(_Prim):
     def dist(self, x, g, p):
         return comm.reduce_scatter_dim(x, g, p[0])
 
-    def out_shape(self, shape, n, p):
-        return (*shape[:p[0]], shape[p[0]] // n, *shape[p[0] + 1:])
-
     def transpose(self, ctx, g):
         return _dispatch(ALL_GATHER, ctx.params, ctx.axes, g)
 
@@ -240,12 +231,6 @@ class _AllToAll(_Prim):
 
     def dist(self, x, g, p):
         return comm.all_to_all_dims(x, g, *p)
-
-    def out_shape(self, shape, n, p):
-        out = list(shape)
-        out[p[0]] //= n
-        out[p[1]] *= n
-        return tuple(out)
 
     def transpose(self, ctx, g):
         split, concat = ctx.params
@@ -376,13 +361,28 @@ class Collective(torch.autograd.Function):
 
 
 def dist_call(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor) -> torch.Tensor:
-    """The real-rank call on this rank's tensor (no autograd). In a dry run, what it
-    would return, without touching a process group."""
+    """The real-rank call on this rank's tensor (no autograd). In a dry run, a local
+    answer (``dry_answer``), without touching a process group."""
     if _manifest.dry():
-        return torch.empty(prim.out_shape(tuple(x.shape), axes.size, params), dtype=x.dtype,
-                           device="meta")
+        return dry_answer(prim, params, axes, x)
     with memory.collective_scope():
         return prim.dist(x, comm.axis_group(axes.frame.mesh, axes.names), params)
+
+
+def dry_answer(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor) -> torch.Tensor:
+    """What the collective returns on this shard if every shard along ``axes`` held ``x``:
+    its virtual rule on an invariant operand, at this shard's position. The shape is the
+    real result's (the manifest and the schedule need nothing else: on meta and fake
+    tensors that is all it computes); a dry run on real values gets plausible values too
+    (psum: n·x, all_gather: x tiled, psum_scatter: n times this shard's chunk of x)."""
+    y, bdim = prim.virtual(x, None, axes.size, params)
+    if bdim is not None:
+        i = 0
+        for a in axes.names:
+            i = i * axes.frame.mesh.shape[a] + axes.frame.coords[a]
+        y = y.select(bdim, i)
+    # A new buffer, as a real collective returns (pvary is a view there too).
+    return y if prim is PVARY else y.clone()
 
 
 def _dispatch(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor, *,

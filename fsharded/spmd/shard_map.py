@@ -19,7 +19,7 @@ from fsharded import _tree
 from fsharded.mesh._layout import check_tree, dims
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, format_spec_errors
-from fsharded.spmd import _distributed, _manifest, _virtual
+from fsharded.spmd import _distributed, _manifest, _schedule, _virtual
 from fsharded.spmd._transfer import Sharded, backend_for, globals_of
 
 __all__ = ["shard_map", "ShardMapped"]
@@ -176,19 +176,28 @@ class ShardMapped:
     def collectives(self, *args: Any) -> _manifest.Manifest:
         """The collectives one call runs, in order, without running them.
 
-        Runs ``f`` on the virtual mesh over meta tensors of the same shapes (no data, no
-        communication) and records every collective: op, axis, dtype, per-shard shape and
-        bytes each rank sends. Collectives in a ``torch.func.grad`` inside ``f`` are
-        listed with phase ``backward``.
+        Runs ``f`` without its data and without communicating (a dry run) and records
+        every collective: op, axis, dtype, per-shard shape and bytes each rank sends.
+        Collectives in a ``torch.func.grad`` inside ``f`` are listed with phase
+        ``backward``. The virtual mesh runs it over meta tensors of the arguments' shapes,
+        or, for code meta tensors cannot run, fake ones (see ``fsharded.spmd._schedule``);
+        the distributed backend runs it as one rank does, on device 0's shards, with the
+        collectives answering locally. A program that reads tensor values on the host
+        (``.item()``, ``if t.sum() > 0:``; vmap cannot batch those) is run as device 0
+        on copies of its shards' values on CPU: one forward and backward of compute.
         """
-        meta = optree.tree_map(
-            lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
-            if isinstance(x, torch.Tensor)
-            else x,
-            args,
-        )
-        with _manifest.recording() as entries:
-            _virtual.call(self, meta)
+        distributed = backend_for(self.mesh, self.backend) == "distributed"
+
+        def attempt(kind: _schedule.Kind) -> list:
+            if distributed or kind.tensors == "real":
+                with _manifest.recording(dry=True) as entries:
+                    _schedule.run_shard(self, args, kind)
+                return entries
+            with _schedule.stand_ins(kind) as convert, _manifest.recording() as entries:
+                _virtual.call(self, convert(args))
+            return entries
+
+        _, entries = _schedule.first_run(attempt, what="collectives()")
         return _manifest.Manifest(entries)
 
 

@@ -1,0 +1,70 @@
+"""Memory as the ZeRO paper promises it: the estimator's model states against the paper's
+table, and its per-device peak against the tracker's on real ranks."""
+
+from __future__ import annotations
+
+import memory_cases as M
+import pytest
+import torch
+
+import fsharded as fs
+from fsharded import P
+
+GB = 1e9  # the paper's unit (120 GB = 16 B x 7.5e9)
+
+
+def test_model_states_reproduce_the_zero_paper_table():
+    """Figure 1 of the ZeRO paper: 7.5B parameters, N=64, fp16 parameters and gradients,
+    Adam with fp32 master (K=12): (2+2+K)P, 2P+2P+KP/N, 2P+(2+K)P/N, (2+2+K)P/N = 120 /
+    31.4 / 16.6 / 1.9 GB. Within 5%, the issue's tolerance: the paper rounds to 0.1 GB, and
+    step counters aside nothing else is counted. Shapes only (meta tensors)."""
+    leaf = (15625, 16000)  # 250M elements; dim 1 divides by 64
+    params = {"blocks": [{"w": torch.empty(leaf, device="meta")} for _ in range(30)]}
+    assert sum(b["w"].numel() for b in params["blocks"]) == 7.5e9
+    policy = fs.precision.Policy.fp16(reduce_dtype=torch.float16)
+    mesh = fs.Mesh({"data": 64})
+    paper = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+    got = {}
+    for stage in range(4):
+        e = fs.estimate_memory(params, fs.parallel.zero(stage)(P(), params), fs.optim.adamw(1e-3),
+                               precision=policy, mesh=mesh, blocks="blocks")
+        got[stage] = e.model_states / GB
+    for stage, want in paper.items():
+        assert abs(got[stage] - want) <= 0.05 * want, (stage, got[stage], want)
+    # A wrong accounting (full gradients at stage 2, full parameters at stage 3) is far off.
+    assert got[2] < 0.6 * got[1] and got[3] < 0.15 * got[2]
+
+
+def test_estimate_memory_blocks_argument():
+    params = {"layers": [{"w": torch.empty(64, 64)} for _ in range(4)], "emb": torch.empty(64, 64)}
+    plan = fs.parallel.zero(3, min_size=16)(P(), params)
+    mesh = fs.Mesh({"data": 2})
+    opt = fs.optim.adamw(1e-3)
+    per_block = fs.estimate_memory(params, plan, opt, mesh=mesh, blocks="layers")
+    up_front = fs.estimate_memory(params, plan, opt, mesh=mesh, blocks=None)
+    assert "at most 2 blocks" in str(per_block) and "at most 2 blocks" not in str(up_front)
+    assert per_block.peak < up_front.peak
+    with pytest.raises(ValueError, match="blocks='nope'"):
+        fs.estimate_memory(params, plan, opt, mesh=mesh, blocks="nope")
+
+
+def _check(per_stage: dict, what: str) -> None:
+    for stage, r in per_stage.items():
+        # 10%: the issue's tolerance. The estimate models the peak as state + gathered
+        # weights + the larger of (activations + the gradients reduced beside them) and
+        # (all gradients reduced); what it leaves out (small temporaries of the update,
+        # per-op transients) is a few percent here.
+        assert abs(r["est_peak"] - r["peak"]) <= 0.1 * r["peak"], (what, stage, r["est_peak"], r["peak"])
+        # The unreduced gradients are counted as gradients, not as activations.
+        assert r["by"]["gradients"] > 0, (what, stage)
+    # ZeRO-3 with blocks holds less than stage 2, which holds no more than stage 1.
+    assert per_stage[3]["peak"] < per_stage[2]["peak"] <= per_stage[1]["peak"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("size", ["1M", "6M"])
+def test_measured_peaks_match_the_estimate_on_two_ranks(size):
+    from fsharded.testing import run_on_ranks
+
+    for r in run_on_ranks(M.measure, 2, {"data": 2}, size):
+        _check(r, size)
