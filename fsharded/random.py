@@ -31,10 +31,11 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -348,6 +349,23 @@ def _apply_mask(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
 # -- implicit keys: torch's random ops under a scope ------------------------------------
 
 
+class _Source:
+    """A scope's key, or the function that derives it at the first use (then kept)."""
+
+    def __init__(self, key: torch.Tensor | Callable[[], torch.Tensor]) -> None:
+        lazy = callable(key) and not isinstance(key, torch.Tensor)
+        self.make, self.key = (key, None) if lazy else (None, key)
+        if self.key is not None:
+            _check_key(key, "scope")
+
+    def get(self) -> torch.Tensor:
+        if self.key is None:
+            k = self.make()
+            _check_key(k, "scope")
+            self.key, self.make = k, None
+        return self.key
+
+
 class KeyScope(TorchFunctionMode):
     """While entered, torch's random ops draw from ``key``: call ``i`` of a covered op
     uses ``fold_in(key, i)``, so the same program with the same key draws the same values
@@ -379,19 +397,12 @@ class KeyScope(TorchFunctionMode):
         super().__init__()
         # A callable is a key derived only when the first draw needs it (most programs
         # run under a step's scope draw nothing: deriving costs ~150 small int ops).
-        self._make = key if callable(key) and not isinstance(key, torch.Tensor) else None
-        self._key = None if self._make is not None else key
-        if self._key is not None:
-            _check_key(key, "scope")
+        self._src = _Source(key)
         self.calls = 0  # keys drawn (or reserved) so far
 
     @property
     def key(self) -> torch.Tensor:
-        if self._key is None:
-            k = self._make()
-            _check_key(k, "scope")
-            self._key, self._make = k, None
-        return self._key
+        return self._src.get()
 
     def next_key(self) -> torch.Tensor:
         """The key of the next draw, ``fold_in(key, calls)``; advances the stream."""
@@ -399,15 +410,27 @@ class KeyScope(TorchFunctionMode):
         self.calls += 1
         return k
 
+    @contextlib.contextmanager
+    def rekeyed(self, key: torch.Tensor | Callable[[], torch.Tensor]) -> Iterator[None]:
+        """Draw from ``key`` (a fresh stream) within the block, then go back to this
+        scope's stream: what a nested ``scope(key)`` does, without a second mode on the
+        stack (each op would pass through both)."""
+        saved = self._src, self.calls
+        self._src, self.calls = _Source(key), 0
+        try:
+            yield
+        finally:
+            self._src, self.calls = saved
+
     def reserve(self) -> Callable[[], torch.Tensor]:
         """Advance the stream by one key now and give a function that derives that key
         when (and only when) it is needed, the same key every call."""
-        i, box = self.calls, []
+        i, box, src = self.calls, [], self._src
         self.calls += 1
 
         def make() -> torch.Tensor:
             if not box:
-                box.append(fold_in(self.key, i))
+                box.append(fold_in(src.get(), i))
             return box[0]
 
         return make
@@ -438,6 +461,14 @@ def scope(key: torch.Tensor | Callable[[], torch.Tensor]) -> KeyScope:
     True
     """
     return KeyScope(key)
+
+
+def innermost() -> KeyScope | None:
+    """The innermost entered scope, or None outside any."""
+    for mode in reversed(torch.overrides._get_current_function_mode_stack()):
+        if isinstance(mode, KeyScope):
+            return mode
+    return None
 
 
 def fork(*, lazy: bool = False) -> torch.Tensor | Callable[[], torch.Tensor] | None:

@@ -66,7 +66,10 @@ class Keyed:
         self.block, self.key = block, key
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with R.scope(self.key):
+        mode = R.innermost()
+        # Within the enclosing scope's mode when there is one (one mode per op, not two);
+        # a fresh scope where modes were set aside (inside an autograd Function).
+        with mode.rekeyed(self.key) if mode is not None else R.scope(self.key):
             return self.block(*args, **kwargs)
 
 
