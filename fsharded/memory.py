@@ -3,8 +3,8 @@
 ``track()`` installs a dispatch mode that follows tensor *storages*: every storage an op
 creates is recorded with its size and a category, and a C++-level weak reference tells
 when the storage is really freed (not just when one Python tensor object dies: views,
-and tensors autograd saved for backward, keep it alive). After every op the live bytes are
-summed, so the peak is exact at op granularity.
+and tensors autograd saved for backward, keep it alive). Births and deaths are recorded
+at op granularity, so the peak is exact at op granularity.
 
 Categories: storages created during backward are ``gradients``; those created by a
 collective are ``comm buffers``; everything else is ``activations`` (temporaries
@@ -18,6 +18,16 @@ parameters, say) into another category, retroactively.
 ...     state, metrics = step(state, batch)
 ...     mem.reclassify(state.params, "parameters"); mem.reclassify(state.opt_state, "optimizer state")
 >>> print(mem)
+
+Per device on the virtual mesh: there one process holds every device's values, and a
+tensor's storage holds one copy per device along the axes it is batched over (a
+parameter sharded over ``data`` is one global tensor, each device's shard a slice; a
+replicated one is one copy that stands for every device's). ``track(mesh=mesh)`` follows
+those axes: ``shard_map`` tags its inputs with their specs' axes and its tokens with
+their axis, an op's result gets the union of its operands' axes (vmap keeps batch dims),
+a collective re-tags its result (a psum or an all-gather is one copy again), and each
+storage counts its bytes divided by its number of copies. The peak is then what one
+device holds, as on real ranks (on a symmetric program: every device the same).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import optree
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["MemoryTracker", "track", "current", "label", "CATEGORIES"]
 
@@ -60,12 +71,12 @@ def _storage(t: torch.Tensor) -> Any | None:
 class MemoryTracker(TorchDispatchMode):
     """The dispatch mode behind ``track()``; read ``peak_bytes`` and ``peak_by_category``."""
 
-    def __init__(self, *, include_meta: bool = False) -> None:
+    def __init__(self, *, include_meta: bool = False, mesh: Any = None) -> None:
         super().__init__()
         # Meta tensors have sizes but no data: counting them measures a program without
         # running it (``fsharded.estimate_memory`` does, for activations).
         self.include_meta = include_meta
-        # storage key -> [weak ref, nbytes]; categories kept apart so that reclassifying
+        # storage key -> [weak ref, bytes]; categories kept apart so that reclassifying
         # after the fact also re-labels what was live at the peak.
         self._live: dict[int, list] = {}
         self._category: dict[int, str] = {}
@@ -77,13 +88,19 @@ class MemoryTracker(TorchDispatchMode):
         self.backward_category = "gradients"
         self._born: dict[int, int] = {}
         self._died: dict[int, int] = {}
-        self._size: dict[int, int] = {}
-        self.peak_bytes = 0
-        self._at_peak: list[tuple[int, int]] = []
+        self._size: dict[int, int] = {}  # bytes counted (per device, with a mesh)
+        self._raw: dict[int, int] = {}  # bytes of the storage
+        self._peak: tuple[int, int, int] | None = None  # (version, peak, tick), cached
+        self._version = 0
+        # Per device on the virtual mesh: every tensor's mesh axes (the vmap levels its
+        # storage is batched over: one copy per device along them); a storage counts
+        # its bytes divided by the number of copies it holds.
+        self.mesh = mesh
+        self._axes: WeakTensorKeyDictionary | None = WeakTensorKeyDictionary() if mesh is not None else None
 
     # -- registration ----------------------------------------------------------------------
 
-    def _add(self, t: torch.Tensor, category: str) -> None:
+    def _add(self, t: torch.Tensor, category: str, copies: int = 1) -> None:
         s = _storage(t)
         if s is None or (t.device.type == "meta" and not self.include_meta):
             return
@@ -92,11 +109,14 @@ class MemoryTracker(TorchDispatchMode):
         # A freed storage's address can be reused: entries get their own serial numbers,
         # so a category given later never re-labels an earlier, dead storage.
         self._serial += 1
-        self._live[self._serial] = [StorageWeakRef(s), s.nbytes()]
+        self._version += 1
+        n = s.nbytes()
+        self._live[self._serial] = [StorageWeakRef(s), n // copies]
         self._by_addr[s._cdata] = self._serial
         self._category[self._serial] = category
         self._born[self._serial] = self._clock
-        self._size[self._serial] = s.nbytes()
+        self._size[self._serial] = n // copies
+        self._raw[self._serial] = n
 
     def _lookup(self, s: Any) -> int | None:
         serial = self._by_addr.get(s._cdata)
@@ -140,39 +160,97 @@ class MemoryTracker(TorchDispatchMode):
         for key in dead:
             del self._live[key]
             self._died[key] = self._clock
+        if dead:
+            self._version += 1
         return live
 
     def _update(self) -> None:
-        live = self._sweep()
-        total = sum(n for _, n in live)
-        if total > self.peak_bytes:
-            self.peak_bytes = total
-            self._at_peak = live
+        self._sweep()
+
+    def _events(self, keep: Any = None) -> Iterator[tuple[int, list[tuple[int, int]]]]:
+        """The live bytes after every tick at which they changed, from the births and
+        deaths of the storages ``keep`` accepts (all by default), with their sizes as
+        they are now (a storage re-counted per device later counts so all its life)."""
+        events: dict[int, list[tuple[int, int]]] = {}
+        for serial, born in self._born.items():
+            if keep is None or keep(serial):
+                died = self._died.get(serial, self._clock + 1)
+                events.setdefault(born, []).append((serial, self._size[serial]))
+                events.setdefault(died, []).append((serial, -self._size[serial]))
+        live = 0
+        for tick in sorted(events):
+            # Frees before allocations at one tick: storages freed and made during the same
+            # op are seen by one sweep after it, which holds only the new ones.
+            for _, d in sorted(events[tick], key=lambda e: e[1]):
+                live += d
+            yield tick, live
 
     def peak_of(self, categories: tuple[str, ...] | list[str]) -> int:
         """The largest number of bytes ever alive at once in ``categories`` (by the
         categories storages have now, so ``reclassify`` after the fact counts)."""
-        events = []
-        for serial, born in self._born.items():
-            if self._category[serial] in categories:
-                died = self._died.get(serial, self._clock + 1)
-                events.append((born, self._size[serial]))
-                events.append((died, -self._size[serial]))
-        events.sort(key=lambda e: (e[0], e[1]))  # frees before allocations at one tick
-        live = peak = 0
-        for _, d in events:
-            live += d
-            peak = max(peak, live)
-        return peak
+        cats = set(categories)
+        return max((live for _, live in self._events(lambda s: self._category[s] in cats)), default=0)
+
+    def _peak_tick(self) -> tuple[int, int]:
+        if self._peak is None or self._peak[0] != self._version:
+            peak, at = 0, -1
+            for tick, live in self._events():
+                if live > peak:
+                    peak, at = live, tick
+            self._peak = (self._version, peak, at)
+        return self._peak[1], self._peak[2]
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest number of bytes alive at once (per device, with a mesh)."""
+        return self._peak_tick()[0]
 
     @property
     def peak_by_category(self) -> dict[str, int]:
         """What was alive at the peak, by (current) category."""
+        _, at = self._peak_tick()
         out = dict.fromkeys(CATEGORIES, 0)
-        for key, n in self._at_peak:
-            c = self._category[key]
-            out[c] = out.get(c, 0) + n
+        for serial, born in self._born.items():
+            if born <= at < self._died.get(serial, self._clock + 1):
+                c = self._category[serial]
+                out[c] = out.get(c, 0) + self._size[serial]
         return out
+
+    # -- per device on the virtual mesh ------------------------------------------------------
+
+    def axes_of(self, t: torch.Tensor) -> frozenset:
+        """The mesh axes ``t``'s storage holds one copy per device along (virtual mesh)."""
+        if self._axes is None:
+            return frozenset()
+        return self._axes.get(t, frozenset())
+
+    def _copies(self, axes: frozenset) -> int:
+        n = 1
+        for a in axes:
+            n *= self.mesh.shape.get(a, 1)
+        return n
+
+    def tag(self, t: torch.Tensor, axes: Any, *, since: int | None = None,
+            layout: bool = False) -> None:
+        """Record that ``t`` holds one copy per device along ``axes``. Its storage is
+        re-counted when it was made at tick ``since`` or later (the op that made it could
+        not tell), or always with ``layout`` (a global tensor laid out by a spec)."""
+        if self._axes is None or not isinstance(t, torch.Tensor):
+            return
+        axes = frozenset(axes)
+        self._axes[t] = axes
+        s = _storage(t)
+        serial = self._lookup(s) if s is not None else None
+        if serial is not None and (layout or (since is not None and self._born[serial] >= since)):
+            n = self._raw[serial] // self._copies(axes)
+            if n != self._size[serial]:
+                self._size[serial] = n
+                self._live[serial][1] = n
+                self._version += 1
+
+    @property
+    def clock(self) -> int:
+        return self._clock
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._clock += 1
@@ -183,8 +261,18 @@ class MemoryTracker(TorchDispatchMode):
             cat = self.backward_category
         else:
             cat = "activations"
-        for t in optree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+        outs = [t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if self._axes is not None:
+            # An op's result varies along every axis any of its operands does (vmap's
+            # batching rules keep batch dims; the collectives re-tag their results).
+            axes = frozenset().union(*(self._axes.get(t, frozenset()) for t in
+                                       optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)))
+            copies = self._copies(axes)
+            for t in outs:
+                self._axes[t] = axes
+                self._add(t, cat, copies)
+        else:
+            for t in outs:
                 self._add(t, cat)
         self._update()
         return out
@@ -198,10 +286,13 @@ class MemoryTracker(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def track(*, include_meta: bool = False) -> Iterator[MemoryTracker]:
+def track(*, include_meta: bool = False, mesh: Any = None) -> Iterator[MemoryTracker]:
     """Track live tensor bytes of everything run inside the block (see module doc).
-    ``include_meta=True`` also counts meta tensors (sizes without data)."""
-    mode = MemoryTracker(include_meta=include_meta)
+    ``include_meta=True`` also counts meta tensors (sizes without data). ``mesh``: count
+    per device what a virtual-mesh program holds for all of its devices in this process
+    (see "Per device" in the module doc); on real ranks each process is one device and
+    ``mesh`` changes nothing."""
+    mode = MemoryTracker(include_meta=include_meta, mesh=mesh)
     tok = _CURRENT.set(mode)
     try:
         with mode:
@@ -209,6 +300,19 @@ def track(*, include_meta: bool = False) -> Iterator[MemoryTracker]:
     finally:
         _CURRENT.reset(tok)
     mode._update()
+
+
+def tag(t: Any, axes: Any, *, since: int | None = None, layout: bool = False) -> None:
+    """``MemoryTracker.tag`` on the active per-device tracker (no-op when none)."""
+    mem = _CURRENT.get()
+    if mem is not None and mem._axes is not None:
+        mem.tag(t, axes, since=since, layout=layout)
+
+
+def per_device() -> MemoryTracker | None:
+    """The active tracker if it counts per device on a mesh, else None."""
+    mem = _CURRENT.get()
+    return mem if mem is not None and mem._axes is not None else None
 
 
 def current() -> MemoryTracker | None:

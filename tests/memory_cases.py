@@ -30,7 +30,9 @@ def measure(mesh_axes: dict, size: str, stages=(1, 2, 3)) -> dict:
         step = fs.train_step(gpt.loss, opt, mesh=mesh, param_specs=plan, donate=True, blocks="blocks")
         state = step.init(params)
         state, _ = step(state, b)
-        with fs.memory.track() as mem:
+        # Per device (the virtual mesh holds every device's values in this process; on
+        # real ranks the mesh changes nothing).
+        with fs.memory.track(mesh=mesh) as mem:
             mem.register(state.params, "parameters")
             mem.register(state.opt_state, "optimizer state")
             state, _ = step(state, b)
@@ -43,3 +45,42 @@ def measure(mesh_axes: dict, size: str, stages=(1, 2, 3)) -> dict:
                       "params": gpt.param_count(params)}
         del state, step
     return out
+
+
+def loss_and_grad(mesh_axes: dict, sharded: bool) -> dict:
+    """One forward + backward of the GPT's loss inside shard_map, tracked per device: the
+    same program on the virtual mesh and on each real rank. ``sharded``: the parameters
+    come in split over ``data`` and are all-gathered in the body (ZeRO-3's pattern: the
+    gathered copies are one per device again); else replicated and pvary'd."""
+    import optree
+
+    mesh = fs.Mesh(mesh_axes)
+    config = CONFIGS["1M"]
+    params = gpt.init(config, 0)
+    b = batch(config)
+    spec = fs.parallel.zero(3, min_size=16)(P(), params).resolve(mesh).master if sharded else P()
+
+    def body(p, b):
+        if sharded:
+            p = optree.tree_map(lambda t, s: fs.all_gather(t, "data", dim=_dim(s)) if s.axes
+                                else fs.pvary(t, "data"), p, spec, none_is_leaf=False)
+        else:
+            p = fs.pvary(p, "data")
+        out, vjp_fn = torch.func.vjp(lambda q: gpt.loss(q, b), p)
+        (g,) = vjp_fn(torch.ones_like(out), create_graph=False)
+        return fs.psum(optree.tree_map(lambda t: t.sum(), g), "data")
+
+    sm = fs.shard_map(body, mesh=mesh, in_specs=(spec, P("data")), out_specs=P())
+    # Each rank holds its shards only (as a step's state does), not the global values.
+    params = fs.shard(params, spec, mesh)
+    first = sm(params, b)
+    with fs.memory.track(mesh=mesh) as mem:
+        mem.register(params, "parameters")
+        again = sm(params, b)
+    return {"peak": mem.peak_bytes, "by": mem.peak_by_category,
+            "sums": [float(x) for x in optree.tree_leaves(again)],
+            "same": all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(first), optree.tree_leaves(again)))}
+
+
+def _dim(spec) -> int:
+    return next(i for i, a in enumerate(spec) if a is not None)

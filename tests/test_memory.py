@@ -3,9 +3,11 @@ liveness, categories."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import fsharded as fs
+from fsharded import P
 
 
 def test_peak_is_exact_and_follows_storages():
@@ -45,3 +47,50 @@ def test_gradients_category_and_saved_tensors():
         s.backward()
         assert mem.live_bytes()["gradients"] == 4000  # x.grad, created in backward
     assert x.grad is not None and mem.peak_bytes >= 8000
+
+
+def test_per_device_on_the_virtual_mesh():
+    """``track(mesh=)``: a sharded input counts its shard, a replicated one its whole; an op
+    on a sharded value makes a shard per device; a psum or an all-gather is one copy per
+    device again. Known sizes, data=2."""
+    mesh = fs.Mesh({"data": 2})
+    x = torch.ones(1000)  # 4000 B global: 2000 B per device as P("data")
+    w = torch.ones(500)  # 2000 B, replicated: 2000 B per device
+
+    def body(x, w):
+        y = x * 2  # 500 elements per device: 2000 B
+        s = fs.psum(y, "data")  # invariant: 2000 B per device (one copy, unbatched)
+        g = fs.all_gather_invariant(y, "data")  # 1000 elements on every device: 4000 B
+        return s.sum() + g.sum() + w.sum()
+
+    f = fs.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=P())
+    with fs.memory.track(mesh=mesh) as mem:
+        mem.register(x, "parameters")
+        mem.register(w, "parameters")
+        f(x, w)
+    assert mem.peak_by_category["parameters"] == 2000 + 2000
+    # y, s and g alive at once (plus the scalar sums): 2000 + 2000 + 4000.
+    assert 8000 <= mem.peak_by_category["activations"] + mem.peak_by_category["comm buffers"] < 8100
+    with fs.memory.track() as whole:  # the whole mesh, as one process holds it
+        whole.register(x, "parameters")
+        f(x, w)
+    assert whole.peak_by_category["parameters"] == 4000
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "gathered"])
+def test_virtual_per_device_equals_a_real_rank(sharded):
+    """The GPT's forward + backward inside shard_map: the per-device peak on the virtual
+    mesh equals the peak one gloo rank measures for the same program (and the values)."""
+    import memory_cases as M
+
+    from fsharded.testing import run_on_ranks
+
+    v = M.loss_and_grad({"data": 2}, sharded)
+    r = run_on_ranks(M.loss_and_grad, 2, {"data": 2}, sharded)
+    assert v["same"] and all(x["same"] for x in r)
+    for x in r:
+        assert abs(x["peak"] - v["peak"]) <= 0.01 * x["peak"], (v["peak"], x["peak"])
+        for c in ("parameters", "gradients"):
+            assert abs(x["by"][c] - v["by"][c]) <= 0.01 * max(x["by"][c], 1), (c, v["by"], x["by"])
+    for a, b in zip(v["sums"], r[0]["sums"]):
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(a))

@@ -107,15 +107,20 @@ def reduce_leaves(grads: list, param_specs: list, grad_specs: list, batch_axes: 
     For each leaf and batch axis: the gradient is already summed over an axis its parameter
     is sharded on (the all-gather's transpose) -> divide; reduce-scattered over an axis the
     gradient placement adds (ZeRO-2); all-reduced over the rest. Buckets of ``cap``.
+    The list is consumed: each gradient is dropped from it once copied into its bucket,
+    so a caller that holds no other reference frees it there.
     """
+    shapes = [g.shape for g in grads]
+    numels = [g.numel() for g in grads]
+    dtypes = [g.dtype for g in grads]
     out = list(grads)
     allreduce: dict[tuple, list[int]] = {}
     scatter: dict[tuple, list[tuple[int, int]]] = {}
-    for i, (g, ps, gs) in enumerate(zip(grads, param_specs, grad_specs)):
+    for i, (ps, gs) in enumerate(zip(param_specs, grad_specs)):
         live = [a for a in batch_axes if is_bound(a) and mesh.shape[a] > 1]
         summed = [a for a in live if a in ps.axes]
         if summed:
-            out[i] = g / math.prod(mesh.shape[a] for a in summed)
+            out[i] = out[i] / math.prod(mesh.shape[a] for a in summed)
         rest = tuple(a for a in live if a not in ps.axes)
         extra = [a for a in rest if a in gs.axes]
         if len(extra) > 1:
@@ -123,29 +128,42 @@ def reduce_leaves(grads: list, param_specs: list, grad_specs: list, batch_axes: 
         if extra:
             a = extra[0]
             d = split_dim(gs, ps, a)
-            scatter.setdefault((a, tuple(x for x in rest if x != a), g.dtype, frozenset(ps.axes)),
+            scatter.setdefault((a, tuple(x for x in rest if x != a), dtypes[i], frozenset(ps.axes)),
                                []).append((i, d))
         elif rest:  # buckets by dtype and by the axes the leaf varies over (see gather_leaves)
-            allreduce.setdefault((rest, g.dtype, frozenset(ps.axes)), []).append(i)
+            allreduce.setdefault((rest, dtypes[i], frozenset(ps.axes)), []).append(i)
+
+    def drop(b) -> None:  # copied into the bucket: free the gradient if nobody else holds it
+        for i in b:
+            out[i] = grads[i] = None
+
     for (over, _, _), idx in allreduce.items():
-        for b in buckets(idx, [grads[i].numel() for i in idx], cap):
-            flat = pmean_owned(torch.cat([out[i].reshape(-1) for i in b]), over)
-            for i, piece in zip(b, flat.split([grads[i].numel() for i in b])):
-                out[i] = piece.view(grads[i].shape)
+        for b in buckets(idx, [numels[i] for i in idx], cap):
+            flat = torch.cat([out[i].reshape(-1) for i in b])
+            drop(b)
+            flat = pmean_owned(flat, over)
+            for i, piece in zip(b, flat.split([numels[i] for i in b])):
+                out[i] = piece.view(shapes[i])
     for (a, others, _, _), items in scatter.items():
         n = mesh.shape[a]
         dims = dict(items)
-        for b in buckets([i for i, _ in items], [grads[i].numel() for i, _ in items], cap):
+        for b in buckets([i for i, _ in items], [numels[i] for i, _ in items], cap):
             rows = torch.cat([_rows(out[i], dims[i], n) for i in b], dim=1)  # (n, bucket)
-            mine = psum_scatter(rows, a, dim=0, tiled=False) / n  # (bucket,)
+            drop(b)
+            mine = _divided(psum_scatter(rows, a, dim=0, tiled=False), n)  # (bucket,)
+            del rows
             if others:
                 mine = pmean(mine, others)
-            for i, piece in zip(b, mine.split([grads[i].numel() // n for i in b])):
-                g, d = grads[i], dims[i]
-                moved = list(g.movedim(d, 0).shape)
-                moved[0] //= n
-                out[i] = piece.reshape(moved).movedim(0, d)
+            for i, piece in zip(b, mine.split([numels[i] // n for i in b])):
+                d = dims[i]
+                moved = [shapes[i][d] // n, *(s for k, s in enumerate(shapes[i]) if k != d)]
+                out[i] = piece.reshape(moved).movedim(0, dims[i])
     return out
+
+
+def _divided(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x / n``, in place where ``x`` is a collective's new buffer nobody differentiates."""
+    return x / n if torch.is_grad_enabled() and x.requires_grad else x.div_(n)
 
 
 def slice_leaves(leaves: list, from_specs: list, to_specs: list, axis: str, mesh: Mesh) -> list:

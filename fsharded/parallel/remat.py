@@ -65,7 +65,9 @@ class _Remat(torch.autograd.Function):
         with torch.enable_grad():
             # The same key as the forward: the recomputation draws the same dropout masks.
             _, vjp = torch.func.vjp(f, *(args[i] for i in want))
-        grads = dict(zip(want, vjp(g)))
+        # No graph of the backward itself (a step is not differentiated twice): one would
+        # keep the recomputed activations alive through the gradients until backward ends.
+        grads = dict(zip(want, vjp(g, create_graph=False)))
         return (None, None, *(grads.get(i) for i in range(len(args))))
 
 

@@ -23,7 +23,10 @@ class _EnterShard(torch.autograd.Function):
 
     @staticmethod
     def forward(x, spec, mesh, coords):
-        return local_slice(x, spec, mesh, coords).clone()
+        # A copy of a slice (this rank keeps no view of the global storage); the whole
+        # tensor, where nothing is sliced, as a view (a copy would double a replicated input).
+        y = local_slice(x, spec, mesh, coords)
+        return y.view_as(y) if y.shape == x.shape else y.clone()
 
     @staticmethod
     def setup_context(ctx, inputs, output):

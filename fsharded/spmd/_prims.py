@@ -357,7 +357,32 @@ class Collective(torch.autograd.Function):
             # dim along as a leading dim.
             x = x.movedim(xd, 0)
             return Collective.apply(prim, prim.shift(params), axes, x, token), 0
-        return prim.virtual(x, xd, axes.size, params)
+        mem = memory.per_device()
+        if mem is None:
+            return prim.virtual(x, xd, axes.size, params)
+        since = mem.clock
+        with memory.collective_scope():  # what the real-rank call allocates is its buffers
+            y, yd = prim.virtual(x, xd, axes.size, params)
+            px, py = _physical(x), _physical(y)
+            if prim is not PVARY and py.untyped_storage().data_ptr() == px.untyped_storage().data_ptr():
+                # A view of the operand here (an all-gather of a stacked value is a reshape)
+                # is a new buffer on every device of a real mesh: a per-device count needs one.
+                y = y.clone()
+                py = _physical(y)
+        # Per-device memory: the result holds one copy per device along the operand's
+        # axes, less this axis if it came back unbatched (a psum, an all-gather), plus it
+        # if batched.
+        ax = mem.axes_of(px)
+        ax = ax | {axes.names[0]} if yd is not None else ax - {axes.names[0]}
+        mem.tag(py, ax, since=since)
+        return y, yd
+
+
+def _physical(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under ``t``'s torch.func wrappers (what a dispatch mode sees)."""
+    while _F.is_functorch_wrapped_tensor(t):
+        t = _F.get_unwrapped(t)
+    return t
 
 
 def dist_call(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any
 import optree
 import torch
 
+from fsharded import memory
 from fsharded.mesh._layout import from_stacked, to_stacked
 from fsharded.spmd import _env, _prims, _vma
 from fsharded.spmd._env import Axes
@@ -28,9 +29,18 @@ def call(sm: Any, args: tuple) -> Any:
         return _single(sm, args)
     leaves, specs, treedef, _ = sm._flat_in(args)
     is_t = [isinstance(x, torch.Tensor) for x in leaves]
+    mem = memory.per_device()
+    since = mem.clock if mem is not None else None
     stacked = [to_stacked(x, s, mesh) if t else x for x, s, t in zip(leaves, specs, is_t)]
     dev = next((x.device for x, t in zip(leaves, is_t) if t), torch.device("cpu"))
     tokens = [torch.arange(n, device=dev) for n in mesh.axis_sizes]
+    if mem is not None:  # per device: what each stored value holds one copy per device of
+        for x, st, s, t in zip(leaves, stacked, specs, is_t):
+            if t:
+                mem.tag(x, s.axes, layout=True)  # a global value laid out by its spec
+                mem.tag(st, s.axes, since=since)
+        for a, tok in zip(names, tokens):
+            mem.tag(tok, (a,), since=since)
     out_info: dict[str, Any] = {}
 
     def body(tok_list, flat):

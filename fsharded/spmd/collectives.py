@@ -129,7 +129,10 @@ def pmean_owned(x: torch.Tensor, axis: AxisName) -> torch.Tensor:
             or (torch.is_grad_enabled() and x.requires_grad) or comm.tracing()
             or torch._C._functorch.is_functorch_wrapped_tensor(x) or _manifest.dry()
             or (mode is not None and mode.dispatching)):
-        return run(PSUM, (), axes, x) / axes.size
+        y = run(PSUM, (), axes, x)
+        # The sum is a new buffer (or, on one device, the caller's own): divide it in place
+        # unless it is differentiated.
+        return y / axes.size if torch.is_grad_enabled() and y.requires_grad else y.div_(axes.size)
     _manifest.record(PSUM, (), axes, x)
     have = mode.get(x) if mode is not None else frozenset()
     group = comm.axis_group(axes.frame.mesh, axes.names)
