@@ -191,6 +191,17 @@ def hf_llama(dtype=torch.float64):
     return transformers.LlamaForCausalLM(cfg).to(dtype)
 
 
+def hf_gpt2(dtype=torch.float64):
+    """A tiny ``transformers.GPT2LMHeadModel`` (Conv1D layers, tied lm_head), no dropout."""
+    import transformers
+
+    cfg = transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).to(dtype)
+
+
 class HFLogits(nn.Module):
     """HF models return a ModelOutput: this wrapper returns the logits tensor."""
 
@@ -203,12 +214,13 @@ class HFLogits(nn.Module):
 
 
 MODELS = {"llama": LlamaStyle, "nanogpt": NanoGPT,
-          "hf_llama": lambda: HFLogits(hf_llama())}
+          "hf_llama": lambda: HFLogits(hf_llama()), "hf_gpt2": lambda: HFLogits(hf_gpt2())}
 PLANS = {
     "llama": tp_lib.LLAMA,
     "llama_vocab": {**tp_lib.LLAMA, "*embed_tokens.weight": "vocab", "*lm_head.weight": "vocab"},
     "nanogpt": tp_lib.NANOGPT,
     "nanogpt_mlp": {k: v for k, v in tp_lib.NANOGPT.items() if v != "vocab"},
+    "gpt2": {"inner." + k: v for k, v in tp_lib.GPT2.items()},
 }
 
 
@@ -347,8 +359,14 @@ def specs_only_error(mesh_axes: dict) -> str:
 
 def gloo_cases() -> dict:
     """Everything the 4-rank test compares: data=2 x tensor=2 on real ranks."""
+    import importlib.util
+
     mesh = {"data": 2, "tensor": 2}
+    hf = {}
+    if importlib.util.find_spec("transformers") is not None:
+        hf = {"grads_gpt2": grads_case("hf_gpt2", "gpt2", mesh, ref=False)["tp"]}
     return {
+        **hf,
         "grads_llama_vocab": grads_case("llama", "llama_vocab", mesh, ref=False)["tp"],
         "grads_nanogpt": grads_case("nanogpt", "nanogpt", mesh, ref=False)["tp"],
         "input_grad": input_grad_case(mesh)["tp"],

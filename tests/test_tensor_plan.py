@@ -60,12 +60,28 @@ def test_hf_llama_for_causal_lm(mesh):
     _check_grads(C.grads_case("hf_llama", "llama_vocab", mesh))
 
 
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(f"{k}{v}" for k, v in m.items()))
+def test_hf_gpt2_conv1d(mesh):
+    """GPT-2's Conv1D layers ([in, out] weights): the MLP split colwise/rowwise with the
+    transposed specs and the tied vocabulary split, against the unsharded model."""
+    pytest.importorskip("transformers")
+    res = C.grads_case("hf_gpt2", "gpt2", mesh)
+    _check_grads(res)
+    tp = T.plan(C.make("hf_gpt2"), C.PLANS["gpt2"], axis="tensor")
+    assert tp.specs["inner.transformer.h.0.mlp.c_fc.weight"] == P(None, "tensor")
+    assert tp.specs["inner.transformer.h.0.mlp.c_fc.bias"] == P("tensor")
+    assert tp.specs["inner.transformer.h.0.mlp.c_proj.weight"] == P("tensor", None)
+    assert tp.specs["inner.transformer.h.0.mlp.c_proj.bias"] == P()
+    with pytest.raises(ValueError, match="fused q,k,v"):
+        T.plan(C.make("hf_gpt2"), {"inner.transformer.h.*.attn.c_attn.weight": "colwise"}, axis="tensor")
+
+
 def _check_training(res: dict, plain: dict, model: str) -> None:
     torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(plain["losses"]), **F32)
     assert set(res["params"]) == set(plain["params"])
     for name, ref in plain["params"].items():
         got = res["params"][name]
-        if model == "nanogpt" and name.endswith("attn.c_attn.bias"):
+        if model in ("nanogpt", "hf_gpt2") and name.endswith("attn.c_attn.bias"):
             # The key bias (the middle third of the fused bias) has zero gradient exactly
             # (softmax ignores a shift shared by a row of scores); its computed gradient is
             # rounding noise, which Adam normalizes into lr-sized steps of arbitrary sign:
@@ -75,8 +91,11 @@ def _check_training(res: dict, plain: dict, model: str) -> None:
         torch.testing.assert_close(got, ref, **F32, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("model,plan", [("llama", "llama_vocab"), ("nanogpt", "nanogpt")])
+@pytest.mark.parametrize("model,plan", [("llama", "llama_vocab"), ("nanogpt", "nanogpt"),
+                                        ("hf_gpt2", "gpt2")])
 def test_train_step_equals_plain_torch_loop(model, plan):
+    if model.startswith("hf_"):
+        pytest.importorskip("transformers")
     _check_training(C.train_plan(model, plan, {"data": 2, "tensor": 2}), C.train_plain(model), model)
 
 
@@ -112,7 +131,10 @@ def test_gloo_four_ranks():
     ref_nano = C.grads_case("nanogpt", "nanogpt", mesh)
     ref_input = C.input_grad_case(mesh)
     plain = {m: C.train_plain(m) for m in ("llama", "nanogpt")}
+    ref_gpt2 = C.grads_case("hf_gpt2", "gpt2", mesh) if "grads_gpt2" in results[0] else None
     for res in results:
+        if ref_gpt2 is not None:  # HF GPT-2's Conv1D layers on real ranks
+            _check_grads({"ref": ref_gpt2["ref"], "tp": res["grads_gpt2"]})
         _check_grads({"ref": ref_llama["ref"], "tp": res["grads_llama_vocab"]})
         _check_grads({"ref": ref_nano["ref"], "tp": res["grads_nanogpt"]})
         _check_grads({"ref": ref_nano["tp"], "tp": res["grads_nanogpt"]})  # == virtual

@@ -21,6 +21,10 @@ vocab       Linear ``[V, D]``     P(axis, None)  P(axis)    colwise, then the lo
 replicated  any                  P()            P()        unchanged
 ==========  ===================  =============  =========  ===================================
 
+HF GPT-2's ``Conv1D`` (a Linear stored ``[in, out]``, ``x @ weight + bias``) takes the
+``colwise`` and ``rowwise`` roles with the weight specs transposed: ``P(None, axis)`` and
+``P(axis, None)``.
+
 A Linear tied to a ``vocab`` Embedding (nanoGPT's ``lm_head``) is a ``vocab`` Linear, and
 the other way round. The layers act on what their weights are: outside ``shard_map``, or
 on a mesh where the weight is replicated, they are the plain layers, so keeping a plan
@@ -70,7 +74,7 @@ from fsharded.spmd.collectives import (
     varying_axes,
 )
 
-__all__ = ["plan", "TensorPlan", "ROLES", "LLAMA", "NANOGPT", "gpt_specs"]
+__all__ = ["plan", "TensorPlan", "ROLES", "LLAMA", "NANOGPT", "GPT2", "gpt_specs"]
 
 ROLES = ("colwise", "rowwise", "vocab", "replicated")
 
@@ -96,6 +100,15 @@ NANOGPT: dict[str, str] = {
 """karpathy/nanoGPT names: the MLP width and the (tied) vocabulary split; attention stays
 replicated (its fused ``c_attn`` and ``C = x.size(-1)`` reshapes cannot be split by a
 per-layer rule)."""
+
+GPT2: dict[str, str] = {
+    "transformer.h.*.mlp.c_fc.weight": "colwise",
+    "transformer.h.*.mlp.c_proj.weight": "rowwise",
+    "transformer.wte.weight": "vocab",
+}
+"""HF ``GPT2LMHeadModel`` names (``Conv1D`` layers): the MLP width and the tied vocabulary
+split; attention stays replicated (its fused ``c_attn`` is split by ``split_size``, the full
+width)."""
 
 _FUSED_NAMES = {"c_attn", "qkv", "qkv_proj", "Wqkv", "query_key_value", "W_pack"}
 _UNSET = object()  # "no pattern matched this leaf": its module's role decides
@@ -175,7 +188,7 @@ class TensorPlan:
         def spec(path: str, _leaf: Any) -> P:
             prefix, _, pname = path.rpartition(".")
             layer = names.get(prefix)
-            return P() if layer is None else _spec(layer.role, pname, axis)
+            return P() if layer is None else _spec(layer.role, pname, axis, layer.kind)
 
         self.specs = tree_map_with_path(spec, params)
         self._depth = 0  # open scopes
@@ -299,12 +312,22 @@ class _Layer:
 
     def __init__(self, module: nn.Module, names: list[str], role: str, head_dim: int | None):
         self.module, self.names, self.role = module, names, role
-        self.kind = "embedding" if isinstance(module, nn.Embedding) else "linear"
+        self.kind = "embedding" if isinstance(module, nn.Embedding) else \
+            "conv1d" if _is_conv1d(module) else "linear"
         self.head_dim = head_dim
         self.label = names[0] or "<root>"
 
 
-def _spec(role: str, pname: str, axis: str) -> P:
+def _is_conv1d(mod: nn.Module) -> bool:
+    """HF transformers' ``Conv1D`` (GPT-2's layers), recognised without importing it."""
+    w = mod._parameters.get("weight")
+    return (type(mod).__name__ == "Conv1D" and isinstance(getattr(mod, "nf", None), int)
+            and w is not None and w.dim() == 2 and w.shape[1] == mod.nf)
+
+
+def _spec(role: str, pname: str, axis: str, kind: str = "linear") -> P:
+    if kind == "conv1d" and pname == "weight" and role in ("colwise", "rowwise"):
+        return P(None, axis) if role == "colwise" else P(axis, None)
     if role == "rowwise":
         return P(None, axis) if pname == "weight" else P()
     if role in ("colwise", "vocab"):
@@ -385,14 +408,15 @@ def _resolve(module: nn.Module, params: Any, table: dict[str, str],
 def _check_role(mod: nn.Module, name: str, role: str) -> str | None:
     """Why ``role`` does not fit ``mod``, or None."""
     kind = type(mod).__name__
-    if role in ("colwise", "rowwise") and not isinstance(mod, nn.Linear):
+    conv1d = _is_conv1d(mod)
+    if role in ("colwise", "rowwise") and not (isinstance(mod, nn.Linear) or conv1d):
         extra = (" (an Embedding's vocabulary rows are split by role 'vocab')"
                  if isinstance(mod, nn.Embedding) else "")
-        return f"role {role!r} needs an nn.Linear, {name} is a {kind}{extra}"
+        return f"role {role!r} needs an nn.Linear (or HF's Conv1D), {name} is a {kind}{extra}"
     if role == "vocab" and not isinstance(mod, (nn.Linear, nn.Embedding)):
         return f"role 'vocab' needs an nn.Embedding or an nn.Linear output head, {name} is a {kind}"
     if role == "colwise":
-        out, inp = mod.weight.shape
+        out, inp = mod.weight.shape if not conv1d else reversed(mod.weight.shape)
         parent_name = name.rpartition(".")[0]
         last = name.rpartition(".")[2]
         if last in _FUSED_NAMES or (out == 3 * inp and "attn" in name.lower()):
@@ -473,9 +497,41 @@ def _vocab_embedding(tp: TensorPlan, layer: _Layer, ids: torch.Tensor) -> torch.
     return psum(out, tp.axis)  # each id's row from the one shard that holds it
 
 
+def _conv1d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """HF Conv1D's arithmetic: ``addmm(bias, x, weight)`` over the flattened rows."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.addmm(b, x2, w) if b is not None else x2 @ w
+    return y.view(*x.shape[:-1], w.shape[1])
+
+
+def _colwise_conv1d(tp: TensorPlan, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+    mod = layer.module
+    if not tp._split(mod.weight):
+        return _conv1d(x, mod.weight, mod.bias)
+    return _conv1d(tp._enter(x), mod.weight, mod.bias)  # (..., out/tp)
+
+
+def _rowwise_conv1d(tp: TensorPlan, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+    mod = layer.module
+    w = mod.weight
+    if not tp._split(w):
+        return _conv1d(x, w, mod.bias)
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(
+            f"tensor plan: rowwise {layer.label} expects its input split over axis "
+            f"{tp.axis!r} ({w.shape[0]} features per shard) but got {x.shape[-1]}: the layer "
+            f"feeding it must be colwise, or mark {layer.label} replicated too"
+        )
+    tp._done()
+    y = psum(_conv1d(x, w, None), tp.axis)  # the sum of the shards' partial products
+    return y if mod.bias is None else y + mod.bias
+
+
 _FORWARDS = {
     ("colwise", "linear"): _colwise,
     ("rowwise", "linear"): _rowwise,
+    ("colwise", "conv1d"): _colwise_conv1d,
+    ("rowwise", "conv1d"): _rowwise_conv1d,
     ("vocab", "linear"): _vocab_linear,
     ("vocab", "embedding"): _vocab_embedding,
 }
