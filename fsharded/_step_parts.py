@@ -161,6 +161,8 @@ class Gradients:
             leaves = self._gather(leaves, keep)
         elif self.inside:
             leaves = self._gather(leaves, lay.use)
+        if self.inside:  # the weights gathered for the whole step are parameters, too
+            label(leaves, "parameters", self.eager)
         p = optree.tree_unflatten(tdef, [cast_tree(x, self.policy.compute_dtype) for x in leaves])
         with handling(self._handler(p)) if self.per_block else contextlib.nullcontext():
             loss = self.loss_fn(p, micro)

@@ -59,6 +59,9 @@ def _check(per_stage: dict, what: str) -> None:
         assert r["by"]["gradients"] > 0, (what, stage)
     # ZeRO-3 with blocks holds less than stage 2, which holds no more than stage 1.
     assert per_stage[3]["peak"] < per_stage[2]["peak"] <= per_stage[1]["peak"]
+    # ZeRO-3's gathered block weights count as parameters (beyond this rank's fp32 shards).
+    shards = per_stage[3]["params"] * 4 / 2
+    assert per_stage[3]["by"]["parameters"] > 1.2 * shards, (what, per_stage[3]["by"], shards)
 
 
 @pytest.mark.multiprocess

@@ -131,7 +131,9 @@ class _Gathered(torch.autograd.Function):
             fulls = gather_leaves([s.detach() for s in shards], m_specs, u_specs, axis, mesh, cap)
         # Independent tensors (not views of one gather buffer, nor of the inputs), so the
         # block may use them like any parameter.
-        return tuple(f if (f._base is None and f is not s) else f.clone() for f, s in zip(fulls, shards))
+        out = tuple(f if (f._base is None and f is not s) else f.clone() for f, s in zip(fulls, shards))
+        memory.label(list(out), "parameters")  # the block's full weights, while it runs
+        return out
 
     @staticmethod
     def backward(ctx, *grads):
@@ -197,6 +199,7 @@ def run_regathered(block, p_tree_def, shards: list, args: tuple, kw: dict, m_spe
                 full = fetch() if fetch is not None else \
                     gather_leaves(shard_refs, m_specs, u_specs, axis, mesh, cap)
             cache.update({j: f.contiguous() for j, f in enumerate(full)})
+            memory.label(list(cache.values()), "parameters")  # gathered again for backward
         return cache[i].as_strided(shape, stride, offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
