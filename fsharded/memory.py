@@ -322,8 +322,10 @@ def current() -> MemoryTracker | None:
 
 
 def label(tree: Any, category: str) -> None:
-    """Reclassify ``tree``'s storages in the active tracker (no-op when none, or under
-    torch.func transforms where tensors are wrappers)."""
+    """Reclassify ``tree``'s storages in the active tracker (no-op when none; torch.func
+    wrappers are skipped: a tracker sees the plain tensors under them)."""
     mem = _CURRENT.get()
-    if mem is not None and not torch._C._are_functorch_transforms_active():
-        mem.reclassify(tree, category)
+    if mem is not None:
+        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+        mem.reclassify([t for t in optree.tree_leaves(tree)
+                        if isinstance(t, torch.Tensor) and not wrapped(t)], category)

@@ -13,6 +13,7 @@ from fsharded.optim._base import (
     ScalarOrSchedule,
     chain,
     is_donating,
+    plain,
     scale_by_learning_rate,
 )
 from fsharded.optim._fused import FusedForm
@@ -53,7 +54,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
     def update(updates, state, params=None):
         count = state.count + 1
-        if not torch._C._are_functorch_transforms_active() and count.device.type != "meta":
+        if count.device.type != "meta" and plain((updates, state)):
             return _adam_foreach(updates, state, count, b1, b2, eps)
         mu = optree.tree_map(lambda g, m: torch.lerp(m, g.to(m.dtype), 1.0 - b1), updates, state.mu)
         nu = optree.tree_map(

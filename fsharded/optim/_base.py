@@ -163,7 +163,7 @@ _DONATE: contextvars.ContextVar[bool] = contextvars.ContextVar("fsharded_donate"
 @contextlib.contextmanager
 def donating() -> Iterator[None]:
     """Within this block optimizers may overwrite their state and the parameters in place
-    (outside torch.func transforms): the state passed to ``update``/``apply_updates`` is
+    (on plain tensors, see ``plain``): the state passed to ``update``/``apply_updates`` is
     consumed, like JAX's donated buffers. Saves a copy of the parameters and optimizer
     state at the update. ``train_step(..., donate=True)`` uses it."""
     tok = _DONATE.set(True)
@@ -174,18 +174,28 @@ def donating() -> Iterator[None]:
 
 
 def is_donating() -> bool:
-    return _DONATE.get() and not torch._C._are_functorch_transforms_active()
+    """Inside ``donating()``. The in-place forms run only on plain tensors (``plain``)."""
+    return _DONATE.get()
+
+
+def plain(tree: Any) -> bool:
+    """Whether every tensor in ``tree`` is an ordinary tensor, not a torch.func wrapper (a
+    value batched by vmap, as on the virtual mesh, or differentiated by grad): where
+    foreach kernels, in-place updates and reading a step count on the host apply. Decided
+    by the values themselves, not by which transforms are active around them."""
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return not any(isinstance(t, torch.Tensor) and wrapped(t) for t in optree.tree_leaves(tree))
 
 
 def _foreach_ok(tree: Any) -> bool:
-    """Multi-tensor (foreach) kernels apply: plain tensors outside torch.func transforms.
+    """Multi-tensor (foreach) kernels apply: plain tensors (``plain``), none on meta.
 
-    Under vmap (the virtual mesh) the per-leaf form is used: its ops have batching rules.
-    The arithmetic is the same either way.
+    On vmap-batched values (the virtual mesh) the per-leaf form is used: its ops have
+    batching rules. The arithmetic is the same either way.
     """
-    if torch._C._are_functorch_transforms_active():
-        return False
     leaves = optree.tree_leaves(tree)
+    if not plain(leaves):
+        return False
     return bool(leaves) and all(isinstance(x, torch.Tensor) and x.device.type != "meta" for x in leaves)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from fsharded import collectives
 from fsharded._tree import broadcast_prefix
-from fsharded.optim._base import GradientTransformation
+from fsharded.optim._base import GradientTransformation, plain
 
 __all__ = ["leaf_sq_norms", "global_norm", "ClipByGlobalNormState", "clip_by_global_norm"]
 
@@ -58,7 +58,7 @@ def global_norm(tree: Any, specs: Any = None, *, flat_specs: list | None = None)
         return torch.zeros((), dtype=torch.float32)
     if flat_specs is None:
         flat_specs = [None] * len(leaves) if specs is None else broadcast_prefix(specs, tree, what="specs")
-    if not torch._C._are_functorch_transforms_active() and all(
+    if plain(leaves) and all(
         x.dtype in (torch.float32, torch.float64) and x.device.type != "meta" for x in leaves
     ):
         sq = [n * n for n in torch._foreach_norm(leaves)]  # one multi-tensor kernel

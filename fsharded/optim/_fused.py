@@ -2,7 +2,7 @@
 ``fsharded.kernels`` (Triton on CUDA, the C++ optimizer on CPU, the reference elsewhere).
 
 The transformations of this package are pure; a fused step is their in-place twin, for
-plain tensors outside ``torch.func`` transforms (one device, or a real rank's shards):
+plain tensors, not torch.func wrappers (one device, or a real rank's shards):
 
 >>> opt = adamw(1e-3)
 >>> state = opt.init(params)
@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fsharded.optim._base import ScaleByScheduleState
+from fsharded.optim._base import ScaleByScheduleState, plain
 
 __all__ = ["FusedForm", "has_fused", "fused_update_"]
 
@@ -69,10 +69,11 @@ def fused_update_(optimizer: Any, grads: Any, state: Any, params: Any, *,
             "fused_update_: this optimizer has no fused form (adamw, adam and lion without a "
             "mask have one); use optimizer.update and apply_updates"
         )
-    if torch._C._are_functorch_transforms_active():
+    if not plain((grads, state, params)):
         raise RuntimeError(
-            "fused_update_ updates tensors in place and cannot run under torch.func transforms "
-            "(the virtual mesh); use optimizer.update and apply_updates there"
+            "fused_update_ updates tensors in place and cannot take torch.func-wrapped values "
+            "(vmap-batched on the virtual mesh, or differentiated); use optimizer.update and "
+            "apply_updates there"
         )
     from fsharded.kernels import fused_optim
     from fsharded.optim._base import get_lr_schedule
