@@ -9,6 +9,7 @@ tensor(6.)
 """
 
 from fsharded import (
+    checkpoint,
     comm,
     config,
     data,

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fsharded import _step_parts as P
-from fsharded import _tree, memory, optim
+from fsharded import _tree, checkpoint, memory, optim
 from fsharded import random as R
 from fsharded.mesh._layout import check_tree, dims, local_slice
 from fsharded.mesh._mesh import Mesh
@@ -235,6 +235,24 @@ class TrainStep:
             optree.tree_map(lambda _: PartitionSpec(), state.loss_scale) if state.loss_scale is not None else None,
             PartitionSpec() if state.rng is not None else None,
         )
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def save(self, state: TrainState, directory: Any, *, overwrite: bool = False) -> str:
+        """Write ``state`` to ``directory`` (``fsharded.checkpoint``): every leaf under its
+        path with its global shape and spec; on real ranks each rank writes its own shards
+        (call it on every rank). Returns the directory."""
+        return checkpoint.save(directory, state, self.state_specs(state), self.mesh,
+                               overwrite=overwrite)
+
+    def load(self, directory: Any, like: Any) -> TrainState:
+        """The state saved at ``directory``, laid out for this step's mesh and placement,
+        whatever mesh and placement it was saved from (optimizer moments, step, loss scale
+        and key as saved). ``like``: a state of this step (``step.init(params)``), or the
+        global params to make one from."""
+        if not isinstance(like, TrainState):
+            like = self.init(like)
+        return checkpoint.load(directory, like, self.state_specs(like), self.mesh)
 
     # -- the step ----------------------------------------------------------------------
 

@@ -1,0 +1,354 @@
+"""Checkpoints of spec-addressed pytrees: every device's shards written once, in parallel,
+and read back into any mesh and placement.
+
+>>> fs.checkpoint.save("ckpt/step-100", state, specs, mesh)
+>>> state = fs.checkpoint.load("ckpt/step-100", like, specs, mesh)   # any mesh, any specs
+
+The values are what ``shard_map`` takes on the backend the mesh runs on: global tensors on
+the virtual mesh (and on one device), this rank's shards on real ranks. ``load`` lays each
+leaf out by the ``specs`` it is given, whatever mesh and specs the checkpoint was saved
+with: a ZeRO-3 state saved on 4 ranks loads at ZeRO-1 on 2, on the virtual mesh or on one
+device, optimizer moments included (each leaf is walked by its path; NamedTuples and
+other nodes are not pickled).
+
+A checkpoint is a directory:
+
+- ``manifest.json``: the format version, the mesh it was saved from, and for every leaf
+  its dotted path with global shape, dtype and the spec it was saved with (non-tensor
+  leaves: their JSON value);
+- ``blocks-<writer>.json`` and ``data-<writer>.bin``: each writer's blocks (a leaf's box
+  of global indices: start and shape, the byte range in its data file, a CRC-32), raw
+  C-order bytes back to back. A block held by several devices (replicated along an axis)
+  is written by one of them only (coordinate 0 along the axes its spec does not name).
+
+Saves go to ``<directory>.tmp-<token>``, every file and the directory fsynced, then renamed
+to ``<directory>``: a crash mid-save leaves no ``<directory>``, and a leftover temporary
+directory is ignored (``load`` refuses it, naming it). Loading reads only the blocks that
+intersect this device's shards, checks each block's checksum and that every element of
+every leaf is covered: a flipped byte, a truncated file or a missing block is an error
+naming the file and the leaf, never a partly loaded state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import shutil
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+import optree
+import torch
+
+from fsharded import _tree, comm
+from fsharded.mesh import Mesh, PartitionSpec
+from fsharded.mesh._layout import dims, global_shape, local_slice
+from fsharded.spmd._transfer import backend_for
+
+__all__ = ["save", "load", "FORMAT", "CheckpointError", "read_manifest"]
+
+FORMAT = 1  # the manifest's format version; a newer one is refused
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as asked: corrupt, incomplete, of another model,
+    or of a newer format."""
+
+
+# -- specs, dtypes, boxes ---------------------------------------------------------------------
+
+
+def _spec_json(spec: PartitionSpec) -> list:
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def _spec_from(js: list) -> PartitionSpec:
+    return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in js))
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise CheckpointError(f"checkpoint: unknown dtype {name!r}")
+    return dt
+
+
+def _box(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, coords: dict) -> tuple[list, list]:
+    """(start, size) of the device at ``coords``'s shard of a global ``shape`` under ``spec``."""
+    start, size = [0] * len(shape), list(shape)
+    for d, axes in enumerate(dims(spec, len(shape))):
+        k, i = 1, 0
+        for a in axes:
+            k *= mesh.shape[a]
+            i = i * mesh.shape[a] + coords[a]
+        size[d] = shape[d] // k
+        start[d] = i * size[d]
+    return start, size
+
+
+def _writes(spec: PartitionSpec, coords: dict) -> bool:
+    """Whether this device writes its shard: coordinate 0 along the axes the spec leaves out."""
+    named = set(spec.axes)
+    return all(c == 0 for a, c in coords.items() if a not in named)
+
+
+def _flatten(tree: Any) -> tuple[list[str], list, Any]:
+    """(dotted paths, leaves, treespec); NamedTuple fields and dataclass fields by name
+    (``opt_state.0.mu.w``), so a path reads as the attribute it is."""
+    accessors, leaves, tdef = optree.tree_flatten_with_accessor(tree)
+    paths = [".".join(str(getattr(e, "field", e.entry)) for e in acc) or "<root>" for acc in accessors]
+    return paths, leaves, tdef
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().to("cpu").contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+# -- save ---------------------------------------------------------------------------------------
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _distributed(mesh: Mesh, backend: str | None) -> bool:
+    return backend_for(mesh, backend) == "distributed" and mesh.size > 1
+
+
+def save(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, *,
+         backend: str | None = None, overwrite: bool = False) -> str:
+    """Write ``tree`` (laid out by ``specs`` on ``mesh``) to ``directory``; returns its path.
+
+    On real ranks every rank calls it with its own shards (each writes its blocks, in
+    parallel; rank 0 the manifest); elsewhere the values are global. ``directory`` must
+    not exist unless ``overwrite`` (then it is replaced once the new one is complete)."""
+    directory = os.fspath(directory)
+    paths, leaves, _ = _flatten(tree)
+    flat_specs = _tree.broadcast_prefix(specs, tree, what="specs")
+    dist = _distributed(mesh, backend)
+    rank = comm.rank() if dist else 0
+    if os.path.exists(directory) and not overwrite:
+        raise FileExistsError(f"checkpoint.save: {directory} exists; pass overwrite=True to replace it")
+    token = [secrets.token_hex(4)]
+    if dist:
+        torch.distributed.broadcast_object_list(token, src=0)
+    tmp = f"{directory}.tmp-{token[0]}"
+    if rank == 0:
+        os.makedirs(tmp)
+    if dist:
+        torch.distributed.barrier()
+
+    entries, blocks = [], []
+    data_name = f"data-{rank:05d}.bin"
+    writers = [mesh.coords(rank)] if dist else [mesh.coords(i) for i in range(mesh.size)]
+    with open(os.path.join(tmp, data_name), "wb") as f:
+        for path, x, spec in zip(paths, leaves, flat_specs):
+            if not isinstance(x, torch.Tensor):
+                if not isinstance(x, (int, float, bool, str)) and x is not None:
+                    raise TypeError(f"checkpoint.save: {path} is a {type(x).__name__}; leaves must "
+                                    f"be tensors or JSON values (int, float, bool, str)")
+                entries.append({"path": path, "value": x})
+                continue
+            spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()
+            shape = global_shape(spec, tuple(x.shape), mesh) if dist else tuple(x.shape)
+            entries.append({"path": path, "shape": list(shape), "dtype": str(x.dtype),
+                            "spec": _spec_json(spec)})
+            for coords in writers:
+                if not _writes(spec, coords):
+                    continue
+                start, size = _box(spec, shape, mesh, coords)
+                piece = x if dist else local_slice(x, spec, mesh, coords)
+                buf = _bytes(piece)
+                blocks.append({"path": path, "start": start, "shape": size, "file": data_name,
+                               "offset": f.tell(), "nbytes": buf.nbytes, "crc32": zlib.crc32(buf)})
+                f.write(buf)
+        f.flush()
+        os.fsync(f.fileno())
+    _write_json(os.path.join(tmp, f"blocks-{rank:05d}.json"), blocks)
+    if dist:
+        torch.distributed.barrier()
+    if rank == 0:
+        manifest = {"format": FORMAT, "mesh": dict(mesh.shape), "leaves": entries,
+                    "writers": comm.world_size() if dist else 1}
+        _write_json(os.path.join(tmp, "manifest.json"), manifest)
+        _fsync(tmp)
+        old = None
+        if os.path.exists(directory):
+            old = f"{directory}.old-{token[0]}"
+            os.rename(directory, old)
+        os.rename(tmp, directory)
+        _fsync(os.path.dirname(os.path.abspath(directory)))
+        if old is not None:
+            shutil.rmtree(old)
+    if dist:
+        torch.distributed.barrier()
+    return directory
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# -- load ---------------------------------------------------------------------------------------
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    """The manifest of the checkpoint at ``directory`` (checked for completeness and format)."""
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        parent = os.path.dirname(os.path.abspath(directory)) or "."
+        base = os.path.basename(os.path.abspath(directory))
+        partial = sorted(n for n in os.listdir(parent) if n.startswith(base + ".tmp-")) \
+            if os.path.isdir(parent) else []
+        hint = (f"; {', '.join(partial)} in {parent} is an incomplete save (interrupted), not "
+                f"a checkpoint") if partial else ""
+        raise FileNotFoundError(f"checkpoint: no checkpoint at {directory}{hint}")
+    mpath = os.path.join(directory, "manifest.json")
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint: {mpath} is missing: {directory} is not a complete "
+                              f"checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint: {mpath} is corrupt ({e})") from None
+    version = manifest.get("format")
+    if not isinstance(version, int) or version > FORMAT:
+        raise CheckpointError(
+            f"checkpoint: {directory} has format {version!r}, this fsharded reads format "
+            f"{FORMAT} and older; load it with a newer fsharded")
+    return manifest
+
+
+def _blocks(directory: str, writers: int) -> dict[str, list[dict]]:
+    by_path: dict[str, list[dict]] = {}
+    for w in range(writers):
+        p = os.path.join(directory, f"blocks-{w:05d}.json")
+        try:
+            with open(p) as f:
+                for b in json.load(f):
+                    by_path.setdefault(b["path"], []).append(b)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint: {p} is missing (writer {w} of {writers})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"checkpoint: {p} is corrupt ({e})") from None
+    return by_path
+
+
+class _Reader:
+    """Reads blocks from the data files (kept open), verifying each one's checksum."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory, self.files = directory, {}
+
+    def read(self, b: dict, dtype: torch.dtype) -> torch.Tensor:
+        path = os.path.join(self.directory, b["file"])
+        f = self.files.get(path)
+        if f is None:
+            try:
+                f = self.files[path] = open(path, "rb")
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint: {path} is missing (it holds {b['path']})") from None
+        f.seek(b["offset"])
+        buf = f.read(b["nbytes"])
+        if len(buf) != b["nbytes"]:
+            raise CheckpointError(f"checkpoint: {path} is truncated: {b['path']}'s block at byte "
+                                  f"{b['offset']} has {len(buf)} of {b['nbytes']} bytes")
+        if zlib.crc32(buf) != b["crc32"]:
+            raise CheckpointError(f"checkpoint: checksum mismatch in {path} for {b['path']} (block at "
+                                  f"{b['start']}, bytes {b['offset']}-{b['offset'] + b['nbytes']}): "
+                                  f"the file is corrupt")
+        t = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+        return t.view(dtype).reshape(b["shape"])
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def load(directory: str | os.PathLike, like: Any, specs: Any, mesh: Mesh, *,
+         backend: str | None = None) -> Any:
+    """The checkpoint at ``directory`` as a tree shaped like ``like``, laid out by ``specs``
+    on ``mesh`` (on real ranks: this rank's shards, read from only the blocks that hold
+    them). ``like`` gives the structure, shapes and dtypes (tensors of any device, meta
+    included); the checkpoint must hold exactly its leaves."""
+    directory = os.fspath(directory)
+    manifest = read_manifest(directory)
+    saved = {e["path"]: e for e in manifest["leaves"]}
+    paths, leaves, tdef = _flatten(like)
+    flat_specs = _tree.broadcast_prefix(specs, like, what="specs")
+    dist = _distributed(mesh, backend)
+    coords = mesh.coords(comm.rank()) if dist else None
+    missing, misfit = [], []
+    for path, x, spec in zip(paths, leaves, flat_specs):
+        e = saved.get(path)
+        if e is None:
+            missing.append(path)
+        elif isinstance(x, torch.Tensor):
+            spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()
+            shape = global_shape(spec, tuple(x.shape), mesh) if dist else tuple(x.shape)
+            if "shape" not in e:
+                misfit.append(f"{path}: a tensor {list(shape)} here, the value {e.get('value')!r} there")
+            elif list(shape) != e["shape"] or str(x.dtype) != e["dtype"]:
+                misfit.append(f"{path}: {list(shape)} {x.dtype} here, {e['shape']} {e['dtype']} in the checkpoint")
+    extra = sorted(set(saved) - set(paths))
+    if missing or misfit or extra:
+        lines = [f"checkpoint: {directory} does not fit the tree it is loaded into:"]
+        lines += [f"  missing: {p}" for p in missing] + [f"  extra: {p}" for p in extra]
+        lines += [f"  shape/dtype: {m}" for m in misfit]
+        raise CheckpointError("\n".join(lines))
+    blocks = _blocks(directory, int(manifest.get("writers", 1)))
+    reader = _Reader(directory)
+    out = []
+    try:
+        for path, x, spec in zip(paths, leaves, flat_specs):
+            e = saved[path]
+            if not isinstance(x, torch.Tensor):
+                out.append(e.get("value", x))
+                continue
+            spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()
+            shape = tuple(e["shape"])
+            dtype = _dtype(e["dtype"])
+            start, size = _box(spec, shape, mesh, coords) if dist else ([0] * len(shape), list(shape))
+            out.append(_assemble(reader, path, blocks.get(path, []), start, size, dtype, x.device))
+    finally:
+        reader.close()
+    return optree.tree_unflatten(tdef, out)
+
+
+def _assemble(reader: _Reader, path: str, blocks: Iterable[dict], start: list, size: list,
+              dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The box ``start``/``size`` of leaf ``path`` from the blocks that intersect it."""
+    if device.type == "meta":
+        device = torch.device("cpu")
+    t = torch.empty(size, dtype=dtype)
+    covered = 0
+    for b in blocks:
+        lo = [max(s, bs) for s, bs in zip(start, b["start"])]
+        hi = [min(s + n, bs + bn) for s, n, bs, bn in zip(start, size, b["start"], b["shape"])]
+        if any(h <= lo_ for lo_, h in zip(lo, hi)) and size:
+            continue
+        src = reader.read(b, dtype)
+        dst = t
+        for d, (l_, h) in enumerate(zip(lo, hi)):
+            src = src.narrow(d, l_ - b["start"][d], h - l_)
+            dst = dst.narrow(d, l_ - start[d], h - l_)
+        dst.copy_(src)
+        covered += math.prod(h - l_ for l_, h in zip(lo, hi))
+    if covered != math.prod(size):
+        raise CheckpointError(
+            f"checkpoint: {path}: the blocks found cover {covered} of the {math.prod(size)} "
+            f"elements this device needs (a data or blocks file of the checkpoint is missing "
+            f"entries)")
+    return t.to(device)
