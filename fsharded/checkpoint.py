@@ -48,7 +48,7 @@ from fsharded.mesh import Mesh, PartitionSpec
 from fsharded.mesh._layout import dims, global_shape, local_slice
 from fsharded.spmd._transfer import backend_for
 
-__all__ = ["save", "load", "FORMAT", "CheckpointError", "read_manifest"]
+__all__ = ["save", "load", "Manager", "FORMAT", "CheckpointError", "read_manifest"]
 
 FORMAT = 1  # the manifest's format version; a newer one is refused
 
@@ -352,3 +352,76 @@ def _assemble(reader: _Reader, path: str, blocks: Iterable[dict], start: list, s
             f"elements this device needs (a data or blocks file of the checkpoint is missing "
             f"entries)")
     return t.to(device)
+
+
+# -- a directory of checkpoints -------------------------------------------------------------------
+
+
+class Manager:
+    """Checkpoints of one run under ``root``, as ``root/step-<n>``: ``save`` every ``every``
+    steps (``due``), the ``keep`` newest kept, ``latest()`` to resume from.
+
+    >>> mgr = fs.checkpoint.Manager("ckpt", keep=3, every=100)
+    >>> if mgr.due(n): mgr.save_state(step, state)
+    >>> state = step.load(mgr.latest(), params)
+    """
+
+    def __init__(self, root: str | os.PathLike, *, keep: int | None = 3, every: int | None = None) -> None:
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"checkpoint.Manager: keep must be a positive int or None, got {keep!r}")
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"checkpoint.Manager: every must be a positive int or None, got {every!r}")
+        self.root, self.keep, self.every = os.fspath(root), keep, every
+
+    def path(self, n: int) -> str:
+        return os.path.join(self.root, f"step-{int(n):08d}")
+
+    def steps(self) -> list[int]:
+        """The steps with a complete checkpoint, oldest first."""
+        if not os.path.isdir(self.root):
+            return []
+        out = []
+        for name in os.listdir(self.root):
+            if name.startswith("step-") and name[5:].isdigit() and \
+                    os.path.isfile(os.path.join(self.root, name, "manifest.json")):
+                out.append(int(name[5:]))
+        return sorted(out)
+
+    def incomplete(self) -> list[str]:
+        """Leftovers of saves that did not finish (``step-<n>.tmp-*``)."""
+        if not os.path.isdir(self.root):
+            return []
+        return sorted(os.path.join(self.root, n) for n in os.listdir(self.root) if ".tmp-" in n)
+
+    def latest(self) -> str | None:
+        """The newest complete checkpoint, or None; warns naming unfinished saves."""
+        left = self.incomplete()
+        if left:
+            import warnings
+
+            warnings.warn(f"checkpoint: ignoring {len(left)} unfinished save(s): {', '.join(left)}",
+                          stacklevel=2)
+        s = self.steps()
+        return self.path(s[-1]) if s else None
+
+    def due(self, n: int) -> bool:
+        """Whether step ``n`` (1-based: after ``n`` updates) is one to save at."""
+        return self.every is not None and int(n) > 0 and int(n) % self.every == 0
+
+    def save(self, n: int, tree: Any, specs: Any, mesh: Mesh, **kw: Any) -> str:
+        """``save`` to ``path(n)`` (replacing it), then drop all but the ``keep`` newest."""
+        out = save(self.path(n), tree, specs, mesh, overwrite=True, **kw)
+        self._prune(mesh, kw.get("backend"))
+        return out
+
+    def save_state(self, step: Any, state: Any) -> str:
+        """A train step's state at its own step count (``step.save``), then prune."""
+        out = step.save(state, self.path(int(state.step)), overwrite=True)
+        self._prune(step.mesh, None)
+        return out
+
+    def _prune(self, mesh: Mesh, backend: str | None) -> None:
+        if self.keep is None or (_distributed(mesh, backend) and comm.rank() != 0):
+            return
+        for n in self.steps()[:-self.keep]:
+            shutil.rmtree(self.path(n), ignore_errors=True)

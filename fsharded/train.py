@@ -74,6 +74,11 @@ def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--data", help="'stdlib' (default), a text file, or a nanoGPT .bin of uint16 tokens")
     p.add_argument("--metrics", help="write per-step metrics to this JSONL file")
+    p.add_argument("--save-dir", default="checkpoints", help="where checkpoints go (default: checkpoints)")
+    p.add_argument("--save-every", type=int, help="save a checkpoint every N steps (and at the end)")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3, the newest)")
+    p.add_argument("--resume", metavar="latest|PATH",
+                   help="continue from the newest checkpoint in --save-dir, or from PATH")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set optimizer.weight_decay=0.01")
     p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
@@ -267,8 +272,12 @@ class _Progress:
             self.bar.close()
 
 
-def run(cfg, *, progress: str = "auto") -> dict:
-    """Train per ``cfg``; returns the summary dict (also printed on rank 0)."""
+def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_every: int | None = None,
+        keep: int | None = 3, resume: str | None = None) -> dict:
+    """Train per ``cfg``; returns the summary dict (also printed on rank 0). With
+    ``save_every`` a checkpoint goes to ``save_dir/step-<n>`` every that many steps and at
+    the end; ``resume`` ("latest" or a checkpoint's path) continues a run exactly: its state
+    (parameters, optimizer, loss scale, keys, schedule) and its place in the data."""
     import fsharded as fs
     from fsharded.models import gpt
 
@@ -301,6 +310,16 @@ def run(cfg, *, progress: str = "auto") -> dict:
                          precision=cfg.policy(), accumulation=cfg.grad_accum_steps,
                          clip=cfg.grad_clip or None, blocks="blocks")
     state = step.init(params)
+    mgr = fs.checkpoint.Manager(save_dir, keep=keep, every=save_every) if (save_every or resume) else None
+    start = 0
+    if resume:
+        path = mgr.latest() if resume == "latest" else resume
+        if path is None:
+            raise ValueError(f"--resume latest: no checkpoint in {save_dir}")
+        state = step.load(path, state)
+        start = int(state.step)
+        if main_rank:
+            print(f"fsharded train: resumed from {path} at step {start}", flush=True)
     n_params = gpt.param_count(params)
     manifest = step.collectives(state, batches.batch_at(0))
     if main_rank:
@@ -315,11 +334,13 @@ def run(cfg, *, progress: str = "auto") -> dict:
     t_start = time.perf_counter()
     t_steady = None
     try:
-        for i in range(cfg.steps):
+        for i in range(start, cfg.steps):
             t0 = time.perf_counter()
-            state, m = step(state, batches.batch_at(i))
+            state, m = step(state, batches.batch_at(i))  # the data position is the step count
             dt = time.perf_counter() - t0
-            if i == 1:
+            if mgr is not None and (mgr.due(i + 1) or (save_every and i + 1 == cfg.steps)):
+                mgr.save_state(step, state)
+            if i == start + 1:
                 t_steady = time.perf_counter() - dt  # exclude the first (warm-up) step
             rec = {"step": i + 1, **{k: float(v) for k, v in m.items()}, "step_time_s": dt,
                    "tokens_per_s": tok_per_step / dt}
@@ -332,7 +353,7 @@ def run(cfg, *, progress: str = "auto") -> dict:
         if metrics_f is not None:
             metrics_f.close()
     elapsed = time.perf_counter() - t_start
-    steady_steps = cfg.steps - 1 if t_steady is not None else cfg.steps
+    steady_steps = cfg.steps - start - 1 if t_steady is not None else cfg.steps - start
     steady_time = (time.perf_counter() - t_steady) if t_steady is not None else elapsed
     full = step.params(state)
     with torch.no_grad():
@@ -378,8 +399,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded train") -> 
     with warnings.catch_warnings():
         warnings.simplefilter("default")
         try:
-            run(cfg, progress=args.progress)
-        except (ValueError, NotImplementedError, FloatingPointError) as e:
+            run(cfg, progress=args.progress, save_dir=args.save_dir, save_every=args.save_every,
+                keep=args.keep, resume=args.resume)
+        except (ValueError, OSError, NotImplementedError, FloatingPointError) as e:
             print(f"fsharded train: {e}", file=sys.stderr)
             return 1
     return 0

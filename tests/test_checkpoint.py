@@ -231,3 +231,22 @@ def test_four_ranks_zero3_load_on_two_ranks_zero1(tmp_path):
     assert len(os.listdir(tmp_path / "ck")) == 1 + 2 * 4  # the manifest, each rank's files
     for r in run_on_ranks(C.load_and_train, 2, {"data": 2}, 1, str(tmp_path / "ck")):
         assert C.leaves_equal(r["loaded"], saved[0]["state"])
+
+
+def test_manager_keeps_the_newest_and_finds_the_latest(tmp_path):
+    step, params = C.make_step({"data": 2}, 0)
+    mgr = fs.checkpoint.Manager(tmp_path / "run", keep=2, every=2)
+    state = step.init(params)
+    assert mgr.latest() is None and not mgr.due(0) and not mgr.due(1) and mgr.due(4)
+    for b in C.batches(0, 6):
+        state, _ = step(state, b)
+        if mgr.due(int(state.step)):
+            mgr.save_state(step, state)
+    assert mgr.steps() == [4, 6]
+    os.makedirs(tmp_path / "run" / "step-00000008.tmp-deadbeef")
+    with pytest.warns(UserWarning, match=r"unfinished save\(s\): .*step-00000008.tmp-deadbeef"):
+        latest = mgr.latest()
+    assert latest == mgr.path(6)
+    assert C.leaves_equal(C.global_state(step, step.load(latest, params)), C.global_state(step, state))
+    with pytest.raises(ValueError, match="keep must be a positive int"):
+        fs.checkpoint.Manager(tmp_path, keep=0)

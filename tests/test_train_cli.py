@@ -101,3 +101,30 @@ def test_train_with_zero_stage_matches_stage_0(tmp_path):
     assert "ZeRO-3" in r3.stdout
     for a, b in zip(_losses(m0), _losses(m3), strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
+
+
+def test_save_every_and_resume_latest_continue_exactly(tmp_path):
+    """6 steps straight vs 6 steps saving every 3, then (the step-6 checkpoint removed) a
+    new process resuming from the latest (step 3): steps 4-6 bit for bit, the data picked up
+    where the run stopped."""
+    import shutil
+
+    straight, saved, resumed = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    ck = tmp_path / "ck"
+    r = _run([sys.executable, "-m", "fsharded", "train", *TINY, "--metrics", str(straight)])
+    assert r.returncode == 0, r.stderr
+    r = _run([sys.executable, "-m", "fsharded", "train", *TINY, "--metrics", str(saved),
+              "--save-every", "3", "--save-dir", str(ck)])
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(ck)) == ["step-00000003", "step-00000006"]
+    assert _losses(saved) == _losses(straight)  # saving changes nothing
+    shutil.rmtree(ck / "step-00000006")
+    r = _run([sys.executable, "-m", "fsharded", "train", *TINY, "--metrics", str(resumed),
+              "--resume", "latest", "--save-dir", str(ck)])
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout and "at step 3" in r.stdout
+    assert [json.loads(x)["step"] for x in resumed.read_text().splitlines()] == [4, 5, 6]
+    assert _losses(resumed) == _losses(straight)[3:]
+    r = _run([sys.executable, "-m", "fsharded", "train", *TINY, "--resume", "latest",
+              "--save-dir", str(tmp_path / "none")])
+    assert r.returncode == 1 and "no checkpoint in" in r.stderr
