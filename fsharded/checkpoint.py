@@ -146,6 +146,37 @@ def save(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, *,
     if dist:
         torch.distributed.barrier()
 
+    try:
+        entries = _write_blocks(tmp, rank, paths, leaves, flat_specs, mesh, dist)
+    except BaseException:
+        # Disk full, a leaf that cannot be stored, an interrupt: no partial checkpoint is
+        # left to mistake for one (the previous ones are untouched).
+        if not dist:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dist:
+        torch.distributed.barrier()
+    if rank == 0:
+        manifest = {"format": FORMAT, "mesh": dict(mesh.shape), "leaves": entries,
+                    "writers": comm.world_size() if dist else 1}
+        _write_json(os.path.join(tmp, "manifest.json"), manifest)
+        _fsync(tmp)
+        old = None
+        if os.path.exists(directory):
+            old = f"{directory}.old-{token[0]}"
+            os.rename(directory, old)
+        os.rename(tmp, directory)
+        _fsync(os.path.dirname(os.path.abspath(directory)))
+        if old is not None:
+            shutil.rmtree(old)
+    if dist:
+        torch.distributed.barrier()
+    return directory
+
+
+def _write_blocks(tmp: str, rank: int, paths: list, leaves: list, flat_specs: list, mesh: Mesh,
+                  dist: bool) -> list[dict]:
+    """This writer's data and blocks files; returns the manifest's leaf entries."""
     entries, blocks = [], []
     data_name = f"data-{rank:05d}.bin"
     writers = [mesh.coords(rank)] if dist else [mesh.coords(i) for i in range(mesh.size)]
@@ -173,24 +204,7 @@ def save(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, *,
         f.flush()
         os.fsync(f.fileno())
     _write_json(os.path.join(tmp, f"blocks-{rank:05d}.json"), blocks)
-    if dist:
-        torch.distributed.barrier()
-    if rank == 0:
-        manifest = {"format": FORMAT, "mesh": dict(mesh.shape), "leaves": entries,
-                    "writers": comm.world_size() if dist else 1}
-        _write_json(os.path.join(tmp, "manifest.json"), manifest)
-        _fsync(tmp)
-        old = None
-        if os.path.exists(directory):
-            old = f"{directory}.old-{token[0]}"
-            os.rename(directory, old)
-        os.rename(tmp, directory)
-        _fsync(os.path.dirname(os.path.abspath(directory)))
-        if old is not None:
-            shutil.rmtree(old)
-    if dist:
-        torch.distributed.barrier()
-    return directory
+    return entries
 
 
 def _write_json(path: str, obj: Any) -> None:

@@ -250,3 +250,27 @@ def test_manager_keeps_the_newest_and_finds_the_latest(tmp_path):
     assert C.leaves_equal(C.global_state(step, step.load(latest, params)), C.global_state(step, state))
     with pytest.raises(ValueError, match="keep must be a positive int"):
         fs.checkpoint.Manager(tmp_path, keep=0)
+
+
+def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    from fsharded import checkpoint as ck
+
+    step, params, state = _saved(tmp_path)
+    before = C.global_state(step, state)
+    state2, _ = C.train(step, state, 0, 1)
+    real, calls = ck._bytes, []
+
+    def full(t):  # the disk fills up after a few blocks
+        calls.append(1)
+        if len(calls) > 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(t)
+
+    monkeypatch.setattr(ck, "_bytes", full)
+    with pytest.raises(OSError, match="No space left"):
+        step.save(state2, tmp_path / "ck", overwrite=True)
+    monkeypatch.setattr(ck, "_bytes", real)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # no temporary directory left
+    assert C.leaves_equal(C.global_state(step, step.load(tmp_path / "ck", params)), before)
