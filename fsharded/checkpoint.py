@@ -31,13 +31,15 @@ naming the file and the leaf, never a partly loaded state.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import secrets
 import shutil
+import warnings
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import optree
@@ -48,7 +50,8 @@ from fsharded.mesh import Mesh, PartitionSpec
 from fsharded.mesh._layout import dims, global_shape, local_slice
 from fsharded.spmd._transfer import backend_for
 
-__all__ = ["save", "load", "Manager", "FORMAT", "CheckpointError", "read_manifest"]
+__all__ = ["save", "load", "Manager", "save_dcp", "load_dcp", "dcp_state_dict", "FORMAT",
+           "CheckpointError", "read_manifest"]
 
 FORMAT = 1  # the manifest's format version; a newer one is refused
 
@@ -411,8 +414,6 @@ class Manager:
         """The newest complete checkpoint, or None; warns naming unfinished saves."""
         left = self.incomplete()
         if left:
-            import warnings
-
             warnings.warn(f"checkpoint: ignoring {len(left)} unfinished save(s): {', '.join(left)}",
                           stacklevel=2)
         s = self.steps()
@@ -439,3 +440,99 @@ class Manager:
             return
         for n in self.steps()[:-self.keep]:
             shutil.rmtree(self.path(n), ignore_errors=True)
+
+
+# -- torch.distributed.checkpoint (DCP) -------------------------------------------------------------
+
+
+def dcp_state_dict(tree: Any, specs: Any, mesh: Mesh, *, backend: str | None = None) -> dict[str, Any]:
+    """``tree`` as the flat ``{dotted path: value}`` dict DCP walks: on real ranks each
+    tensor a ``DTensor`` of this rank's shard (its global shape and placement from the
+    spec), elsewhere the global tensor; non-tensor leaves as they are. A state with
+    NamedTuples handed to DCP as is would be pickled whole, one rank's shards for all
+    (DCP walks dicts and lists only): this dict is what to give ``dcp.save``."""
+    from fsharded.spmd._transfer import to_dtensor
+
+    paths, leaves, _ = _flatten(tree)
+    flat_specs = _tree.broadcast_prefix(specs, tree, what="specs")
+    dist = _distributed(mesh, backend)
+    out = {}
+    for path, x, spec in zip(paths, leaves, flat_specs):
+        spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()
+        out[path] = to_dtensor(x, spec, mesh) if dist and isinstance(x, torch.Tensor) else x
+    return out
+
+
+def save_dcp(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, *,
+             backend: str | None = None) -> str:
+    """``dcp.save`` of ``dcp_state_dict(tree, specs, mesh)``: a DCP checkpoint that
+    FSDP2 / torchtitan code reads with ``dcp.load`` into its own DTensors by these paths."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = os.fspath(directory)
+    sd = dcp_state_dict(tree, specs, mesh, backend=backend)
+    with _one_process_quiet():
+        dcp.save(sd, checkpoint_id=directory, no_dist=not _distributed(mesh, backend))
+    return directory
+
+
+@contextlib.contextmanager
+def _one_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no process group: we say so."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def load_dcp(directory: str | os.PathLike, like: Any, specs: Any, mesh: Mesh, *,
+             backend: str | None = None, prefix: str = "") -> Any:
+    """A DCP checkpoint (``save_dcp``'s, or one of an FSDP2 model's ``state_dict()``: keys
+    are the module's parameter names, as in ``fs.nn.functional`` params) as a tree shaped
+    like ``like``, laid out by ``specs`` on ``mesh``; DCP reshards. ``prefix``: prepended
+    to every path to find its key (e.g. ``"model."``). Keys of the tree missing from the
+    checkpoint, or of another shape or dtype, are an error listing them."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = os.fspath(directory)
+    paths, leaves, tdef = _flatten(like)
+    flat_specs = _tree.broadcast_prefix(specs, like, what="specs")
+    dist = _distributed(mesh, backend)
+    try:
+        meta = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint.load_dcp: no DCP checkpoint at {directory}") from None
+    from fsharded.mesh._spec import shard_shape
+    from fsharded.spmd._transfer import to_dtensor
+
+    problems, sd = [], {}
+    for path, x, spec in zip(paths, leaves, flat_specs):
+        key = prefix + path
+        m = meta.get(key)
+        if m is None:
+            problems.append(f"  missing: {key}")
+            continue
+        if not isinstance(x, torch.Tensor):
+            sd[key] = x
+            continue
+        spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()
+        gshape = global_shape(spec, tuple(x.shape), mesh) if dist else tuple(x.shape)
+        size = getattr(m, "size", None)
+        dtype = getattr(getattr(m, "properties", None), "dtype", None)
+        if size is None or tuple(size) != gshape or dtype != x.dtype:
+            problems.append(f"  shape/dtype: {key}: {list(gshape)} {x.dtype} here, "
+                            f"{list(size) if size is not None else 'a non-tensor'} {dtype} in the checkpoint")
+            continue
+        local = torch.empty(shard_shape(spec, gshape, mesh) if dist else gshape, dtype=x.dtype)
+        sd[key] = to_dtensor(local, spec, mesh) if dist else local
+    if problems:
+        raise CheckpointError(f"checkpoint.load_dcp: {directory} does not fit the tree:\n" + "\n".join(problems))
+    with _one_process_quiet():
+        dcp.load(sd, checkpoint_id=directory, no_dist=not dist)
+    out = []
+    for path, x in zip(paths, leaves):
+        v = sd[prefix + path]
+        if isinstance(x, torch.Tensor):
+            v = v.to_local() if dist else v
+            v = v.to(x.device if x.device.type != "meta" else "cpu")
+        out.append(v)
+    return optree.tree_unflatten(tdef, out)

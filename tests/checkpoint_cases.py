@@ -90,3 +90,40 @@ def close(a: dict, b: dict, tol: float = 1e-5) -> bool:
 
 __all__ = ["make_step", "train", "save_after", "load_and_train", "straight", "global_state",
            "leaves_equal", "close", "optree"]
+
+
+def dcp_cases(directory: str) -> dict:
+    """On real ranks: our state through DCP (ZeRO-3 saved, ZeRO-1 loaded; and read back by
+    plain dcp.load into DTensors), and an FSDP2 model's DCP checkpoint into fs params."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    step, params = make_step({"data": 2}, 3)
+    state, _ = train(step, step.init(params), 0, 2)
+    fs.checkpoint.save_dcp(f"{directory}/ours", state, step.state_specs(state), step.mesh)
+    out["saved"] = global_state(step, state)
+    step1, _ = make_step({"data": 2}, 1)
+    like = step1.init(params)
+    got = fs.checkpoint.load_dcp(f"{directory}/ours", like, step1.state_specs(like), step1.mesh)
+    out["ours_zero1"] = global_state(step1, got)
+    # What an FSDP2 / torchtitan user does: dcp.load into their own DTensors by path.
+    template = fs.checkpoint.dcp_state_dict(step.init(params), step.state_specs(state), step.mesh)
+    dcp.load(template, checkpoint_id=f"{directory}/ours")
+    out["plain_dcp"] = {k: v.full_tensor().clone() for k, v in template.items()
+                        if hasattr(v, "full_tensor")}
+    # An FSDP2 model's checkpoint into an fsharded parameter tree at ZeRO-3.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    fully_shard(model, mesh=fs.Mesh({"data": 2}).to_torch())
+    dcp.save(model.state_dict(), checkpoint_id=f"{directory}/fsdp2")
+    fm = fs.nn.functional(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)))
+    mesh = fs.Mesh({"data": 2})
+    plan = fs.parallel.zero(3, min_size=8)(P(), fm.params).resolve(mesh).master
+    from fsharded.spmd._transfer import local_shards
+
+    local = fs.checkpoint.load_dcp(f"{directory}/fsdp2", local_shards(fm.params, plan, mesh), plan, mesh)
+    out["fsdp2"] = fs.unshard(local, plan, mesh)
+    out["fsdp2_ref"] = full
+    return out
