@@ -50,7 +50,7 @@ from fsharded.mesh import Mesh, PartitionSpec
 from fsharded.mesh._layout import dims, global_shape, local_slice
 from fsharded.spmd._transfer import backend_for
 
-__all__ = ["save", "load", "Manager", "save_dcp", "load_dcp", "dcp_state_dict", "FORMAT",
+__all__ = ["save", "load", "Manager", "save_dcp", "load_dcp", "dcp_state_dict", "export_safetensors", "FORMAT",
            "CheckpointError", "read_manifest"]
 
 FORMAT = 1  # the manifest's format version; a newer one is refused
@@ -536,3 +536,66 @@ def load_dcp(directory: str | os.PathLike, like: Any, specs: Any, mesh: Mesh, *,
             v = v.to(x.device if x.device.type != "meta" else "cpu")
         out.append(v)
     return optree.tree_unflatten(tdef, out)
+
+
+# -- export -----------------------------------------------------------------------------------------
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+              torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, *, select: str | None = "params",
+                       rename: dict[str, str] | None = None, dtype: torch.dtype | None = None) -> list[str]:
+    """Write the full (consolidated) tensors of the checkpoint at ``directory`` to one
+    ``.safetensors`` file, streamed leaf by leaf (one leaf in memory at a time; the header
+    is known from the manifest). ``select``: the subtree to export, its prefix dropped
+    (``"params"`` for a train state: the names are then the model's, e.g. an
+    ``fs.nn.functional`` module's parameter names, which ``load_state_dict`` and
+    ``from_pretrained`` read); ``None`` for every tensor. ``rename``: names to replace.
+    ``dtype``: cast floating tensors (e.g. ``torch.bfloat16`` for a release). Returns the
+    names written."""
+    directory, out = os.fspath(directory), os.fspath(out)
+    manifest = read_manifest(directory)
+    pre = f"{select}." if select else ""
+    leaves = [e for e in manifest["leaves"] if "shape" in e and e["path"].startswith(pre)]
+    if not leaves:
+        raise CheckpointError(f"checkpoint.export_safetensors: {directory} has no tensors under {select!r}")
+    rename = rename or {}
+    header, names, offset = {}, [], 0
+    plan = []
+    for e in leaves:
+        name = rename.get(e["path"][len(pre):], e["path"][len(pre):])
+        src = _dtype(e["dtype"])
+        dt = dtype if dtype is not None and src.is_floating_point else src
+        if dt not in _ST_DTYPES:
+            raise CheckpointError(f"checkpoint.export_safetensors: {e['path']} is {dt}, which safetensors cannot hold")
+        n = math.prod(e["shape"]) * torch.empty((), dtype=dt).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dt], "shape": e["shape"], "data_offsets": [offset, offset + n]}
+        offset += n
+        names.append(name)
+        plan.append((e, src, dt))
+    if len(set(names)) != len(names):
+        raise CheckpointError("checkpoint.export_safetensors: two leaves map to one name; check rename=")
+    header["__metadata__"] = {"format": "pt", "exported_by": "fsharded"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    blocks = _blocks(directory, int(manifest.get("writers", 1)))
+    reader = _Reader(directory)
+    tmp = f"{out}.tmp-{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for e, src, dt in plan:
+                t = _assemble(reader, e["path"], blocks.get(e["path"], []), [0] * len(e["shape"]),
+                              list(e["shape"]), src, torch.device("cpu"))
+                f.write(_bytes(t.to(dt)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        reader.close()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return names

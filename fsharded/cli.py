@@ -89,9 +89,45 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run_train)
 
 
+# -- fsharded export ------------------------------------------------------------------------
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from fsharded import checkpoint
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    try:
+        names = checkpoint.export_safetensors(args.checkpoint, args.out,
+                                              select=None if args.all else args.select,
+                                              dtype=dtypes.get(args.dtype))
+    except (ValueError, OSError) as e:
+        _err(str(e))
+        return 2
+    print(f"fsharded export: {len(names)} tensors -> {args.out}")
+    return 0
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint's full parameters to a .safetensors file",
+        description="Consolidate a checkpoint (step.save / fsharded train --save-every) into "
+        "one .safetensors file, leaf by leaf; a train state's params are named as the model's "
+        "parameters (what load_state_dict / from_pretrained read).",
+    )
+    p.add_argument("checkpoint", help="a checkpoint directory (e.g. checkpoints/step-00000100)")
+    p.add_argument("out", help="the .safetensors file to write")
+    p.add_argument("--select", default="params", help="subtree to export (default: params)")
+    p.add_argument("--all", action="store_true", help="every tensor of the checkpoint, by path")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating tensors")
+    p.set_defaults(handler=_run_export)
+
+
 # -- top level -------------------------------------------------------------------------------
 
-_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_bench, _add_train)
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_bench, _add_train, _add_export)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -308,3 +308,61 @@ def test_dcp_both_ways_on_gloo_ranks(tmp_path):
         # FSDP2's checkpoint, keys = the module's names = the fs.nn params paths.
         paths, leaves, _ = fs.checkpoint._flatten(r["fsdp2"])
         assert C.leaves_equal(dict(zip(paths, leaves)), r["fsdp2_ref"])
+
+
+# -- export ---------------------------------------------------------------------------------------
+
+
+def test_export_safetensors_streams_the_full_params(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    step, params = C.make_step({"data": 2}, 3)
+    state, _ = C.train(step, step.init(params), 0, 2)
+    step.save(state, tmp_path / "ck")
+    names = fs.checkpoint.export_safetensors(tmp_path / "ck", tmp_path / "p.safetensors")
+    got = safetensors.load_file(str(tmp_path / "p.safetensors"))
+    full = step.params(state)
+    paths, leaves, _ = fs.checkpoint._flatten(full)
+    assert sorted(names) == sorted(paths) and all(torch.equal(got[p], x) for p, x in zip(paths, leaves))
+    fs.checkpoint.export_safetensors(tmp_path / "ck", tmp_path / "b.safetensors", dtype=torch.bfloat16,
+                                     rename={"w_in": "embed.weight"})
+    half = safetensors.load_file(str(tmp_path / "b.safetensors"))
+    assert half["embed.weight"].dtype == torch.bfloat16
+    assert torch.equal(half["embed.weight"], full["w_in"].to(torch.bfloat16))
+
+
+def test_fsharded_export_into_a_hugging_face_model(tmp_path):
+    """An HF GPT-2 trained through fs.nn at ZeRO-3, saved, exported by the CLI: the file
+    loads into a fresh GPT2LMHeadModel (tied lm_head restored by HF) with the trained
+    model's outputs."""
+    transformers = pytest.importorskip("transformers")
+    safetensors = pytest.importorskip("safetensors.torch")
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    torch.manual_seed(0)
+    fm = fs.nn.functional(transformers.GPT2LMHeadModel(cfg))
+    tok = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))
+
+    def loss(p, b):
+        return torch.nn.functional.cross_entropy(fm.apply(p, input_ids=b[:, :-1]).logits.flatten(0, 1),
+                                                 b[:, 1:].flatten())
+
+    mesh = fs.Mesh({"data": 2})
+    step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh,
+                         param_specs=fs.parallel.zero(3, min_size=8)(P(), fm.params), blocks=fm.blocks)
+    state = step.init(fm.params)
+    for _ in range(2):
+        state, _ = step(state, tok)
+    step.save(state, tmp_path / "ck")
+    r = subprocess.run([sys.executable, "-m", "fsharded", "export", str(tmp_path / "ck"), str(tmp_path / "m.safetensors")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "tensors ->" in r.stdout, r.stderr
+    fresh = transformers.GPT2LMHeadModel(cfg)
+    missing, unexpected = fresh.load_state_dict(safetensors.load_file(str(tmp_path / "m.safetensors")), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    fresh.tie_weights()
+    with torch.no_grad():
+        want = fm.apply(step.params(state), input_ids=tok[:, :-1]).logits
+        assert torch.equal(fresh(input_ids=tok[:, :-1]).logits, want)
+    bad = subprocess.run([sys.executable, "-m", "fsharded", "export", str(tmp_path / "nope"), str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no checkpoint at" in bad.stderr
