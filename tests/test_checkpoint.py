@@ -337,7 +337,7 @@ def test_fsharded_export_into_a_hugging_face_model(tmp_path):
     transformers = pytest.importorskip("transformers")
     safetensors = pytest.importorskip("safetensors.torch")
     cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
     fm = fs.nn.functional(transformers.GPT2LMHeadModel(cfg))
     tok = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))
