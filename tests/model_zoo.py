@@ -306,12 +306,12 @@ def hf_llama(seed: int = 0, **overrides):
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**cfg, **overrides}))
 
 
-def hf_gpt2(seed: int = 0):
+def hf_gpt2(seed: int = 0, **overrides):
     """The real ``transformers.GPT2LMHeadModel``, tiny (``lm_head`` tied to ``transformer.wte``)."""
     import transformers
 
-    cfg = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                                  use_cache=False, attn_implementation="eager",
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(**{**dict(
+        vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2, use_cache=False,
+        attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), **overrides})
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(cfg)

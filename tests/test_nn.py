@@ -448,6 +448,20 @@ def test_hf_gpt2_zero3_matches_plain():
     torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref["losses"]), **TOL)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_hf_gpt2_with_its_kv_cache_on_zero3_matches_plain(monkeypatch, attn):
+    """HF's default use_cache=True: the model hands each block a key/value cache object. A
+    block re-run in backward (ZeRO-3's remat) must not extend it twice: eager attention then
+    failed on doubled keys (16 vs 8); the step runs blocks without a cache, as HF does under
+    gradient checkpointing."""
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(Z, "hf_gpt2", functools.partial(Z.hf_gpt2, use_cache=True, attn_implementation=attn))
+    ref = plain_run("hf_gpt2", steps=3)
+    for mesh in ({"data": 1}, {"data": 2}):
+        res = step_run("hf_gpt2", 3, mesh, steps=3)
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref["losses"]), **TOL)
+
+
 def test_hf_llama_sdpa_zero3_virtual_matches_plain(monkeypatch):
     """The sdpa path builds a bool mask inside the loss and passes integer positions: both
     travel into ZeRO-3's remat as inputs (not differentiated), so it trains as plain

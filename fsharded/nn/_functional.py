@@ -163,6 +163,12 @@ class FunctionalModule:
 
         def routed(*args: Any, **kwargs: Any) -> Any:
             x, rest, moving, fixed = _arguments(forward, args, kwargs, prefix[:-1])
+            if _blocks.active():
+                # A step that may run the block again (ZeRO-3's re-gather, a remat): a
+                # key/value cache would be extended twice (the recomputation attending over
+                # doubled keys), so no cache, as HF does under gradient checkpointing.
+                fixed = {k: (None if k in _CACHE_ARGS else False if k == "use_cache" else v)
+                         for k, v in fixed.items()}
             tail: list = []
 
             def fn(full: Any, h: Any, *a: Any, **kw: Any) -> Any:
@@ -256,6 +262,9 @@ def _block_of(name: str, path: str) -> str | None:
     if not name.startswith(path + "."):
         return None
     return name[len(path) + 1:].split(".", 1)[0]
+
+
+_CACHE_ARGS = frozenset({"past_key_values", "past_key_value", "layer_past"})
 
 
 def _arguments(forward: Callable, args: tuple, kwargs: dict, block: str) -> tuple:
