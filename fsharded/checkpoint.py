@@ -48,7 +48,8 @@ import torch
 from fsharded import _tree, comm
 from fsharded.mesh import Mesh, PartitionSpec
 from fsharded.mesh._layout import dims, global_shape, local_slice
-from fsharded.spmd._transfer import backend_for
+from fsharded.mesh._spec import shard_shape
+from fsharded.spmd._transfer import backend_for, to_dtensor
 
 __all__ = ["save", "load", "Manager", "save_dcp", "load_dcp", "dcp_state_dict", "export_safetensors", "FORMAT",
            "CheckpointError", "read_manifest"]
@@ -66,10 +67,6 @@ class CheckpointError(ValueError):
 
 def _spec_json(spec: PartitionSpec) -> list:
     return [list(e) if isinstance(e, tuple) else e for e in spec]
-
-
-def _spec_from(js: list) -> PartitionSpec:
-    return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in js))
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -451,8 +448,6 @@ def dcp_state_dict(tree: Any, specs: Any, mesh: Mesh, *, backend: str | None = N
     spec), elsewhere the global tensor; non-tensor leaves as they are. A state with
     NamedTuples handed to DCP as is would be pickled whole, one rank's shards for all
     (DCP walks dicts and lists only): this dict is what to give ``dcp.save``."""
-    from fsharded.spmd._transfer import to_dtensor
-
     paths, leaves, _ = _flatten(tree)
     flat_specs = _tree.broadcast_prefix(specs, tree, what="specs")
     dist = _distributed(mesh, backend)
@@ -501,9 +496,6 @@ def load_dcp(directory: str | os.PathLike, like: Any, specs: Any, mesh: Mesh, *,
         meta = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint.load_dcp: no DCP checkpoint at {directory}") from None
-    from fsharded.mesh._spec import shard_shape
-    from fsharded.spmd._transfer import to_dtensor
-
     problems, sd = [], {}
     for path, x, spec in zip(paths, leaves, flat_specs):
         key = prefix + path

@@ -76,9 +76,9 @@ class MemoryTracker(TorchDispatchMode):
         # Meta tensors have sizes but no data: counting them measures a program without
         # running it (``fsharded.estimate_memory`` does, for activations).
         self.include_meta = include_meta
-        # storage key -> [weak ref, bytes]; categories kept apart so that reclassifying
-        # after the fact also re-labels what was live at the peak.
-        self._live: dict[int, list] = {}
+        # storage key -> weak ref (its bytes in ``_size``); categories kept apart so that
+        # reclassifying after the fact also re-labels what was live at the peak.
+        self._live: dict[int, StorageWeakRef] = {}
         self._category: dict[int, str] = {}
         self._by_addr: dict[int, int] = {}
         self._serial = 0
@@ -111,7 +111,7 @@ class MemoryTracker(TorchDispatchMode):
         self._serial += 1
         self._version += 1
         n = s.nbytes()
-        self._live[self._serial] = [StorageWeakRef(s), n // copies]
+        self._live[self._serial] = StorageWeakRef(s)
         self._by_addr[s._cdata] = self._serial
         self._category[self._serial] = category
         self._born[self._serial] = self._clock
@@ -120,7 +120,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def _lookup(self, s: Any) -> int | None:
         serial = self._by_addr.get(s._cdata)
-        if serial is None or serial not in self._live or self._live[serial][0].expired():
+        if serial is None or serial not in self._live or self._live[serial].expired():
             return None
         return serial
 
@@ -152,11 +152,11 @@ class MemoryTracker(TorchDispatchMode):
 
     def _sweep(self) -> list[tuple[int, int]]:
         live, dead = [], []
-        for key, (ref, n) in self._live.items():
+        for key, ref in self._live.items():
             if ref.expired():
                 dead.append(key)
             else:
-                live.append((key, n))
+                live.append((key, self._size[key]))
         for key in dead:
             del self._live[key]
             self._died[key] = self._clock
@@ -245,7 +245,6 @@ class MemoryTracker(TorchDispatchMode):
             n = self._raw[serial] // self._copies(axes)
             if n != self._size[serial]:
                 self._size[serial] = n
-                self._live[serial][1] = n
                 self._version += 1
 
     @property
