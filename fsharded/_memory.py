@@ -49,6 +49,7 @@ class MemoryEstimate:
     params: int = 0  # parameters in their dtype as held through the step (0: the master weights are used)
     update_copy: int = 0  # a pure (not donated) update's new master weights + moments beside the old
     backward_grads: int = 0  # gradient bytes alive beside the activations in backward (buckets, a block's)
+    gather_transient: int = 0  # ZeRO-1/2's gather of the master shards: the gathered bucket and its copies
 
     @property
     def model_states(self) -> int:
@@ -61,10 +62,12 @@ class MemoryEstimate:
     @property
     def peak(self) -> int:
         """The device's peak in a step with donated updates: the state and gathered weights,
-        plus the larger of two moments: in backward (activations and the gradients being
-        reduced beside them) or after it (every gradient reduced, the activations freed)."""
+        plus the largest of three moments: in backward (activations and the gradients being
+        reduced beside them), after it (every gradient reduced, the activations freed), or
+        at ZeRO-1/2's gather before the forward (the gathered bucket beside the full
+        parameters copied out of it)."""
         base = self.master + self.params + self.compute_params + self.optimizer + self.buffers
-        return base + max(self.activations + self.backward_grads, self.grads)
+        return base + max(self.activations + self.backward_grads, self.grads, self.gather_transient)
 
     @property
     def total(self) -> int:
@@ -139,7 +142,7 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     outside = sum(n for n, j in zip(use_n, block_of) if j is None)
     placed = sum(grad_n) * rb
     biggest_leaf = max(use_n, default=0)
-    compute, buffers = 0, 0
+    compute, buffers, gather = 0, 0, 0
     if pl.stage == 3 and per_block and pl.reshard_after_forward:
         # Block shards cast to the param dtype, the rest gathered for the whole step; two
         # blocks' full weights at a time (one computing, the next one's gather in flight:
@@ -162,6 +165,10 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
         if pl.stage and policy.param_dtype != policy.master_dtype:
             compute = S * mb
         bucket = min(S, bucket_elems) * rb  # the first bucket is made as backward begins
+        if pl.stage:  # a bucket of master shards, gathered (n of them), copied out per leaf
+            n = mesh.shape[pl.axis]
+            gather = min(S, bucket_elems) * mb
+            gather += gather // n
         in_backward = bucket + biggest_leaf * pb
         if pl.stage == 2:  # the last bucket beside the shards reduced out of it
             grad_peak = placed + bucket
@@ -178,7 +185,15 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     elif loss is not None:
         if batch is None:
             raise ValueError("estimate_memory: loss= needs a batch= (a global batch, as train_step takes)")
-        activations, ran_on = _measure_activations(loss, params, pl, mesh, policy, batch, batch_spec)
+        activations, with_grads, ran_on = _measure_activations(loss, params, pl, mesh, policy, batch,
+                                                               batch_spec)
+        if pl.stage < 3 and backend_for(mesh, None) == "virtual":
+            # The virtual mesh reduces after backward (no buckets inside it, where torch.func
+            # runs no hooks): the gradients pile up as the activations are freed, so the
+            # peak in backward is that of the two together, as the dry run measured it.
+            in_backward = with_grads - activations
+            notes.append("virtual mesh: gradients reduced after backward (the peak of activations "
+                         "and gradients together, measured)")
         notes.append(f"activations measured on one device's forward + backward, run on {ran_on}")
     else:
         activations = 0
@@ -186,6 +201,7 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
         master=sum(master_n) * mb, compute_params=compute, grads=grad_peak, optimizer=opt_bytes,
         activations=activations, buffers=buffers, placed_grads=placed, notes=tuple(notes),
         params=held, update_copy=sum(master_n) * mb + opt_bytes, backward_grads=in_backward,
+        gather_transient=gather,
     )
 
 
@@ -206,9 +222,10 @@ def _block_index(params: Any, paths: list[str], blocks: str | None) -> list[int 
 
 
 def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: Any, batch: Any,
-                         batch_spec: Any) -> tuple[int, str]:
+                         batch_spec: Any) -> tuple[int, int, str]:
     """Peak bytes of one device's forward + backward other than parameters and their
-    gradients, and what they were measured on: stand-ins for device 0's shards, tried in
+    gradients, the peak with their gradients, and what they were measured on: stand-ins
+    for device 0's shards, tried in
     turn (``fsharded.spmd._schedule``): meta tensors, fake tensors, and for a loss that
     reads values on the host, copies of the shards' values on CPU (one real forward and
     backward of compute)."""
@@ -243,7 +260,7 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
             run = lambda x, *ps: block(optree.tree_unflatten(pdef, list(ps)), x, *args, **kw)  # noqa: E731
             return checkpoint(run)(x, *ps)
 
-    def attempt(kind: _schedule.Kind) -> int:
+    def attempt(kind: _schedule.Kind) -> tuple[int, int]:
         with _schedule.stand_ins(kind) as convert:
             local = [convert(v).to(policy.compute_dtype).requires_grad_() for v in p_views]
             local_batch = convert(b_views)
@@ -254,10 +271,10 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
                     out = loss(optree.tree_unflatten(tdef, local), local_batch)
                 grads = torch.autograd.grad(out, local, allow_unused=True)
                 mem.reclassify([g for g in grads if g is not None], "gradients")
-            return mem.peak_of(("activations",))
+            return mem.peak_of(("activations",)), mem.peak_of(("activations", "gradients"))
 
     try:
-        kind, peak = _schedule.first_run(attempt, what="estimate_memory", fix=_FIX)
+        kind, (peak, with_grads) = _schedule.first_run(attempt, what="estimate_memory", fix=_FIX)
     except _schedule.DryRunError:
         raise
     except Exception as e:
@@ -265,7 +282,7 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
             f"estimate_memory: could not run the loss on one device's shards "
             f"({type(e).__name__}: {e}); pass activation_bytes= instead"
         ) from e
-    return peak, kind.name
+    return peak, with_grads, kind.name
 
 
 _FIX = (_schedule.FIX + " Or pass activation_bytes= to estimate_memory: measure them with "

@@ -277,7 +277,7 @@ class TrainStep:
         with keys:
             g_leaves, loss = plan.gradients(params, batch, state.loss_scale, varying, mark_varying)
         grads = optree.tree_unflatten(optree.tree_structure(params), g_leaves)
-        P.label(grads, "gradients", eager)
+        P.label(grads, "gradients")
         # From here on every value is a shard of a leaf laid out by its spec (gradients,
         # parameters, optimizer moments): check that the gradients are typed so (reduced
         # over every axis their parameter is not sharded on), then run the per-leaf
@@ -292,8 +292,8 @@ class TrainStep:
             gnorm = optim.global_norm(grads, flat_specs=master)
             finite = plan.scaling.finite(grads, self.mesh.axis_names)
             new_params, opt_state = plan.update(grads, gnorm, state.opt_state, params)
-            P.label(new_params, "parameters", eager)
-            P.label(opt_state, "optimizer state", eager)
+            P.label(new_params, "parameters")
+            P.label(opt_state, "optimizer state")
             (new_params, opt_state), new_scale, scale_metrics = plan.scaling.select(
                 finite, (new_params, opt_state), (params, state.opt_state), state.loss_scale)
             metrics = {"loss": loss, "grad_norm": gnorm}

@@ -30,10 +30,11 @@ from fsharded.parallel import zero3
 from fsharded.parallel.blocks import handling
 from fsharded.precision import all_finite, cast_tree, tree_where, unscale
 from fsharded.spmd import _env, _manifest
+from fsharded.spmd._virtual import beneath
 from fsharded.spmd.collectives import is_bound
 
 __all__ = ["Layout", "Gradients", "NoScaling", "DynamicScaling", "PureUpdate", "DonatedUpdate",
-           "FusedUpdate", "choose_update"]
+           "FusedUpdate", "StackedFusedUpdate", "choose_update"]
 
 
 class Layout:
@@ -162,7 +163,7 @@ class Gradients:
         elif self.inside:
             leaves = self._gather(leaves, lay.use)
         if self.inside:  # the weights gathered for the whole step are parameters, too
-            label(leaves, "parameters", self.eager)
+            label(leaves, "parameters")
         p = optree.tree_unflatten(tdef, [cast_tree(x, self.policy.compute_dtype) for x in leaves])
         with handling(self._handler(p)) if self.per_block else contextlib.nullcontext():
             loss = self.loss_fn(p, micro)
@@ -177,7 +178,7 @@ class Gradients:
         m_leaves, m_def = optree.tree_flatten(params)
         x0 = params if self.inside else optree.tree_unflatten(m_def, self._gather(m_leaves, lay.use))
         if not self.inside and lay.axis is not None:  # ZeRO-1/2 hold the full parameters
-            label(x0, "parameters", self.eager)
+            label(x0, "parameters")
         if varying:
             # Data parallelism: mark the parameters varying over the batch axes before
             # differentiating (a type change, no data moves), so each shard's gradient is
@@ -193,7 +194,7 @@ class Gradients:
                                         backward_ctx=zero3.overlapped_backward if self.per_block and real
                                         else contextlib.nullcontext, reducer=reducer)
         else:
-            grad_fn = functools.partial(_func_grad_and_value, loss_fn, remat=self.per_block)
+            grad_fn = functools.partial(_func_grad_and_value, loss_fn)
         if reducer is not None:  # reduced into the gradient placement during backward
             g, (_, loss) = grad_fn(x0, batch)
             return self._place(optree.tree_leaves(g)), loss
@@ -208,7 +209,9 @@ class Gradients:
             grads = optree.tree_map(lambda t: t / self.k, grads)
             loss = loss / self.k
         leaves = optree.tree_leaves(grads)
-        del g, grads  # the reduction consumes the list: each gradient freed once bucketed
+        # The reduction consumes the list (each gradient freed once bucketed); the weights
+        # gathered for the loss are not needed during it.
+        del g, grads, x0
         return self._reduce(leaves), loss
 
     def _in_backward(self, x0: Any) -> Any:
@@ -353,20 +356,90 @@ class FusedUpdate(PureUpdate):
         return params, opt_state
 
 
+class StackedFusedUpdate(FusedUpdate):
+    """``FusedUpdate`` on the virtual mesh: the same in-place kernel on the tensors beneath
+    the vmap levels (``_virtual.beneath``), each holding every device's shard of a leaf,
+    so one call updates all devices' shards as each device updates its own (the update is
+    elementwise). The state passed in is consumed, as on real ranks, and the step holds
+    what a device holds instead of the old and new state side by side.
+
+    A leaf whose gradient is laid out otherwise than its parameter takes the parameter's
+    levels: a gradient copy per device that the typing says is invariant is read once; one
+    invariant where the parameter varies is broadcast. Moments laid out otherwise than
+    their parameter (not made by this step's init) take the pure form."""
+
+    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any) -> tuple[Any, Any]:
+        if _manifest.dry():
+            return PureUpdate.__call__(self, grads, gnorm, opt_state, params)
+        p_leaves, p_def = optree.tree_flatten(params)
+        s_leaves, s_def = optree.tree_flatten(opt_state)
+        p_base = [beneath(x) for x in p_leaves]
+        g_base = [_aligned(beneath(g), b) for g, b in zip(optree.tree_leaves(grads), p_base)]
+        s_base = [beneath(x) if isinstance(x, torch.Tensor) else (x, ()) for x in s_leaves]
+        moments = opt_state[self.optimizer.fused.moments]
+        fields = [moments.mu] + ([moments.nu] if hasattr(moments, "nu") else [])
+        for tree in fields:
+            for m, (b, lv) in zip(optree.tree_leaves(tree), p_base):
+                mb, m_lv = beneath(m)
+                if m_lv != lv or mb.shape != b.shape:
+                    return PureUpdate.__call__(self, grads, gnorm, opt_state, params)
+        # The kernel wants contiguous tensors: a strided view (a leaf sharded on an inner
+        # dim) is updated in a contiguous copy and written back.
+        back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def dense(b: torch.Tensor) -> torch.Tensor:
+            if b.is_contiguous():
+                return b
+            c = b.contiguous()
+            back.append((b, c))
+            return c
+
+        plain_p = [dense(b) for b, _ in p_base]
+        plain_s = [dense(b) if isinstance(b, torch.Tensor) and b.dim() > 0 else b for b, _ in s_base]
+        factor = 1.0
+        if self.clip is not None:  # invariant: every device's copy is the same number
+            norm = beneath(gnorm)[0].reshape(-1)[0]
+            factor = float(torch.clamp(self.clip / (norm + 1e-6), max=1.0))
+        new_s, _ = optim.fused_update_(
+            self.optimizer, optree.tree_unflatten(p_def, g_base), optree.tree_unflatten(s_def, plain_s),
+            optree.tree_unflatten(p_def, plain_p), inv_scale=factor, check_finite=False)
+        for b, c in back:
+            b.copy_(c)
+        # Hand back the wrappers of what was updated in place, and the new counters.
+        ids = {id(c): w for c, w in zip(plain_s, s_leaves)}
+        out = [ids.get(id(x), x) for x in optree.tree_leaves(new_s)]
+        return params, optree.tree_unflatten(optree.tree_structure(new_s), out)
+
+
+def _aligned(g: tuple[torch.Tensor, tuple[int, ...]], p: tuple[torch.Tensor, tuple[int, ...]]) -> torch.Tensor:
+    """The gradient beneath its levels, with its parameter's levels (a view: the fused
+    update copies strided gradients a group at a time)."""
+    (gb, g_lv), (pb, p_lv) = g, p
+    for i in reversed(range(len(g_lv))):
+        if g_lv[i] not in p_lv:  # copies of an invariant gradient: one of them
+            gb = gb.select(i, 0)
+    kept = [lv for lv in g_lv if lv in p_lv]
+    for i, lv in enumerate(p_lv):
+        if lv not in kept:  # invariant where the parameter varies: the same for every shard
+            gb = gb.unsqueeze(i)
+            kept.insert(i, lv)
+    return gb.expand(pb.shape)
+
+
 def choose_update(optimizer: Any, *, clip: float | None, donate: bool, eager: bool,
                   params: Any) -> PureUpdate:
-    """The update a step runs: fused where the state is donated, plain fp32 tensors on one
-    process per device and the optimizer has a fused form; in place where donated; else pure."""
-    if donate and eager and optim.has_fused(optimizer) and \
+    """The update a step runs: fused where the state is donated, plain fp32 tensors and
+    the optimizer has a fused form (beneath the vmap levels on the virtual mesh); in place
+    where donated; else pure."""
+    if donate and optim.has_fused(optimizer) and \
             all(t.dtype == torch.float32 for t in optree.tree_leaves(params)):
-        return FusedUpdate(optimizer, clip, eager)
+        return FusedUpdate(optimizer, clip, eager) if eager else StackedFusedUpdate(optimizer, clip, eager)
     if donate and eager:
         return DonatedUpdate(optimizer, clip, eager)
     return PureUpdate(optimizer, clip, eager)
 
 
-def label(tree: Any, category: str, eager: bool) -> None:
-    """Name ``tree``'s storages in an active memory tracker (eager tensors only: under
-    torch.func the tensors are wrappers a tracker does not see)."""
-    if eager:
-        memory.label(tree, category)
+def label(tree: Any, category: str) -> None:
+    """Name ``tree``'s storages in an active memory tracker (vmap-batched values on the
+    virtual mesh by the tensors beneath them; see ``memory.label``)."""
+    memory.label(tree, category)

@@ -321,10 +321,19 @@ def current() -> MemoryTracker | None:
 
 
 def label(tree: Any, category: str) -> None:
-    """Reclassify ``tree``'s storages in the active tracker (no-op when none; torch.func
-    wrappers are skipped: a tracker sees the plain tensors under them)."""
+    """Reclassify ``tree``'s storages in the active tracker (no-op when none). A value
+    batched by vmap (the virtual mesh) is found by the tensor beneath its levels, which
+    the tracker sees; other torch.func wrappers are skipped."""
     mem = _CURRENT.get()
-    if mem is not None:
-        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-        mem.reclassify([t for t in optree.tree_leaves(tree)
-                        if isinstance(t, torch.Tensor) and not wrapped(t)], category)
+    if mem is None:
+        return
+    F = torch._C._functorch
+    plain = []
+    for t in optree.tree_leaves(tree):
+        if not isinstance(t, torch.Tensor):
+            continue
+        while F.is_batchedtensor(t):
+            t = F.get_unwrapped(t)
+        if not F.is_functorch_wrapped_tensor(t):
+            plain.append(t)
+    mem.reclassify(plain, category)

@@ -42,6 +42,8 @@ def measure(mesh_axes: dict, size: str, stages=(1, 2, 3)) -> dict:
         out[stage] = {"peak": mem.peak_bytes, "by": mem.peak_by_category,
                       "est_peak": est.peak, "est_model_states": est.model_states,
                       "est_activations": est.activations, "activations": mem.peak_of(("activations",)),
+                      "params_peak": mem.peak_of(("parameters",)),
+                      "grads_peak": mem.peak_of(("gradients",)), "est_placed_grads": est.placed_grads,
                       "params": gpt.param_count(params)}
         del state, step
     return out

@@ -79,8 +79,7 @@ def fused_update_(optimizer: Any, grads: Any, state: Any, params: Any, *,
     from fsharded.optim._base import get_lr_schedule
 
     p = optree.tree_leaves(params)
-    # Gradients are temporaries: a transposed one (an einsum's) is copied, not rejected.
-    g = [x if x.is_contiguous() else x.contiguous() for x in optree.tree_leaves(grads)]
+    g = optree.tree_leaves(grads)
     _check("grads", g, p)
     moments, sched = state[form.moments], state[-1]
     if not isinstance(sched, ScaleByScheduleState):
@@ -94,18 +93,18 @@ def fused_update_(optimizer: Any, grads: Any, state: Any, params: Any, *,
         _check("the first moments", mu, p)
         _check("the second moments", nu, p)
         count = moments.count + 1
-        found = fused_optim.fused_adamw_(
-            p, g, mu, nu, lr=lr, beta1=h["b1"], beta2=h["b2"], eps=h["eps"],
+        found = _in_groups(g, check_finite, lambda i, j, gs: fused_optim.fused_adamw_(
+            p[i:j], gs, mu[i:j], nu[i:j], lr=lr, beta1=h["b1"], beta2=h["b2"], eps=h["eps"],
             weight_decay=h["weight_decay"], step=int(count), decoupled=form.kind == "adamw",
-            inv_scale=inv_scale, check_finite=check_finite, impl=impl)
+            inv_scale=inv_scale, check_finite=check_finite, impl=impl))
         found = found.to(count.device)
         moments = type(moments)(torch.where(found, moments.count, count), moments.mu, moments.nu)
     elif form.kind == "lion":
         mu = optree.tree_leaves(moments.mu)
         _check("the momentum", mu, p)
-        found = fused_optim.fused_lion_(
-            p, g, mu, lr=lr, beta1=h["b1"], beta2=h["b2"], weight_decay=h["weight_decay"],
-            inv_scale=inv_scale, check_finite=check_finite, impl=impl)
+        found = _in_groups(g, check_finite, lambda i, j, gs: fused_optim.fused_lion_(
+            p[i:j], gs, mu[i:j], lr=lr, beta1=h["b1"], beta2=h["b2"], weight_decay=h["weight_decay"],
+            inv_scale=inv_scale, check_finite=check_finite, impl=impl))
     else:  # pragma: no cover - FusedForm is only built below
         raise NotImplementedError(form.kind)
     found = found.to(sched.count.device)
@@ -114,3 +113,26 @@ def fused_update_(optimizer: Any, grads: Any, state: Any, params: Any, *,
     out[form.moments] = moments
     out[-1] = new_sched
     return tuple(out), found
+
+
+def _in_groups(grads: list[torch.Tensor], check_finite: bool, run: Any) -> torch.Tensor:
+    """``run(i, j, contiguous grads[i:j])`` over all leaves; its found-inf flags or'ed.
+
+    Gradients are temporaries: a strided one (an einsum's transpose, a slice of a
+    virtual-mesh bucket) is copied, not rejected. Without the finite check (nothing to
+    leave untouched when one is inf) the leaves go in groups, so that the copies of one
+    group at a time are alive rather than a copy of every gradient."""
+    if check_finite or all(x.is_contiguous() for x in grads):
+        return run(0, len(grads), [x.contiguous() for x in grads])
+    budget = max(x.numel() for x in grads)  # elements copied per group: the largest leaf
+    found, i = None, 0
+    while i < len(grads):
+        j, copied = i, 0
+        while j < len(grads) and (j == i or copied + (0 if grads[j].is_contiguous()
+                                                        else grads[j].numel()) <= budget):
+            copied += 0 if grads[j].is_contiguous() else grads[j].numel()
+            j += 1
+        f = run(i, j, [x.contiguous() for x in grads[i:j]])
+        found = f if found is None else found | f
+        i = j
+    return found

@@ -119,8 +119,12 @@ def reduce_leaves(grads: list, param_specs: list, grad_specs: list, batch_axes: 
     for i, (ps, gs) in enumerate(zip(param_specs, grad_specs)):
         live = [a for a in batch_axes if is_bound(a) and mesh.shape[a] > 1]
         summed = [a for a in live if a in ps.axes]
-        if summed:
-            out[i] = out[i] / math.prod(mesh.shape[a] for a in summed)
+        if summed:  # in place where the step owns it (no second gradient-sized copy)
+            k = math.prod(mesh.shape[a] for a in summed)
+            g = out[i]
+            owned = g.is_contiguous() and not (torch.is_grad_enabled() and g.requires_grad)
+            out[i] = g.div_(k) if owned else g / k
+            grads[i] = g = None
         rest = tuple(a for a in live if a not in ps.axes)
         extra = [a for a in rest if a in gs.axes]
         if len(extra) > 1:
@@ -140,8 +144,10 @@ def reduce_leaves(grads: list, param_specs: list, grad_specs: list, batch_axes: 
     for (over, _, _), idx in allreduce.items():
         for b in buckets(idx, [numels[i] for i in idx], cap):
             flat = torch.cat([out[i].reshape(-1) for i in b])
+            memory.label(flat, "gradients")  # the bucket (reduced out of place on the virtual mesh)
             drop(b)
             flat = pmean_owned(flat, over)
+            memory.label(flat, "gradients")
             for i, piece in zip(b, flat.split([numels[i] for i in b])):
                 out[i] = piece.view(shapes[i])
     for (a, others, _, _), items in scatter.items():
@@ -149,8 +155,10 @@ def reduce_leaves(grads: list, param_specs: list, grad_specs: list, batch_axes: 
         dims = dict(items)
         for b in buckets([i for i, _ in items], [numels[i] for i, _ in items], cap):
             rows = torch.cat([_rows(out[i], dims[i], n) for i in b], dim=1)  # (n, bucket)
+            memory.label(rows, "gradients")
             drop(b)
             mine = _divided(psum_scatter(rows, a, dim=0, tiled=False), n)  # (bucket,)
+            memory.label(mine, "gradients")
             del rows
             if others:
                 mine = pmean(mine, others)

@@ -62,12 +62,17 @@ class _Remat(torch.autograd.Function):
                 full[i] = d
             return _run_keyed(ctx.fn, rng, tuple(full), ctx.types)
 
-        with torch.enable_grad():
-            # The same key as the forward: the recomputation draws the same dropout masks.
-            _, vjp = torch.func.vjp(f, *(args[i] for i in want))
-        # No graph of the backward itself (a step is not differentiated twice): one would
-        # keep the recomputed activations alive through the gradients until backward ends.
-        grads = dict(zip(want, vjp(g, create_graph=False)))
+        def dot(*diff):  # <f(diff), g>: its gradient is f's vjp with g
+            return (f(*diff) * g).sum()
+
+        # The same key as the forward: the recomputation draws the same dropout masks.
+        # torch.func.grad rather than vjp: under vmap, torch 2.13 fails an internal assert
+        # when a vjp taken inside this backward runs under an outer vjp without
+        # create_graph. grad ignores the grad mode around it (a backward without
+        # create_graph runs under no_grad), which stays off, so no graph of the backward
+        # itself outlives it (one would keep the recomputed activations until backward ends).
+        grads = torch.func.grad(dot, argnums=tuple(range(len(want))))(*(args[i] for i in want))
+        grads = dict(zip(want, grads))
         return (None, None, *(grads.get(i) for i in range(len(args))))
 
 

@@ -307,6 +307,7 @@ def block_handler(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: Pre
         def run(*tensors: torch.Tensor) -> Any:
             shards, ts = list(tensors[:n]), iter(tensors[n:])
             full = gather_leaves(shards, m_specs, u_specs, axis, mesh, cap)
+            memory.label(full, "parameters")  # the block's full weights, while it runs
             a, k = optree.tree_unflatten(edef, [next(ts) if t else e for e, t in zip(extra, is_t)])
             return block(optree.tree_unflatten(bdef, full), *a, **k)
 

@@ -95,3 +95,26 @@ def _typed_frame(frame: _env.AxisFrame, levels: dict) -> tuple[_env.AxisFrame, _
 def _take_replica(y: torch.Tensor, frame: _env.AxisFrame, axis: str) -> torch.Tensor:
     axes = Axes((axis,), (frame.mesh.shape[axis],), frame)
     return _prims.Collective.apply(_prims.REPLICA, (), axes, y, frame.tokens[axis])
+
+
+def beneath(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The plain tensor beneath ``t``'s vmap levels, as a view with one leading dim per
+    level ``t`` is batched at (outermost level first), and those levels.
+
+    Inside a virtual-mesh body each value is every device's shard at once: beneath the
+    levels it is one tensor holding all of them (for a shard_map input, a view of the
+    global value's storage). An elementwise in-place update written there updates every
+    device's shard, as each device would its own (``_step_parts.StackedFusedUpdate``)."""
+    chain = []  # (level, bdim), innermost (highest) level first
+    while _F.is_batchedtensor(t):
+        chain.append((_F.maybe_get_level(t), _F.maybe_get_bdim(t)))
+        t = _F.get_unwrapped(t)
+    # Place each level's dim among the dims beneath it, from the top level down: a level's
+    # bdim indexes the dims of the value one level below (which include the levels under it).
+    order: list = list(range(t.dim() - len(chain)))  # the logical (shard) dims, by id
+    for level, bdim in chain:
+        order.insert(bdim, ("level", level))
+    levels = sorted(lv for lv, _ in chain)
+    lead = [order.index(("level", lv)) for lv in levels]
+    rest = [i for i, d in enumerate(order) if not isinstance(d, tuple)]
+    return t.permute(lead + rest), tuple(levels)
