@@ -376,11 +376,12 @@ class StackedFusedUpdate(FusedUpdate):
         p_base = [beneath(x) for x in p_leaves]
         g_base = [_aligned(beneath(g), b) for g, b in zip(optree.tree_leaves(grads), p_base)]
         s_base = [beneath(x) if isinstance(x, torch.Tensor) else (x, ()) for x in s_leaves]
+        of = {id(x): b for x, b in zip(s_leaves, s_base)}
         moments = opt_state[self.optimizer.fused.moments]
         fields = [moments.mu] + ([moments.nu] if hasattr(moments, "nu") else [])
         for tree in fields:
             for m, (b, lv) in zip(optree.tree_leaves(tree), p_base):
-                mb, m_lv = beneath(m)
+                mb, m_lv = of[id(m)]
                 if m_lv != lv or mb.shape != b.shape:
                     return PureUpdate.__call__(self, grads, gnorm, opt_state, params)
         # The kernel wants contiguous tensors: a strided view (a leaf sharded on an inner

@@ -209,7 +209,7 @@ def _write_blocks(tmp: str, rank: int, paths: list, leaves: list, flat_specs: li
 
 def _write_json(path: str, obj: Any) -> None:
     with open(path, "w") as f:
-        json.dump(obj, f)
+        f.write(json.dumps(obj))  # one string from the C encoder (json.dump streams in Python)
         f.flush()
         os.fsync(f.fileno())
 
@@ -275,15 +275,16 @@ class _Reader:
             except FileNotFoundError:
                 raise CheckpointError(f"checkpoint: {path} is missing (it holds {b['path']})") from None
         f.seek(b["offset"])
-        buf = f.read(b["nbytes"])
-        if len(buf) != b["nbytes"]:
+        t = torch.empty(b["nbytes"], dtype=torch.uint8)
+        buf = memoryview(t.numpy())
+        got = f.readinto(buf) if b["nbytes"] else 0  # straight into the tensor: one copy
+        if got != b["nbytes"]:
             raise CheckpointError(f"checkpoint: {path} is truncated: {b['path']}'s block at byte "
-                                  f"{b['offset']} has {len(buf)} of {b['nbytes']} bytes")
+                                  f"{b['offset']} has {got} of {b['nbytes']} bytes")
         if zlib.crc32(buf) != b["crc32"]:
             raise CheckpointError(f"checkpoint: checksum mismatch in {path} for {b['path']} (block at "
                                   f"{b['start']}, bytes {b['offset']}-{b['offset'] + b['nbytes']}): "
                                   f"the file is corrupt")
-        t = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
         return t.view(dtype).reshape(b["shape"])
 
     def close(self) -> None:
@@ -346,6 +347,10 @@ def _assemble(reader: _Reader, path: str, blocks: Iterable[dict], start: list, s
     """The box ``start``/``size`` of leaf ``path`` from the blocks that intersect it."""
     if device.type == "meta":
         device = torch.device("cpu")
+    blocks = list(blocks)
+    whole = [b for b in blocks if b["start"] == list(start) and b["shape"] == list(size)]
+    if whole:  # a block that is this box exactly (the same layout as saved): no copy
+        return reader.read(whole[0], dtype).to(device)
     t = torch.empty(size, dtype=dtype)
     covered = 0
     for b in blocks:

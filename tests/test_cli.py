@@ -113,3 +113,18 @@ def test_spmd_quick_runs():
     for case in ("dp=2 fwd+bwd", "tp 2x2 Megatron", "psum vs all_reduce", "all_to_all vs"):
         assert case in out, out
     assert "fake process group" in out
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_bench_quick_runs():
+    """A smoke run (2 gloo ranks, a tiny model): the bench checks every load against the
+    saved state itself and exits non-zero if one differs."""
+    r = subprocess.run(
+        [sys.executable, "-m", "fsharded", "bench", "checkpoint", "--quick", "--no-deepspeed",
+         "--markdown"],
+        capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    for case in ("save (step.save vs dcp.save)", "load (step.load vs dcp.load)", "bytes on disk",
+                 "2 ranks ZeRO-3 -> 1 process ZeRO-1"):
+        assert case in r.stdout, r.stdout

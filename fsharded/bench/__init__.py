@@ -87,6 +87,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             "per rank, peak RSS, losses",
         ),
         Benchmark(
+            "checkpoint",
+            "fsharded.bench.checkpoint",
+            "saving and loading a ZeRO-3 training state on 2 gloo ranks vs DCP: time, bytes "
+            "on disk, and loading it resharded into one process",
+        ),
+        Benchmark(
             "gpu",
             "fsharded.bench.gpu",
             "Triton kernels on an NVIDIA GPU: fused AdamW vs HBM bandwidth, flash attention "

@@ -121,10 +121,12 @@ def _in_groups(grads: list[torch.Tensor], check_finite: bool, run: Any) -> torch
     Gradients are temporaries: a strided one (an einsum's transpose, a slice of a
     virtual-mesh bucket) is copied, not rejected. Without the finite check (nothing to
     leave untouched when one is inf) the leaves go in groups, so that the copies of one
-    group at a time are alive rather than a copy of every gradient."""
+    group at a time are alive (a quarter of the gradients, or the largest) rather than a
+    copy of every gradient."""
     if check_finite or all(x.is_contiguous() for x in grads):
         return run(0, len(grads), [x.contiguous() for x in grads])
-    budget = max(x.numel() for x in grads)  # elements copied per group: the largest leaf
+    # Elements copied per group: a quarter of the gradients, at least the largest leaf.
+    budget = max(max(x.numel() for x in grads), sum(x.numel() for x in grads) // 4)
     found, i = None, 0
     while i < len(grads):
         j, copied = i, 0
