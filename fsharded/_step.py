@@ -245,6 +245,15 @@ class TrainStep:
         return checkpoint.save(directory, state, self.state_specs(state), self.mesh,
                                overwrite=overwrite)
 
+    def save_async(self, state: TrainState, directory: Any, *, overwrite: bool = False,
+                   max_staged_bytes: int | None = None) -> checkpoint.PendingSave:
+        """``save`` in the background (``fsharded.checkpoint.save_async``): returns once the
+        state is copied (the next step may then overwrite it, donated), a thread writes it;
+        ``.wait()`` on the result (on every rank) until the checkpoint is complete.
+        ``max_staged_bytes`` bounds the copies held at once."""
+        return checkpoint.save_async(directory, state, self.state_specs(state), self.mesh,
+                                     overwrite=overwrite, max_staged_bytes=max_staged_bytes)
+
     def load(self, directory: Any, like: Any) -> TrainState:
         """The state saved at ``directory``, laid out for this step's mesh and placement,
         whatever mesh and placement it was saved from (optimizer moments, step, loss scale

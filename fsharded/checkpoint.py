@@ -35,8 +35,11 @@ import contextlib
 import json
 import math
 import os
+import queue
 import secrets
 import shutil
+import threading
+import time
 import warnings
 import zlib
 from collections.abc import Iterable, Iterator
@@ -51,7 +54,7 @@ from fsharded.mesh._layout import dims, global_shape, local_slice
 from fsharded.mesh._spec import shard_shape
 from fsharded.spmd._transfer import backend_for, to_dtensor
 
-__all__ = ["save", "load", "Manager", "save_dcp", "load_dcp", "dcp_state_dict", "export_safetensors", "FORMAT",
+__all__ = ["save", "save_async", "PendingSave", "load", "Manager", "save_dcp", "load_dcp", "dcp_state_dict", "export_safetensors", "FORMAT",
            "CheckpointError", "read_manifest"]
 
 FORMAT = 1  # the manifest's format version; a newer one is refused
@@ -129,82 +132,262 @@ def save(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, *,
 
     On real ranks every rank calls it with its own shards (each writes its blocks, in
     parallel; rank 0 the manifest); elsewhere the values are global. ``directory`` must
-    not exist unless ``overwrite`` (then it is replaced once the new one is complete)."""
-    directory = os.fspath(directory)
-    paths, leaves, _ = _flatten(tree)
-    flat_specs = _tree.broadcast_prefix(specs, tree, what="specs")
-    dist = _distributed(mesh, backend)
-    rank = comm.rank() if dist else 0
-    if os.path.exists(directory) and not overwrite:
-        raise FileExistsError(f"checkpoint.save: {directory} exists; pass overwrite=True to replace it")
-    token = [secrets.token_hex(4)]
-    if dist:
-        torch.distributed.broadcast_object_list(token, src=0)
-    tmp = f"{directory}.tmp-{token[0]}"
-    if rank == 0:
-        os.makedirs(tmp)
-    if dist:
-        torch.distributed.barrier()
-
+    not exist unless ``overwrite`` (then it is replaced once the new one is complete).
+    ``save_async`` does the same in the background."""
+    job = _Job(directory, tree, specs, mesh, backend, overwrite)
     try:
-        entries = _write_blocks(tmp, rank, paths, leaves, flat_specs, mesh, dist)
+        _write_data(job.tmp, job.rank, job.pieces)
     except BaseException:
         # Disk full, a leaf that cannot be stored, an interrupt: no partial checkpoint is
         # left to mistake for one (the previous ones are untouched).
-        if not dist:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if not job.dist:
+            shutil.rmtree(job.tmp, ignore_errors=True)
         raise
-    if dist:
+    if job.dist:
         torch.distributed.barrier()
-    if rank == 0:
-        manifest = {"format": FORMAT, "mesh": dict(mesh.shape), "leaves": entries,
-                    "writers": comm.world_size() if dist else 1}
+    if job.rank == 0:
+        job.publish()
+    if job.dist:
+        torch.distributed.barrier()
+    return job.directory
+
+
+class _Job:
+    """One save: its temporary directory (made, on real ranks, with every rank agreeing on
+    its name), the manifest's leaf entries and the blocks this writer writes."""
+
+    def __init__(self, directory: Any, tree: Any, specs: Any, mesh: Mesh, backend: str | None,
+                 overwrite: bool) -> None:
+        self.directory = directory = os.fspath(directory)
+        paths, leaves, _ = _flatten(tree)
+        flat_specs = _tree.broadcast_prefix(specs, tree, what="specs")
+        self.mesh, self.dist = mesh, _distributed(mesh, backend)
+        self.rank = comm.rank() if self.dist else 0
+        self.writers = comm.world_size() if self.dist else 1
+        self.entries, self.pieces = _layout(paths, leaves, flat_specs, mesh, self.dist, self.rank)
+        if os.path.exists(directory) and not overwrite:
+            raise FileExistsError(f"checkpoint.save: {directory} exists; pass overwrite=True to replace it")
+        token = [secrets.token_hex(4)]
+        if self.dist:
+            torch.distributed.broadcast_object_list(token, src=0)
+        self.token = token[0]
+        self.tmp = f"{directory}.tmp-{self.token}"
+        if self.rank == 0:
+            os.makedirs(self.tmp)
+        if self.dist:
+            torch.distributed.barrier()
+
+    def publish(self) -> None:
+        """Rank 0, once every writer's blocks are in: the manifest, then the rename."""
+        directory, tmp = self.directory, self.tmp
+        manifest = {"format": FORMAT, "mesh": dict(self.mesh.shape), "leaves": self.entries,
+                    "writers": self.writers, "token": self.token}
         _write_json(os.path.join(tmp, "manifest.json"), manifest)
         _fsync(tmp)
         old = None
         if os.path.exists(directory):
-            old = f"{directory}.old-{token[0]}"
+            old = f"{directory}.old-{self.token}"
             os.rename(directory, old)
         os.rename(tmp, directory)
         _fsync(os.path.dirname(os.path.abspath(directory)))
         if old is not None:
             shutil.rmtree(old)
-    if dist:
-        torch.distributed.barrier()
-    return directory
 
 
-def _write_blocks(tmp: str, rank: int, paths: list, leaves: list, flat_specs: list, mesh: Mesh,
-                  dist: bool) -> list[dict]:
-    """This writer's data and blocks files; returns the manifest's leaf entries."""
-    entries, blocks = [], []
-    data_name = f"data-{rank:05d}.bin"
+def _layout(paths: list, leaves: list, flat_specs: list, mesh: Mesh, dist: bool,
+            rank: int) -> tuple[list[dict], list[tuple]]:
+    """The manifest's leaf entries and this writer's blocks: (path, start, shape, tensor)."""
+    entries, pieces = [], []
     writers = [mesh.coords(rank)] if dist else [mesh.coords(i) for i in range(mesh.size)]
-    with open(os.path.join(tmp, data_name), "wb") as f:
-        for path, x, spec in zip(paths, leaves, flat_specs):
-            if not isinstance(x, torch.Tensor):
-                if not isinstance(x, (int, float, bool, str)) and x is not None:
-                    raise TypeError(f"checkpoint.save: {path} is a {type(x).__name__}; leaves must "
-                                    f"be tensors or JSON values (int, float, bool, str)")
-                entries.append({"path": path, "value": x})
-                continue
-            spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()
-            shape = global_shape(spec, tuple(x.shape), mesh) if dist else tuple(x.shape)
-            entries.append({"path": path, "shape": list(shape), "dtype": str(x.dtype),
-                            "spec": _spec_json(spec)})
-            for coords in writers:
-                if not _writes(spec, coords):
-                    continue
+    for path, x, spec in zip(paths, leaves, flat_specs):
+        if not isinstance(x, torch.Tensor):
+            if not isinstance(x, (int, float, bool, str)) and x is not None:
+                raise TypeError(f"checkpoint.save: {path} is a {type(x).__name__}; leaves must "
+                                f"be tensors or JSON values (int, float, bool, str)")
+            entries.append({"path": path, "value": x})
+            continue
+        spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()
+        shape = global_shape(spec, tuple(x.shape), mesh) if dist else tuple(x.shape)
+        entries.append({"path": path, "shape": list(shape), "dtype": str(x.dtype),
+                        "spec": _spec_json(spec)})
+        for coords in writers:
+            if _writes(spec, coords):
                 start, size = _box(spec, shape, mesh, coords)
-                piece = x if dist else local_slice(x, spec, mesh, coords)
-                buf = _bytes(piece)
-                blocks.append({"path": path, "start": start, "shape": size, "file": data_name,
-                               "offset": f.tell(), "nbytes": buf.nbytes, "crc32": zlib.crc32(buf)})
-                f.write(buf)
+                pieces.append((path, start, size, x if dist else local_slice(x, spec, mesh, coords)))
+    return entries, pieces
+
+
+def _write_data(tmp: str, rank: int, pieces: Iterable[tuple]) -> None:
+    """This writer's data file and, once it is on disk, its blocks file (renamed into place
+    complete, so that a reader that sees it sees all of it)."""
+    blocks = []
+    data_name = f"data-{rank:05d}.bin"
+    with open(os.path.join(tmp, data_name), "wb") as f:
+        for path, start, size, piece in pieces:
+            buf = _bytes(piece)
+            blocks.append({"path": path, "start": start, "shape": size, "file": data_name,
+                           "offset": f.tell(), "nbytes": buf.nbytes, "crc32": zlib.crc32(buf)})
+            f.write(buf)
         f.flush()
         os.fsync(f.fileno())
-    _write_json(os.path.join(tmp, f"blocks-{rank:05d}.json"), blocks)
-    return entries
+    name = os.path.join(tmp, f"blocks-{rank:05d}.json")
+    _write_json(name + ".part", blocks)
+    os.replace(name + ".part", name)
+
+
+# -- saving in the background -------------------------------------------------------------------
+
+
+class PendingSave:
+    """A save running in the background (``save_async``); ``wait()`` returns its directory
+    once the checkpoint is complete (on every rank: once rank 0 has published it), or
+    raises what failed. ``peak_staged_bytes``: the most bytes of staged copies held at
+    once."""
+
+    def __init__(self, job: _Job, timeout_s: float) -> None:
+        self._job, self._timeout = job, timeout_s
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._staged = 0
+        self.peak_staged_bytes = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="fsharded-checkpoint", daemon=False)
+        self._thread.start()
+
+    @property
+    def directory(self) -> str:
+        return self._job.directory
+
+    def done(self) -> bool:
+        """Whether this rank's part has finished (successfully or not)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> str:
+        """Block until the checkpoint is complete; its directory. Raises the save's error."""
+        self._thread.join()
+        self._drain()
+        if self._error is not None:
+            raise self._error
+        job = self._job
+        if job.dist and job.rank != 0:  # complete when rank 0 has renamed it into place
+            failed = lambda: os.path.isdir(job.tmp) and any(  # noqa: E731
+                n.startswith("failed-") for n in os.listdir(job.tmp))
+            _poll(lambda: _token_at(job.directory) == job.token or failed(), self._timeout,
+                  f"checkpoint.save_async: rank 0 did not publish {job.directory}")
+            if _token_at(job.directory) != job.token:
+                raise CheckpointError(f"checkpoint.save_async: {job.directory} was not saved: "
+                                      f"another rank failed (see {job.tmp})")
+        return job.directory
+
+    result = wait
+
+    # -- the foreground: copies of the blocks, as many at a time as the bound allows -------
+
+    def _stage(self, bound: int | None) -> None:
+        try:
+            for path, start, size, piece in self._job.pieces:
+                n = piece.numel() * piece.element_size()
+                with self._cond:
+                    while (bound is not None and self._staged and self._staged + n > bound
+                           and self._error is None):
+                        self._cond.wait()
+                    if self._error is not None:
+                        break
+                    self._staged += n
+                    self.peak_staged_bytes = max(self.peak_staged_bytes, self._staged)
+                copy = torch.empty(piece.shape, dtype=piece.dtype)  # a snapshot: the state may
+                copy.copy_(piece.detach())                          # change once we return
+                self._queue.put((path, start, size, copy, n))
+        finally:
+            self._queue.put(None)
+            self._job.pieces = []  # the caller's tensors are not held past this call
+
+    def _staged_pieces(self) -> Iterator[tuple]:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            path, start, size, copy, n = item
+            del item
+            yield path, start, size, copy
+            del copy  # written: free it and let the stager go on
+            with self._cond:
+                self._staged -= n
+                self._cond.notify_all()
+
+    # -- the background: write, then (rank 0) publish when every writer is done ------------
+
+    def _run(self) -> None:
+        job = self._job
+        try:
+            _write_data(job.tmp, job.rank, self._staged_pieces())
+            if job.rank == 0:
+                if job.dist:
+                    names = [os.path.join(job.tmp, f"blocks-{w:05d}.json") for w in range(job.writers)]
+                    failed = lambda: [n for n in os.listdir(job.tmp) if n.startswith("failed-")]  # noqa: E731
+                    _poll(lambda: failed() or all(os.path.exists(n) for n in names), self._timeout,
+                          f"checkpoint.save_async: not every rank wrote its part of {job.directory}")
+                    if failed():
+                        raise CheckpointError(f"checkpoint.save_async: {job.directory} was not "
+                                              f"saved: {', '.join(failed())} in {job.tmp}")
+                job.publish()
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            self._error = e
+            with self._cond:
+                self._cond.notify_all()
+            self._drain()
+            if job.dist:  # the other ranks stop waiting for this one; the directory stays
+                with contextlib.suppress(OSError):  # (an unfinished save, as with save())
+                    with open(os.path.join(job.tmp, f"failed-{job.rank:05d}"), "w") as f:
+                        f.write(f"{type(e).__name__}: {e}")
+            else:
+                shutil.rmtree(job.tmp, ignore_errors=True)
+
+    def _drain(self) -> None:
+        """Drop staged copies nobody will write."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
+
+
+def save_async(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, *,
+               backend: str | None = None, overwrite: bool = False,
+               max_staged_bytes: int | None = None, timeout_s: float = 1800.0) -> PendingSave:
+    """``save`` in the background: returns once every block this device writes is copied
+    (the caller may then change ``tree`` — a donated step may overwrite it), while a
+    thread writes the copies, checksums and publishes the checkpoint as ``save`` does.
+    ``.wait()`` on the result blocks until it is complete (call it on every rank).
+
+    ``max_staged_bytes``: at most that many bytes of copies held at once (at least one
+    block): the call then returns once all but that much is written. Without it every
+    block is copied at once (host memory: this device's share of the state), as DCP's
+    async_save stages. Collectives run only in this call, none in the thread."""
+    if max_staged_bytes is not None and (isinstance(max_staged_bytes, bool) or
+                                         not isinstance(max_staged_bytes, int) or max_staged_bytes < 1):
+        raise ValueError(f"checkpoint.save_async: max_staged_bytes must be a positive int or None, "
+                         f"got {max_staged_bytes!r}")
+    job = _Job(directory, tree, specs, mesh, backend, overwrite)
+    pending = PendingSave(job, timeout_s)
+    pending._stage(max_staged_bytes)
+    return pending
+
+
+def _token_at(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, "manifest.json")) as f:
+            return json.load(f).get("token")
+    except (OSError, ValueError):
+        return None
+
+
+def _poll(ready: Any, timeout_s: float, what: str) -> None:
+    t0 = time.monotonic()
+    delay = 0.001
+    while not ready():
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"{what} within {timeout_s:.0f} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -431,10 +614,30 @@ class Manager:
         self._prune(mesh, kw.get("backend"))
         return out
 
-    def save_state(self, step: Any, state: Any) -> str:
-        """A train step's state at its own step count (``step.save``), then prune."""
-        out = step.save(state, self.path(int(state.step)), overwrite=True)
-        self._prune(step.mesh, None)
+    def save_state(self, step: Any, state: Any, *, blocking: bool = True,
+                   max_staged_bytes: int | None = None) -> str | PendingSave:
+        """A train step's state at its own step count (``step.save``), then prune.
+        ``blocking=False``: ``step.save_async`` (one save in flight: a previous one is
+        waited for first); pruning follows when it is waited for (``wait()``, or the next
+        save)."""
+        self.wait()
+        path = self.path(int(state.step))
+        if blocking:
+            out = step.save(state, path, overwrite=True)
+            self._prune(step.mesh, None)
+            return out
+        self._pending = (step.save_async(state, path, overwrite=True, max_staged_bytes=max_staged_bytes),
+                         step.mesh)
+        return self._pending[0]
+
+    def wait(self) -> str | None:
+        """Wait for the save in flight (if any), prune; its directory."""
+        pending = getattr(self, "_pending", None)
+        if pending is None:
+            return None
+        self._pending = None
+        out = pending[0].wait()
+        self._prune(pending[1], None)
         return out
 
     def _prune(self, mesh: Mesh, backend: str | None) -> None:

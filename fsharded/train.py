@@ -77,6 +77,8 @@ def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
     p.add_argument("--save-dir", default="checkpoints", help="where checkpoints go (default: checkpoints)")
     p.add_argument("--save-every", type=int, help="save a checkpoint every N steps (and at the end)")
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3, the newest)")
+    p.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background while training goes on")
     p.add_argument("--resume", metavar="latest|PATH",
                    help="continue from the newest checkpoint in --save-dir, or from PATH")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -273,10 +275,10 @@ class _Progress:
 
 
 def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_every: int | None = None,
-        keep: int | None = 3, resume: str | None = None) -> dict:
+        keep: int | None = 3, resume: str | None = None, async_save: bool = False) -> dict:
     """Train per ``cfg``; returns the summary dict (also printed on rank 0). With
     ``save_every`` a checkpoint goes to ``save_dir/step-<n>`` every that many steps and at
-    the end; ``resume`` ("latest" or a checkpoint's path) continues a run exactly: its state
+    the end (``async_save``: written in the background, the last one waited for); ``resume`` ("latest" or a checkpoint's path) continues a run exactly: its state
     (parameters, optimizer, loss scale, keys, schedule) and its place in the data."""
     import fsharded as fs
     from fsharded.models import gpt
@@ -339,7 +341,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
             state, m = step(state, batches.batch_at(i))  # the data position is the step count
             dt = time.perf_counter() - t0
             if mgr is not None and (mgr.due(i + 1) or (save_every and i + 1 == cfg.steps)):
-                mgr.save_state(step, state)
+                mgr.save_state(step, state, blocking=not async_save)
             if i == start + 1:
                 t_steady = time.perf_counter() - dt  # exclude the first (warm-up) step
             rec = {"step": i + 1, **{k: float(v) for k, v in m.items()}, "step_time_s": dt,
@@ -348,6 +350,8 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
             bar.update(i + 1, rec)
             if metrics_f is not None:
                 metrics_f.write(json.dumps(rec) + "\n")
+        if mgr is not None:
+            mgr.wait()  # a save still in the background
     finally:
         bar.close()
         if metrics_f is not None:
@@ -400,7 +404,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded train") -> 
         warnings.simplefilter("default")
         try:
             run(cfg, progress=args.progress, save_dir=args.save_dir, save_every=args.save_every,
-                keep=args.keep, resume=args.resume)
+                keep=args.keep, resume=args.resume, async_save=args.async_save)
         except (ValueError, OSError, NotImplementedError, FloatingPointError) as e:
             print(f"fsharded train: {e}", file=sys.stderr)
             return 1

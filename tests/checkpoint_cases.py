@@ -127,3 +127,21 @@ def dcp_cases(directory: str) -> dict:
     out["fsdp2"] = fs.unshard(local, plan, mesh)
     out["fsdp2_ref"] = full
     return out
+
+
+def async_save_while_training(mesh_axes: dict, stage: int, directory: str) -> dict:
+    """Save in the background after 3 steps, train 2 more (donated: in place) before
+    waiting, then load what was saved."""
+    step, params = make_step(mesh_axes, stage)
+    donated = fs.train_step(loss, fs.optim.adamw(fs.optim.linear(1e-2, 1e-3, 20)), mesh=step.mesh,
+                            param_specs=fs.parallel.zero(stage, min_size=8)(P(), params),
+                            blocks="blocks", clip=1.0, donate=True)
+    state, _ = train(donated, donated.init(params), 0, 3)
+    snapshot = global_state(donated, state)
+    pending = donated.save_async(state, directory, max_staged_bytes=4096)
+    state, _ = train(donated, state, 3, 2)
+    pending.wait()
+    after = global_state(donated, state)
+    loaded = global_state(donated, donated.load(directory, params))
+    return {"snapshot": snapshot, "loaded": loaded,
+            "trained_on": not leaves_equal(after, snapshot)}

@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import checkpoint_cases as C
+import optree
 import pytest
 import torch
 
@@ -366,3 +367,90 @@ def test_fsharded_export_into_a_hugging_face_model(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "fsharded", "export", str(tmp_path / "nope"), str(tmp_path / "x")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no checkpoint at" in bad.stderr
+
+
+# -- saving in the background ---------------------------------------------------------------------
+
+
+def _state_bytes(state) -> tuple[int, int]:
+    sizes = [x.numel() * x.element_size() for x in optree.tree_leaves(state) if isinstance(x, torch.Tensor)]
+    return sum(sizes), max(sizes)
+
+
+def test_async_save_snapshots_the_state_and_bounds_its_copies(tmp_path):
+    step, params = C.make_step({"data": 2}, 3)
+    state, _ = C.train(step, step.init(params), 0, 3)
+    before = C.global_state(step, state)
+    total, largest = _state_bytes(state)
+    for bound in (None, total // 4, 1):
+        d = tmp_path / f"ck-{bound}"
+        floats = [t for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        kept = [t.clone() for t in floats]
+        pending = step.save_async(state, d, max_staged_bytes=bound)
+        # The call has returned: the state may change (a donated step would overwrite it).
+        for t in floats:
+            t.fill_(123.0)
+        assert pending.wait() == str(d) and pending.done()
+        for t, k in zip(floats, kept):
+            t.copy_(k)
+        assert C.leaves_equal(C.global_state(step, step.load(d, params)), before)
+        if bound is None:
+            assert pending.peak_staged_bytes <= total
+        else:  # the bound, or one block when a block is larger
+            assert pending.peak_staged_bytes <= max(bound, largest), (bound, pending.peak_staged_bytes)
+    with open(d / "blocks-00000.json") as f:
+        block = max(b["nbytes"] for b in json.load(f))
+    assert pending.peak_staged_bytes == block  # bound=1: one block at a time
+    with pytest.raises(ValueError, match="max_staged_bytes"):
+        step.save_async(state, tmp_path / "x", max_staged_bytes=0)
+
+
+def test_async_save_failure_is_raised_at_wait_and_keeps_the_previous(tmp_path, monkeypatch):
+    import errno
+
+    from fsharded import checkpoint as ck
+
+    step, params, state = _saved(tmp_path)
+    before = C.global_state(step, state)
+    state2, _ = C.train(step, state, 0, 1)
+    real, calls = ck._bytes, []
+
+    def full(t):
+        calls.append(1)
+        if len(calls) > 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(t)
+
+    monkeypatch.setattr(ck, "_bytes", full)
+    pending = step.save_async(state2, tmp_path / "ck", overwrite=True, max_staged_bytes=64)
+    with pytest.raises(OSError, match="No space left"):
+        pending.wait()
+    monkeypatch.setattr(ck, "_bytes", real)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # the temporary directory removed
+    assert C.leaves_equal(C.global_state(step, step.load(tmp_path / "ck", params)), before)
+
+
+def test_manager_saves_in_the_background(tmp_path):
+    step, params = C.make_step({"data": 2}, 2)
+    mgr = fs.checkpoint.Manager(tmp_path, keep=2)
+    state = step.init(params)
+    for i in range(4):
+        state, _ = C.train(step, state, i, 1)
+        pending = mgr.save_state(step, state, blocking=False)
+        assert isinstance(pending, fs.checkpoint.PendingSave)
+    snapshot = C.global_state(step, state)
+    assert mgr.wait() == mgr.path(4)
+    assert mgr.steps() == [3, 4]
+    assert C.leaves_equal(C.global_state(step, step.load(mgr.latest(), params)), snapshot)
+
+
+@pytest.mark.multiprocess
+def test_async_save_on_gloo_ranks_while_training(tmp_path):
+    from fsharded.testing import run_on_ranks
+
+    res = run_on_ranks(C.async_save_while_training, 2, {"data": 2}, 3, str(tmp_path / "ck"))
+    for r in res:
+        assert C.leaves_equal(r["loaded"], r["snapshot"])
+        assert r["trained_on"]  # the steps after the call changed the state
+    virt = C.load_and_train({"data": 2}, 1, str(tmp_path / "ck"))
+    assert C.leaves_equal(virt["loaded"], res[0]["snapshot"])

@@ -103,10 +103,11 @@ def test_train_with_zero_stage_matches_stage_0(tmp_path):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
 
 
-def test_save_every_and_resume_latest_continue_exactly(tmp_path):
-    """6 steps straight vs 6 steps saving every 3, then (the step-6 checkpoint removed) a
-    new process resuming from the latest (step 3): steps 4-6 bit for bit, the data picked up
-    where the run stopped."""
+@pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["blocking", "async"])
+def test_save_every_and_resume_latest_continue_exactly(tmp_path, mode):
+    """6 steps straight vs 6 steps saving every 3 (in the background too), then (the step-6
+    checkpoint removed) a new process resuming from the latest (step 3): steps 4-6 bit for
+    bit, the data picked up where the run stopped."""
     import shutil
 
     straight, saved, resumed = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
@@ -114,7 +115,7 @@ def test_save_every_and_resume_latest_continue_exactly(tmp_path):
     r = _run([sys.executable, "-m", "fsharded", "train", *TINY, "--metrics", str(straight)])
     assert r.returncode == 0, r.stderr
     r = _run([sys.executable, "-m", "fsharded", "train", *TINY, "--metrics", str(saved),
-              "--save-every", "3", "--save-dir", str(ck)])
+              "--save-every", "3", "--save-dir", str(ck), *mode])
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(ck)) == ["step-00000003", "step-00000006"]
     assert _losses(saved) == _losses(straight)  # saving changes nothing

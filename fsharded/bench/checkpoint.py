@@ -127,6 +127,27 @@ def rank_worker(job: Job) -> dict:
     def dcp_load() -> None:
         loaded["dcp"] = fs.checkpoint.load_dcp(dcp_dir, like, specs, mesh)
 
+    pending: dict = {}
+
+    def ours_async() -> None:  # timed: until the call returns (training may go on)
+        pending["ours"] = step.save_async(state, ours_dir + "-async", overwrite=True)
+
+    def dcp_async() -> None:
+        if rank == 0 and os.path.isdir(dcp_dir + "-async"):
+            shutil.rmtree(dcp_dir + "-async")
+        dist.barrier()
+        pending["dcp"] = dcp.async_save(fs.checkpoint.dcp_state_dict(state, specs, mesh),
+                                        checkpoint_id=dcp_dir + "-async")
+
+    def ours_async_done() -> None:  # the call and the background write, to the end
+        ours_async()
+        pending.pop("ours").wait()
+
+    def dcp_async_done() -> None:
+        dcp_async()
+        pending.pop("dcp").result()
+
+    asyncs = [ours_async, dcp_async]
     saves, loads = [ours_save, dcp_save], [ours_load, dcp_load]
     ds_dir = os.path.join(job.root, "deepspeed")
     if job.deepspeed:
@@ -140,12 +161,21 @@ def rank_worker(job: Job) -> dict:
 
         saves.append(ds_save)
         loads.append(ds_load)
-    times: dict[str, list[float]] = {fn.__name__: [] for fn in saves + loads}
+    times: dict[str, list[float]] = {fn.__name__: [] for fn in saves + loads + asyncs}
+    times.update(ours_async_done=[], dcp_async_done=[])
     for rd in range(job.rounds):
         for group in (saves, loads):
             k = rd % len(group)  # rotate who goes first
             for fn in group[k:] + group[:k]:
                 times[fn.__name__].append(timed(fn))
+        for fn in (asyncs if rd % 2 == 0 else asyncs[::-1]):
+            times[fn.__name__].append(timed(fn))
+            who = "ours" if fn is ours_async else "dcp"
+            p = pending.pop(who)
+            p.wait() if who == "ours" else p.result()
+            dist.barrier()
+        for fn in ((ours_async_done, dcp_async_done) if rd % 2 == 0 else (dcp_async_done, ours_async_done)):
+            times[fn.__name__].append(timed(fn))
     exact = {k: _same(v, state) for k, v in loaded.items()}
     shard_bytes = sum(x.numel() * x.element_size() for x in _leaves(state))
     sizes = {"ours": _bytes_under(ours_dir), "dcp": _bytes_under(dcp_dir)}
@@ -186,6 +216,10 @@ def two_ranks(job: Job) -> tuple[Section, dict]:
             f"writes a CRC-32 per block and verifies it on load")
     rows = [Row.from_samples(f"{w} (step.{w} vs dcp.{w})", "ZeRO-3 state", t[f"ours_{w}"], t[f"dcp_{w}"])
             for w in ("save", "load")]
+    rows.append(Row.from_samples("async save, until the call returns (step.save_async vs "
+                                 "dcp.async_save)", "ZeRO-3 state", t["ours_async"], t["dcp_async"]))
+    rows.append(Row.from_samples("async save, until written (wait() vs Future.result())",
+                                 "ZeRO-3 state", t["ours_async_done"], t["dcp_async_done"]))
     rows.append(Qty("bytes on disk", "whole checkpoint", b["ours"], b["dcp"], unit="B"))
     sections = [Section(title=title, rows=tuple(rows), target=1.0, notes=(note,),
                         peer="torch.distributed.checkpoint (dcp.save / dcp.load of the state's "
