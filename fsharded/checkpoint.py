@@ -49,20 +49,18 @@ import optree
 import torch
 
 from fsharded import _tree, comm
+from fsharded._ckpt_common import CheckpointError, _distributed, _flatten
+from fsharded._ds_checkpoint import DeepSpeedCheckpoint, load_deepspeed, read_deepspeed
 from fsharded.mesh import Mesh, PartitionSpec
 from fsharded.mesh._layout import dims, global_shape, local_slice
 from fsharded.mesh._spec import shard_shape
 from fsharded.spmd._transfer import backend_for, to_dtensor
 
-__all__ = ["save", "save_async", "PendingSave", "load", "Manager", "save_dcp", "load_dcp", "dcp_state_dict", "export_safetensors", "FORMAT",
+__all__ = ["save", "save_async", "PendingSave", "load", "Manager", "read_deepspeed", "load_deepspeed",
+           "DeepSpeedCheckpoint", "save_dcp", "load_dcp", "dcp_state_dict", "export_safetensors", "FORMAT",
            "CheckpointError", "read_manifest"]
 
 FORMAT = 1  # the manifest's format version; a newer one is refused
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded as asked: corrupt, incomplete, of another model,
-    or of a newer format."""
 
 
 # -- specs, dtypes, boxes ---------------------------------------------------------------------
@@ -98,14 +96,6 @@ def _writes(spec: PartitionSpec, coords: dict) -> bool:
     return all(c == 0 for a, c in coords.items() if a not in named)
 
 
-def _flatten(tree: Any) -> tuple[list[str], list, Any]:
-    """(dotted paths, leaves, treespec); NamedTuple fields and dataclass fields by name
-    (``opt_state.0.mu.w``), so a path reads as the attribute it is."""
-    accessors, leaves, tdef = optree.tree_flatten_with_accessor(tree)
-    paths = [".".join(str(getattr(e, "field", e.entry)) for e in acc) or "<root>" for acc in accessors]
-    return paths, leaves, tdef
-
-
 def _bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().to("cpu").contiguous()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
@@ -120,10 +110,6 @@ def _fsync(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _distributed(mesh: Mesh, backend: str | None) -> bool:
-    return backend_for(mesh, backend) == "distributed" and mesh.size > 1
 
 
 def save(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, *,
