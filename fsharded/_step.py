@@ -254,12 +254,15 @@ class TrainStep:
         return checkpoint.save_async(directory, state, self.state_specs(state), self.mesh,
                                      overwrite=overwrite, max_staged_bytes=max_staged_bytes)
 
-    def load(self, directory: Any, like: Any) -> TrainState:
+    def load(self, directory: Any, like: Any = None) -> TrainState:
         """The state saved at ``directory``, laid out for this step's mesh and placement,
         whatever mesh and placement it was saved from (optimizer moments, step, loss scale
         and key as saved). ``like``: a state of this step (``step.init(params)``), or the
-        global params to make one from."""
-        if not isinstance(like, TrainState):
+        global params to make one from; by default the parameter tree is rebuilt from the
+        checkpoint's manifest (dicts and lists, ``checkpoint.tree_like``)."""
+        if like is None:
+            like = self.init(checkpoint.tree_like(directory, "params"))
+        elif not isinstance(like, TrainState):
             like = self.init(like)
         return checkpoint.load(directory, like, self.state_specs(like), self.mesh)
 

@@ -49,32 +49,31 @@ import optree
 import torch
 
 from fsharded import _tree, comm
-from fsharded._ckpt_common import CheckpointError, _distributed, _flatten
+from fsharded._ckpt_common import (
+    FORMAT,
+    CheckpointError,
+    _blocks,
+    _distributed,
+    _dtype,
+    _flatten,
+    _Reader,
+    read_manifest,
+)
 from fsharded._ds_checkpoint import DeepSpeedCheckpoint, load_deepspeed, read_deepspeed
 from fsharded.mesh import Mesh, PartitionSpec
 from fsharded.mesh._layout import dims, global_shape, local_slice
 from fsharded.mesh._spec import shard_shape
-from fsharded.spmd._transfer import backend_for, to_dtensor
+from fsharded.spmd._transfer import to_dtensor
 
-__all__ = ["save", "save_async", "PendingSave", "load", "Manager", "read_deepspeed", "load_deepspeed",
+__all__ = ["save", "save_async", "PendingSave", "load", "tree_like", "Manager", "read_deepspeed", "load_deepspeed",
            "DeepSpeedCheckpoint", "save_dcp", "load_dcp", "dcp_state_dict", "export_safetensors", "FORMAT",
-           "CheckpointError", "read_manifest"]
-
-FORMAT = 1  # the manifest's format version; a newer one is refused
-
+           "CheckpointError", "read_manifest"]  # and DCPReader (imported when asked for)
 
 # -- specs, dtypes, boxes ---------------------------------------------------------------------
 
 
 def _spec_json(spec: PartitionSpec) -> list:
     return [list(e) if isinstance(e, tuple) else e for e in spec]
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dt, torch.dtype):
-        raise CheckpointError(f"checkpoint: unknown dtype {name!r}")
-    return dt
 
 
 def _box(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, coords: dict) -> tuple[list, list]:
@@ -386,79 +385,35 @@ def _write_json(path: str, obj: Any) -> None:
 # -- load ---------------------------------------------------------------------------------------
 
 
-def read_manifest(directory: str | os.PathLike) -> dict:
-    """The manifest of the checkpoint at ``directory`` (checked for completeness and format)."""
-    directory = os.fspath(directory)
-    if not os.path.isdir(directory):
-        parent = os.path.dirname(os.path.abspath(directory)) or "."
-        base = os.path.basename(os.path.abspath(directory))
-        partial = sorted(n for n in os.listdir(parent) if n.startswith(base + ".tmp-")) \
-            if os.path.isdir(parent) else []
-        hint = (f"; {', '.join(partial)} in {parent} is an incomplete save (interrupted), not "
-                f"a checkpoint") if partial else ""
-        raise FileNotFoundError(f"checkpoint: no checkpoint at {directory}{hint}")
-    mpath = os.path.join(directory, "manifest.json")
-    try:
-        with open(mpath) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint: {mpath} is missing: {directory} is not a complete "
-                              f"checkpoint") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint: {mpath} is corrupt ({e})") from None
-    version = manifest.get("format")
-    if not isinstance(version, int) or version > FORMAT:
-        raise CheckpointError(
-            f"checkpoint: {directory} has format {version!r}, this fsharded reads format "
-            f"{FORMAT} and older; load it with a newer fsharded")
-    return manifest
+def tree_like(directory: str | os.PathLike, prefix: str = "") -> Any:
+    """The tree of the leaves saved under ``prefix`` (e.g. ``"params"``), rebuilt from the
+    manifest: meta tensors of the saved global shapes and dtypes (non-tensor leaves as
+    their values), in dicts, and lists where the keys are 0, 1, ... (NamedTuples and other
+    nodes come back as dicts: give a template to ``load`` to keep them)."""
+    manifest = read_manifest(directory)
+    root: dict = {}
+    pre = prefix + "." if prefix else ""
+    for e in manifest["leaves"]:
+        if not e["path"].startswith(pre):
+            continue
+        keys = e["path"][len(pre):].split(".")
+        leaf = torch.empty(e["shape"], dtype=_dtype(e["dtype"]), device="meta") if "shape" in e \
+            else e.get("value")
+        node = root
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = leaf
+    if not root:
+        raise CheckpointError(f"checkpoint: {directory} holds no leaves under {prefix!r}")
 
+    def build(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        if node and all(k.isdigit() for k in node) and sorted(map(int, node)) == list(range(len(node))):
+            return [build(node[str(i)]) for i in range(len(node))]
+        return {k: build(v) for k, v in node.items()}
 
-def _blocks(directory: str, writers: int) -> dict[str, list[dict]]:
-    by_path: dict[str, list[dict]] = {}
-    for w in range(writers):
-        p = os.path.join(directory, f"blocks-{w:05d}.json")
-        try:
-            with open(p) as f:
-                for b in json.load(f):
-                    by_path.setdefault(b["path"], []).append(b)
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint: {p} is missing (writer {w} of {writers})") from None
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"checkpoint: {p} is corrupt ({e})") from None
-    return by_path
-
-
-class _Reader:
-    """Reads blocks from the data files (kept open), verifying each one's checksum."""
-
-    def __init__(self, directory: str) -> None:
-        self.directory, self.files = directory, {}
-
-    def read(self, b: dict, dtype: torch.dtype) -> torch.Tensor:
-        path = os.path.join(self.directory, b["file"])
-        f = self.files.get(path)
-        if f is None:
-            try:
-                f = self.files[path] = open(path, "rb")
-            except FileNotFoundError:
-                raise CheckpointError(f"checkpoint: {path} is missing (it holds {b['path']})") from None
-        f.seek(b["offset"])
-        t = torch.empty(b["nbytes"], dtype=torch.uint8)
-        buf = memoryview(t.numpy())
-        got = f.readinto(buf) if b["nbytes"] else 0  # straight into the tensor: one copy
-        if got != b["nbytes"]:
-            raise CheckpointError(f"checkpoint: {path} is truncated: {b['path']}'s block at byte "
-                                  f"{b['offset']} has {got} of {b['nbytes']} bytes")
-        if zlib.crc32(buf) != b["crc32"]:
-            raise CheckpointError(f"checkpoint: checksum mismatch in {path} for {b['path']} (block at "
-                                  f"{b['start']}, bytes {b['offset']}-{b['offset'] + b['nbytes']}): "
-                                  f"the file is corrupt")
-        return t.view(dtype).reshape(b["shape"])
-
-    def close(self) -> None:
-        for f in self.files.values():
-            f.close()
+    return build(root)
 
 
 def load(directory: str | os.PathLike, like: Any, specs: Any, mesh: Mesh, *,
@@ -785,3 +740,11 @@ def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, *, 
         if os.path.exists(tmp):
             os.remove(tmp)
     return names
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DCPReader":  # imports torch.distributed.checkpoint: only when asked for
+        from fsharded._dcp_reader import DCPReader
+
+        return DCPReader
+    raise AttributeError(f"module 'fsharded.checkpoint' has no attribute {name!r}")

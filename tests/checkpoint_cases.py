@@ -112,6 +112,13 @@ def dcp_cases(directory: str) -> dict:
     dcp.load(template, checkpoint_id=f"{directory}/ours")
     out["plain_dcp"] = {k: v.full_tensor().clone() for k, v in template.items()
                         if hasattr(v, "full_tensor")}
+    # Our own format read by dcp.load (fs.checkpoint.DCPReader) into ZeRO-1 DTensors.
+    step.save(state, f"{directory}/native")
+    like1 = step1.init(params)
+    template = fs.checkpoint.dcp_state_dict(like1, step1.state_specs(like1), step1.mesh)
+    dcp.load(template, storage_reader=fs.checkpoint.DCPReader(f"{directory}/native"))
+    out["dcp_reads_ours"] = {k: v.full_tensor().clone() for k, v in template.items()
+                             if hasattr(v, "full_tensor")}
     # An FSDP2 model's checkpoint into an fsharded parameter tree at ZeRO-3.
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))

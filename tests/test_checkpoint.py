@@ -4,6 +4,7 @@ corrupt, incomplete, foreign or newer checkpoints with an error naming what is w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -207,6 +208,99 @@ def test_kill_9_during_saves_leaves_every_finished_checkpoint_loadable(tmp_path)
 # -- real ranks -------------------------------------------------------------------------------
 
 
+# Imports once, then per trial forks 2 gloo ranks that save in a loop (each rank its own
+# shards, rank 0 the manifest and the rename); prints the ranks' pids once the first save
+# is complete and waits for both to end (the test kills them).
+_RANKS_KILLER = textwrap.dedent("""
+    import os, socket, sys, time
+    import torch, torch.distributed as dist
+    import fsharded as fs
+    from fsharded import P
+
+    def rank_main(rank, port, root, ready_w):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE="2", LOCAL_RANK=str(rank), FSHARDED_SHM="0")
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        mesh = fs.Mesh({"data": 2})
+        tree = {f"w{i}": torch.full((128, 256), float(i)) for i in range(24)}  # this rank's rows
+        for k in range(100000):
+            fs.checkpoint.save(f"{root}/step-{k:05d}", tree, P("data"), mesh)
+            if k == 0 and rank == 0:
+                os.write(ready_w, b"x")
+        os._exit(0)
+
+    for line in sys.stdin:
+        root = line.strip()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        r, w = os.pipe()
+        pids = []
+        for rank in (0, 1):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    rank_main(rank, port, root, w)
+                finally:
+                    os._exit(1)
+            pids.append(pid)
+        os.read(r, 1)
+        os.close(r), os.close(w)
+        print(*pids, flush=True)
+        for pid in pids:
+            os.waitpid(pid, 0)
+        print("done", flush=True)
+""")
+
+
+@pytest.mark.multiprocess
+def test_kill_9_of_a_rank_during_saves_on_two_gloo_ranks(tmp_path):
+    """20 trials: 2 gloo ranks save in a loop; one of them (either) is killed (SIGKILL) at
+    a random moment, then the other. Every step-* directory loads exactly; what was in
+    flight is a temporary directory that Manager.latest() names and ignores."""
+    import random
+    import signal
+    import time
+
+    rng = random.Random(1)
+    like = {f"w{i}": torch.empty(256, 256) for i in range(24)}
+    z = subprocess.Popen([sys.executable, "-c", _RANKS_KILLER], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        left_over = 0
+        for trial in range(20):
+            root = tmp_path / f"t{trial}"
+            root.mkdir()
+            z.stdin.write(f"{root}\n")
+            z.stdin.flush()
+            pids = [int(x) for x in z.stdout.readline().split()]
+            assert len(pids) == 2, pids
+            time.sleep(rng.uniform(0.0, 0.4))
+            first = rng.randrange(2)
+            os.kill(pids[first], signal.SIGKILL)
+            time.sleep(rng.uniform(0.0, 0.05))  # the other may go on a little, or block
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[1 - first], signal.SIGKILL)
+            assert z.stdout.readline().strip() == "done"
+            finished = sorted(n for n in os.listdir(root) if ".tmp-" not in n and ".old-" not in n)
+            assert finished, os.listdir(root)
+            for name in finished:
+                got = fs.checkpoint.load(root / name, like, P("data"), fs.Mesh({"data": 2}))
+                assert all(torch.equal(got[f"w{i}"], torch.full((256, 256), float(i))) for i in range(24)), name
+            mgr = fs.checkpoint.Manager(root)
+            if mgr.incomplete():
+                left_over += 1
+                with pytest.warns(UserWarning, match="ignoring 1 unfinished save"):
+                    assert mgr.latest() == mgr.path(int(finished[-1][5:]))
+            else:
+                assert mgr.latest() == mgr.path(int(finished[-1][5:]))
+        assert left_over >= 10  # most kills landed inside a save
+    finally:
+        z.stdin.close()
+        z.kill()
+        z.wait()
+
+
 @pytest.mark.multiprocess
 def test_gloo_ranks_and_virtual_mesh_read_each_other(tmp_path):
     from fsharded.testing import run_on_ranks
@@ -296,6 +390,21 @@ def test_dcp_on_one_process(tmp_path):
     assert C.leaves_equal(C.global_state(one, got), C.global_state(step, state))
     with pytest.raises(CheckpointError, match=r"missing: params.extra"):
         fs.checkpoint.load_dcp(tmp_path / "d", {"params": dict(params, extra=torch.zeros(2))}, P(), one.mesh)
+    # Our own format, read by dcp.load through fs.checkpoint.DCPReader (checksums verified).
+    step.save(state, tmp_path / "native")
+    template = fs.checkpoint.dcp_state_dict(like, one.state_specs(like), one.mesh)
+    template = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in template.items()}
+    dcp.load(template, storage_reader=fs.checkpoint.DCPReader(tmp_path / "native"), no_dist=True)
+    assert C.leaves_equal({k: v for k, v in template.items() if isinstance(v, torch.Tensor)},
+                          C.global_state(step, state))
+    data = tmp_path / "native" / "data-00000.bin"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match="checksum mismatch"):  # DCP wraps our error
+        dcp.load(template, storage_reader=fs.checkpoint.DCPReader(tmp_path / "native"), no_dist=True)
 
 
 @pytest.mark.multiprocess
@@ -306,6 +415,7 @@ def test_dcp_both_ways_on_gloo_ranks(tmp_path):
         assert C.leaves_equal(r["ours_zero1"], r["saved"])
         tensors = {k: v for k, v in r["saved"].items() if k in r["plain_dcp"]}
         assert tensors and C.leaves_equal(r["plain_dcp"], tensors)
+        assert C.leaves_equal(r["dcp_reads_ours"], tensors)  # dcp.load of our own format
         # FSDP2's checkpoint, keys = the module's names = the fs.nn params paths.
         paths, leaves, _ = fs.checkpoint._flatten(r["fsdp2"])
         assert C.leaves_equal(dict(zip(paths, leaves)), r["fsdp2_ref"])
@@ -454,3 +564,19 @@ def test_async_save_on_gloo_ranks_while_training(tmp_path):
         assert r["trained_on"]  # the steps after the call changed the state
     virt = C.load_and_train({"data": 2}, 1, str(tmp_path / "ck"))
     assert C.leaves_equal(virt["loaded"], res[0]["snapshot"])
+
+
+def test_load_without_a_template_rebuilds_the_tree_from_the_manifest(tmp_path):
+    step, params = C.make_step({"data": 2}, 3)
+    state, _ = C.train(step, step.init(params), 0, 2)
+    step.save(state, tmp_path / "ck")
+    for target in (({"data": 2}, 1), ({"data": 1}, 0)):
+        other, _ = C.make_step(*target)
+        got = other.load(tmp_path / "ck")  # no params given
+        assert optree.tree_structure(got.params) == optree.tree_structure(params)
+        assert C.leaves_equal(C.global_state(other, got), C.global_state(step, state))
+        got, _ = C.train(other, got, 2, 1)  # and it trains on
+    tree = fs.checkpoint.tree_like(tmp_path / "ck", "params")
+    assert all(x.device.type == "meta" for x in optree.tree_leaves(tree))
+    with pytest.raises(CheckpointError, match="no leaves under 'nope'"):
+        fs.checkpoint.tree_like(tmp_path / "ck", "nope")

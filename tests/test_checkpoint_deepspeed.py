@@ -95,3 +95,27 @@ def test_load_deepspeed_on_gloo_ranks():
         assert r["loss"] == pytest.approx(REF[3]["loss2"], rel=1e-6, abs=1e-6)
         for name, want in REF[3]["fp32_after"].items():
             torch.testing.assert_close(r["after"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_checkpoint_deepspeed_writes_now(tmp_path):
+    """With DeepSpeed installed: checkpoints written now by make_fixture's worker (its
+    version, whatever it is) import like the stored ones."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: the stored checkpoints are tested above")
+    import importlib
+    import sys
+
+    from fsharded.testing import run_on_ranks
+
+    if DATA not in sys.path:
+        sys.path.insert(0, DATA)  # the spawned ranks import the worker from there too
+    mod = importlib.import_module("make_fixture")
+    ref = run_on_ranks(mod.worker, 2, str(tmp_path))[0]
+    for stage in (1, 2, 3):
+        step, params = _step({"data": 2}, stage)
+        state = fs.checkpoint.load_deepspeed(tmp_path / f"zero{stage}", step, params, names=ds_name)
+        got = _by_name(step, state)
+        assert all(torch.equal(got[n], w) for n, w in ref[stage]["fp32"].items())
+        state, m = step(state, {"tokens": FIXTURE["batches"][1]})
+        assert float(m["loss"]) == pytest.approx(ref[stage]["loss2"], rel=1e-6, abs=1e-6)

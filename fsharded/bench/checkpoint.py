@@ -51,6 +51,7 @@ class Job:
     layers: int
     rounds: int
     root: str
+    steps: int = 3  # training steps timed with and without a save in the background
     deepspeed: bool = False  # also DeepSpeed's save_checkpoint / load_checkpoint (ZeRO-3)
     extensions_dir: str = ""
 
@@ -176,6 +177,25 @@ def rank_worker(job: Job) -> dict:
             dist.barrier()
         for fn in ((ours_async_done, dcp_async_done) if rd % 2 == 0 else (dcp_async_done, ours_async_done)):
             times[fn.__name__].append(timed(fn))
+    # A step's cost while a save is written in the background (the save started just before
+    # the steps, its wait() after them, untimed) against the same steps without one.
+    g = torch.Generator().manual_seed(1)
+    batch = {"tokens": torch.randint(0, config.vocab_size, (8, 65), generator=g)}
+    train_state = _trained(step, params, config)
+    times["steps_async"], times["steps_plain"] = [], []
+    for rd in range(job.rounds):
+        for with_save in ((True, False) if rd % 2 == 0 else (False, True)):
+            p = step.save_async(train_state, ours_dir + "-bg", overwrite=True) if with_save else None
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(job.steps):
+                train_state, m = step(train_state, batch)
+            float(m["loss"])
+            dt = (time.perf_counter() - t0) / job.steps
+            if p is not None:
+                p.wait()
+            dist.barrier()
+            times["steps_async" if with_save else "steps_plain"].append(dt)
     exact = {k: _same(v, state) for k, v in loaded.items()}
     shard_bytes = sum(x.numel() * x.element_size() for x in _leaves(state))
     sizes = {"ours": _bytes_under(ours_dir), "dcp": _bytes_under(dcp_dir)}
@@ -221,9 +241,16 @@ def two_ranks(job: Job) -> tuple[Section, dict]:
     rows.append(Row.from_samples("async save, until written (wait() vs Future.result())",
                                  "ZeRO-3 state", t["ours_async_done"], t["dcp_async_done"]))
     rows.append(Qty("bytes on disk", "whole checkpoint", b["ours"], b["dcp"], unit="B"))
+    step_row = Row.from_samples("a ZeRO-3 step while save_async writes vs without a save",
+                                "8x64 global", t["steps_async"], t["steps_plain"])
     sections = [Section(title=title, rows=tuple(rows), target=1.0, notes=(note,),
                         peer="torch.distributed.checkpoint (dcp.save / dcp.load of the state's "
                              "flat DTensor dict)")]
+    sections.append(Section(
+        title="the step-time overhead of saving in the background (the same state, 2 gloo ranks)",
+        peer="the same steps with no save in flight", rows=(step_row,), target=1.05,
+        notes=(f"{job.steps} steps timed per round, {job.rounds} rounds alternating; the save "
+               f"starts just before the steps and is waited for after them",)))
     if "deepspeed" in b:
         rows = [Row.from_samples(f"{w} (step.{w} vs engine.{w}_checkpoint)", "ZeRO-3 state",
                                  t[f"ours_{w}"], t[f"ds_{w}"]) for w in ("save", "load")]
