@@ -125,6 +125,11 @@ class DeepSpeedCheckpoint:
             model = _load(os.path.join(root, "mp_rank_00_model_states.pt"))
             flat = [o["single_partition_of_fp32_groups"] for o in self._optim]
             adam = [o["base_optimizer_state"] for o in self._optim]
+            if not isinstance(adam[0], dict) or not isinstance(adam[0].get("state"), dict):
+                raise NotImplementedError(
+                    "checkpoint.load_deepspeed: this ZeRO-1/2 checkpoint keeps its optimizer state "
+                    "per parameter with the padding removed (elastic_checkpoint=True), a layout not "
+                    "supported yet; save it with elastic_checkpoint false")
             pads = o0.get("param_alignment_paddings") or []
             if any(any(p) for p in pads):
                 raise NotImplementedError("checkpoint.load_deepspeed: parameters padded for alignment inside "
@@ -137,8 +142,12 @@ class DeepSpeedCheckpoint:
         self.names = list(self.shapes)
         self.step = int(model.get("global_steps", 0))
         first = adam[0]["state"].get(0, {}) if isinstance(adam[0].get("state"), dict) else {}
-        self.adam_step = int(first["step"]) if "step" in first else self.step
         group0 = (adam[0].get("param_groups") or [{}])[0]
+        skipped = int(model.get("skipped_steps", 0) or 0)
+        # Adam's count: per parameter (torch.optim), per group (DeepSpeed's FusedAdam), or
+        # the updates that were not skipped (fp16 overflows).
+        self.adam_step = int(first["step"]) if "step" in first else \
+            int(group0["step"]) if "step" in group0 else self.step - skipped
         self.hyper = {k: group0[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group0}
         # Per rank and group: the flat fp32 slice and its Adam state (same layout).
         self._flat = {"param": flat,
@@ -202,9 +211,9 @@ def load_deepspeed(directory: str | os.PathLike, step: Any, params: Any, *, tag:
     AdamW optimizer), laid out for its mesh and placement: fp32 weights into ``params``,
     ``exp_avg`` / ``exp_avg_sq`` into the Adam moments, the step count into the step and
     schedule counters; the dropout key and a loss scale start afresh. ``params``: the
-    parameter tree (shapes and structure; ``step.init`` lays it out). ``names``: maps a
-    parameter path of ``params`` to its DeepSpeed name (the module's parameter name; by
-    default the same path, as ``fs.nn.functional`` names them). On real ranks each rank
+    parameter tree (shapes and structure; ``step.init`` lays it out). ``names``: a function
+    or a dict from a parameter path of ``params`` to its DeepSpeed name (the module's
+    parameter name; by default the same path, as ``fs.nn.functional`` names them). On real ranks each rank
     assembles the leaves one at a time and keeps its shards."""
     from fsharded import _tree, comm
     from fsharded.mesh._layout import global_shape, local_slice
@@ -214,7 +223,11 @@ def load_deepspeed(directory: str | os.PathLike, step: Any, params: Any, *, tag:
     like = step.init(params)
     specs = _tree.broadcast_prefix(step.state_specs(like), like)
     paths, leaves, tdef = _flatten(like)
-    rename = names if names is not None else (lambda p: p)
+    if isinstance(names, dict):
+        table = names
+        rename = lambda p: table.get(p, p)  # noqa: E731
+    else:
+        rename = names if names is not None else (lambda p: p)
     mesh = step.mesh
     dist = _distributed(mesh, None)
     ours = {p[len("params."):]: tuple(global_shape(s if isinstance(s, PartitionSpec) else PartitionSpec(),

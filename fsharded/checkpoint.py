@@ -173,10 +173,18 @@ class _Job:
         if os.path.exists(directory):
             old = f"{directory}.old-{self.token}"
             os.rename(directory, old)
-        os.rename(tmp, directory)
+        try:
+            os.rename(tmp, directory)
+        except BaseException:
+            if old is not None:  # the previous checkpoint back in its place
+                os.rename(old, directory)
+            raise
         _fsync(os.path.dirname(os.path.abspath(directory)))
         if old is not None:
-            shutil.rmtree(old)
+            try:
+                shutil.rmtree(old)
+            except OSError as e:  # the new checkpoint is complete: a leftover is no failure
+                warnings.warn(f"checkpoint.save: could not remove the replaced {old} ({e})", stacklevel=3)
 
 
 def _layout(paths: list, leaves: list, flat_specs: list, mesh: Mesh, dist: bool,
@@ -213,6 +221,7 @@ def _write_data(tmp: str, rank: int, pieces: Iterable[tuple]) -> None:
             blocks.append({"path": path, "start": start, "shape": size, "file": data_name,
                            "offset": f.tell(), "nbytes": buf.nbytes, "crc32": zlib.crc32(buf)})
             f.write(buf)
+            del buf, piece  # a staged copy is freed before the next one is asked for
         f.flush()
         os.fsync(f.fileno())
     name = os.path.join(tmp, f"blocks-{rank:05d}.json")
@@ -283,6 +292,10 @@ class PendingSave:
                 copy = torch.empty(piece.shape, dtype=piece.dtype)  # a snapshot: the state may
                 copy.copy_(piece.detach())                          # change once we return
                 self._queue.put((path, start, size, copy, n))
+        except BaseException as e:
+            # The writer must not take the end of a cut-short queue for a complete save.
+            self._error = self._error or e
+            raise
         finally:
             self._queue.put(None)
             self._job.pieces = []  # the caller's tensors are not held past this call
@@ -291,6 +304,8 @@ class PendingSave:
         while True:
             item = self._queue.get()
             if item is None:
+                if self._error is not None:  # staging stopped short: write no blocks file
+                    raise self._error
                 return
             path, start, size, copy, n = item
             del item
@@ -306,6 +321,8 @@ class PendingSave:
         job = self._job
         try:
             _write_data(job.tmp, job.rank, self._staged_pieces())
+            if self._error is not None:  # staging failed: what was written is not the state
+                raise self._error
             if job.rank == 0:
                 if job.dist:
                     names = [os.path.join(job.tmp, f"blocks-{w:05d}.json") for w in range(job.writers)]
@@ -388,8 +405,10 @@ def _write_json(path: str, obj: Any) -> None:
 def tree_like(directory: str | os.PathLike, prefix: str = "") -> Any:
     """The tree of the leaves saved under ``prefix`` (e.g. ``"params"``), rebuilt from the
     manifest: meta tensors of the saved global shapes and dtypes (non-tensor leaves as
-    their values), in dicts, and lists where the keys are 0, 1, ... (NamedTuples and other
-    nodes come back as dicts: give a template to ``load`` to keep them)."""
+    their values), in dicts, and lists where the keys are 0, 1, ... Only what holds a leaf
+    is recorded: NamedTuples and other nodes come back as dicts, and containers without
+    leaves (an ``nn.Sequential``'s activation) are absent, so a list with a gap comes back
+    a dict; give the parameters as a template to ``load`` for such trees."""
     manifest = read_manifest(directory)
     root: dict = {}
     pre = prefix + "." if prefix else ""

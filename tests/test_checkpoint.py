@@ -580,3 +580,24 @@ def test_load_without_a_template_rebuilds_the_tree_from_the_manifest(tmp_path):
     assert all(x.device.type == "meta" for x in optree.tree_leaves(tree))
     with pytest.raises(CheckpointError, match="no leaves under 'nope'"):
         fs.checkpoint.tree_like(tmp_path / "ck", "nope")
+
+
+def test_async_save_cut_short_while_staging_publishes_nothing(tmp_path):
+    """A copy that fails in the caller (here a leaf whose detach raises) is raised there,
+    and the writer, seeing the queue end early, publishes no checkpoint."""
+    import time
+
+    class Boom(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.detach:
+                raise RuntimeError("boom")
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    tree = {"a": torch.ones(64), "b": torch.ones(64).as_subclass(Boom)}
+    with pytest.raises(RuntimeError, match="boom"):
+        fs.checkpoint.save_async(tmp_path / "ck", tree, P(), fs.Mesh({"data": 1}))
+    deadline = time.monotonic() + 10
+    while os.listdir(tmp_path) and time.monotonic() < deadline:  # the thread cleans up
+        time.sleep(0.01)
+    assert os.listdir(tmp_path) == []

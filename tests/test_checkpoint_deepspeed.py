@@ -51,6 +51,14 @@ def test_load_deepspeed_continues_its_training(stage, target):
         torch.testing.assert_close(after[name], want, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_names_as_a_dict():
+    step, params = _step({"data": 1}, 0)
+    paths = [p for p, _ in zip(*fs._tree.tree_flatten_with_paths(params)[:2])]
+    state = fs.checkpoint.load_deepspeed(os.path.join(DATA, "zero2"), step, params,
+                                         names={p: ds_name(p) for p in paths})
+    assert all(torch.equal(_by_name(step, state)[n], w) for n, w in REF[2]["fp32"].items())
+
+
 def test_fresh_moments_would_not_match():
     """The check above can fail: the same weights with Adam started afresh step elsewhere."""
     step, params = _step({"data": 2}, 1)
