@@ -97,7 +97,12 @@ def test_any_tree_and_specs(tmp_path):
     tree["w"] = tree["w"] * 2
     fs.checkpoint.save(tmp_path / "a", tree, specs, mesh, overwrite=True)
     assert torch.equal(fs.checkpoint.load(tmp_path / "a", tree, specs, mesh)["w"], tree["w"])
+    fs.checkpoint._wait_removals()  # the replaced checkpoint is unlinked in a thread
     assert sorted(os.listdir(tmp_path)) == ["a"]  # no temporary or old directory left
+    os.makedirs(tmp_path / "a.old-0badf00d")  # a killed process's: the next save removes it
+    fs.checkpoint.save(tmp_path / "a", tree, specs, mesh, overwrite=True)
+    fs.checkpoint._wait_removals()
+    assert sorted(os.listdir(tmp_path)) == ["a"]
 
 
 # -- bad input ------------------------------------------------------------------------------------
@@ -121,6 +126,44 @@ def test_flipped_byte_and_truncated_file_are_named(tmp_path):
     data.write_bytes(bytes(raw[: len(raw) // 3]))
     with pytest.raises(CheckpointError, match=r"data-00000.bin is truncated: \S+'s block"):
         step.load(tmp_path / "ck", state)
+
+
+def _crc32c_reference(data: bytes) -> int:
+    """CRC-32C (Castagnoli, reflected polynomial 0x82F63B78) bit by bit."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_block_checksums_crc32c_and_crc32(tmp_path, monkeypatch):
+    from fsharded import _ckpt_common
+
+    step, params, state = _saved(tmp_path)
+    blocks = json.loads((tmp_path / "ck" / "blocks-00000.json").read_text())
+    raw = (tmp_path / "ck" / "data-00000.bin").read_bytes()
+    assert all("crc32c" in b for b in blocks)
+    small = [b for b in blocks if 0 < b["nbytes"] <= 4096]
+    assert small and all(_crc32c_reference(raw[b["offset"]:b["offset"] + b["nbytes"]]) == b["crc32c"]
+                         for b in small)
+    assert C.leaves_equal(C.global_state(step, step.load(tmp_path / "ck", params)), C.global_state(step, state))
+    # Without the crc32c package: written with zlib's CRC-32, which every reader verifies...
+    monkeypatch.setattr(_ckpt_common, "_crc32c", None)
+    with pytest.raises(CheckpointError, match=r"checksummed with CRC-32C: pip install crc32c"):
+        step.load(tmp_path / "ck", params)
+    step.save(state, tmp_path / "old", overwrite=True)
+    blocks = json.loads((tmp_path / "old" / "blocks-00000.json").read_text())
+    assert all("crc32" in b and "crc32c" not in b for b in blocks)
+    monkeypatch.undo()
+    assert C.leaves_equal(C.global_state(step, step.load(tmp_path / "old", params)), C.global_state(step, state))
+    data = tmp_path / "old" / "data-00000.bin"
+    flipped = bytearray(data.read_bytes())
+    flipped[-5] ^= 0x01
+    data.write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match=r"checksum mismatch in .*data-00000.bin"):
+        step.load(tmp_path / "old", params)
 
 
 def test_missing_files_and_newer_format(tmp_path):
@@ -338,6 +381,8 @@ def test_manager_keeps_the_newest_and_finds_the_latest(tmp_path):
         if mgr.due(int(state.step)):
             mgr.save_state(step, state)
     assert mgr.steps() == [4, 6]
+    fs.checkpoint._wait_removals()  # pruned ones are renamed away at once, unlinked in a thread
+    assert sorted(os.listdir(tmp_path / "run")) == ["step-00000004", "step-00000006"]
     os.makedirs(tmp_path / "run" / "step-00000008.tmp-deadbeef")
     with pytest.warns(UserWarning, match=r"unfinished save\(s\): .*step-00000008.tmp-deadbeef"):
         latest = mgr.latest()

@@ -1,19 +1,22 @@
-"""``fsharded bench checkpoint``: saving and loading a training state, against DCP.
+"""``fsharded bench checkpoint``: saving and loading a training state, against DCP and DeepSpeed.
 
-    fsharded bench checkpoint             # the GPT at ~6.4 M params, AdamW state, 2 gloo ranks
-    fsharded bench checkpoint --quick     # tiny model, a smoke run
+    fsharded bench checkpoint                  # GPTs of ~5 M and ~50 M params, AdamW state
+    fsharded bench checkpoint --sizes 5m       # one of them
+    fsharded bench checkpoint --quick          # tiny model, a smoke run
     fsharded bench checkpoint --markdown
 
 The state is a ``train_step`` state at ZeRO-3 (fp32 master weights, AdamW moments, step
-and key): each rank holds half of it. Section 1, 2 gloo ranks: ``step.save`` /
-``step.load`` (the spec-addressed format of ``fsharded.checkpoint``: each rank writes its
-own shards, checksummed, into a temporary directory renamed when complete) against
-``torch.distributed.checkpoint`` (DCP: ``dcp.save`` / ``dcp.load`` of the same state as
-its flat dict of DTensors, what FSDP2 and torchtitan write), each timed from the call on
-every rank to the slowest rank's return, rounds alternating; bytes on disk beside. Section
-2, one process: loading that checkpoint laid out for another mesh and stage (ZeRO-1 on a
-one-device mesh: every leaf whole) against DCP loading its own checkpoint into the same
-layout. Each load is checked to give the saved values back exactly. Page cache: files are
+and key). On 2 gloo ranks (each holding half of it): ``step.save`` / ``step.load`` (the
+spec-addressed format of ``fsharded.checkpoint``: each rank writes its own shards,
+checksummed, fsynced, into a temporary directory renamed when complete) against
+``torch.distributed.checkpoint`` (DCP: ``dcp.save`` / ``dcp.load`` of the same state as its
+flat dict of DTensors, what FSDP2 and torchtitan write) and, where installed, DeepSpeed's
+``save_checkpoint`` / ``load_checkpoint`` of the same GPT at ZeRO-3, each timed from the
+call on every rank to the slowest rank's return, rounds alternating; bytes on disk beside;
+the step time while a save is written in the background. Resharding: the 2-rank
+checkpoint loaded into one process at ZeRO-1, and a checkpoint saved on 4 ranks at ZeRO-3
+loaded on 2 ranks at ZeRO-1, against DCP loading its own checkpoints into the same
+layouts. Each load is checked to give the saved values back exactly. Page cache: files are
 read back warm (what a resume right after a save sees); ``--drop`` is not offered, as
 dropping caches needs root.
 """
@@ -45,12 +48,17 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+STEP_ROUNDS = 5  # at least, for the step-time rows (a step varies by ~10% here)
+SIZES = {"5m": (256, 6), "50m": (640, 10)}  # d_model, layers: 4.8 M and 49.5 M params
+
+
 @dataclass(frozen=True)
 class Job:
     d_model: int
     layers: int
     rounds: int
     root: str
+    label: str = ""  # the size column
     steps: int = 3  # training steps timed with and without a save in the background
     deepspeed: bool = False  # also DeepSpeed's save_checkpoint / load_checkpoint (ZeRO-3)
     extensions_dir: str = ""
@@ -105,6 +113,11 @@ def rank_worker(job: Job) -> dict:
     ours_dir, dcp_dir = os.path.join(job.root, "ours"), os.path.join(job.root, "dcp")
 
     def timed(fn) -> float:
+        # Each call starts on a clean page cache: no replaced checkpoint still being removed,
+        # no dirty pages of an earlier call (another writer's, left for the kernel to flush
+        # later) written back while this one runs.
+        fs.checkpoint._wait_removals()
+        os.sync()
         dist.barrier()
         t0 = time.perf_counter()
         fn()
@@ -183,8 +196,10 @@ def rank_worker(job: Job) -> dict:
     batch = {"tokens": torch.randint(0, config.vocab_size, (8, 65), generator=g)}
     train_state = _trained(step, params, config)
     times["steps_async"], times["steps_plain"] = [], []
-    for rd in range(job.rounds):
+    for rd in range(max(job.rounds, STEP_ROUNDS)):
         for with_save in ((True, False) if rd % 2 == 0 else (False, True)):
+            fs.checkpoint._wait_removals()
+            os.sync()
             p = step.save_async(train_state, ours_dir + "-bg", overwrite=True) if with_save else None
             dist.barrier()
             t0 = time.perf_counter()
@@ -221,7 +236,8 @@ def _deepspeed_engine(job: Job, params: dict, config: gpt.GPTConfig):
     return ds.engine
 
 
-def two_ranks(job: Job) -> tuple[Section, dict]:
+def two_ranks(job: Job) -> dict[str, list]:
+    """Rows of the 2-rank runs: {"dcp": ..., "deepspeed": ..., "steps": ...}."""
     from fsharded.testing import run_on_ranks
 
     res = run_on_ranks(rank_worker, 2, job)
@@ -229,46 +245,27 @@ def two_ranks(job: Job) -> tuple[Section, dict]:
     if bad:
         raise AssertionError(f"bench checkpoint: a load did not give the saved state back: {bad}")
     t, b = res[0]["times"], res[0]["bytes"]
-    total = sum(x["shard_bytes"] for x in res)
-    title = f"a ZeRO-3 training state ({total / 1e6:.1f} MB: fp32 weights + AdamW moments), 2 gloo ranks"
-    note = (f"{job.rounds} rounds each, the order rotating; a round ends when the slower rank "
-            f"returns; our and DCP's loads checked bit-exact against the saved state; ours also "
-            f"writes a CRC-32 per block and verifies it on load")
-    rows = [Row.from_samples(f"{w} (step.{w} vs dcp.{w})", "ZeRO-3 state", t[f"ours_{w}"], t[f"dcp_{w}"])
-            for w in ("save", "load")]
-    rows.append(Row.from_samples("async save, until the call returns (step.save_async vs "
-                                 "dcp.async_save)", "ZeRO-3 state", t["ours_async"], t["dcp_async"]))
-    rows.append(Row.from_samples("async save, until written (wait() vs Future.result())",
-                                 "ZeRO-3 state", t["ours_async_done"], t["dcp_async_done"]))
-    rows.append(Qty("bytes on disk", "whole checkpoint", b["ours"], b["dcp"], unit="B"))
-    step_row = Row.from_samples("a ZeRO-3 step while save_async writes vs without a save",
-                                "8x64 global", t["steps_async"], t["steps_plain"])
-    sections = [Section(title=title, rows=tuple(rows), target=1.0, notes=(note,),
-                        peer="torch.distributed.checkpoint (dcp.save / dcp.load of the state's "
-                             "flat DTensor dict)")]
-    sections.append(Section(
-        title="the step-time overhead of saving in the background (the same state, 2 gloo ranks)",
-        peer="the same steps with no save in flight", rows=(step_row,), target=1.05,
-        notes=(f"{job.steps} steps timed per round, {job.rounds} rounds alternating; the save "
-               f"starts just before the steps and is waited for after them",)))
+    size = f"{job.label}, {sum(x['shard_bytes'] for x in res) / 1e6:.3g} MB"
+    out: dict[str, list] = {"dcp": [Row.from_samples(f"{w} (step.{w} vs dcp.{w})", size, t[f"ours_{w}"],
+                                                     t[f"dcp_{w}"]) for w in ("save", "load")]}
+    out["dcp"].append(Row.from_samples("async save, until the call returns (step.save_async vs "
+                                       "dcp.async_save)", size, t["ours_async"], t["dcp_async"]))
+    out["dcp"].append(Row.from_samples("async save, until written (wait() vs Future.result())",
+                                       size, t["ours_async_done"], t["dcp_async_done"]))
+    out["dcp"].append(Qty("bytes on disk", size, b["ours"], b["dcp"], unit="B"))
+    out["steps"] = [Row.from_samples("a ZeRO-3 step (8x64 global) while save_async writes vs without a save",
+                                     size, t["steps_async"], t["steps_plain"])]
     if "deepspeed" in b:
-        rows = [Row.from_samples(f"{w} (step.{w} vs engine.{w}_checkpoint)", "ZeRO-3 state",
-                                 t[f"ours_{w}"], t[f"ds_{w}"]) for w in ("save", "load")]
-        rows.append(Qty("bytes on disk", "whole checkpoint", b["ours"], b["deepspeed"], unit="B"))
-        sections.append(Section(
-            title=title, rows=tuple(rows), target=1.0,
-            notes=(note.replace("our and DCP's", "our"), "ours fsyncs its files and directories before "
-                   "the rename that makes the checkpoint visible (a crash leaves the previous one "
-                   "loadable); DeepSpeed's torch.save leaves the data in the page cache"),
-            peer="DeepSpeed ZeRO-3 (the same GPT, bench zero's set-up): save_checkpoint / "
-                 "load_checkpoint (its own format; module and optimizer state)"))
-    for s in sections:
-        for r in s.rows:
-            _log(f"  {r.case}: ratio {r.ratio:.2f}")
-    return sections, res[0]
+        out["deepspeed"] = [Row.from_samples(f"{w} (step.{w} vs engine.{w}_checkpoint)", size,
+                                             t[f"ours_{w}"], t[f"ds_{w}"]) for w in ("save", "load")]
+        out["deepspeed"].append(Qty("bytes on disk", size, b["ours"], b["deepspeed"], unit="B"))
+    for rows in out.values():
+        for r in rows:
+            _log(f"  {r.case} [{r.size}]: ratio {r.ratio:.2f}")
+    return out
 
 
-def resharded(job: Job, rounds: int) -> Section:
+def resharded(job: Job, rounds: int) -> Row:
     """Load the 2-rank checkpoints on one process at ZeRO-1 (every leaf whole)."""
     config = _config(job)
     step, params = _step(fs.Mesh({"data": 1}), 1, config)
@@ -293,46 +290,135 @@ def resharded(job: Job, rounds: int) -> Section:
             sink.append(fn())
     if not _same(out["ours"], out["dcp"]):
         raise AssertionError("bench checkpoint: the resharded loads differ between ours and DCP")
-    row = Row.from_samples("load, 2 ranks ZeRO-3 -> 1 process ZeRO-1", "whole state", a, b)
-    _log(f"  {row.case}: ratio {row.ratio:.2f}")
-    return Section(
-        title="resharding on load: the 2-rank checkpoint read into one process",
-        peer="DCP loading its own checkpoint into the same layout (it reshards too)",
-        rows=(row,), target=1.0,
-        notes=(f"{rounds} alternating rounds; both loads give the same state",))
+    row = Row.from_samples("load, 2 ranks ZeRO-3 -> 1 process ZeRO-1", job.label, a, b)
+    _log(f"  {row.case} [{row.size}]: ratio {row.ratio:.2f}")
+    return row
+
+
+def save_on_four(job: Job) -> None:
+    """On 4 ranks: the ZeRO-3 state saved with ours and with DCP (for ``load_on_two``)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    torch.set_num_threads(1)
+    config = _config(job)
+    mesh = fs.Mesh({"data": dist.get_world_size()})
+    step, params = _step(mesh, 3, config)
+    state = _trained(step, params, config)
+    step.save(state, os.path.join(job.root, "ours-4"), overwrite=True)
+    dcp.save(fs.checkpoint.dcp_state_dict(state, step.state_specs(state), mesh),
+             checkpoint_id=os.path.join(job.root, "dcp-4"))
+
+
+def load_on_two(job: Job) -> dict:
+    """On 2 ranks at ZeRO-1: the 4-rank checkpoints loaded, ours and DCP alternating."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    config = _config(job)
+    mesh = fs.Mesh({"data": dist.get_world_size()})
+    step, params = _step(mesh, 1, config)
+    like = step.init(params)
+    specs = step.state_specs(like)
+    got: dict = {}
+    times: dict[str, list[float]] = {"ours": [], "dcp": []}
+
+    def ours() -> None:
+        got["ours"] = step.load(os.path.join(job.root, "ours-4"), like)
+
+    def peer() -> None:
+        got["dcp"] = fs.checkpoint.load_dcp(os.path.join(job.root, "dcp-4"), like, specs, mesh)
+
+    for rd in range(job.rounds):
+        for name, fn in ((("ours", ours), ("dcp", peer)) if rd % 2 == 0 else (("dcp", peer), ("ours", ours))):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            dist.barrier()
+            times[name].append(time.perf_counter() - t0)
+    return {"times": times, "same": _same(got["ours"], got["dcp"])}
+
+
+def four_to_two(job: Job) -> Row:
+    from fsharded.testing import run_on_ranks
+
+    run_on_ranks(save_on_four, 4, job)
+    res = run_on_ranks(load_on_two, 2, job)
+    if not all(r["same"] for r in res):
+        raise AssertionError("bench checkpoint: the 4 -> 2 rank loads differ between ours and DCP")
+    t = res[0]["times"]
+    row = Row.from_samples("load, 4 ranks ZeRO-3 -> 2 ranks ZeRO-1", job.label, t["ours"], t["dcp"])
+    _log(f"  {row.case} [{row.size}]: ratio {row.ratio:.2f}")
+    return row
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog or "fsharded bench checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model, few rounds (a smoke run)")
+    p.add_argument("--sizes", default="5m,50m", help=f"comma-separated model sizes of {sorted(SIZES)}")
     p.add_argument("--markdown", action="store_true", help="print Markdown tables")
-    p.add_argument("--rounds", type=int, help="alternating rounds")
+    p.add_argument("--rounds", type=int, help="alternating rounds (default: 7 at 5m, 3 at 50m)")
     p.add_argument("--dir", help="where to write the checkpoints (default: a temporary directory)")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed (compared where installed)")
     return p
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
-    args = build_parser(prog).parse_args(argv)
-    d_model, layers, rounds = (32, 2, 2) if args.quick else (256, 8, 7)
-    rounds = args.rounds or rounds
-    root = tempfile.mkdtemp(prefix="fsharded-bench-ckpt-", dir=args.dir)
-    try:
-        with_ds = not args.no_deepspeed and importlib.util.find_spec("deepspeed") is not None
-        job = Job(d_model, layers, rounds, root, deepspeed=with_ds,
-                  extensions_dir=os.path.join(tempfile.gettempdir(), "fsharded-bench-zero-extensions"))
-        config = _config(job)
-        report = Report("checkpoint", params={
-            "torch": torch.__version__,
-            "model": f"GPT d={d_model} layers={layers}, {gpt.param_count(gpt.init(config, 0)):,} params",
-            "disk": root})
-        _log("2 gloo ranks ...")
-        secs, _ = two_ranks(job)
-        report.sections.extend(secs)
-        _log("one process, resharded ...")
-        report.sections.append(resharded(job, rounds))
-        report.finish()
-        report.print(markdown=args.markdown)
-        return 0 if all(math.isfinite(r.ratio) for s in report.sections for r in s.rows) else 1
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    names = [n.strip().lower() for n in args.sizes.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SIZES]
+    if unknown or not names:
+        parser.error(f"--sizes: {', '.join(unknown) or 'none given'}; choose from {', '.join(SIZES)}")
+    sizes = [(32, 2, 2)] if args.quick else [(*SIZES[n], 7 if n == "5m" else 3) for n in names]
+    with_ds = not args.no_deepspeed and importlib.util.find_spec("deepspeed") is not None
+    rows: dict[str, list] = {"dcp": [], "deepspeed": [], "steps": [], "reshard": []}
+    models, rounds_used = [], []
+    for d_model, layers, rounds in sizes:
+        rounds = args.rounds or rounds
+        rounds_used.append(rounds)
+        root = tempfile.mkdtemp(prefix="fsharded-bench-ckpt-", dir=args.dir)
+        try:
+            job = Job(d_model, layers, rounds, root, deepspeed=with_ds,
+                      extensions_dir=os.path.join(tempfile.gettempdir(), "fsharded-bench-zero-extensions"))
+            n = gpt.param_count(gpt.init(_config(job), 0))
+            job = dataclasses.replace(job, label=f"{n / 1e6:.3g} M params")
+            models.append(f"GPT d={d_model} layers={layers}, {n:,} params")
+            _log(f"{job.label}: 2 gloo ranks ...")
+            for k, v in two_ranks(job).items():
+                rows[k].extend(v)
+            _log(f"{job.label}: resharded into one process, and 4 ranks -> 2 ...")
+            rows["reshard"].append(resharded(job, rounds))
+            rows["reshard"].append(four_to_two(job))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    report = Report("checkpoint", params={"torch": torch.__version__, "models": "; ".join(models),
+                                          "disk": args.dir or tempfile.gettempdir()})
+    rounds_note = f"{'/'.join(map(str, rounds_used))} rounds each (by size), the order rotating"
+    note = (f"{rounds_note}; a round ends when the slower rank returns; loads checked bit-exact "
+            f"against the saved state; ours writes a CRC-32C per block and verifies it on load, and "
+            f"fsyncs its files and directories before the rename that makes the checkpoint visible")
+    report.sections.append(Section(
+        title="a ZeRO-3 training state (fp32 weights + AdamW moments), 2 gloo ranks",
+        peer="torch.distributed.checkpoint (dcp.save / dcp.load of the state's flat DTensor dict)",
+        rows=tuple(rows["dcp"]), target=1.0, notes=(note,)))
+    if rows["deepspeed"]:
+        report.sections.append(Section(
+            title="the same, against DeepSpeed", rows=tuple(rows["deepspeed"]), target=1.0,
+            notes=(note, "DeepSpeed's torch.save leaves its files in the page cache (no fsync); a "
+                   "crash after it returns may lose them"),
+            peer="DeepSpeed ZeRO-3 (the same GPT, bench zero's set-up): save_checkpoint / "
+                 "load_checkpoint (its own format; module and optimizer state)"))
+    report.sections.append(Section(
+        title="the step-time overhead of saving in the background (the same state, 2 gloo ranks)",
+        peer="the same steps with no save in flight", rows=tuple(rows["steps"]), target=1.05,
+        notes=(f"3 steps timed per round, at least {STEP_ROUNDS} rounds alternating; the save starts "
+               f"just before the steps and is waited for after them",)))
+    report.sections.append(Section(
+        title="resharding on load: checkpoints read into another mesh and stage",
+        peer="DCP loading its own checkpoint into the same layout (it reshards too)",
+        rows=tuple(rows["reshard"]), target=1.0,
+        notes=(f"{rounds_note}; ours and DCP's loads give the same state",)))
+    report.finish()
+    report.print(markdown=args.markdown)
+    return 0 if all(math.isfinite(r.ratio) for s in report.sections for r in s.rows) else 1
