@@ -35,7 +35,7 @@ from fsharded.parallel.zero import Placement, ZeroPlan
 from fsharded.precision import as_policy, cast_tree
 from fsharded.spmd import _env, _schedule
 from fsharded.spmd._transfer import backend_for, local_shards, unshard
-from fsharded.spmd.collectives import mark_varying, pmean, varying_axes
+from fsharded.spmd.collectives import mark_varying, pmax, pmean, varying_axes
 from fsharded.spmd.shard_map import shard_map
 
 __all__ = ["TrainState", "TrainStep", "train_step"]
@@ -67,6 +67,7 @@ def train_step(
     check_schedule: bool = True,
     blocks: str | None = None,
     seed: int | None = 0,
+    on_nonfinite: str = "raise",
 ) -> TrainStep:
     """Build a training step for ``loss_fn(params, batch) -> scalar``.
 
@@ -105,11 +106,21 @@ def train_step(
     parallel replicas) draw the same, and a run is reproducible bit for bit and the same on
     the virtual mesh and on real ranks (torch's global generator is not used; ops that
     would use it raise). ``seed=None``: no key, random ops run as torch runs them.
+
+    Non-finite numbers (``check_finite``, fp32 / bf16): a step whose loss or gradient norm
+    is inf or nan is not applied — with donation the in-place update is skipped too, so
+    the state passed in really is the last good one — and raises ``FloatingPointError``
+    naming the step and the first gradient leaves that were non-finite
+    (``on_nonfinite="raise"``), or is skipped with the step count advanced and
+    ``metrics["skipped"]`` counting such steps in this process (``"skip"``, as DeepSpeed's
+    bf16 optimizer skips). fp16 skips overflowing steps by its loss scale and raises once
+    the scale is at its minimum and the gradients still overflow (DeepSpeed's rule).
     """
     return TrainStep(loss_fn, optimizer, mesh=mesh, param_specs=param_specs,
                      batch_spec=batch_spec, precision=precision, accumulation=accumulation,
                      clip=clip, check_finite=check_finite, donate=donate, backend=backend,
-                     check_schedule=check_schedule, blocks=blocks, seed=seed)
+                     check_schedule=check_schedule, blocks=blocks, seed=seed,
+                     on_nonfinite=on_nonfinite)
 
 
 class _Plan(NamedTuple):
@@ -128,7 +139,7 @@ class TrainStep:
 
     def __init__(self, loss_fn, optimizer, *, mesh, param_specs, batch_spec, precision,
                  accumulation, clip, check_finite, donate, backend, check_schedule=True,
-                 blocks=None, seed=0):
+                 blocks=None, seed=0, on_nonfinite="raise"):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.mesh = mesh if mesh is not None else Mesh({"data": 1})
@@ -144,6 +155,10 @@ class TrainStep:
             raise ValueError(f"train_step: clip must be a positive max norm or None, got {clip!r}")
         self.clip = clip
         self.check_finite = check_finite
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"train_step: on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        self.on_nonfinite = on_nonfinite
+        self.skipped_nonfinite = 0  # steps skipped for non-finite numbers (on_nonfinite="skip")
         self.backend = backend
         if donate and self.policy.loss_scaling:
             raise ValueError(
@@ -303,7 +318,10 @@ class TrainStep:
             grads = optree.tree_map(lambda t, p: t.to(p.dtype), grads, params)
             gnorm = optim.global_norm(grads, flat_specs=master)
             finite = plan.scaling.finite(grads, self.mesh.axis_names)
-            new_params, opt_state = plan.update(grads, gnorm, state.opt_state, params)
+            # fp32 / bf16: the loss and the norm are the same on every shard, so is the
+            # verdict; an in-place update is skipped on it (the pure one is dropped after).
+            ok = torch.isfinite(gnorm) & torch.isfinite(loss) if self.check_finite and finite is None else None
+            new_params, opt_state = plan.update(grads, gnorm, state.opt_state, params, ok=ok)
             P.label(new_params, "parameters")
             P.label(opt_state, "optimizer state")
             (new_params, opt_state), new_scale, scale_metrics = plan.scaling.select(
@@ -394,16 +412,65 @@ class TrainStep:
                 self._agreed.add(key)
         with torch.no_grad():
             new_state, metrics = sm.local(state, batch)
-        if self.check_finite and state.loss_scale is None and not bool(torch.isfinite(metrics["loss"])):
-            raise FloatingPointError(
-                f"train_step: the loss is {metrics['loss'].item()} at step {int(state.step)}; "
-                f"the state passed in (after {int(state.step)} steps) is unchanged. Lower the "
-                f"learning rate, enable clipping, or use precision='fp16' loss scaling to skip such steps"
-            )
+        if self.check_finite and state.loss_scale is None:
+            loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])
+            if not (math.isfinite(loss) and math.isfinite(gnorm)):
+                if self.on_nonfinite == "skip":
+                    self.skipped_nonfinite += 1
+                    metrics["skipped"] = torch.tensor(self.skipped_nonfinite)
+                    return state._replace(step=state.step + 1), metrics
+                self._raise_nonfinite(state, batch, loss, gnorm)
+        elif self.check_finite and state.loss_scale is not None:
+            _check_scale(new_state.loss_scale, int(state.step))
         tokens = _count_tokens(batch)
         if tokens is not None:  # host wall time of the step (the finite check above synced)
             metrics["tokens_per_s"] = torch.tensor(tokens / max(time.perf_counter() - t0, 1e-9))
         return new_state, metrics
+
+    def _raise_nonfinite(self, state: TrainState, batch: Any, loss: float, gnorm: float) -> None:
+        n = int(state.step)
+        where = ""
+        if not math.isfinite(gnorm):
+            bad = self._nonfinite_leaves(state, batch)
+            shown = ", ".join(f"params.{p}" for p in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            where = f"; non-finite gradients in {shown}" if bad else ""
+        raise FloatingPointError(
+            f"train_step: step {n + 1} has loss {loss} and gradient norm {gnorm}{where}. It was "
+            f"not applied: the state passed in (after {n} step{'' if n == 1 else 's'}) is unchanged"
+            f"{', donated buffers included' if self.donate else ''}. Lower the learning rate, "
+            f"enable clipping, look for sqrt/log/division at 0 in the loss, or pass "
+            f"on_nonfinite='skip' to skip such steps")
+
+    def _nonfinite_leaves(self, state: TrainState, batch: Any) -> list[str]:
+        """The paths of the parameters whose gradient has an inf or nan on any shard: the
+        gradients of ``batch`` again (a stop's diagnosis, on every rank together)."""
+        key = ("nonfinite", optree.tree_structure(state))
+        if key not in self._compiled:
+            plans = {eager: self._plan(state, eager) for eager in (False, True)}
+
+            def body(s: TrainState, b: Any) -> torch.Tensor:
+                frame = _env.current()
+                plan = plans[frame.backend == "distributed" or frame.mesh.size == 1]
+                varying = tuple(a for a in self.batch_axes if self.mesh.shape[a] > 1)
+                keys = R.scope(functools.partial(_step_key, s.rng, s.step, self.batch_axes)) \
+                    if s.rng is not None else contextlib.nullcontext()
+                with keys:
+                    g_leaves, _ = plan.gradients(s.params, b, s.loss_scale, varying, mark_varying)
+                vma = _env.current().vma
+                with vma.paused() if vma is not None else contextlib.nullcontext():
+                    flags = torch.stack([(~torch.isfinite(g)).any().to(torch.float32) for g in g_leaves])
+                    axes = tuple(a for a in self.mesh.axis_names if self.mesh.shape[a] > 1)
+                    return pmax(flags, axes) if axes else flags
+
+            self._compiled[key] = shard_map(body, mesh=self.mesh, in_specs=(self.state_specs(state), self.batch_spec),
+                                            out_specs=PartitionSpec(), backend=self.backend)
+        sm = self._compiled[key]
+        if self.distributed:
+            batch = _local_batch(sm, batch)
+        with torch.no_grad():
+            flags = sm.local(state, batch)
+        paths = _tree.tree_flatten_with_paths(state.params)[0]
+        return [p for p, f in zip(paths, flags.tolist()) if f]
 
     def collectives(self, state: TrainState, batch: Any):
         """The manifest of one step: every collective in order, with bytes per rank."""
@@ -412,6 +479,17 @@ class TrainStep:
             specs = self.state_specs(state)
             state = _globalize(state, specs, self.mesh)
         return sm.collectives(state, batch)
+
+
+def _check_scale(scale: Any, n: int) -> None:
+    """fp16: a step that overflowed with the scale already at its minimum has diverged."""
+    if int(scale.overflows_at_min.max()):
+        raise FloatingPointError(
+            f"train_step: step {n + 1}: the gradients overflow with the loss scale at its "
+            f"minimum ({float(scale.scale.min())}), after {int(scale.skipped.max())} skipped "
+            f"step(s) in all: the run has diverged (DeepSpeed stops here too). The state passed "
+            f"in (after {n} step{'' if n == 1 else 's'}) is unchanged. Lower the learning rate, check the data for "
+            f"inf/nan, or use bf16")
 
 
 def _shapes(tree: Any) -> tuple:

@@ -326,16 +326,30 @@ class PureUpdate:
         leaves, tdef = optree.tree_flatten(grads)
         return optree.tree_unflatten(tdef, torch._foreach_mul(leaves, factor))
 
-    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any) -> tuple[Any, Any]:
+    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any, *,
+                 ok: torch.Tensor | None = None) -> tuple[Any, Any]:
+        """``ok``: the step's finite verdict (the same on every shard), for the in-place
+        forms to skip on; the pure form's result is dropped by the caller instead."""
         updates, opt_state = self.optimizer.update(self._clip(grads, gnorm), opt_state, params)
         return optim.apply_updates(params, updates), opt_state
+
+
+def _skip(ok: torch.Tensor | None) -> bool:
+    """Whether an in-place update must not run: a non-finite step (a host read of a 0-d
+    flag; the fused kernels read the clipping factor on the host anyway)."""
+    if ok is None or _manifest.dry():
+        return False
+    return not bool(beneath(ok)[0].reshape(-1)[0])  # every device's copy is the same verdict
 
 
 class DonatedUpdate(PureUpdate):
     """The pure update allowed to overwrite the parameters and moments in place (the state
     passed in is consumed, like JAX's donated buffers): for optimizers without a fused form."""
 
-    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any) -> tuple[Any, Any]:
+    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any, *,
+                 ok: torch.Tensor | None = None) -> tuple[Any, Any]:
+        if _skip(ok):  # the state stays the last good one
+            return params, opt_state
         with optim.donating():
             return super().__call__(grads, gnorm, opt_state, params)
 
@@ -345,9 +359,12 @@ class FusedUpdate(PureUpdate):
     (Triton on CUDA, C++ on CPU) with the clipping factor applied as the gradients load.
     A dry run takes the pure form, which communicates the same."""
 
-    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any) -> tuple[Any, Any]:
+    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any, *,
+                 ok: torch.Tensor | None = None) -> tuple[Any, Any]:
         if _manifest.dry():
             return super().__call__(grads, gnorm, opt_state, params)
+        if _skip(ok):
+            return params, opt_state
         factor = torch.clamp(self.clip / (gnorm + 1e-6), max=1.0) if self.clip is not None else 1.0
         # No inf/nan check in the kernel: the pure form does not skip non-finite steps
         # either, and donation is refused with fp16 loss scaling (which would need it).
@@ -368,9 +385,12 @@ class StackedFusedUpdate(FusedUpdate):
     invariant where the parameter varies is broadcast. Moments laid out otherwise than
     their parameter (not made by this step's init) take the pure form."""
 
-    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any) -> tuple[Any, Any]:
+    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any, *,
+                 ok: torch.Tensor | None = None) -> tuple[Any, Any]:
         if _manifest.dry():
             return PureUpdate.__call__(self, grads, gnorm, opt_state, params)
+        if _skip(ok):
+            return params, opt_state
         p_leaves, p_def = optree.tree_flatten(params)
         s_leaves, s_def = optree.tree_flatten(opt_state)
         p_base = [beneath(x) for x in p_leaves]

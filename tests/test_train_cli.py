@@ -129,3 +129,10 @@ def test_save_every_and_resume_latest_continue_exactly(tmp_path, mode):
     r = _run([sys.executable, "-m", "fsharded", "train", *TINY, "--resume", "latest",
               "--save-dir", str(tmp_path / "none")])
     assert r.returncode == 1 and "no checkpoint in" in r.stderr
+
+
+def test_a_diverged_fp16_run_exits_non_zero():
+    r = _run([sys.executable, "-m", "fsharded", "train", "--preset", "tiny", "--precision", "fp16",
+              "--lr", "1e30", "--steps", "60"])
+    assert r.returncode == 1, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "loss scale at its minimum" in r.stderr and "diverged" in r.stderr
