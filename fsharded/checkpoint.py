@@ -347,9 +347,7 @@ class PendingSave:
             raise self._error
         job = self._job
         if job.dist and job.rank != 0:  # complete when rank 0 has renamed it into place
-            failed = lambda: os.path.isdir(job.tmp) and any(  # noqa: E731
-                n.startswith("failed-") for n in os.listdir(job.tmp))
-            _poll(lambda: _token_at(job.directory) == job.token or failed(), self._timeout,
+            _poll(lambda: _token_at(job.directory) == job.token or bool(_failed_markers(job.tmp)), self._timeout,
                   f"checkpoint.save_async: rank 0 did not publish {job.directory}")
             if _token_at(job.directory) != job.token:
                 raise CheckpointError(f"checkpoint.save_async: {job.directory} was not saved: "
@@ -409,12 +407,11 @@ class PendingSave:
             if job.rank == 0:
                 if job.dist:
                     names = [os.path.join(job.tmp, f"blocks-{w:05d}.json") for w in range(job.writers)]
-                    failed = lambda: [n for n in os.listdir(job.tmp) if n.startswith("failed-")]  # noqa: E731
-                    _poll(lambda: failed() or all(os.path.exists(n) for n in names), self._timeout,
-                          f"checkpoint.save_async: not every rank wrote its part of {job.directory}")
-                    if failed():
-                        raise CheckpointError(f"checkpoint.save_async: {job.directory} was not "
-                                              f"saved: {', '.join(failed())} in {job.tmp}")
+                    _poll(lambda: _failed_markers(job.tmp) or all(os.path.exists(n) for n in names),
+                          self._timeout, f"checkpoint.save_async: not every rank wrote its part of {job.directory}")
+                    if _failed_markers(job.tmp):
+                        raise CheckpointError(f"checkpoint.save_async: {job.directory} was not saved: "
+                                              f"{', '.join(_failed_markers(job.tmp))} in {job.tmp}")
                 job.publish()
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             self._error = e
@@ -455,6 +452,15 @@ def save_async(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, 
     pending = PendingSave(job, timeout_s)
     pending._stage(max_staged_bytes)
     return pending
+
+
+def _failed_markers(tmp: str) -> list[str]:
+    """The ranks' failure markers in a save's temporary directory; none once rank 0 has
+    renamed it into place (which may happen between any two calls)."""
+    try:
+        return sorted(n for n in os.listdir(tmp) if n.startswith("failed-"))
+    except FileNotFoundError:
+        return []
 
 
 def _token_at(directory: str) -> str | None:

@@ -42,17 +42,49 @@ JOB_DEFAULTS: dict[str, Any] = {
 }
 
 
+# The mesh axes the bundled GPT job shards over; any other axis would only replicate.
+TRAIN_AXES = ("data", "tensor")
+
+
 def parse_mesh(text: str) -> dict[str, int]:
     """``"data=2,tensor=2"`` -> ``{"data": 2, "tensor": 2}``."""
     out: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
+    for part in (p.strip() for p in text.split(",")):
         name, eq, size = part.partition("=")
         if not eq or not size.strip().isdigit() or not name.strip():
             raise ValueError(f"--mesh: expected AXIS=SIZE[,AXIS=SIZE...], got {text!r}")
+        if name.strip() in out:
+            raise ValueError(f"--mesh: axis {name.strip()!r} given twice in {text!r}")
+        if int(size) < 1:
+            raise ValueError(f"--mesh: axis {name.strip()!r} has size {size.strip()}; sizes are >= 1")
         out[name.strip()] = int(size)
-    if not out:
-        raise ValueError(f"--mesh: no axes in {text!r}")
     return out
+
+
+def check_mesh_axes(mesh: dict[str, int]) -> None:
+    """Every axis must be one the job shards over (a typo would silently replicate)."""
+    import difflib
+
+    for name in mesh:
+        if name not in TRAIN_AXES:
+            near = difflib.get_close_matches(name, TRAIN_AXES, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ValueError(f"mesh axis {name!r} is not one fsharded train shards over "
+                             f"({', '.join(TRAIN_AXES)}){hint}")
+
+
+def check_paths(cfg: Any) -> None:
+    """The data source and the metrics file's directory, before anything is built."""
+    data = os.fspath(cfg.data)
+    if not (data == "stdlib" or data.startswith("stdlib:")) and not os.path.isfile(data):
+        raise ValueError(f"--data: {data!r} is not a file (give a text file, a .bin token file, "
+                         f"or 'stdlib')")
+    if cfg.metrics_file:
+        parent = os.path.dirname(os.path.abspath(cfg.metrics_file))
+        if not os.path.isdir(parent):
+            raise ValueError(f"--metrics: the directory {parent} of {cfg.metrics_file!r} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise ValueError(f"--metrics: cannot write {cfg.metrics_file!r}: {parent} is not writable")
 
 
 def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
@@ -96,11 +128,11 @@ def make_config(args: argparse.Namespace, world_size: int = 1):
     if args.config:
         base = _layer_file(base, args.config)
     if args.deepspeed_config:
-        mesh = parse_mesh(args.mesh) if args.mesh else base.mesh
+        mesh = parse_mesh(args.mesh) if args.mesh is not None else base.mesh
         ds = C.from_deepspeed(args.deepspeed_config, data_parallel_size=mesh.get("data", 1))
         base = _layer_deepspeed(base, ds)
     flags: dict[str, Any] = {}
-    if args.mesh:
+    if args.mesh is not None:
         flags["mesh"] = parse_mesh(args.mesh)
     for flag, key in (("steps", "steps"), ("batch", "micro_batch_size"), ("accum", "grad_accum_steps"),
                       ("seq_len", "seq_len"), ("precision", "precision"), ("optimizer", "optimizer.name"),
@@ -285,6 +317,8 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
 
     dist_on = fs.distributed.is_initialized()
     main_rank = fs.distributed.rank() == 0
+    check_mesh_axes(cfg.mesh)
+    check_paths(cfg)
     mesh = fs.Mesh(cfg.mesh)
     tokens = fs.data.load_tokens(cfg.data)
     mcfg = build_model_config(cfg, tokens.vocab_size)
@@ -329,7 +363,8 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
               f"{mesh!r} on the {'distributed' if dist_on else 'virtual'} backend, "
               f"batch {global_batch}x{mcfg.seq_len}, {cfg.steps} steps, {cfg.precision}"
               + (f", ZeRO-{cfg.zero_stage}" if cfg.zero_stage else ""), flush=True)
-    metrics_f = open(cfg.metrics_file, "w") if (cfg.metrics_file and main_rank) else None  # noqa: SIM115
+    # Line-buffered: a killed run keeps every record but the one being written.
+    metrics_f = open(cfg.metrics_file, "w", buffering=1) if (cfg.metrics_file and main_rank) else None  # noqa: SIM115
     bar = _Progress(cfg.steps, progress, cfg.log_every, main_rank)
     tok_per_step = global_batch * mcfg.seq_len
     losses: list[float] = []

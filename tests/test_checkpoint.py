@@ -627,6 +627,17 @@ def test_load_without_a_template_rebuilds_the_tree_from_the_manifest(tmp_path):
         fs.checkpoint.tree_like(tmp_path / "ck", "nope")
 
 
+def test_waiting_ranks_read_a_renamed_temporary_directory_as_not_failed(tmp_path):
+    # A rank polling for rank 0's rename may look at the temporary directory just as it is
+    # renamed into place: that is not a failure (it raised FileNotFoundError once).
+    from fsharded import checkpoint as ck
+
+    assert ck._failed_markers(str(tmp_path / "gone.tmp-0000")) == []
+    (tmp_path / "ck.tmp-1").mkdir()
+    (tmp_path / "ck.tmp-1" / "failed-00001").write_text("OSError: disk full")
+    assert ck._failed_markers(str(tmp_path / "ck.tmp-1")) == ["failed-00001"]
+
+
 def test_async_save_cut_short_while_staging_publishes_nothing(tmp_path):
     """A copy that fails in the caller (here a leaf whose detach raises) is raised there,
     and the writer, seeing the queue end early, publishes no checkpoint."""

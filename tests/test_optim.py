@@ -462,3 +462,25 @@ def test_state_specs():
     clip_s, (adam_s, _, lr_s) = ss.inner_state
     assert clip_s.norm == P() and adam_s.mu == specs and adam_s.nu == specs
     assert adam_s.count == P() and lr_s.count == P()
+
+
+def test_hyper_parameters_are_checked_at_construction():
+    nan, inf = float("nan"), float("inf")
+    cases = [
+        (lambda: fs.optim.adamw(nan), r"lr must be a finite number >= 0, got nan"),
+        (lambda: fs.optim.adamw(-1.0), r"lr must be a finite number >= 0, got -1\.0"),
+        (lambda: fs.optim.adam(1e-3, b1=1.0), r"b1 must be a finite number in \[0, 1\), got 1\.0"),
+        (lambda: fs.optim.adamw(1e-3, b2=nan), r"b2 must be a finite number in \[0, 1\)"),
+        (lambda: fs.optim.adamw(1e-3, eps=-1e-8), r"eps must be a finite number >= 0"),
+        (lambda: fs.optim.adamw(1e-3, weight_decay=inf), r"weight_decay must be a finite number >= 0, got inf"),
+        (lambda: fs.optim.lion(1e-4, b1=-0.1), r"scale_by_lion: b1"),
+        (lambda: fs.optim.sgd(0.1, momentum=nan), r"sgd: momentum must be a finite number >= 0"),
+        (lambda: fs.optim.sgd(0.1, momentum=0.9, dampening=2.0), r"sgd: dampening must be a finite number in \[0, 1\]"),
+        (lambda: fs.optim.lamb(1e-3, eps=nan), r"eps must be a finite number"),
+    ]
+    for make, match in cases:
+        with pytest.raises(ValueError, match=match):
+            make()
+    with pytest.raises(TypeError, match="lr must be a float or a schedule"):
+        fs.optim.adamw(True)
+    fs.optim.adamw(0.0), fs.optim.sgd(1, momentum=0.9, dampening=1.0)  # edges that torch.optim takes too

@@ -136,3 +136,38 @@ def test_a_diverged_fp16_run_exits_non_zero():
               "--lr", "1e30", "--steps", "60"])
     assert r.returncode == 1, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert "loss scale at its minimum" in r.stderr and "diverged" in r.stderr
+
+
+def test_mesh_and_path_mistakes_are_named_before_anything_is_built(tmp_path):
+    cases = [
+        (["--mesh", "data=2,tensr=2"], 1, "mesh axis 'tensr' is not one fsharded train shards over (data, tensor); "
+                                          "did you mean 'tensor'?"),
+        (["--mesh", "data=2,data=1"], 2, "axis 'data' given twice"),
+        (["--mesh", ""], 2, "expected AXIS=SIZE"),
+        (["--mesh", "data=0"], 2, "sizes are >= 1"),
+        (["--data", str(tmp_path / "nonexistent.txt")], 1, "nonexistent.txt' is not a file"),
+        (["--metrics", str(tmp_path / "no" / "dir" / "m.jsonl")], 1, "does not exist"),
+    ]
+    for extra, rc, message in cases:
+        r = _run([sys.executable, "-m", "fsharded", "train", "--preset", "tiny", "--steps", "1", *extra])
+        assert r.returncode == rc and message in r.stderr, (extra, r.returncode, r.stderr[-1500:])
+        assert "Traceback" not in r.stderr and "GPT" not in r.stdout  # refused before the model
+
+
+def test_metrics_reach_the_disk_line_by_line(tmp_path):
+    import signal
+
+    m = tmp_path / "m.jsonl"
+    p = subprocess.Popen([sys.executable, "-m", "fsharded", "train", "--preset", "tiny", "--steps", "100000",
+                          "--set", "log_every=1", "--metrics", str(m)], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True, env=ENV)
+    try:
+        for line in p.stdout:  # the progress line of step 6 is printed after step 5's record
+            if line.startswith("step     6"):
+                break
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        p.kill()
+        p.wait()
+    recs = [json.loads(x) for x in m.read_text().splitlines()[:5]]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]  # a block-buffered file would be empty

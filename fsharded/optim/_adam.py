@@ -12,6 +12,7 @@ from fsharded.optim._base import (
     Optimizer,
     ScalarOrSchedule,
     chain,
+    check_hyper,
     is_donating,
     plain,
     scale_by_learning_rate,
@@ -45,6 +46,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     added after dividing ``sqrt(v)`` by ``sqrt(1 - b2**t)``.
     """
     _check_betas("scale_by_adam", b1, b2)
+    check_hyper("scale_by_adam", "eps", eps)
 
     def init(params):
         zeros = lambda p: torch.zeros_like(p)  # noqa: E731
@@ -99,9 +101,8 @@ def _adam_foreach(updates, state, count, b1, b2, eps):
 
 
 def _check_betas(who: str, *betas: float) -> None:
-    for b in betas:
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"{who}: betas must be in [0, 1), got {b!r}")
+    for name, b in zip(("b1", "b2"), betas):
+        check_hyper(who, name, b, high=1.0)
 
 
 def adamw(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -211,6 +212,18 @@ def scale(factor: float) -> GradientTransformation:
 # -- learning rates --------------------------------------------------------------------
 
 
+def check_hyper(who: str, name: str, value: Any, *, low: float = 0.0, high: float | None = None,
+                closed_high: bool = False) -> None:
+    """A hyper-parameter must be a finite real number in [low, high) (``closed_high``:
+    [low, high]); raises naming the function and the argument (torch.optim's ranges)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and value >= low and (high is None or (value <= high if closed_high else value < high))
+    if not ok:
+        rng = f"[{low:g}, {high:g}{']' if closed_high else ')'}" if high is not None else f">= {low:g}"
+        raise ValueError(f"{who}: {name} must be a finite number {'in ' if high is not None else ''}"
+                         f"{rng}, got {value!r}")
+
+
 def as_schedule(lr: ScalarOrSchedule) -> Schedule:
     """A float becomes a constant schedule; a callable is returned as is."""
     if callable(lr):
@@ -220,8 +233,9 @@ def as_schedule(lr: ScalarOrSchedule) -> Schedule:
             "lr must be a Python float or a schedule (step -> lr tensor), not a tensor: a tensor "
             "captured here would be frozen into the optimizer. Use fsharded.optim.constant(x)."
         )
-    if not isinstance(lr, (int, float)):
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool):
         raise TypeError(f"lr must be a float or a schedule callable, got {type(lr).__name__}")
+    check_hyper("optimizer", "lr", lr)
     return constant(lr)
 
 

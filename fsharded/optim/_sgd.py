@@ -15,6 +15,7 @@ from fsharded.optim._base import (
     Schedule,
     as_schedule,
     chain,
+    check_hyper,
     scale_by_learning_rate,
 )
 from fsharded.optim._weight_decay import add_decayed_weights
@@ -67,8 +68,8 @@ def sgd(
 
     >>> opt = sgd(0.1, momentum=0.9, nesterov=True)
     """
-    if momentum < 0.0:
-        raise ValueError(f"sgd: momentum must be >= 0, got {momentum!r}")
+    check_hyper("sgd", "momentum", momentum)
+    check_hyper("sgd", "dampening", dampening, high=1.0, closed_high=True)
     if nesterov and (momentum <= 0.0 or dampening != 0.0):
         raise ValueError("sgd: nesterov needs momentum > 0 and dampening == 0 (as in torch.optim.SGD)")
     parts = [add_decayed_weights(weight_decay)]

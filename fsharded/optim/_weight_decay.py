@@ -11,7 +11,7 @@ import optree
 import torch
 
 from fsharded._tree import tree_flatten_with_paths, tree_map_with_path
-from fsharded.optim._base import EmptyState, GradientTransformation, _foreach_ok
+from fsharded.optim._base import EmptyState, GradientTransformation, _foreach_ok, check_hyper
 
 __all__ = ["decay_mask", "add_decayed_weights", "Mask"]
 
@@ -76,6 +76,7 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: Mask | None = None) -> 
     ``weight_decay``); after them and before the learning rate it is decoupled decay
     (``AdamW``: ``p <- p - lr * wd * p``).
     """
+    check_hyper("add_decayed_weights", "weight_decay", weight_decay)
 
     def update(updates, state, params=None):
         if weight_decay == 0.0:
