@@ -159,6 +159,7 @@ class TrainStep:
             raise ValueError(f"train_step: on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
         self.skipped_nonfinite = 0  # steps skipped for non-finite numbers (on_nonfinite="skip")
+        self._warned_zero_grads = False
         self.backend = backend
         if donate and self.policy.loss_scaling:
             raise ValueError(
@@ -220,6 +221,16 @@ class TrainStep:
     def init(self, params: Any) -> TrainState:
         """State for global ``params``: master copies laid out by the placement (this
         rank's shards on the distributed backend), optimizer state, loss scale."""
+        paths, leaves, _ = _tree.tree_flatten_with_paths(params)
+        bad = [f"  {p}: {x.dtype}" for p, x in zip(paths, leaves)
+               if isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex())]
+        if bad:
+            raise ValueError(
+                "train_step.init: parameters must be floating-point tensors (they are "
+                "differentiated and updated); these are not:\n" + "\n".join(bad[:8])
+                + ("\n  ..." if len(bad) > 8 else "")
+                + "\nKeep integer tensors (ids, masks, counters) out of the parameter tree: pass "
+                  "them in the batch or close over them in the loss")
         pl = self.placement(params)
         master = cast_tree(optree.tree_map(lambda x: x.detach().clone(), params), self.policy.master_dtype)
         if self.distributed:
@@ -412,16 +423,22 @@ class TrainStep:
                 self._agreed.add(key)
         with torch.no_grad():
             new_state, metrics = sm.local(state, batch)
-        if self.check_finite and state.loss_scale is None:
+        if self.check_finite:
             loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])
-            if not (math.isfinite(loss) and math.isfinite(gnorm)):
+            if state.loss_scale is not None:
+                _check_scale(new_state.loss_scale, int(state.step))
+            elif not (math.isfinite(loss) and math.isfinite(gnorm)):
                 if self.on_nonfinite == "skip":
                     self.skipped_nonfinite += 1
                     metrics["skipped"] = torch.tensor(self.skipped_nonfinite)
                     return state._replace(step=state.step + 1), metrics
                 self._raise_nonfinite(state, batch, loss, gnorm)
-        elif self.check_finite and state.loss_scale is not None:
-            _check_scale(new_state.loss_scale, int(state.step))
+            if gnorm == 0.0 and math.isfinite(loss) and not self._warned_zero_grads:
+                self._warned_zero_grads = True
+                warnings.warn(
+                    f"train_step: every gradient is exactly zero at step {int(state.step) + 1}: the loss "
+                    f"probably does not depend on the parameters (detached, computed under "
+                    f"torch.no_grad, or from the batch alone), so nothing trains", stacklevel=2)
         tokens = _count_tokens(batch)
         if tokens is not None:  # host wall time of the step (the finite check above synced)
             metrics["tokens_per_s"] = torch.tensor(tokens / max(time.perf_counter() - t0, 1e-9))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import warnings
 
@@ -198,11 +199,11 @@ def test_unknown_keys_warn_by_path_and_auto_counts_as_unset():
     ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
           "gradient_clipping": "auto", "my_typo": 1, "tensorboard": {"enabled": True, "output_path": "x"},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "bogus": 3}},
-          "fp16": {"enabled": False, "loss_scal": 0}}
+          "fp16": {"enabled": False}}
     with pytest.warns(ConfigWarning) as rec:
         cfg = from_deepspeed(ds)
     msg = "\n".join(str(w.message) for w in rec)
-    for path in ("my_typo = 1", "tensorboard", "optimizer.params.bogus = 3", "fp16.loss_scal = 0"):
+    for path in ("my_typo = 1", "tensorboard", "optimizer.params.bogus = 3"):
         assert path in msg
     assert "tensorboard.enabled" not in msg  # a block nothing was read from is named once
     assert "treated as unset: train_batch_size, gradient_clipping" in msg
@@ -394,3 +395,42 @@ def test_override_errors_list_every_bad_key():
         apply_overrides(TrainConfig(), {"steps": "0"})
     with pytest.raises(ValueError, match="expected key=value"):
         parse_overrides(["optimizer.lr"])
+
+
+def test_misspelt_keys_inside_known_deepspeed_blocks_are_errors_with_a_suggestion():
+    base = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4}
+    for block, want in [({"zero_optimization": {"stgae": 2}}, "zero_optimization.stgae: not a key fsharded "
+                         "reads; did you mean zero_optimization.stage?"),
+                        ({"fp16": {"enabeld": True}}, "did you mean fp16.enabled?"),
+                        ({"fp16": {"enabled": True, "loss_scal": 0}}, "did you mean fp16.loss_scale?"),
+                        ({"optimizer": {"type": "Adam", "params": {"lr": 1e-4, "betas1": [0.9, 0.99]}}},
+                         "did you mean optimizer.params.betas?")]:
+        with pytest.raises(ValueError, match=re.escape(want)):
+            from_deepspeed({**base, **block}, data_parallel_size=2)
+    # An unrelated unknown key is still only a warning, by its full path.
+    with pytest.warns(ConfigWarning, match=r"zero_optimization.offload_everything = True"):
+        cfg = from_deepspeed({**base, "zero_optimization": {"stage": 2, "offload_everything": True}},
+                             data_parallel_size=2)
+    assert cfg.zero_stage == 2
+
+
+def test_auto_is_explained_where_it_breaks_the_batch():
+    with pytest.raises(ValueError, match=r'(?s)train_batch_size 8 !=.*"auto" in train_micro_batch_size_per_gpu: a '
+                                         r"Hugging Face Trainer placeholder, read as unset; give a number"):
+        from_deepspeed({"train_batch_size": 8, "train_micro_batch_size_per_gpu": "auto",
+                        "gradient_accumulation_steps": 3}, data_parallel_size=2)
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"", r"is empty"), (b'{"a": 1,}', r"is not valid JSON"), (b"\xff\xfe\x00", r"not UTF-8 text"),
+    (b"[1]", r"expected a JSON object at the top level, got list")])
+def test_bad_config_files_are_named(tmp_path, content, message):
+    p = tmp_path / "cfg.json"
+    p.write_bytes(content)
+    for read in (from_deepspeed, load_config):
+        with pytest.raises(ValueError, match=rf"config {re.escape(str(p))}:? .*{message}|config {re.escape(str(p))}: {message}"):
+            read(p)
+    t = tmp_path / "cfg.toml"
+    t.write_bytes(b"steps = = 3")
+    with pytest.raises(ValueError, match=rf"config {re.escape(str(t))} is not valid TOML"):
+        load_config(t)

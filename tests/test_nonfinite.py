@@ -100,3 +100,25 @@ def test_a_diverged_fp16_run_stops_at_the_minimum_scale():
     # Every step skipped on the way down from 2**16 (hysteresis 2), the parameters intact.
     assert skipped == list(range(1, len(skipped) + 1)) and 15 <= len(skipped) < 60
     assert torch.equal(state.params["w"], torch.ones(4))
+
+
+def test_a_loss_that_does_not_depend_on_the_parameters_warns_once():
+    def detached(p, b):
+        return (p["w"].detach() * b["x"]).sum()
+
+    step = fs.train_step(detached, fs.optim.sgd(0.1), mesh=fs.Mesh({"data": 2}), param_specs=P())
+    state = step.init({"w": torch.ones(3)})
+    batch = {"x": torch.ones(4, 3)}
+    with pytest.warns(UserWarning, match=r"every gradient is exactly zero at step 1: the loss probably does not"):
+        state, m = step(state, batch)
+    assert float(m["grad_norm"]) == 0.0
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        step(state, batch)
+
+
+def test_integer_parameters_are_refused_with_their_paths():
+    step = fs.train_step(lambda p, b: p["w"].sum(), fs.optim.sgd(0.1), mesh=fs.Mesh({"data": 1}))
+    with pytest.raises(ValueError, match=r"(?s)must be floating-point tensors.*  ids: torch.int64.*in the batch"):
+        step.init({"w": torch.ones(2), "ids": torch.arange(3)})

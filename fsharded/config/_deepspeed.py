@@ -71,7 +71,7 @@ class _Reader:
     errors (with the path) and ``"auto"`` placeholders."""
 
     def __init__(self, d: dict) -> None:
-        self.d, self.used = d, set()
+        self.d, self.used, self.asked = d, set(), set()
         self.errors: list[str] = []
         self.auto: list[str] = []
         self.notes: list[str] = []
@@ -87,6 +87,7 @@ class _Reader:
         return node, last
 
     def has(self, path: str) -> bool:
+        self.asked.add(path)
         node, last = self._node(path)
         return isinstance(node, Mapping) and last in node
 
@@ -112,6 +113,28 @@ class _Reader:
         """A setting fsharded only has at its default: listed as ignored otherwise."""
         if self.get(path, type(default), default) != default:
             self.used.discard(path)
+
+    def misspelt(self) -> list[str]:
+        """Unread keys inside blocks fsharded reads that look like a key it reads there
+        (``zero_optimization.stgae``): the setting meant would be dropped silently."""
+        import difflib
+
+        out = []
+
+        def walk(node: Mapping, prefix: str) -> None:
+            for k, v in node.items():
+                path = f"{prefix}{k}"
+                if isinstance(v, Mapping):
+                    walk(v, path + ".")
+                elif path not in self.used and path not in self.asked:  # (asked: read, value ignored)
+                    known = sorted({a[len(prefix):] for a in self.asked
+                                    if a.startswith(prefix) and "." not in a[len(prefix):]})
+                    near = difflib.get_close_matches(str(k), known, n=1, cutoff=0.75)
+                    if near:
+                        out.append(f"  {path}: not a key fsharded reads; did you mean {prefix}{near[0]}?")
+
+        walk(self.d, "")
+        return out
 
     def unused(self) -> list[str]:
         def walk(node: Mapping, prefix: str) -> tuple[list[str], bool]:
@@ -145,11 +168,10 @@ def _load_deepspeed(ds_config: Mapping | str | Path) -> dict:
             raise FileNotFoundError(f"DeepSpeed config {path} does not exist")
         try:
             return _read_json(path)
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"DeepSpeed config {path} is not valid JSON ({e}); DeepSpeed also reads hjson "
-                "(comments, trailing commas), fsharded reads strict JSON"
-            ) from None
+        except ValueError as e:
+            hint = ("; DeepSpeed also reads hjson (comments, trailing commas), fsharded reads strict "
+                    "JSON") if "not valid JSON" in str(e) else ""
+            raise ValueError(f"DeepSpeed {e}{hint}") from None
     raise TypeError(f"ds_config: expected a dict, a JSON string or a path, got {ds_config!r}")
 
 
@@ -208,6 +230,10 @@ def from_deepspeed(
             )
         except ValueError as e:
             r.errors.append(f"  {', '.join(_DS_BATCH)}: {e}")
+    r.errors += r.misspelt()
+    if r.errors and r.auto:
+        r.errors.append(f"  (\"auto\" in {', '.join(r.auto)}: a Hugging Face Trainer placeholder, read "
+                        f"as unset; give a number instead)")
     if r.errors:
         raise ValueError("invalid DeepSpeed config:\n" + "\n".join(r.errors))
     if r.auto:

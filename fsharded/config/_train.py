@@ -549,8 +549,16 @@ def _read_toml(path: Path) -> dict:
                 f"reading {path} needs tomllib (Python 3.11+) or the 'tomli' package "
                 "(pip install tomli); or write the config as JSON"
             ) from None
-    with open(path, "rb") as f:
-        return tomllib.load(f)
+    try:
+        with open(path, "rb") as f:
+            d = tomllib.load(f)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config {path}: not UTF-8 text ({e})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config {path} is not valid TOML ({e})") from None
+    if not d:
+        raise ValueError(f"config {path} is empty: it sets nothing")
+    return d
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
@@ -563,8 +571,23 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
 
 
 def _read_json(path: Path) -> dict:
-    with open(path) as f:
-        return json.load(f, object_pairs_hook=_no_duplicates)
+    """A JSON object from ``path``; every failure names the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config {path}: not UTF-8 text ({e}); a config is a JSON or TOML file") from None
+    if not text.strip():
+        raise ValueError(f"config {path} is empty: a JSON config is an object, {{...}}")
+    try:
+        d = json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config {path} is not valid JSON ({e})") from None
+    except ValueError as e:  # a duplicate key
+        raise ValueError(f"config {path}: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"config {path}: expected a JSON object at the top level, got {type(d).__name__}")
+    return d
 
 
 def read_file(path: str | Path) -> dict:
