@@ -10,9 +10,14 @@
 //
 // Every rank also publishes what it is doing (operation, dtype, element count) with each
 // round, and checks that every rank does the same: ranks calling different collectives get
-// an error on every rank, never each other's data. Waiting spins briefly, then yields, then
-// sleeps (checking for Ctrl-C), and gives up with an error after the timeout (a dead rank).
-// After an error the segment refuses further use. One collective at a time per segment.
+// an error on every rank, never each other's data. So does the call site the caller passes
+// (a fingerprint of where in the program the collective was issued), so that two collectives
+// of the same shape reached from different places are an error, not a swapped result.
+// Waiting spins briefly, then yields, then sleeps ever longer (up to 1 ms; checking for
+// Ctrl-C), watches the process of the rank it waits for (each rank publishes its pid): a
+// rank that exited or died is an error naming it within ~0.1 s, and a rank that is alive but
+// never arrives is an error after the timeout. After an error the segment refuses further
+// use. One collective at a time per segment.
 
 #include <torch/extension.h>
 #include <ATen/OpMathType.h>
@@ -28,8 +33,11 @@
 #include <sched.h>
 #include <stdexcept>
 #include <string>
+#include <csignal>
+#include <cstdio>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/types.h>
 #include <thread>
 #include <unistd.h>
 
@@ -49,8 +57,26 @@ constexpr size_t kHeader = 2 * kMaxWorld * kLine;
 struct alignas(64) Counter {
   std::atomic<uint64_t> value;
   std::atomic<uint64_t> desc[2];  // what the rank does in rounds of each parity
-  char pad[kLine - 3 * sizeof(std::atomic<uint64_t>)];
+  std::atomic<uint64_t> site[2];  // where in the program it was called from
+  std::atomic<int64_t> pid;       // the rank's process (arrive counters only)
+  char pad[kLine - 6 * sizeof(std::atomic<uint64_t>)];
 };
+
+// Whether process `pid` still runs (a zombie has exited: its parent has not reaped it yet).
+bool process_alive(int64_t pid) {
+  if (pid <= 0) return true;  // not published: nothing to watch
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return true;  // no procfs: kill() said it exists
+  char buf[512];
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* close = std::strrchr(buf, ')');  // "pid (comm) S ...": the state after the name
+  return !(close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X'));
+}
 
 enum Op : uint64_t { kSum = 1, kMax, kGather, kScatter, kAllToAll, kBarrier };
 
@@ -109,6 +135,7 @@ class ShmComm {
     if (p == MAP_FAILED) fail("cannot map segment");
     close(fd);
     base_ = static_cast<char*>(p);
+    arrive_at(rank_)->pid.store(static_cast<int64_t>(getpid()), std::memory_order_release);
   }
 
   ~ShmComm() {
@@ -123,8 +150,9 @@ class ShmComm {
 
   // In place; a sum is then divided by `divisor` (a mean), rounded as torch rounds
   // `psum(x) / n`: the sum to the tensor's dtype first, then the quotient.
-  void all_reduce_(torch::Tensor& t, bool max, double divisor) {
+  void all_reduce_(torch::Tensor& t, bool max, double divisor, uint64_t site) {
     std::lock_guard<std::mutex> lock(mu_);
+    site_ = site;
     check(t, "all_reduce");
     TORCH_CHECK(divisor == 1.0 || at::isFloatingType(t.scalar_type()),
                 "shm all_reduce: a divisor needs a floating-point tensor");
@@ -144,8 +172,9 @@ class ShmComm {
   }
 
   // out (world * m) <- every rank's x (m), in rank order.
-  void all_gather(const torch::Tensor& x, torch::Tensor& out) {
+  void all_gather(const torch::Tensor& x, torch::Tensor& out, uint64_t site) {
     std::lock_guard<std::mutex> lock(mu_);
+    site_ = site;
     check(x, "all_gather");
     check(out, "all_gather");
     TORCH_CHECK(x.scalar_type() == out.scalar_type() && out.numel() == x.numel() * world_,
@@ -168,8 +197,9 @@ class ShmComm {
   }
 
   // out (m) <- sum over ranks of block `rank` of x (world * m).
-  void reduce_scatter(const torch::Tensor& x, torch::Tensor& out) {
+  void reduce_scatter(const torch::Tensor& x, torch::Tensor& out, uint64_t site) {
     std::lock_guard<std::mutex> lock(mu_);
+    site_ = site;
     check(x, "reduce_scatter");
     check(out, "reduce_scatter");
     TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.numel() == out.numel() * world_,
@@ -190,8 +220,9 @@ class ShmComm {
   }
 
   // out block j (m elements) <- block `rank` of rank j's x (world * m).
-  void all_to_all(const torch::Tensor& x, torch::Tensor& out) {
+  void all_to_all(const torch::Tensor& x, torch::Tensor& out, uint64_t site) {
     std::lock_guard<std::mutex> lock(mu_);
+    site_ = site;
     check(x, "all_to_all");
     check(out, "all_to_all");
     TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.numel() == out.numel() &&
@@ -216,6 +247,7 @@ class ShmComm {
 
   void barrier() {
     std::lock_guard<std::mutex> lock(mu_);
+    site_ = 0;
     TORCH_CHECK(!broken_, "fsharded shared-memory collectives: segment ", name_, " is unusable (",
                 broken_why_, ")");
     begin_round();
@@ -246,38 +278,55 @@ class ShmComm {
     TORCH_CHECK(t.is_contiguous(), "shm ", op, ": contiguous tensors only");
   }
 
-  void wait_ge(const Counter* c, uint64_t v, const char* what) {
+  // Wait until rank j's counter `c` reaches round v (`what` the rank is to do there).
+  void wait_ge(const Counter* c, uint64_t v, const char* what, int64_t j) {
     if (c->value.load(std::memory_order_acquire) >= v) return;
     auto start = std::chrono::steady_clock::now();
+    double next_check = 0.1;  // seconds: Ctrl-C, the peer's process, the timeout
     for (uint64_t spins = 1;; ++spins) {
       if (c->value.load(std::memory_order_acquire) >= v) return;
       if (spins < 4096) {
         FSH_PAUSE();
-      } else if (spins < 65536) {
+        continue;
+      }
+      if (spins < 16384) {
         sched_yield();
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-        if ((spins & 2047) == 0) {  // ~0.1 s: let Ctrl-C through
-          py::gil_scoped_acquire gil;
-          if (PyErr_CheckSignals() != 0) {
-            broken_ = true;
-            broken_why_ = "interrupted";
-            throw py::error_already_set();
-          }
+        continue;
+      }
+      const double waited =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      // Longer waits sleep longer (a rank computing while the others wait costs little CPU).
+      std::this_thread::sleep_for(std::chrono::microseconds(waited < 0.01 ? 50 : waited < 0.1 ? 200 : 1000));
+      if (waited < next_check) continue;
+      next_check = waited + 0.1;
+      {
+        py::gil_scoped_acquire gil;
+        if (PyErr_CheckSignals() != 0) {
+          broken_ = true;
+          broken_why_ = "interrupted";
+          throw py::error_already_set();
         }
       }
-      if ((spins & 1023) == 0) {
-        double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        if (waited > timeout_s_) {
-          broken_ = true;
-          broken_why_ = "a timeout";
-          throw std::runtime_error(
-              std::string("fsharded shared-memory collectives: rank ") + std::to_string(rank_) +
-              " waited " + std::to_string(static_cast<int>(waited)) + " s for the other ranks to " +
-              what + " round " + std::to_string(v) + " of segment " + name_ +
-              "; a rank died or the ranks called different collectives (set FSHARDED_SHM=0 to "
-              "use gloo's own transport)");
-        }
+      const int64_t pid = arrive_at(j)->pid.load(std::memory_order_acquire);
+      if (c->value.load(std::memory_order_acquire) < v && !process_alive(pid)) {
+        broken_ = true;
+        broken_why_ = "rank " + std::to_string(j) + " exited";
+        throw std::runtime_error(
+            std::string("fsharded shared-memory collectives: rank ") + std::to_string(j) + " (pid " +
+            std::to_string(pid) + ") exited or died while rank " + std::to_string(rank_) +
+            " waited for it to " + what + " " + op_name(desc_ >> 56) + " (round " + std::to_string(v) +
+            " of segment " + name_ + ", after " + std::to_string(static_cast<int>(waited)) + " s)");
+      }
+      if (waited > timeout_s_) {
+        broken_ = true;
+        broken_why_ = "a timeout";
+        throw std::runtime_error(
+            std::string("fsharded shared-memory collectives: rank ") + std::to_string(rank_) +
+            " waited " + std::to_string(static_cast<int>(waited)) + " s (the timeout) for rank " +
+            std::to_string(j) + " to " + what + " " + op_name(desc_ >> 56) + " (round " +
+            std::to_string(v) + " of segment " + name_ + "); rank " + std::to_string(j) +
+            " is alive but did not arrive: it is stuck, or running other collectives (set "
+            "FSHARDED_SHM=0 to use gloo's own transport)");
       }
     }
   }
@@ -288,16 +337,18 @@ class ShmComm {
     ++round_;
     buf_ = static_cast<int>(round_ % 2);
     if (round_ > 2) {
-      for (int64_t j = 0; j < world_; ++j) wait_ge(depart_at(j), round_ - 2, "finish");
+      for (int64_t j = 0; j < world_; ++j) wait_ge(depart_at(j), round_ - 2, "finish", j);
     }
     return slot(buf_, rank_);
   }
 
   void arrive_and_wait(uint64_t desc) {
     Counter* me = arrive_at(rank_);
+    desc_ = desc;
     me->desc[round_ % 2].store(desc, std::memory_order_relaxed);
+    me->site[round_ % 2].store(site_, std::memory_order_relaxed);
     me->value.store(round_, std::memory_order_release);
-    for (int64_t j = 0; j < world_; ++j) wait_ge(arrive_at(j), round_, "reach");
+    for (int64_t j = 0; j < world_; ++j) wait_ge(arrive_at(j), round_, "reach", j);
     // Rank j's description of this round: it cannot be overwritten before this rank departs.
     for (int64_t j = 0; j < world_; ++j) {
       const uint64_t theirs = arrive_at(j)->desc[round_ % 2].load(std::memory_order_relaxed);
@@ -313,6 +364,20 @@ class ShmComm {
             std::to_string(theirs & ((uint64_t{1} << 48) - 1)) + " elements (dtype " +
             std::to_string((theirs >> 48) & 0xff) + "); every rank of a group must issue the "
             "same collectives in the same order");
+      }
+      const uint64_t where = arrive_at(j)->site[round_ % 2].load(std::memory_order_relaxed);
+      if (where != site_) {
+        depart();
+        broken_ = true;
+        broken_why_ = "the ranks called collectives from different places";
+        throw std::runtime_error(
+            std::string("fsharded shared-memory collectives: rank ") + std::to_string(rank_) +
+            " and rank " + std::to_string(j) + " both called " + op_name(desc >> 56) + " of " +
+            std::to_string(desc & ((uint64_t{1} << 48) - 1)) + " elements, but from different "
+            "places in the program (call-site fingerprints " + std::to_string(site_) + " and " +
+            std::to_string(where) + "): a rank skipped or added a collective, so the results would "
+            "be another collective's; every rank must issue the same collectives in the same order "
+            "(FSHARDED_SHM_SITES=0 turns this check off)");
       }
     }
   }
@@ -370,6 +435,8 @@ class ShmComm {
   size_t size_ = 0;
   char* base_ = nullptr;
   uint64_t round_ = 0;
+  uint64_t desc_ = 0;  // the collective running (for messages)
+  uint64_t site_ = 0;  // where it was called from
   int buf_ = 0;
   bool broken_ = false;
   std::string broken_why_;
@@ -387,13 +454,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unlink", &ShmComm::unlink)
       .def("slot_bytes", &ShmComm::slot_bytes)
       .def("all_reduce_", &ShmComm::all_reduce_, py::arg("tensor"), py::arg("max") = false,
-           py::arg("divisor") = 1.0,
+           py::arg("divisor") = 1.0, py::arg("site") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def("all_gather", &ShmComm::all_gather, py::arg("input"), py::arg("output"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("site") = 0, py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter", &ShmComm::reduce_scatter, py::arg("input"), py::arg("output"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("site") = 0, py::call_guard<py::gil_scoped_release>())
       .def("all_to_all", &ShmComm::all_to_all, py::arg("input"), py::arg("output"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("site") = 0, py::call_guard<py::gil_scoped_release>())
       .def("barrier", &ShmComm::barrier, py::call_guard<py::gil_scoped_release>());
 }

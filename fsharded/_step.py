@@ -421,8 +421,14 @@ class TrainStep:
                     schedule = _schedule.dry_run(sm.local, state, batch)
                 _schedule.agree(schedule, "train_step")
                 self._agreed.add(key)
-        with torch.no_grad():
-            new_state, metrics = sm.local(state, batch)
+        try:
+            with torch.no_grad():
+                new_state, metrics = sm.local(state, batch)
+        except RuntimeError as e:
+            if not self.distributed:
+                raise
+            # A rank that died, timed out or ran other collectives: say which step it was.
+            raise RuntimeError(f"train_step: step {int(state.step) + 1} on rank {dist.get_rank()}: {e}") from e
         if self.check_finite:
             loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])
             if state.loss_scale is not None:

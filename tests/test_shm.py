@@ -5,6 +5,9 @@ than a slot (many rounds), results identical on every rank, and the clear errors
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -121,7 +124,8 @@ def _one_rank_missing() -> str:
     g = distributed.axis_group(fs.Mesh({"data": 2}), ("data",))
     assert _shm.comm_for(torch.zeros(1), g) is not None
     if dist.get_rank() == 1:
-        return "skipped"  # this rank never joins the all-reduce
+        time.sleep(5)  # alive, but never joins the all-reduce
+        return "skipped"
     try:
         _shm.all_reduce_(torch.ones(4), "sum", g)
     except RuntimeError as e:
@@ -139,8 +143,90 @@ def test_a_rank_that_never_arrives_is_a_clear_error():
     msg, other = run_on_ranks(_one_rank_missing, 2)
     assert other == "skipped"
     first, again = msg.split(" | ")
-    assert "waited" in first and "rank 0" in first and "FSHARDED_SHM=0" in first
+    assert "rank 0 waited 2 s (the timeout) for rank 1 to reach all_reduce(sum)" in first
+    assert "alive but did not arrive" in first and "FSHARDED_SHM=0" in first
     assert "earlier collective" in again and "out of step" in again
+
+
+FAULTS = os.path.join(os.path.dirname(__file__), "shm_faults.py")
+
+
+def _two_ranks(scenario: str, timeout_s: float = 60.0) -> list[subprocess.CompletedProcess]:
+    """Run tests/shm_faults.py SCENARIO as 2 ranks started directly (no torchrun to kill
+    the survivors): every rank must end on its own."""
+    from fsharded.testing._launch import free_port
+
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, FAULTS, scenario], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout_s)  # a hang fails the test here
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("fsharded-")} if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_a_rank_that_exits_or_dies_is_named_by_the_survivor_within_seconds(how):
+    before = _segments()
+    t0 = time.monotonic()
+    r0, r1 = _two_ranks(how)
+    assert time.monotonic() - t0 < 30  # start-up included; the wait itself is below
+    assert r1.returncode == (0 if how == "exit" else -9)
+    assert r0.returncode == 0, r0.stderr[-3000:]
+    msg, waited = r0.stdout.strip().rsplit(" | ", 1)
+    assert "rank 1 (pid" in msg and "exited or died while rank 0 waited for it to reach all_reduce(sum)" in msg
+    assert float(waited) < 5.0  # detected from its process, not after the 60 s timeout
+    assert _segments() <= before, "a segment was left in /dev/shm"
+
+
+def test_a_training_run_whose_peer_left_stops_naming_the_step_and_the_rank():
+    r0, r1 = _two_ranks("train_exit", timeout_s=120)
+    assert r0.returncode == 0 and r1.returncode == 0, r0.stderr[-3000:]
+    msg, waited = r0.stdout.strip().rsplit(" | ", 1)
+    assert msg.startswith("train_step: step 2 on rank 0: "), msg
+    assert "rank 1" in msg and float(waited) < 10.0
+
+
+@pytest.mark.parametrize("who", [0, 1])
+def test_a_rank_killed_while_the_segment_is_set_up_leaves_nothing_in_dev_shm(who):
+    before = _segments()
+    results = _two_ranks(f"kill_in_setup_{who}")
+    assert results[who].returncode == -9
+    survivor = results[1 - who]
+    assert survivor.returncode == 0 and survivor.stdout.strip().startswith("error:"), survivor.stderr[-3000:]
+    assert _segments() <= before, "a segment was left in /dev/shm"
+
+
+def _skipped_collective() -> list[str]:
+    import torch.distributed as dist
+
+    import fsharded as fs
+    from fsharded import distributed
+    from fsharded.comm import _shm
+
+    g = distributed.axis_group(fs.Mesh({"data": 2}), ("data",))
+    a, b = torch.full((4,), 1.0), torch.full((4,), 10.0)
+    out = []
+    try:
+        if dist.get_rank() == 0:  # rank 1 skips this one: it would get rank 0's a instead of b
+            _shm.all_reduce_(a, "sum", g)
+        _shm.all_reduce_(b, "sum", g)
+        out.append(f"no error: {b.tolist()}")
+    except RuntimeError as e:
+        out.append(str(e))
+    return out
+
+
+def test_a_skipped_collective_of_the_same_shape_is_an_error_on_every_rank():
+    for (msg,) in run_on_ranks(_skipped_collective, 2):
+        assert "both called all_reduce(sum) of 4 elements, but from different places" in msg, msg
+        assert "skipped or added a collective" in msg
 
 
 def _different_collectives() -> list[str]:

@@ -43,7 +43,11 @@ def initialize(backend: str | None = None, *, timeout_s: float = 300.0) -> None:
     """Initialise the default process group from torchrun's environment variables.
 
     ``backend`` defaults to NCCL when CUDA is available and gloo otherwise. Safe to call
-    twice. Sets the CUDA device to ``LOCAL_RANK`` on GPU machines.
+    twice. Sets the CUDA device to ``LOCAL_RANK`` on GPU machines. ``timeout_s``: how long
+    any collective waits for the other ranks — the default group's, every mesh axis's
+    group's, and the same-host shared-memory transport's (unless ``FSHARDED_SHM_TIMEOUT``
+    says otherwise); on that transport a rank that has exited or died is an error on the
+    ranks waiting for it within a fraction of a second, whatever the timeout.
     """
     if is_initialized():
         return
@@ -144,7 +148,9 @@ def axis_group(mesh: Mesh, axes: tuple[str, ...]) -> AxisGroup:
         ranks = []
         for along in itertools.product(*(range(mesh.shape[a]) for a in axes)):
             ranks.append(mesh.rank_of({**base, **dict(zip(axes, along))}))
-        group = dist.new_group(ranks=sorted(ranks))
+        # The group waits as long as initialize(timeout_s=) says (new_group's own default
+        # is 30 minutes, whatever the default group's timeout).
+        group = dist.new_group(ranks=sorted(ranks), timeout=datetime.timedelta(seconds=timeout_s()))
         if all(base[a] == me[a] for a in others):
             sorted_ranks = sorted(ranks)
             to_group = tuple(sorted_ranks.index(r) for r in ranks)

@@ -10,13 +10,17 @@ tracing under ``make_fx``, NCCL, ranks on several hosts, a C++ compiler missing)
 
 ``FSHARDED_SHM=0`` turns it off (gloo for everything); ``FSHARDED_SHM_SLOT_MB`` sets the
 per-rank chunk (default 4 MiB, 8/world MiB from 4 ranks on; the segment is 2 x world x
-chunk); ``FSHARDED_SHM_TIMEOUT``
-the seconds a rank waits for the others before raising (default: the process group's
-timeout). Whether a group uses
-it is decided once, by all its ranks together, so every rank takes the same path. A
-group's collectives run one at a time; ranks that call different collectives (op, dtype or
-size) get an error on every rank, never each other's data; after an error, a timeout or
-Ctrl-C the group's segment refuses further use (the ranks are out of step).
+chunk); ``FSHARDED_SHM_TIMEOUT`` the seconds a rank waits for a live rank that does not
+arrive before raising (default: the group's timeout, which is ``initialize(timeout_s=)``'s).
+Whether a group uses it is decided once, by all its ranks together, so every rank takes the
+same path. A group's collectives run one at a time; ranks that call different collectives
+(op, dtype or size), or the same one from different places in the program (a fingerprint
+of the innermost calling frames; ``FSHARDED_SHM_SITES=0`` turns that check off), get an
+error on every rank, never each other's data. A rank waiting for one that has exited or
+died (its process is watched) raises within ~0.1 s, naming it. After an error, a timeout
+or Ctrl-C the group's segment refuses further use (the ranks are out of step). The segment
+has no name in ``/dev/shm`` once every rank has it mapped; a rank dying before that leaves
+the others to remove it.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import sys
 import threading
 import uuid
 import warnings
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -139,6 +145,7 @@ def _setup(g: Any) -> Any:
     name, slot = box[0]
     timeout = _timeout(g)
     comm, err = None, ""
+    done = False
     try:
         if grank == 0:
             try:  # pages reserved up front: a full /dev/shm is an error here, not a SIGBUS
@@ -153,14 +160,51 @@ def _setup(g: Any) -> Any:
                 err = str(e)
         errs: list = [None] * g.size
         dist.all_gather_object(errs, err, group=g.group)
+        done = True
     finally:
         if comm is not None and grank == 0:
             comm.unlink()  # every rank has it mapped (or gave up): nothing left on exit
+        elif not done:  # a rank (perhaps the one that created it) died in the set-up
+            _unlink(name)
     if any(errs):
         warnings.warn("fsharded: same-host shared-memory collectives unavailable, using gloo "
                       f"({next(e for e in errs if e)})", stacklevel=3)
         return None
     return comm
+
+
+_SITE_FRAMES = 8
+_SITES: dict[tuple[Any, int], int] = {}
+
+
+def _site() -> int:
+    """A fingerprint of where the collective was called from: the innermost frames above
+    this module (file, function, line), the same on every rank that runs the same code at
+    the same place (zlib's CRC, not ``hash``: that differs between processes)."""
+    if os.environ.get("FSHARDED_SHM_SITES", "1").strip().lower() in ("0", "false", "off", "no"):
+        return 0
+    f = sys._getframe(2)
+    value = 0
+    for _ in range(_SITE_FRAMES):
+        if f is None:
+            break
+        key = (f.f_code, f.f_lineno)
+        h = _SITES.get(key)
+        if h is None:
+            h = _SITES[key] = zlib.crc32(f"{f.f_code.co_filename}:{f.f_code.co_name}:{f.f_lineno}".encode())
+        value = (value * 1000003 + h) & 0x7FFF_FFFF_FFFF_FFFF
+        f = f.f_back
+    return value
+
+
+def _unlink(name: str) -> None:
+    """Remove a segment's name (a rank that created it may have died before doing so)."""
+    try:
+        import _posixshmem
+
+        _posixshmem.shm_unlink(name)
+    except (ImportError, OSError):
+        pass
 
 
 def in_use() -> bool:
@@ -193,7 +237,7 @@ def all_reduce_(y: torch.Tensor, op: str, g: Any, *, divisor: int = 1) -> None:
     if c is not None:
         if _observer is not None:
             _observer("all_reduce", y, g.size)
-        c.all_reduce_(y, op == "max", float(divisor) if op == "sum" else 1.0)
+        c.all_reduce_(y, op == "max", float(divisor) if op == "sum" else 1.0, _site())
         torch.autograd.graph.increment_version(y)  # written in place, as c10d's op would
         return
     dist.all_reduce(y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=g.group)
@@ -208,7 +252,7 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op: boo
     if c is not None:
         if _observer is not None:
             _observer("all_gather_into_tensor", x, g.size)
-        c.all_gather(x, out)
+        c.all_gather(x, out, _site())
         return Done() if async_op else None
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(out, x, group=g.group, async_op=async_op)
@@ -220,7 +264,7 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op:
     if c is not None:
         if _observer is not None:
             _observer("reduce_scatter_tensor", x, g.size)
-        c.reduce_scatter(x, out)
+        c.reduce_scatter(x, out, _site())
         return Done() if async_op else None
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(out, x, group=g.group, async_op=async_op)
@@ -235,6 +279,6 @@ def all_to_all_into(out: torch.Tensor, x: torch.Tensor, g: Any) -> None:
     if c is not None:
         if _observer is not None:
             _observer("all_to_all_single", x, g.size)
-        c.all_to_all(x, out)
+        c.all_to_all(x, out, _site())
         return
     dist.all_to_all_single(out, x, group=g.group)
