@@ -24,7 +24,12 @@ from fsharded import (
     random,
     spmd,
 )
-from fsharded._memory import MemoryEstimate, estimate_memory
+from fsharded._memory import (
+    InsufficientMemoryError,
+    MemoryEstimate,
+    available_memory,
+    estimate_memory,
+)
 from fsharded._step import TrainState, TrainStep, train_step
 from fsharded._tree import rules, tree_flatten_with_paths, tree_map_with_path
 from fsharded.mesh import Mesh, NamedSharding, P, PartitionSpec
@@ -88,6 +93,8 @@ __all__ = [
     "Entry",
     "Manifest",
     "estimate_memory",
+    "available_memory",
+    "InsufficientMemoryError",
     "MemoryEstimate",
     "distributed",
     "comm",

@@ -23,7 +23,7 @@ from fsharded.mesh._spec import PartitionSpec, shard_shape
 from fsharded.spmd import _schedule
 from fsharded.spmd._transfer import backend_for
 
-__all__ = ["MemoryEstimate", "estimate_memory"]
+__all__ = ["MemoryEstimate", "estimate_memory", "available_memory", "check_fits", "InsufficientMemoryError"]
 
 
 def _local_numel(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> int:
@@ -287,3 +287,70 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
 
 _FIX = (_schedule.FIX + " Or pass activation_bytes= to estimate_memory: measure them with "
         "fs.memory.track() around one real step (tracker.peak_of(('activations',))).")
+
+
+# -- does it fit? ---------------------------------------------------------------------------
+
+
+class InsufficientMemoryError(MemoryError):
+    """A training layout estimated not to fit the memory available, refused before it is
+    allocated (``check_memory=False`` / ``fsharded train --force`` tries anyway)."""
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_memory(device: str = "cpu") -> tuple[int, str]:
+    """(bytes this process can still allocate on ``device`` ("cpu" or "cuda"), where the
+    number comes from). CPU: ``MemAvailable`` of /proc/meminfo, lowered to what this
+    cgroup's memory limit leaves; elsewhere (no procfs) ``os.sysconf`` of the physical
+    pages, or no limit."""
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return int(free), "free device memory (torch.cuda.mem_get_info)"
+    avail, source = None, ""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail, source = int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+                    break
+    except OSError:
+        pass
+    if avail is None:
+        try:
+            import os
+
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            source = "available physical pages (sysconf)"
+        except (ValueError, OSError, AttributeError):
+            return 1 << 62, "unknown (not checked)"
+    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, used = _read_int(limit_path), _read_int(usage_path)
+        if limit is not None and used is not None and limit - used < avail:
+            avail, source = max(limit - used, 0), f"this cgroup's memory limit ({limit_path})"
+    return avail, source
+
+
+def check_fits(need: int, *, who: str, what: str, device: str = "cpu", processes: int = 1,
+               hints: tuple[str, ...] = ()) -> None:
+    """Raise ``InsufficientMemoryError`` when ``processes`` x ``need`` bytes exceed the
+    memory available on ``device``, with the numbers and what would fit."""
+    avail, source = available_memory(device)
+    total = need * processes
+    if total <= avail:
+        return
+    gib = lambda b: f"{b / 2**30:,.2f} GiB"  # noqa: E731
+    each = f" ({processes} processes of {gib(need)} on this host)" if processes > 1 else ""
+    raise InsufficientMemoryError(
+        f"{who}: {what} needs about {gib(total)}{each}, but {gib(avail)} is available "
+        f"({source}). " + (f"Would fit: {'; '.join(hints)}. " if hints else "")
+        + "Or try anyway (train_step(check_memory=False), fsharded train --force).")

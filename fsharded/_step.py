@@ -68,6 +68,7 @@ def train_step(
     blocks: str | None = None,
     seed: int | None = 0,
     on_nonfinite: str = "raise",
+    check_memory: bool = True,
 ) -> TrainStep:
     """Build a training step for ``loss_fn(params, batch) -> scalar``.
 
@@ -115,12 +116,18 @@ def train_step(
     ``metrics["skipped"]`` counting such steps in this process (``"skip"``, as DeepSpeed's
     bf16 optimizer skips). fp16 skips overflowing steps by its loss scale and raises once
     the scale is at its minimum and the gradients still overflow (DeepSpeed's rule).
+
+    ``check_memory``: ``init`` first estimates the state it is about to allocate
+    (``estimate_memory`` of the placement, optimizer and precision; per device on real
+    ranks, times the ranks sharing this host's RAM on CPU; the whole state in one process
+    on the virtual mesh) and refuses with ``InsufficientMemoryError`` — the numbers and the
+    layouts that would fit — when it exceeds the memory available; ``False`` tries anyway.
     """
     return TrainStep(loss_fn, optimizer, mesh=mesh, param_specs=param_specs,
                      batch_spec=batch_spec, precision=precision, accumulation=accumulation,
                      clip=clip, check_finite=check_finite, donate=donate, backend=backend,
                      check_schedule=check_schedule, blocks=blocks, seed=seed,
-                     on_nonfinite=on_nonfinite)
+                     on_nonfinite=on_nonfinite, check_memory=check_memory)
 
 
 class _Plan(NamedTuple):
@@ -139,7 +146,7 @@ class TrainStep:
 
     def __init__(self, loss_fn, optimizer, *, mesh, param_specs, batch_spec, precision,
                  accumulation, clip, check_finite, donate, backend, check_schedule=True,
-                 blocks=None, seed=0, on_nonfinite="raise"):
+                 blocks=None, seed=0, on_nonfinite="raise", check_memory=True):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.mesh = mesh if mesh is not None else Mesh({"data": 1})
@@ -160,6 +167,7 @@ class TrainStep:
         self.on_nonfinite = on_nonfinite
         self.skipped_nonfinite = 0  # steps skipped for non-finite numbers (on_nonfinite="skip")
         self._warned_zero_grads = False
+        self.check_memory = check_memory
         self.backend = backend
         if donate and self.policy.loss_scaling:
             raise ValueError(
@@ -232,6 +240,8 @@ class TrainStep:
                 + "\nKeep integer tensors (ids, masks, counters) out of the parameter tree: pass "
                   "them in the batch or close over them in the loss")
         pl = self.placement(params)
+        if self.check_memory:
+            self._check_memory(params, pl)
         master = cast_tree(optree.tree_map(lambda x: x.detach().clone(), params), self.policy.master_dtype)
         if self.distributed:
             master = local_shards(master, pl.master, self.mesh)
@@ -243,6 +253,45 @@ class TrainStep:
         self._local_shapes[optree.tree_structure(master)] = [tuple(x.shape) for x in optree.tree_leaves(master)]
         rng = R.key(self.seed) if self.seed is not None else None
         return TrainState(torch.zeros((), dtype=torch.int64), master, opt_state, scale, rng)
+
+    def _check_memory(self, params: Any, pl: Any) -> None:
+        """Refuse a state that cannot fit before allocating it (see ``check_memory``)."""
+        import os
+
+        from fsharded import _memory
+
+        meta = optree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
+                               if isinstance(x, torch.Tensor) else x, params)
+        on_device = next((x.device.type for x in optree.tree_leaves(params)
+                          if isinstance(x, torch.Tensor) and x.device.type != "meta"), "cpu")
+        device = "cuda" if on_device == "cuda" else "cpu"
+
+        def need(specs: Any, mesh: Mesh) -> int:
+            return _memory.estimate_memory(meta, specs, self.optimizer, precision=self.policy, mesh=mesh,
+                                           activation_bytes=0, blocks=self.blocks).total
+
+        if self.distributed:
+            here = need(pl, self.mesh)
+            processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device == "cpu" else 1
+            what = f"the training state at ZeRO-{pl.stage} on {self.mesh!r}, per rank,"
+        else:  # the virtual mesh holds every device's shards in this process: the whole state
+            here = need(PartitionSpec(), Mesh({a: 1 for a in self.mesh.axis_names}))
+            processes, what = 1, "the training state (the virtual mesh holds all of it in this process)"
+        avail, _ = _memory.available_memory(device)
+        if here * processes <= avail:
+            return
+        hints = []
+        data = self.mesh.shape.get(pl.axis, 1) if getattr(pl, "axis", None) else self.mesh.shape.get("data", 1)
+        if self.distributed and pl.stage < 3 and data > 1:
+            from fsharded.parallel.zero import zero
+
+            z3 = need(zero(3, axis=pl.axis or "data")(PartitionSpec(), meta), self.mesh)
+            hints.append(f"ZeRO-3 over {pl.axis or 'data'} ({z3 / 2**30:,.2f} GiB per rank)")
+        if not self.distributed:
+            hints.append(f"real ranks (torchrun), each holding its shards: at ZeRO-3 about "
+                         f"{here / max(data, 1) / 2**30:,.2f} GiB per rank on {max(data, 1)} ranks")
+        _memory.check_fits(here, who="train_step.init", what=what, device=device, processes=processes,
+                           hints=tuple(hints))
 
     def params(self, state: TrainState) -> Any:
         """Full (global) master parameters, on every rank."""

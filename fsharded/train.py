@@ -109,6 +109,8 @@ def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
     p.add_argument("--save-dir", default="checkpoints", help="where checkpoints go (default: checkpoints)")
     p.add_argument("--save-every", type=int, help="save a checkpoint every N steps (and at the end)")
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3, the newest)")
+    p.add_argument("--force", action="store_true",
+                   help="start even when the memory estimate exceeds the memory available")
     p.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background while training goes on")
     p.add_argument("--resume", metavar="latest|PATH",
@@ -306,8 +308,35 @@ class _Progress:
             self.bar.close()
 
 
+def _check_fits(cfg, mcfg, mesh, specs_for, dist_on: bool) -> None:
+    """The job's training state (estimated on meta tensors: weights, gradients, optimizer
+    state, buffers; not the activations, whose measurement under the memory tracker takes
+    minutes for deep models) against the memory available: per rank times the ranks on
+    this host, or the whole state on the virtual mesh, which holds it in one process."""
+    import fsharded as fs
+    from fsharded import _memory
+    from fsharded.models import gpt
+
+    with torch.device("meta"):
+        meta = gpt.init(mcfg, cfg.seed)
+    if dist_on:
+        est_mesh, specs = mesh, specs_for(meta)
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if not torch.cuda.is_available() else 1
+        what = f"the training state on {mesh!r}, per rank,"
+    else:
+        est_mesh, specs, processes = fs.Mesh({a: 1 for a in mesh.axis_names}), fs.P(), 1
+        what = "the training state (the virtual mesh holds all of it in this process)"
+    est = _memory.estimate_memory(meta, specs, build_optimizer(cfg), precision=cfg.policy(), mesh=est_mesh,
+                                  activation_bytes=0, blocks="blocks")
+    hints = ("ZeRO-3 on more ranks (--set zero_stage=3 under torchrun --nproc_per_node N: each rank "
+             "holds 1/N of the state)",) if cfg.zero_stage < 3 else ()
+    _memory.check_fits(est.total, who="memory check", what=what, processes=processes,
+                       device="cuda" if torch.cuda.is_available() else "cpu", hints=hints)
+
+
 def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_every: int | None = None,
-        keep: int | None = 3, resume: str | None = None, async_save: bool = False) -> dict:
+        keep: int | None = 3, resume: str | None = None, async_save: bool = False,
+        force: bool = False) -> dict:
     """Train per ``cfg``; returns the summary dict (also printed on rank 0). With
     ``save_every`` a checkpoint goes to ``save_dir/step-<n>`` every that many steps and at
     the end (``async_save``: written in the background, the last one waited for); ``resume`` ("latest" or a checkpoint's path) continues a run exactly: its state
@@ -322,18 +351,21 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     mesh = fs.Mesh(cfg.mesh)
     tokens = fs.data.load_tokens(cfg.data)
     mcfg = build_model_config(cfg, tokens.vocab_size)
-    params = gpt.init(mcfg, cfg.seed)
     if "tensor" in mesh.shape and mesh.shape["tensor"] > 1:
         mcfg.check_tensor_parallel(mesh.shape["tensor"])
-        specs = gpt.tensor_parallel_specs(params)
-    else:
-        specs = fs.P()
-    if cfg.zero_stage:
-        if "data" not in mesh.shape:
-            raise ValueError(f"zero_stage={cfg.zero_stage} shards over the 'data' axis, which {mesh!r} lacks")
-        specs = fs.parallel.zero(cfg.zero_stage, axis="data")(specs, params)
+    if cfg.zero_stage and "data" not in mesh.shape:
+        raise ValueError(f"zero_stage={cfg.zero_stage} shards over the 'data' axis, which {mesh!r} lacks")
+
+    def specs_for(params):
+        specs = gpt.tensor_parallel_specs(params) if mesh.shape.get("tensor", 1) > 1 else fs.P()
+        return fs.parallel.zero(cfg.zero_stage, axis="data")(specs, params) if cfg.zero_stage else specs
+
     data_size = mesh.shape.get("data", 1)
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * data_size
+    if not force:  # before a byte of the model is allocated
+        _check_fits(cfg, mcfg, mesh, specs_for, dist_on)
+    params = gpt.init(mcfg, cfg.seed)
+    specs = specs_for(params)
     if tokens.vocab_size > mcfg.vocab_size:
         raise ValueError(f"data {cfg.data!r} has vocab {tokens.vocab_size} but the model has {mcfg.vocab_size}; "
                          f"set model.vocab_size (--set model.vocab_size={tokens.vocab_size})")
@@ -344,7 +376,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     step = fs.train_step(gpt.loss, opt, mesh=mesh, param_specs=specs,
                          batch_spec=fs.P("data") if "data" in mesh.shape else fs.P(),
                          precision=cfg.policy(), accumulation=cfg.grad_accum_steps,
-                         clip=cfg.grad_clip or None, blocks="blocks")
+                         clip=cfg.grad_clip or None, blocks="blocks", check_memory=not force)
     state = step.init(params)
     mgr = fs.checkpoint.Manager(save_dir, keep=keep, every=save_every) if (save_every or resume) else None
     start = 0
@@ -439,8 +471,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded train") -> 
         warnings.simplefilter("default")
         try:
             run(cfg, progress=args.progress, save_dir=args.save_dir, save_every=args.save_every,
-                keep=args.keep, resume=args.resume, async_save=args.async_save)
-        except (ValueError, OSError, NotImplementedError, FloatingPointError) as e:
+                keep=args.keep, resume=args.resume, async_save=args.async_save, force=args.force)
+        except (ValueError, OSError, NotImplementedError, FloatingPointError, MemoryError) as e:
             print(f"fsharded train: {e}", file=sys.stderr)
             return 1
     return 0

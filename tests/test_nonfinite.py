@@ -122,3 +122,47 @@ def test_integer_parameters_are_refused_with_their_paths():
     step = fs.train_step(lambda p, b: p["w"].sum(), fs.optim.sgd(0.1), mesh=fs.Mesh({"data": 1}))
     with pytest.raises(ValueError, match=r"(?s)must be floating-point tensors.*  ids: torch.int64.*in the batch"):
         step.init({"w": torch.ones(2), "ids": torch.arange(3)})
+
+
+def _gloo_memory_check() -> str:
+    import os
+
+    from fsharded import _memory
+    from fsharded.models import gpt
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    config = gpt.GPTConfig.small(d_model=64, n_layers=2)
+    params = gpt.init(config, 0)
+    real = _memory.available_memory
+    limit = gpt.param_count(params) * 4 * 3 // 2  # ZeRO-0's replicated state cannot fit, ZeRO-3's can
+    _memory.available_memory = lambda device="cpu": (limit, "a test limit")
+    try:
+        step = fs.train_step(gpt.loss, fs.optim.adamw(1e-3), mesh=fs.Mesh({"data": 2}))
+        step.init(params)
+        return "no error"
+    except fs.InsufficientMemoryError as e:
+        return str(e)
+    finally:
+        _memory.available_memory = real
+
+
+def test_a_state_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch):
+    from fsharded import _memory
+    from fsharded.models import gpt
+    from fsharded.testing import run_on_ranks
+
+    config = gpt.GPTConfig.small(d_model=64, n_layers=2)
+    params = gpt.init(config, 0)
+    n = gpt.param_count(params)
+    limit = n * 4  # less than the fp32 weights alone
+    monkeypatch.setattr(_memory, "available_memory", lambda device="cpu": (limit, "a test limit"))
+    step = fs.train_step(gpt.loss, fs.optim.adamw(1e-3), mesh=fs.Mesh({"data": 2}))
+    with pytest.raises(fs.InsufficientMemoryError, match=r"(?s)train_step.init: the training state .*needs "
+                                                         r"about .* GiB, but 0\.00 GiB is available \(a test limit\)"
+                                                         r".*check_memory=False"):
+        step.init(params)
+    fs.train_step(gpt.loss, fs.optim.adamw(1e-3), mesh=fs.Mesh({"data": 2}), check_memory=False).init(params)
+    monkeypatch.undo()
+    step.init(params)  # this machine has the room
+    msg = run_on_ranks(_gloo_memory_check, 2)[0]
+    assert "per rank" in msg and "2 processes of" in msg and "Would fit: ZeRO-3 over data" in msg, msg

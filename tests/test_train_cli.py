@@ -171,3 +171,14 @@ def test_metrics_reach_the_disk_line_by_line(tmp_path):
         p.wait()
     recs = [json.loads(x) for x in m.read_text().splitlines()[:5]]
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]  # a block-buffered file would be empty
+
+
+def test_a_model_that_cannot_fit_is_refused_before_it_is_built():
+    # ~12.9 B parameters: hundreds of GiB of fp32 state; refused from meta tensors in seconds.
+    r = _run([sys.executable, "-m", "fsharded", "train", "--preset", "tiny", "--steps", "1",
+              "--set", "model.d_model=4096", "--set", "model.n_layers=64"])
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "memory check: the training state" in r.stderr and "GiB is available" in r.stderr
+    assert "ZeRO-3 on more ranks" in r.stderr and "--force" in r.stderr and "GPT" not in r.stdout
+    r = _run([sys.executable, "-m", "fsharded", "train", "--preset", "tiny", "--steps", "1", "--force"])
+    assert r.returncode == 0 and "done: loss" in r.stdout, r.stderr[-2000:]
