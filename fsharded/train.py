@@ -380,10 +380,12 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     state = step.init(params)
     mgr = fs.checkpoint.Manager(save_dir, keep=keep, every=save_every) if (save_every or resume) else None
     start = 0
-    if resume:
-        path = mgr.latest() if resume == "latest" else resume
-        if path is None:
-            raise ValueError(f"--resume latest: no checkpoint in {save_dir}")
+    path = (mgr.latest() if resume == "latest" else resume) if resume else None
+    if resume == "latest" and path is None and main_rank:
+        # The first start of a job that restarts itself (torchrun --max-restarts): nothing yet.
+        print(f"fsharded train: --resume latest: no checkpoint in {save_dir} yet, starting at step 0",
+              flush=True)
+    if path is not None:
         state = step.load(path, state)
         start = int(state.step)
         if main_rank:
