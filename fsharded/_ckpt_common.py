@@ -1,13 +1,15 @@
-"""What ``fsharded.checkpoint`` and its readers (DeepSpeed's format, DCP's reader of
-ours) share: the error type, the dotted paths of a tree's leaves, whether a mesh runs on
-real ranks, and reading the manifest and checksummed blocks."""
+"""What ``fsharded.checkpoint`` and its readers and exporters (DeepSpeed's format, DCP's
+reader of ours, DCP and safetensors exchange) share: the error type, the dotted paths of a
+tree's leaves, whether a mesh runs on real ranks, the blocks' checksums, reading the
+manifest and checksummed blocks, and assembling a box of a leaf from the blocks."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import optree
@@ -181,3 +183,39 @@ class _Reader:
         for fd in self.files.values():
             os.close(fd)
         self.files = {}
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().to("cpu").contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _assemble(reader: _Reader, path: str, blocks: Iterable[dict], start: list, size: list,
+              dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The box ``start``/``size`` of leaf ``path`` from the blocks that intersect it."""
+    if device.type == "meta":
+        device = torch.device("cpu")
+    blocks = list(blocks)
+    whole = [b for b in blocks if b["start"] == list(start) and b["shape"] == list(size)]
+    if whole:  # a block that is this box exactly (the same layout as saved): no copy
+        return reader.read(whole[0], dtype).to(device)
+    t = torch.empty(size, dtype=dtype)
+    covered = 0
+    for b in blocks:
+        lo = [max(s, bs) for s, bs in zip(start, b["start"])]
+        hi = [min(s + n, bs + bn) for s, n, bs, bn in zip(start, size, b["start"], b["shape"])]
+        if any(h <= lo_ for lo_, h in zip(lo, hi)) and size:
+            continue
+        src = reader.read(b, dtype)
+        dst = t
+        for d, (l_, h) in enumerate(zip(lo, hi)):
+            src = src.narrow(d, l_ - b["start"][d], h - l_)
+            dst = dst.narrow(d, l_ - start[d], h - l_)
+        dst.copy_(src)
+        covered += math.prod(h - l_ for l_, h in zip(lo, hi))
+    if covered != math.prod(size):
+        raise CheckpointError(
+            f"checkpoint: {path}: the blocks found cover {covered} of the {math.prod(size)} "
+            f"elements this device needs (a data or blocks file of the checkpoint is missing "
+            f"entries)")
+    return t.to(device)
