@@ -192,3 +192,55 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_built():
     r = _run([sys.executable, "-m", "fsharded", "train", "--preset", "tiny", "--steps", "1", "--force"])
     assert r.returncode == 0 and "done: loss" in r.stdout, r.stderr[-2000:]
 
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(name))
+    return sorted(out)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
+def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path):
+    """torchrun --max-restarts=1 ... --save-every 5 --resume latest: a worker SIGKILLed mid-run,
+    torchrun restarts both, and the job resumes from the last checkpoint and ends with the
+    losses of a run that was not interrupted, bit for bit (the same ranks, data position,
+    keys and schedule). The restarted ranks meet under their own prefix of the agent's
+    store (fs.distributed.initialize), which still holds the dead attempt's addresses."""
+    import signal
+    import time
+
+    args = ["--preset", "tiny", "--steps", "40", "--set", "log_every=1"]
+    ref, got, ck = tmp_path / "ref.jsonl", tmp_path / "got.jsonl", tmp_path / "ck"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    r = _run([*torchrun, "--master_port", str(_port()), "-m", "fsharded.train", *args, "--metrics", str(ref)],
+             timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    p = subprocess.Popen([*torchrun, "--max-restarts", "1", "--master_port", str(_port()), "-m", "fsharded.train",
+                          *args, "--metrics", str(got), "--save-every", "5", "--save-dir", str(ck),
+                          "--resume", "latest"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 300
+        while not (ck / "step-00000010").is_dir() and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.02)
+        workers = _children(p.pid)
+        assert len(workers) == 2 and p.poll() is None, "the run ended before a worker could be killed"
+        os.kill(workers[1], signal.SIGKILL)
+        out, err = p.communicate(timeout=600)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err[-3000:]
+    assert "resumed from" in out, out[-2000:]
+    resumed_at = int(out.split("resumed from")[1].split("at step")[1].split()[0])
+    assert 10 <= resumed_at < 40
+    recs = [json.loads(x) for x in got.read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(resumed_at + 1, 41))
+    assert [r["loss"] for r in recs] == _losses(ref)[resumed_at:]

@@ -62,7 +62,19 @@ def initialize(backend: str | None = None, *, timeout_s: float = 300.0) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Restarted by torchrun (--max-restarts): its agent keeps one store for every attempt
+        # (static rendezvous), where the dead attempt's addresses still are; this attempt's
+        # keys go under their own prefix, or the new ranks would dial the old ones.
+        store = dist.PrefixStore(f"fsharded/attempt-{restart}", dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+            is_master=False, timeout=timeout))
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     _TIMEOUT["s"] = float(timeout_s)
 
 
