@@ -356,13 +356,7 @@ class TrainStep:
             mem.register(state.opt_state, "optimizer state")
             mem.backward_category = "activations"
         params = state.params  # master weights, in the master placement
-        varying = tuple(a for a in self.batch_axes if self.mesh.shape[a] > 1)
-        # This step's and this batch shard's key: random ops in the loss draw from it.
-        # Derived at the first draw (a loss without random ops pays nothing for it).
-        keys = R.scope(functools.partial(_step_key, state.rng, state.step, self.batch_axes)) \
-            if state.rng is not None else contextlib.nullcontext()
-        with keys:
-            g_leaves, loss = plan.gradients(params, batch, state.loss_scale, varying, mark_varying)
+        g_leaves, loss = self._gradients(plan, state, batch)
         grads = optree.tree_unflatten(optree.tree_structure(params), g_leaves)
         P.label(grads, "gradients")
         # From here on every value is a shard of a leaf laid out by its spec (gradients,
@@ -396,6 +390,16 @@ class TrainStep:
                 if isinstance(t, torch.Tensor):
                     vma.set(t, frozenset(spec.axes))
         return out, metrics
+
+    def _gradients(self, plan: _Plan, state: TrainState, batch: Any) -> tuple[list, torch.Tensor]:
+        """This shard's gradient leaves and loss, under this step's and this batch shard's
+        key (random ops in the loss draw from it; derived at the first draw, so a loss
+        without random ops pays nothing for it)."""
+        varying = tuple(a for a in self.batch_axes if self.mesh.shape[a] > 1)
+        keys = R.scope(functools.partial(_step_key, state.rng, state.step, self.batch_axes)) \
+            if state.rng is not None else contextlib.nullcontext()
+        with keys:
+            return plan.gradients(state.params, batch, state.loss_scale, varying, mark_varying)
 
     def _plan(self, state: TrainState, eager: bool) -> _Plan:
         """The step's pieces for this state layout and backend, chosen once. ``eager``: one
@@ -523,11 +527,7 @@ class TrainStep:
             def body(s: TrainState, b: Any) -> torch.Tensor:
                 frame = _env.current()
                 plan = plans[frame.backend == "distributed" or frame.mesh.size == 1]
-                varying = tuple(a for a in self.batch_axes if self.mesh.shape[a] > 1)
-                keys = R.scope(functools.partial(_step_key, s.rng, s.step, self.batch_axes)) \
-                    if s.rng is not None else contextlib.nullcontext()
-                with keys:
-                    g_leaves, _ = plan.gradients(s.params, b, s.loss_scale, varying, mark_varying)
+                g_leaves, _ = self._gradients(plan, s, b)
                 vma = _env.current().vma
                 with vma.paused() if vma is not None else contextlib.nullcontext():
                     flags = torch.stack([(~torch.isfinite(g)).any().to(torch.float32) for g in g_leaves])
