@@ -377,7 +377,7 @@ class ShmComm {
             "places in the program (call-site fingerprints " + std::to_string(site_) + " and " +
             std::to_string(where) + "): a rank skipped or added a collective, so the results would "
             "be another collective's; every rank must issue the same collectives in the same order "
-            "(FSHARDED_SHM_SITES=0 turns this check off)");
+            "(FSHARDED_CHECK_SITES=0 turns this check off)");
       }
     }
   }

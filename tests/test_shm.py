@@ -113,6 +113,58 @@ def test_switched_off_by_environment(monkeypatch):
     assert run_on_ranks(_switched_off, 2) == [True, True]
 
 
+def _zero_losses() -> dict:
+    """Four ZeRO-1/2/3 steps of a small GPT on 2 ranks, and int16 reductions (which gloo
+    cannot reduce itself): on whichever transport the environment picked."""
+    import torch.distributed as dist
+
+    import fsharded as fs
+    from fsharded import distributed
+    from fsharded.comm import _shm
+    from fsharded.models import gpt
+
+    mesh = fs.Mesh({"data": 2})
+    config = gpt.GPTConfig.small(d_model=32, n_layers=2)
+    params = gpt.init(config, 0)
+    batch = {"tokens": torch.randint(0, config.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))}
+    out: dict = {"shm": _shm.in_use() or _shm.comm_for(torch.zeros(1), distributed.axis_group(mesh, ("data",)))
+                 is not None}
+    for stage in (1, 2, 3):
+        step = fs.train_step(gpt.loss, fs.optim.adamw(1e-3), mesh=mesh,
+                             param_specs=fs.parallel.zero(stage, min_size=8)(fs.P(), params))
+        state, losses = step.init(params), []
+        for _ in range(4):
+            state, m = step(state, batch)
+            losses.append(float(m["loss"]))
+        out[stage] = losses
+    g = distributed.axis_group(mesh, ("data",))
+    x = torch.tensor([30000, -7, 5], dtype=torch.int16) * (dist.get_rank() + 1)
+    y = x.clone()
+    _shm.all_reduce_(y, "sum", g)  # 30000 + 60000 wraps as int16 arithmetic does
+    rs = torch.empty(1, dtype=torch.int16)
+    _shm.reduce_scatter_into(rs, torch.arange(2, dtype=torch.int16) + 100 * dist.get_rank(), g)
+    ga = torch.empty(6, dtype=torch.int16)
+    _shm.all_gather_into(ga, x, g)
+    out["int16"] = (y.tolist(), rs.tolist(), ga.tolist())
+    return out
+
+
+def test_training_on_gloo_alone_equals_shared_memory(monkeypatch):
+    runs = {}
+    for shm in ("1", "0"):
+        monkeypatch.setenv("FSHARDED_SHM", shm)
+        runs[shm] = run_on_ranks(_zero_losses, 2)
+    assert [r["shm"] for r in runs["1"]] == [True, True] and [r["shm"] for r in runs["0"]] == [False, False]
+    want = torch.tensor([30000, -7, 5], dtype=torch.int16) * 3
+    for r0, r1 in zip(runs["1"], runs["0"]):
+        for stage in (1, 2, 3):
+            assert r0[stage] == r1[stage], stage  # 2 ranks: a + b either way, bit for bit
+        assert r0["int16"] == r1["int16"]
+    y, rs0, ga = runs["0"][0]["int16"]
+    assert y == want.tolist() and rs0 == [100] and ga == [30000, -7, 5, -5536, -14, 10]
+    assert runs["0"][1]["int16"][1] == [102]
+
+
 def _one_rank_missing() -> str:
     import torch.distributed as dist
 
@@ -212,7 +264,7 @@ def _skipped_collective() -> list[str]:
 
     g = distributed.axis_group(fs.Mesh({"data": 2}), ("data",))
     a, b = torch.full((4,), 1.0), torch.full((4,), 10.0)
-    out = []
+    out = [_shm.comm_for(a, g) is not None]
     try:
         if dist.get_rank() == 0:  # rank 1 skips this one: it would get rank 0's a instead of b
             _shm.all_reduce_(a, "sum", g)
@@ -223,10 +275,46 @@ def _skipped_collective() -> list[str]:
     return out
 
 
-def test_a_skipped_collective_of_the_same_shape_is_an_error_on_every_rank():
-    for (msg,) in run_on_ranks(_skipped_collective, 2):
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_a_skipped_collective_of_the_same_shape_is_an_error_on_every_rank(transport, monkeypatch):
+    monkeypatch.setenv("FSHARDED_SHM", "1" if transport == "shm" else "0")
+    for used, msg in run_on_ranks(_skipped_collective, 2):
+        assert used == (transport == "shm")
         assert "both called all_reduce(sum) of 4 elements, but from different places" in msg, msg
         assert "skipped or added a collective" in msg
+
+
+@pytest.mark.parametrize("check", ["0", "auto"])
+def test_the_call_site_check_on_gloo_can_be_turned_off(check, monkeypatch):
+    # Each rank reduces a different variable at a different place; with the check off the
+    # two pair up silently (1 + 10 on both ranks), which is what the check exists to stop.
+    monkeypatch.setenv("FSHARDED_SHM", "0")
+    monkeypatch.setenv("FSHARDED_CHECK_SITES", check)
+    results = run_on_ranks(_two_places, 2)
+    if check == "0":
+        assert results == [[11.0] * 4, [11.0] * 4]
+    else:
+        assert all("from different places in the program" in r for r in results), results
+
+
+def _two_places() -> list[float] | str:
+    import torch.distributed as dist
+
+    import fsharded as fs
+    from fsharded import distributed
+    from fsharded.comm import _shm
+
+    g = distributed.axis_group(fs.Mesh({"data": 2}), ("data",))
+    try:
+        if dist.get_rank() == 0:
+            a = torch.full((4,), 1.0)
+            _shm.all_reduce_(a, "sum", g)
+            return a.tolist()
+        b = torch.full((4,), 10.0)
+        _shm.all_reduce_(b, "sum", g)
+        return b.tolist()
+    except RuntimeError as e:
+        return str(e)
 
 
 def _different_collectives() -> list[str]:
@@ -253,3 +341,29 @@ def test_ranks_calling_different_collectives_get_an_error_not_data():
     for first, again in run_on_ranks(_different_collectives, 2):
         assert "called all_reduce(sum) of" in first and "same collectives" in first
         assert "out of step" in again
+
+
+def _different_collectives_gloo() -> str:
+    import torch.distributed as dist
+
+    import fsharded as fs
+    from fsharded import distributed
+    from fsharded.comm import _shm
+
+    g = distributed.axis_group(fs.Mesh({"data": 2}), ("data",))
+    x = torch.ones(8)
+    try:
+        if dist.get_rank() == 0:
+            _shm.all_reduce_(x, "sum", g)
+        else:
+            _shm.all_gather_into(torch.empty(16), x, g)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_on_gloo_ranks_calling_different_collectives_get_an_error(monkeypatch):
+    monkeypatch.setenv("FSHARDED_SHM", "0")
+    m0, m1 = run_on_ranks(_different_collectives_gloo, 2)
+    assert "rank 0 called all_reduce(sum) of 8 elements (torch.float32) while rank 1 called all_gather" in m0, m0
+    assert "rank 1 called all_gather of 8 elements (torch.float32) while rank 0 called all_reduce(sum)" in m1, m1

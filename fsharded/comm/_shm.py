@@ -15,8 +15,10 @@ arrive before raising (default: the group's timeout, which is ``initialize(timeo
 Whether a group uses it is decided once, by all its ranks together, so every rank takes the
 same path. A group's collectives run one at a time; ranks that call different collectives
 (op, dtype or size), or the same one from different places in the program (a fingerprint
-of the innermost calling frames; ``FSHARDED_SHM_SITES=0`` turns that check off), get an
-error on every rank, never each other's data. A rank waiting for one that has exited or
+of the innermost calling frames), get an error on every rank, never each other's data. On
+torch.distributed's path the same check costs one small all-gather per collective: on by
+default for gloo, for NCCL with ``FSHARDED_CHECK_SITES=1``; ``FSHARDED_CHECK_SITES=0``
+turns it off everywhere. A rank waiting for one that has exited or
 died (its process is watched) raises within ~0.1 s, naming it. After an error, a timeout
 or Ctrl-C the group's segment refuses further use (the ranks are out of step). The segment
 has no name in ``/dev/shm`` once every rank has it mapped; a rank dying before that leaves
@@ -177,11 +179,19 @@ _SITE_FRAMES = 8
 _SITES: dict[tuple[Any, int], int] = {}
 
 
+def _checks() -> str:
+    """``FSHARDED_CHECK_SITES``: "0" no call-site checks; "auto" (default) on the
+    shared-memory transport (free: the fingerprint rides in the round's header) and on
+    gloo; "1" on NCCL too (one more small all-gather and a device sync per collective)."""
+    v = os.environ.get("FSHARDED_CHECK_SITES", os.environ.get("FSHARDED_SHM_SITES", "auto")).strip().lower()
+    return "off" if v in ("0", "false", "off", "no") else "all" if v in ("1", "true", "on", "yes", "all") else "auto"
+
+
 def _site() -> int:
     """A fingerprint of where the collective was called from: the innermost frames above
     this module (file, function, line), the same on every rank that runs the same code at
     the same place (zlib's CRC, not ``hash``: that differs between processes)."""
-    if os.environ.get("FSHARDED_SHM_SITES", "1").strip().lower() in ("0", "false", "off", "no"):
+    if _checks() == "off":
         return 0
     f = sys._getframe(2)
     value = 0
@@ -195,6 +205,59 @@ def _site() -> int:
         value = (value * 1000003 + h) & 0x7FFF_FFFF_FFFF_FFFF
         f = f.f_back
     return value
+
+
+_OP_CODES = {"all_reduce(sum)": 1, "all_reduce(max)": 2, "all_gather": 3, "reduce_scatter": 4, "all_to_all": 5}
+
+
+def _agree(op: str, x: torch.Tensor, g: Any, site: int) -> None:
+    """On torch.distributed's path, before the collective: every group rank's (op, dtype,
+    size) and call site, gathered (one small all-gather), must be this rank's; else every
+    rank raises, as the shared-memory transport does, instead of pairing this collective
+    with another one of the same shape (or hanging in one of another shape)."""
+    mode = _checks()
+    if mode == "off" or g.size == 1 or (mode == "auto" and x.device.type != "cpu"):
+        return
+    desc = (_OP_CODES[op] << 56) | (_DTYPE_CODES.get(x.dtype, 255) << 48) | x.numel()
+    mine = torch.tensor([desc, site], dtype=torch.int64, device=x.device)
+    every = torch.empty(2 * g.size, dtype=torch.int64, device=x.device)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(every, mine, group=g.group)
+    every = every.view(g.size, 2).tolist()
+    me = g.index
+    for j, (d, w) in enumerate(every):
+        if d != desc:
+            raise RuntimeError(
+                f"fsharded collectives: rank {g.ranks[me]} called {op} of {x.numel()} elements "
+                f"({x.dtype}) while rank {g.ranks[j]} called {_describe(d)}; every rank of a group "
+                "must issue the same collectives in the same order")
+        if w != site:
+            raise RuntimeError(
+                f"fsharded collectives: rank {g.ranks[me]} and rank {g.ranks[j]} both called {op} of "
+                f"{x.numel()} elements, but from different places in the program (this rank: "
+                f"{_caller()}): a rank skipped or added a collective, so the results would be another "
+                "collective's; every rank must issue the same collectives in the same order "
+                "(FSHARDED_CHECK_SITES=0 turns this check off)")
+
+
+_DTYPE_CODES = {t: i for i, t in enumerate((torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
+                                            torch.bool, torch.complex64, torch.complex128))}
+
+
+def _describe(desc: int) -> str:
+    ops = {v: k for k, v in _OP_CODES.items()}
+    dtypes = {v: k for k, v in _DTYPE_CODES.items()}
+    return (f"{ops.get(desc >> 56, 'an unknown collective')} of {desc & ((1 << 48) - 1)} elements "
+            f"({dtypes.get((desc >> 48) & 0xFF, 'another dtype')})")
+
+
+def _caller() -> str:
+    """The innermost frame outside fsharded's transport, as file:line (function)."""
+    f = sys._getframe(1)
+    here = os.path.dirname(os.path.abspath(__file__))
+    while f is not None and os.path.dirname(os.path.abspath(f.f_code.co_filename)) == here:
+        f = f.f_back
+    return "unknown" if f is None else f"{f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})"
 
 
 def _unlink(name: str) -> None:
@@ -233,12 +296,18 @@ def all_reduce_(y: torch.Tensor, op: str, g: Any, *, divisor: int = 1) -> None:
     divided by ``divisor`` (floating ``y``), rounded as ``psum(y) / divisor`` is."""
     if divisor != 1 and not y.is_floating_point():
         raise ValueError(f"all_reduce_: a divisor needs a floating-point tensor, not {y.dtype}")
-    c = comm_for(y, g)
+    c, site = comm_for(y, g), _site()
     if c is not None:
         if _observer is not None:
             _observer("all_reduce", y, g.size)
-        c.all_reduce_(y, op == "max", float(divisor) if op == "sum" else 1.0, _site())
+        c.all_reduce_(y, op == "max", float(divisor) if op == "sum" else 1.0, site)
         torch.autograd.graph.increment_version(y)  # written in place, as c10d's op would
+        return
+    _agree(f"all_reduce({op})", y, g, site)
+    if y.dtype in _WIDEN:  # gloo and NCCL have no 16-bit ints: reduced as int32, which wraps alike
+        wide = y.to(_WIDEN[y.dtype])
+        dist.all_reduce(wide, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=g.group)
+        y.copy_(wide)
         return
     dist.all_reduce(y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=g.group)
     if op == "sum" and divisor != 1:
@@ -248,26 +317,33 @@ def all_reduce_(y: torch.Tensor, op: str, g: Any, *, divisor: int = 1) -> None:
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op: bool = False) -> Any:
     """``out`` (n * numel) <- every group rank's ``x`` in group-rank order (both contiguous);
     a work handle when ``async_op`` (shared memory: already complete)."""
-    c = comm_for(x, g)
+    c, site = comm_for(x, g), _site()
     if c is not None:
         if _observer is not None:
             _observer("all_gather_into_tensor", x, g.size)
-        c.all_gather(x, out, _site())
+        c.all_gather(x, out, site)
         return Done() if async_op else None
+    _agree("all_gather", x, g, site)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(out, x, group=g.group, async_op=async_op)
+    return gather(_bytes(out), _bytes(x), group=g.group, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op: bool = False) -> Any:
     """``out`` <- the sum over the group of block ``group rank`` of ``x`` (n blocks)."""
-    c = comm_for(x, g)
+    c, site = comm_for(x, g), _site()
     if c is not None:
         if _observer is not None:
             _observer("reduce_scatter_tensor", x, g.size)
-        c.reduce_scatter(x, out, _site())
+        c.reduce_scatter(x, out, site)
         return Done() if async_op else None
+    _agree("reduce_scatter", x, g, site)
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return scatter(out, x, group=g.group, async_op=async_op)
+    if x.dtype in _WIDEN:
+        wide = out.new_empty(out.shape, dtype=_WIDEN[x.dtype])
+        scatter(wide.view(-1), x.view(-1).to(wide.dtype), group=g.group)
+        out.copy_(wide)
+        return Done() if async_op else None
+    return scatter(out.view(-1), x.view(-1), group=g.group, async_op=async_op)
 
 
 def all_to_all_into(out: torch.Tensor, x: torch.Tensor, g: Any) -> None:
@@ -275,10 +351,21 @@ def all_to_all_into(out: torch.Tensor, x: torch.Tensor, g: Any) -> None:
     if x.dim() == 0 or x.shape[0] % g.size:
         raise ValueError(f"all_to_all: dim 0 of shape {tuple(x.shape)} does not split into "
                          f"{g.size} equal blocks")
-    c = comm_for(x, g)
+    c, site = comm_for(x, g), _site()
     if c is not None:
         if _observer is not None:
             _observer("all_to_all_single", x, g.size)
-        c.all_to_all(x, out, _site())
+        c.all_to_all(x, out, site)
         return
-    dist.all_to_all_single(out, x, group=g.group)
+    _agree("all_to_all", x, g, site)
+    dist.all_to_all_single(_bytes(out), _bytes(x), group=g.group)
+
+
+_WIDEN = {torch.int16: torch.int32}  # what torch.distributed's backends cannot reduce
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """Flat, and as bytes for a dtype the backends cannot move (c10d checks dim 0 only,
+    and the contract counts elements, so a flat view is the same blocks)."""
+    flat = x.view(-1)
+    return flat.view(torch.uint8) if x.dtype in _WIDEN else flat
