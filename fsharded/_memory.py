@@ -341,7 +341,7 @@ def available_memory(device: str = "cpu") -> tuple[int, str]:
 
 
 def check_fits(need: int, *, who: str, what: str, device: str = "cpu", processes: int = 1,
-               hints: tuple[str, ...] = ()) -> None:
+               hints: tuple[str, ...] = (), lead: str = "Would fit") -> None:
     """Raise ``InsufficientMemoryError`` when ``processes`` x ``need`` bytes exceed the
     memory available on ``device``, with the numbers and what would fit."""
     avail, source = available_memory(device)
@@ -352,5 +352,5 @@ def check_fits(need: int, *, who: str, what: str, device: str = "cpu", processes
     each = f" ({processes} processes of {gib(need)} on this host)" if processes > 1 else ""
     raise InsufficientMemoryError(
         f"{who}: {what} needs about {gib(total)}{each}, but {gib(avail)} is available "
-        f"({source}). " + (f"Would fit: {'; '.join(hints)}. " if hints else "")
+        f"({source}). " + (f"{lead}: {'; '.join(hints)}. " if hints else "")
         + "Or try anyway (train_step(check_memory=False), fsharded train --force).")

@@ -122,6 +122,9 @@ def train_step(
     ranks, times the ranks sharing this host's RAM on CPU; the whole state in one process
     on the virtual mesh) and refuses with ``InsufficientMemoryError`` — the numbers and the
     layouts that would fit — when it exceeds the memory available; ``False`` tries anyway.
+    On real ranks the first step of each layout also measures, on the schedule check's dry
+    run, what the step allocates beyond the state (activations, gradients, buffers, the
+    new state) and refuses the same way before running it.
     """
     return TrainStep(loss_fn, optimizer, mesh=mesh, param_specs=param_specs,
                      batch_spec=batch_spec, precision=precision, accumulation=accumulation,
@@ -292,6 +295,29 @@ class TrainStep:
                          f"{here / max(data, 1) / 2**30:,.2f} GiB per rank on {max(data, 1)} ranks")
         _memory.check_fits(here, who="train_step.init", what=what, device=device, processes=processes,
                            hints=tuple(hints))
+
+    def _check_step_memory(self, most: int, state: TrainState, batch: Any) -> None:
+        """Refuse a first step whose forward, backward and update (measured on the schedule
+        check's dry run: activations, gradients, buffers, the new state) cannot fit beside
+        the state already allocated, before any of it is (see ``check_memory``)."""
+        import os
+
+        from fsharded import _memory
+
+        device = next((x.device.type for x in optree.tree_leaves(state.params)
+                       if isinstance(x, torch.Tensor)), "cpu")
+        device = "cuda" if device == "cuda" else "cpu"
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device == "cpu" else 1
+        rows = next((x.shape[0] for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor) and x.dim()), None)
+        hints = [f"a smaller batch (this rank's share is {rows} rows)" if rows else "a smaller batch"]
+        hints.append("recomputing each block in backward (fs.parallel.remat.checkpoint around it): "
+                     "only block inputs kept")
+        data = self.mesh.shape.get("data", 1)
+        hints.append(f"the same global batch over more data ranks (now {data})")
+        _memory.check_fits(most, who=f"train_step: step {int(state.step) + 1}",
+                           what=(f"its forward, backward and update on rank {dist.get_rank()} (measured on "
+                                 "a dry run, beyond the state already allocated)"),
+                           device=device, processes=processes, hints=tuple(hints), lead="To need less")
 
     def params(self, state: TrainState) -> Any:
         """Full (global) master parameters, on every rank."""
@@ -471,8 +497,10 @@ class TrainStep:
             key = optree.tree_structure((state, batch)), _shapes((state, batch))
             if self.check_schedule and key not in self._agreed:
                 with torch.no_grad():
-                    schedule = _schedule.dry_run(sm.local, state, batch)
+                    schedule, most = _schedule.dry_run(sm.local, state, batch, peak=True)
                 _schedule.agree(schedule, "train_step")
+                if self.check_memory:  # the same dry run measured what the step allocates
+                    self._check_step_memory(most, state, batch)
                 self._agreed.add(key)
         try:
             with torch.no_grad():

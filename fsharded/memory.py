@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,6 +62,17 @@ def collective_scope() -> Iterator[None]:
         _IN_COLLECTIVE.reset(tok)
 
 
+def _preserved() -> bool:
+    """Whether a storage keeps one Python object for its whole life (PyTorch preserves it,
+    as for tensors): then a weak reference's callback fires exactly when the storage is
+    freed, and deaths need no sweep over every live storage after each op."""
+    t = torch.empty(1)
+    return t.untyped_storage() is t.untyped_storage()
+
+
+_PRESERVED = _preserved()
+
+
 def _storage(t: torch.Tensor) -> Any | None:
     try:
         return t.untyped_storage()
@@ -78,11 +90,12 @@ class MemoryTracker(TorchDispatchMode):
         self.include_meta = include_meta
         # storage key -> weak ref (its bytes in ``_size``); categories kept apart so that
         # reclassifying after the fact also re-labels what was live at the peak.
-        self._live: dict[int, StorageWeakRef] = {}
+        self._live: dict[int, Any] = {}  # StorageWeakRef, or a weakref.ref with a callback
         self._category: dict[int, str] = {}
         self._by_addr: dict[int, int] = {}
         self._serial = 0
         self._clock = 0  # ops seen so far
+        self._in_op = False  # inside __torch_dispatch__: a death then belongs to this op
         # What backward allocates: gradients, unless a step function labels its parameter
         # gradients itself (then the rest of backward is activation gradients).
         self.backward_category = "gradients"
@@ -111,8 +124,12 @@ class MemoryTracker(TorchDispatchMode):
         self._serial += 1
         self._version += 1
         n = s.nbytes()
-        self._live[self._serial] = StorageWeakRef(s)
-        self._by_addr[s._cdata] = self._serial
+        serial, addr = self._serial, s._cdata
+        if _PRESERVED:
+            self._live[serial] = weakref.ref(s, lambda _, serial=serial, addr=addr: self._dead(serial, addr))
+        else:
+            self._live[serial] = StorageWeakRef(s)
+        self._by_addr[addr] = serial
         self._category[self._serial] = category
         self._born[self._serial] = self._clock
         self._size[self._serial] = n // copies
@@ -120,9 +137,19 @@ class MemoryTracker(TorchDispatchMode):
 
     def _lookup(self, s: Any) -> int | None:
         serial = self._by_addr.get(s._cdata)
-        if serial is None or serial not in self._live or self._live[serial].expired():
+        if serial is None or serial not in self._live or (not _PRESERVED and self._live[serial].expired()):
             return None
         return serial
+
+    def _dead(self, serial: int, addr: int) -> None:
+        """A storage was freed (its weak reference's callback): inside an op it died in that
+        op's tick; between ops, at the next one's (as a sweep after it would have seen)."""
+        if self._live.pop(serial, None) is None:
+            return
+        if self._by_addr.get(addr) == serial:
+            del self._by_addr[addr]
+        self._died[serial] = self._clock if self._in_op else self._clock + 1
+        self._version += 1
 
     def register(self, tree: Any, category: str) -> None:
         """Count the storages of ``tree`` (already allocated) as live ``category``."""
@@ -151,6 +178,8 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
     def _sweep(self) -> list[tuple[int, int]]:
+        if _PRESERVED:  # deaths are recorded as they happen
+            return [(key, self._size[key]) for key in self._live]
         live, dead = [], []
         for key, ref in self._live.items():
             if ref.expired():
@@ -165,7 +194,8 @@ class MemoryTracker(TorchDispatchMode):
         return live
 
     def _update(self) -> None:
-        self._sweep()
+        if not _PRESERVED:
+            self._sweep()
 
     def _events(self, keep: Any = None) -> Iterator[tuple[int, list[tuple[int, int]]]]:
         """The live bytes after every tick at which they changed, from the births and
@@ -253,6 +283,13 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._clock += 1
+        self._in_op = True  # what dies from here to the end of this op dies in its tick
+        try:
+            return self._dispatch(func, args, kwargs)
+        finally:
+            self._in_op = False
+
+    def _dispatch(self, func, args, kwargs):
         out = func(*args, **(kwargs or {}))
         if _IN_COLLECTIVE.get():
             cat = "comm buffers"

@@ -61,16 +61,24 @@ def parse_mesh(text: str) -> dict[str, int]:
     return out
 
 
-def check_mesh_axes(mesh: dict[str, int]) -> None:
-    """Every axis must be one the job shards over (a typo would silently replicate)."""
+def check_mesh_axes(mesh: dict[str, int], replicated: Sequence[str] = ()) -> None:
+    """Every axis must be one the job shards over (a typo would silently replicate), or
+    one declared ``replicated`` (``--replicate-over``: the job runs on it, replicated)."""
     import difflib
 
+    for name in replicated:
+        if name in TRAIN_AXES:
+            raise ValueError(f"--replicate-over: {name!r} is an axis fsharded train shards over; "
+                             "declare only axes it does not use")
+        if name not in mesh:
+            raise ValueError(f"--replicate-over: axis {name!r} is not in the mesh {mesh}")
     for name in mesh:
-        if name not in TRAIN_AXES:
+        if name not in TRAIN_AXES and name not in replicated:
             near = difflib.get_close_matches(name, TRAIN_AXES, n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise ValueError(f"mesh axis {name!r} is not one fsharded train shards over "
-                             f"({', '.join(TRAIN_AXES)}){hint}")
+                             f"({', '.join(TRAIN_AXES)}){hint} (an axis that should only replicate: "
+                             f"--replicate-over {name})")
 
 
 def check_paths(cfg: Any) -> None:
@@ -93,6 +101,8 @@ def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
     p.add_argument("--config", help="TOML or JSON file of TrainConfig fields")
     p.add_argument("--deepspeed-config", help="a DeepSpeed JSON config to read settings from")
     p.add_argument("--mesh", help="mesh axes, e.g. data=2,tensor=2 (default data=2; world size under torchrun)")
+    p.add_argument("--replicate-over", metavar="AXES", default="",
+                   help="mesh axes (comma-separated) the job does not shard over, declared to replicate")
     p.add_argument("--preset", help="GPT preset: tiny, small, llama_style")
     p.add_argument("--steps", type=int)
     p.add_argument("--batch", type=int, help="micro-batch size per data shard")
@@ -309,10 +319,10 @@ class _Progress:
 
 
 def _check_fits(cfg, mcfg, mesh, specs_for, dist_on: bool) -> None:
-    """The job's training state (estimated on meta tensors: weights, gradients, optimizer
-    state, buffers; not the activations, whose measurement under the memory tracker takes
-    minutes for deep models) against the memory available: per rank times the ranks on
-    this host, or the whole state on the virtual mesh, which holds it in one process."""
+    """The job's training state and one micro-batch's activations, estimated on meta
+    tensors (weights, gradients, optimizer state, buffers; the activations from a dry run
+    of the loss), against the memory available: per rank times the ranks on this host, or
+    everything on the virtual mesh, which holds every device's part in one process."""
     import fsharded as fs
     from fsharded import _memory
     from fsharded.models import gpt
@@ -326,17 +336,34 @@ def _check_fits(cfg, mcfg, mesh, specs_for, dist_on: bool) -> None:
     else:
         est_mesh, specs, processes = fs.Mesh({a: 1 for a in mesh.axis_names}), fs.P(), 1
         what = "the training state (the virtual mesh holds all of it in this process)"
-    est = _memory.estimate_memory(meta, specs, build_optimizer(cfg), precision=cfg.policy(), mesh=est_mesh,
-                                  activation_bytes=0, blocks="blocks")
+    opt, device = build_optimizer(cfg), "cuda" if torch.cuda.is_available() else "cpu"
     hints = ("ZeRO-3 on more ranks (--set zero_stage=3 under torchrun --nproc_per_node N: each rank "
              "holds 1/N of the state)",) if cfg.zero_stage < 3 else ()
-    _memory.check_fits(est.total, who="memory check", what=what, processes=processes,
-                       device="cuda" if torch.cuda.is_available() else "cpu", hints=hints)
+    state = _memory.estimate_memory(meta, specs, opt, precision=cfg.policy(), mesh=est_mesh,
+                                    activation_bytes=0, blocks="blocks")
+    # The state first (arithmetic): a model that cannot fit is refused without a dry run.
+    _memory.check_fits(state.total, who="memory check", what=what, processes=processes, device=device, hints=hints)
+    rows = cfg.micro_batch_size * mesh.shape.get("data", 1)  # one micro-batch, global
+    tokens = torch.zeros((rows, mcfg.seq_len + 1), dtype=torch.int64, device="meta")
+    try:
+        est = _memory.estimate_memory(meta, specs, opt, precision=cfg.policy(), mesh=est_mesh, loss=gpt.loss,
+                                      batch={"tokens": tokens}, blocks="blocks",
+                                      batch_spec=fs.P("data") if "data" in est_mesh.shape else fs.P())
+    except Exception as e:  # noqa: BLE001 - the state alone was checked
+        warnings.warn(f"fsharded train: the memory check counted the state only: the activations could "
+                      f"not be measured ({type(e).__name__}: {e})", stacklevel=2)
+        return
+    more = (f"a smaller --batch (now {cfg.micro_batch_size} a data shard, {est.activations / 2**30:,.2f} GiB "
+            "of activations)",)
+    _memory.check_fits(est.total, who="memory check", processes=processes, device=device,
+                       what=what.replace("the training state", "the training state and one micro-batch's "
+                                         "activations"), hints=more + (hints if state.total > est.activations else ()),
+                       lead="To need less")
 
 
 def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_every: int | None = None,
         keep: int | None = 3, resume: str | None = None, async_save: bool = False,
-        force: bool = False) -> dict:
+        force: bool = False, replicate_over: Sequence[str] = ()) -> dict:
     """Train per ``cfg``; returns the summary dict (also printed on rank 0). With
     ``save_every`` a checkpoint goes to ``save_dir/step-<n>`` every that many steps and at
     the end (``async_save``: written in the background, the last one waited for); ``resume`` ("latest" or a checkpoint's path) continues a run exactly: its state
@@ -346,7 +373,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
 
     dist_on = fs.distributed.is_initialized()
     main_rank = fs.distributed.rank() == 0
-    check_mesh_axes(cfg.mesh)
+    check_mesh_axes(cfg.mesh, replicate_over)
     check_paths(cfg)
     mesh = fs.Mesh(cfg.mesh)
     tokens = fs.data.load_tokens(cfg.data)
@@ -473,7 +500,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded train") -> 
         warnings.simplefilter("default")
         try:
             run(cfg, progress=args.progress, save_dir=args.save_dir, save_every=args.save_every,
-                keep=args.keep, resume=args.resume, async_save=args.async_save, force=args.force)
+                keep=args.keep, resume=args.resume, async_save=args.async_save, force=args.force,
+                replicate_over=[a.strip() for a in args.replicate_over.split(",") if a.strip()])
         except (ValueError, OSError, NotImplementedError, FloatingPointError, MemoryError) as e:
             print(f"fsharded train: {e}", file=sys.stderr)
             return 1

@@ -166,3 +166,48 @@ def test_a_state_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch):
     step.init(params)  # this machine has the room
     msg = run_on_ranks(_gloo_memory_check, 2)[0]
     assert "per rank" in msg and "2 processes of" in msg and "Would fit: ZeRO-3 over data" in msg, msg
+
+
+def _gloo_step_memory_check() -> list:
+    import os
+
+    from fsharded import _memory
+    from fsharded.models import gpt
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    config = gpt.GPTConfig.small(d_model=64, n_layers=2)
+    params = gpt.init(config, 0)
+    real = _memory.available_memory
+    # 20 MB for 2 ranks: the state (~1.5 MB a rank) and a step on 4 rows a rank (~5 MB)
+    # fit; a step on 32 rows a rank (~30 MB of activations) does not.
+    _memory.available_memory = lambda device="cpu": (20 * 2**20, "a test limit")
+    out = []
+    try:
+        step = fs.train_step(gpt.loss, fs.optim.adamw(1e-3), mesh=fs.Mesh({"data": 2}))
+        state = step.init(params)
+        g = torch.Generator().manual_seed(0)
+        small = {"tokens": torch.randint(0, config.vocab_size, (8, 65), generator=g)}
+        big = {"tokens": torch.randint(0, config.vocab_size, (64, 65), generator=g)}
+        state, _ = step(state, small)
+        out.append(int(state.step))
+        try:
+            step(state, big)
+            out.append("no error")
+        except fs.InsufficientMemoryError as e:
+            out.append(str(e))
+        out.append(int(state.step))
+    finally:
+        _memory.available_memory = real
+    return out
+
+
+def test_a_step_whose_activations_cannot_fit_is_refused_before_it_runs():
+    from fsharded.testing import run_on_ranks
+
+    for r, (done, msg, after) in enumerate(run_on_ranks(_gloo_step_memory_check, 2)):
+        assert done == 1 and after == 1
+        assert msg.startswith(f"train_step: step 2: its forward, backward and update on rank {r} (measured on a "
+                              "dry run, beyond the state already allocated) needs about 0.06 GiB (2 processes of "
+                              "0.03 GiB on this host), but 0.02 GiB is available (a test limit). To need less: "
+                              "a smaller batch (this rank's share is 32 rows); recomputing each block"), msg
+        assert "more data ranks (now 2)" in msg and "check_memory=False" in msg, msg

@@ -140,10 +140,41 @@ def test_a_diverged_fp16_run_exits_non_zero():
     assert "loss scale at its minimum" in r.stderr and "diverged" in r.stderr
 
 
+def test_a_declared_axis_replicates(capsys):
+    from fsharded import train
+
+    assert train.main(["--preset", "tiny", "--steps", "2", "--mesh", "data=2,replica=2",
+                       "--replicate-over", "replica"]) == 0
+    out = capsys.readouterr().out
+    assert "Mesh(data=2, replica=2)" in out
+    assert train.main(["--preset", "tiny", "--steps", "2", "--mesh", "data=2"]) == 0
+    plain = capsys.readouterr().out
+    done = [next(line for line in o.splitlines() if line.startswith("done: loss")) for o in (out, plain)]
+    assert done[0] == done[1]  # replicated over the extra axis: the same training
+
+
+def test_activations_that_cannot_fit_are_refused_before_the_model_is_built(capsys, monkeypatch):
+    from fsharded import _memory, train
+
+    # 64 MiB: the tiny model's state (~0.2 MB) and a step on 2 rows fit; 512 rows a data
+    # shard (1024 rows on the virtual mesh's 2 devices, in this process) do not.
+    monkeypatch.setattr(_memory, "available_memory", lambda device="cpu": (64 * 2**20, "a test limit"))
+    assert train.main(["--preset", "tiny", "--steps", "1", "--batch", "512"]) == 1
+    out, err = capsys.readouterr()
+    assert "memory check: the training state and one micro-batch's activations (the virtual mesh holds all " \
+           "of it in this process) needs about 1.1" in err, err[-1500:]
+    assert "To need less: a smaller --batch (now 512 a data shard, 1.1" in err and "GPT" not in out
+    assert "ZeRO-3" not in err  # the state is not what does not fit
+    assert train.main(["--preset", "tiny", "--steps", "1", "--batch", "2"]) == 0
+
+
 def test_mesh_and_path_mistakes_are_named_before_anything_is_built(tmp_path, capsys):
     cases = [
         (["--mesh", "data=2,tensr=2"], 1, "mesh axis 'tensr' is not one fsharded train shards over (data, tensor); "
-                                          "did you mean 'tensor'?"),
+                                          "did you mean 'tensor'? (an axis that should only replicate: "
+                                          "--replicate-over tensr)"),
+        (["--mesh", "data=2", "--replicate-over", "replica"], 1, "axis 'replica' is not in the mesh"),
+        (["--mesh", "data=2", "--replicate-over", "data"], 1, "'data' is an axis fsharded train shards over"),
         (["--mesh", "data=2,data=1"], 2, "axis 'data' given twice"),
         (["--mesh", ""], 2, "expected AXIS=SIZE"),
         (["--mesh", "data=0"], 2, "sizes are >= 1"),

@@ -366,18 +366,26 @@ def run_shard(sm: Any, args: tuple, kind: Kind, *, rank: int = 0) -> None:
 
 def dry_run(fn: Any, *args: Any, what: str = "train_step's schedule check",
             fix: str = FIX + " Or pass check_schedule=False to train_step, which skips the "
-                             "cross-rank check.") -> list[tuple]:
+                             "cross-rank check.", peak: bool = False) -> Any:
     """``fn(*args)`` on stand-ins of the same shapes (see the module doc) with the
     collectives answering locally: this rank's schedule, ``(phase, op, axis, dtype,
-    shape)`` per collective."""
+    shape)`` per collective. With ``peak``: ``(schedule, bytes)``, the most bytes the call
+    had allocated at once beyond its arguments (the memory tracker, counting meta tensors)."""
+    from fsharded import memory
 
-    def attempt(kind: Kind) -> list:
+    def attempt(kind: Kind) -> tuple[list, int]:
         with stand_ins(kind) as convert, _manifest.recording(dry=True) as entries:
-            fn(*convert(args))
-        return entries
+            stand = convert(args)
+            if not peak:
+                fn(*stand)
+                return entries, 0
+            with memory.track(include_meta=True) as mem:
+                fn(*stand)
+            return entries, mem.peak_bytes
 
-    _, entries = first_run(attempt, what=what, fix=fix)
-    return [(e.phase, e.op, e.axis, str(e.dtype).replace("torch.", ""), tuple(e.shape)) for e in entries]
+    _, (entries, most) = first_run(attempt, what=what, fix=fix)
+    schedule = [(e.phase, e.op, e.axis, str(e.dtype).replace("torch.", ""), tuple(e.shape)) for e in entries]
+    return (schedule, most) if peak else schedule
 
 
 def agree(schedule: list[tuple], what: str) -> None:
