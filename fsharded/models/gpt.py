@@ -51,8 +51,9 @@ import torch.nn.functional as F
 from fsharded._tree import rules
 from fsharded.mesh import P
 from fsharded.models._gpt_config import GPTConfig
+from fsharded.parallel import sequence
 from fsharded.parallel.blocks import run_block
-from fsharded.spmd.collectives import is_bound, psum, pvary, varying_axes
+from fsharded.spmd.collectives import axis_size, is_bound, psum, pvary, varying_axes
 
 __all__ = [
     "GPTConfig",
@@ -62,6 +63,8 @@ __all__ = [
     "embed",
     "block",
     "unembed",
+    "shift",
+    "SEQ_PARALLEL",
     "param_count",
     "tensor_parallel_specs",
     "TENSOR_PARALLEL_RULES",
@@ -189,13 +192,15 @@ def _norm(p: Params, x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * p["w"]
 
 
-def _rotary(x: torch.Tensor) -> torch.Tensor:
-    """RoPE in the half-split layout: dim ``i`` pairs with ``i + Dh/2``. x: (B, T, h, Dh)."""
+def _rotary(x: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE in the half-split layout: dim ``i`` pairs with ``i + Dh/2``. x: (B, T, h, Dh);
+    ``pos``: the tokens' global positions (T,) (a sequence shard's), default 0..T-1."""
     T, Dh = x.shape[1], x.shape[3]
     # Angles in at least float32: bf16 positions would collide past a few hundred tokens.
     dt = torch.promote_types(x.dtype, torch.float32)
     inv_freq = ROPE_THETA ** (-torch.arange(0, Dh, 2, dtype=dt, device=x.device) / Dh)
-    ang = torch.arange(T, dtype=dt, device=x.device)[:, None] * inv_freq  # (T, Dh/2)
+    pos = torch.arange(T, device=x.device) if pos is None else pos
+    ang = pos.to(dt)[:, None] * inv_freq  # (T, Dh/2)
     cos = ang.cos().repeat(1, 2)[:, None, :].to(x.dtype)  # (T, 1, Dh)
     sin = ang.sin().repeat(1, 2)[:, None, :].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
@@ -246,16 +251,37 @@ _ATTENTION = {"auto": _auto_attention, "einsum": _causal_attention, "sdpa": _sdp
               "flash": _flash_attention}
 
 
-def _attn(p: Params, x: torch.Tensor, rotary: bool, attention: str, axis: str | None) -> torch.Tensor:
+SEQ_PARALLEL = ("ulysses", "ring")
+
+
+def _seq(seq_axis: str | None) -> bool:
+    """Whether the sequence is sharded over ``seq_axis`` here (bound, more than one shard)."""
+    return seq_axis is not None and is_bound(seq_axis) and axis_size(seq_axis) > 1
+
+
+def _attn(p: Params, x: torch.Tensor, rotary: bool, attention: str, axis: str | None,
+          seq_axis: str | None = None, seq_parallel: str = "ulysses",
+          seq_layout: str = "contiguous") -> torch.Tensor:
     x = _enter_tp(x, axis, p["wq"])  # (B, T, D)
     q = torch.einsum("btd,dhe->bthe", x, p["wq"])  # (B, T, H/tp, Dh)
     k = torch.einsum("btd,dhe->bthe", x, p["wk"])  # (B, T, KV/tp, Dh)
     v = torch.einsum("btd,dhe->bthe", x, p["wv"])  # (B, T, KV/tp, Dh)
     if "bq" in p:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    sharded = _seq(seq_axis)
     if rotary:
-        q, k = _rotary(q), _rotary(k)
-    o = _ATTENTION[attention](q, k, v)  # (B, T, H/tp, Dh)
+        pos = sequence.positions(q.shape[1], seq_axis, seq_layout, device=q.device) if sharded else None
+        q, k = _rotary(q, pos), _rotary(k, pos)
+    if not sharded:
+        o = _ATTENTION[attention](q, k, v)  # (B, T, H/tp, Dh)
+    elif seq_parallel == "ulysses":  # whole sequences for H/(tp n) heads, then back
+        from fsharded.parallel.ulysses import ulysses_attention
+
+        o = ulysses_attention(_ATTENTION[attention], q, k, v, seq_axis)
+    else:  # the key/value blocks around the ring
+        from fsharded.parallel.ring import ring_attention
+
+        o = ring_attention(q, k, v, seq_axis, layout=seq_layout)
     y = _exit_tp(torch.einsum("bthe,hed->btd", o, p["wo"]), axis)  # (B, T, D)
     return y + p["bo"] if "bo" in p else y
 
@@ -276,20 +302,26 @@ def _mlp(p: Params, x: torch.Tensor, axis: str | None) -> torch.Tensor:
 
 
 def block(p: Params, x: torch.Tensor, *, rotary: bool = False,
-          attention: str = "auto", tensor_axis: str | None = TENSOR) -> torch.Tensor:
+          attention: str = "auto", tensor_axis: str | None = TENSOR, seq_axis: str | None = None,
+          seq_parallel: str = "ulysses", seq_layout: str = "contiguous") -> torch.Tensor:
     """One pre-norm transformer block, ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``.
 
     ``p`` is one entry of ``params["blocks"]``; x: (B, T, D), replicated over
     ``tensor_axis`` (the mesh axis the heads and hidden width may be split over).
     Every tensor it reads is in ``p`` or ``x`` (nothing captured), so it can be wrapped by
-    remat or a ZeRO-3 gather, or placed on a pipeline stage as is.
+    remat or a ZeRO-3 gather, or placed on a pipeline stage as is. ``seq_axis``: the mesh
+    axis x's sequence dim may be sharded over (``seq_parallel`` "ulysses" or "ring",
+    ``seq_layout`` "contiguous" or "zigzag": ``fsharded.parallel.sequence``).
     """
-    x = x + _attn(p["attn"], _norm(p["norm1"], x), rotary, attention, tensor_axis)
+    x = x + _attn(p["attn"], _norm(p["norm1"], x), rotary, attention, tensor_axis,
+                  seq_axis, seq_parallel, seq_layout)
     return x + _mlp(p["mlp"], _norm(p["norm2"], x), tensor_axis)
 
 
-def embed(params: Params, tokens: torch.Tensor) -> torch.Tensor:
-    """Token (and learned position) embeddings: tokens (B, T) int -> (B, T, D)."""
+def embed(params: Params, tokens: torch.Tensor, *, seq_axis: str | None = None,
+          seq_layout: str = "contiguous") -> torch.Tensor:
+    """Token (and learned position) embeddings: tokens (B, T) int -> (B, T, D); with the
+    sequence sharded over ``seq_axis``, the learned positions of this shard's tokens."""
     if tokens.dim() != 2 or tokens.is_floating_point() or tokens.is_complex():
         raise ValueError(
             f"tokens must be an integer tensor of shape (B, T), got {tokens.dtype} "
@@ -297,13 +329,18 @@ def embed(params: Params, tokens: torch.Tensor) -> torch.Tensor:
         )
     x = params["emb"][tokens]  # (B, T, D)
     if "pos" in params:
-        T, T_max = tokens.shape[1], params["pos"].shape[0]
+        sharded = _seq(seq_axis)
+        T, T_max = tokens.shape[1] * (axis_size(seq_axis) if sharded else 1), params["pos"].shape[0]
         if T > T_max:
             raise ValueError(
                 f"sequence length {T} exceeds the {T_max} learned positions (params['pos'] "
                 f"has shape {tuple(params['pos'].shape)}); pass at most {T_max} tokens"
             )
-        x = x + params["pos"][:T]
+        if sharded:
+            x = x + params["pos"][sequence.positions(tokens.shape[1], seq_axis, seq_layout,
+                                                     device=tokens.device)]
+        else:
+            x = x + params["pos"][:T]
     return x
 
 
@@ -317,7 +354,8 @@ def unembed(params: Params, x: torch.Tensor) -> torch.Tensor:
 
 def apply(params: Params, tokens: torch.Tensor, *, attention: str = "auto",
           block_fn: Callable[..., torch.Tensor] | None = None,
-          tensor_axis: str | None = TENSOR) -> torch.Tensor:
+          tensor_axis: str | None = TENSOR, seq_axis: str | None = None,
+          seq_parallel: str = "ulysses", seq_layout: str = "contiguous") -> torch.Tensor:
     """Logits ``(B, T, V)`` for integer ``tokens`` ``(B, T)``.
 
     ``attention``: ``"auto"`` (default: ``"flash"`` where its Triton kernel runs, i.e. on
@@ -327,15 +365,35 @@ def apply(params: Params, tokens: torch.Tensor, *, attention: str = "auto",
     runs every layer instead of ``block(p, x, ...)``: a wrapper (remat, ZeRO-3 gathering)
     that receives the block function and calls it. ``tensor_axis``: the mesh axis the
     tensor-parallel weights are split over (``None``: no tensor parallelism).
+    ``seq_axis``: the mesh axis ``tokens``' sequence dim is sharded over inside shard_map
+    (``None`` or unbound: not sharded), with ``seq_parallel`` "ulysses" (all-to-all to
+    whole sequences for a slice of the heads) or "ring" (key/value blocks passed around),
+    and ``seq_layout`` "contiguous" or "zigzag" (ring's causal balance; the batch put in
+    that order by ``fsharded.parallel.sequence.zigzag``). Logits come back sharded alike.
     """
     if attention not in _ATTENTION:
         raise ValueError(f"attention must be one of {list(_ATTENTION)}, got {attention!r}")
+    if seq_parallel not in SEQ_PARALLEL:
+        raise ValueError(f"seq_parallel must be one of {list(SEQ_PARALLEL)}, got {seq_parallel!r}")
+    sequence.check_layout(seq_layout)
+    if seq_layout == "zigzag" and seq_parallel == "ulysses" and _seq(seq_axis):
+        raise ValueError("seq_layout='zigzag' is ring attention's causal balance; Ulysses attends to "
+                         "whole sequences and needs the contiguous layout")
     fn = block if block_fn is None else functools.partial(block_fn, block)
     rotary = "pos" not in params
-    x = embed(params, tokens)
+    x = embed(params, tokens, seq_axis=seq_axis, seq_layout=seq_layout)
+    seq = {"seq_axis": seq_axis, "seq_parallel": seq_parallel, "seq_layout": seq_layout} \
+        if seq_axis is not None else {}
     for p in params["blocks"]:  # each through the step's block hook (ZeRO-3 gathers here)
-        x = run_block(fn, p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis)
+        x = run_block(fn, p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis, **seq)
     return unembed(params, x)
+
+
+def shift(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{"tokens": (B, T + 1)}`` -> ``{"inputs": (B, T), "targets": (B, T)}``: the form a
+    sequence-sharded batch takes (inputs and targets split alike)."""
+    inputs, targets = _split_batch(batch)
+    return {"inputs": inputs, "targets": targets}
 
 
 def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,7 +422,8 @@ def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 def loss(params: Params, batch: dict[str, torch.Tensor], *, attention: str = "auto",
          block_fn: Callable[..., torch.Tensor] | None = None,
-         tensor_axis: str | None = TENSOR) -> torch.Tensor:
+         tensor_axis: str | None = TENSOR, seq_axis: str | None = None,
+         seq_parallel: str = "ulysses", seq_layout: str = "contiguous") -> torch.Tensor:
     """Mean next-token cross-entropy over this shard's batch (a 0-d tensor).
 
     ``batch["tokens"]`` (B, T + 1): inputs are ``tokens[:, :-1]``, targets
@@ -372,11 +431,18 @@ def loss(params: Params, batch: dict[str, torch.Tensor], *, attention: str = "au
     Inside ``shard_map`` with the batch sharded over ``"data"`` this is the local mean:
     ``pmean`` it over ``"data"`` for the global mean. ``tensor_axis``: the mesh axis of
     ``tensor_parallel_specs(params, axis=...)``, e.g. ``functools.partial(loss,
-    tensor_axis="tp")`` on a mesh whose axis is named ``"tp"``.
+    tensor_axis="tp")`` on a mesh whose axis is named ``"tp"``. Sequence parallel
+    (``seq_axis``, see ``apply``): give ``inputs`` and ``targets`` sharded over the axis
+    (``batch_spec=P("data", "seq")``); the loss is this shard's mean, which ``train_step``
+    averages over the batch axes like the data shards' (equal token counts per shard).
     """
     inputs, targets = _split_batch(batch)
-    logits = apply(params, inputs, attention=attention, block_fn=block_fn,
-                   tensor_axis=tensor_axis)  # (B, T, V)
+    if _seq(seq_axis) and isinstance(batch, dict) and "tokens" in batch:
+        raise ValueError(f"sequence parallel over {seq_axis!r}: batch['tokens'] (B, T + 1) cannot be "
+                         f"split over the sequence (targets cross the shards); give batch['inputs'] and "
+                         f"batch['targets'] (B, T), e.g. fsharded.models.gpt.shift(batch)")
+    logits = apply(params, inputs, attention=attention, block_fn=block_fn, tensor_axis=tensor_axis,
+                   seq_axis=seq_axis, seq_parallel=seq_parallel, seq_layout=seq_layout)  # (B, T, V)
     flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
     if _triton(flat, "cross_entropy"):
         # Chunked over the vocabulary with fp32 statistics: no fp32 copy of the logits.

@@ -1,0 +1,158 @@
+"""Sequence parallelism in the bundled GPT (fsharded/parallel/{sequence,ulysses,ring}.py):
+forward, gradients and 10 adamw steps against the unsharded model, on the virtual mesh
+(with data, tensor and ZeRO) and on gloo ranks; GQA/MQA below the degree; the causal
+balance of the zigzag layout; the bytes per layer each strategy moves; the errors."""
+
+from __future__ import annotations
+
+import functools
+
+import optree
+import pytest
+import torch
+
+import fsharded as fs
+import seq_cases as S
+from fsharded import P
+from fsharded.models import gpt
+from fsharded.parallel import ring, sequence, ulysses
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return {(pos, kv): S.train({"data": 1}, positions=pos, kv=kv)
+            for pos, kv in (("learned", None), ("rotary", 1), ("rotary", 2))}
+
+
+CASES = [  # mesh, strategy, layout, ZeRO stage, positions, kv heads, tensor parallel
+    ({"seq": 2}, "ulysses", "contiguous", 0, "learned", None, False),
+    ({"seq": 4}, "ulysses", "contiguous", 0, "learned", None, False),
+    ({"seq": 4}, "ulysses", "contiguous", 0, "rotary", 1, False),  # MQA: 1 kv head over 4 ranks
+    ({"seq": 2}, "ring", "contiguous", 0, "learned", None, False),
+    ({"seq": 4}, "ring", "zigzag", 0, "rotary", 2, False),
+    ({"data": 2, "seq": 2}, "ulysses", "contiguous", 3, "learned", None, False),
+    ({"data": 2, "seq": 2}, "ring", "zigzag", 1, "learned", None, False),
+    ({"data": 2, "seq": 2}, "ring", "contiguous", 2, "rotary", 2, False),
+    ({"tensor": 2, "seq": 2}, "ulysses", "contiguous", 0, "learned", None, True),
+    ({"tensor": 2, "seq": 2}, "ring", "zigzag", 0, "rotary", 2, True),
+]
+
+
+@pytest.mark.parametrize("mesh,strategy,layout,stage,positions,kv,tensor", CASES,
+                         ids=lambda v: "-".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict) else str(v))
+def test_training_equals_the_unsharded_model_on_the_virtual_mesh(reference, mesh, strategy, layout, stage,
+                                                                 positions, kv, tensor):
+    got = S.train(mesh, strategy, layout, zero_stage=stage, positions=positions, kv=kv, tensor=tensor)
+    S.close(got, reference[(positions, kv)])
+
+
+def _forward_and_grads(strategy: str, n: int, layout: str, positions: str, kv: int | None):
+    cfg = S.config(positions, kv)
+    params = gpt.init(cfg, 0)
+    batch = S.batches(cfg, 1)[0]
+    kw = {"attention": "einsum"}
+    ref_out = gpt.apply(params, batch["inputs"], **kw)
+    ref_g = torch.func.grad(lambda p: gpt.loss(p, batch, **kw))(params)
+    mesh = fs.Mesh({"seq": n})
+    kw.update(seq_axis="seq", seq_parallel=strategy, seq_layout=layout)
+    b = {k: sequence.zigzag(v, n) if layout == "zigzag" else v for k, v in batch.items()}
+    out = fs.shard_map(lambda p, x: gpt.apply(p, x, **kw), mesh=mesh, in_specs=(P(), P(None, "seq")),
+                       out_specs=P(None, "seq"))(params, b["inputs"])
+    if layout == "zigzag":
+        out = sequence.unzigzag(out, n)
+    loss = fs.shard_map(lambda p, b: fs.pmean(gpt.loss(p, b, **kw), "seq"), mesh=mesh,
+                        in_specs=(P(), P(None, "seq")), out_specs=P())
+    g = torch.func.grad(loss)(params, b)
+    return out, ref_out, g, ref_g
+
+
+@pytest.mark.parametrize("strategy,n,layout,positions,kv", [
+    ("ulysses", 2, "contiguous", "learned", None), ("ulysses", 4, "contiguous", "rotary", 2),
+    ("ring", 4, "contiguous", "learned", None), ("ring", 2, "zigzag", "rotary", 1),
+])
+def test_forward_and_gradients_inside_shard_map(strategy, n, layout, positions, kv):
+    out, ref_out, g, ref_g = _forward_and_grads(strategy, n, layout, positions, kv)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-5)
+    for a, b in zip(optree.tree_leaves(g), optree.tree_leaves(ref_g)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_zigzag_balances_the_causal_work():
+    # 4 shards of a 64-token sequence: the (query, key) pairs each shard's queries see.
+    contiguous, zigzag = ring.causal_pairs(64, 4, "contiguous"), ring.causal_pairs(64, 4, "zigzag")
+    assert contiguous == [136, 392, 648, 904]  # 16 queries at positions 16i..16i+15
+    assert zigzag == [520, 520, 520, 520] and sum(zigzag) == sum(contiguous) == 64 * 65 // 2
+    x = torch.arange(16).view(1, 16)
+    assert sequence.zigzag(x, 2).tolist() == [[0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]]
+    assert torch.equal(sequence.unzigzag(sequence.zigzag(x, 4), 4), x)
+
+
+def test_kv_heads_are_repeated_only_as_far_as_the_degree_needs():
+    assert ulysses.kv_heads_for(8, 8, 4) == 8
+    assert ulysses.kv_heads_for(8, 2, 4) == 4  # each of 2 kv heads twice
+    assert ulysses.kv_heads_for(8, 1, 4) == 4
+    assert ulysses.kv_heads_for(12, 2, 3) == 6
+    assert ulysses.kv_heads_for(8, 3, 8) == 8
+
+
+def _manifest(strategy: str, n: int, kv: int | None) -> tuple:
+    cfg = S.config("learned", kv)
+    params = gpt.init(cfg, 0)
+    x = S.batches(cfg, 1)[0]["inputs"]  # (4, 32)
+    kw = dict(attention="einsum", seq_axis="seq", seq_parallel=strategy)
+    sm = fs.shard_map(lambda p, x: gpt.apply(p, x, **kw), mesh=fs.Mesh({"seq": n}), in_specs=(P(), P(None, "seq")),
+                      out_specs=P(None, "seq"))
+    return cfg, x.shape, [e for e in sm.collectives(params, x) if e.axis == "seq"]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_bytes_per_layer_follow_the_formulas(n):
+    # Ulysses: per attention, q, k, v and the output, each B x T/n x D per rank, go through
+    # an all-to-all keeping 1/n: 4 B T D / n elements in and out, (n - 1)/n of them sent.
+    cfg, (B, T), entries = _manifest("ulysses", n, None)
+    D, L = cfg.d_model, cfg.n_layers
+    assert [e.op for e in entries] == ["all_to_all"] * 4 * L
+    assert sum(e.bytes_sent for e in entries) == L * 4 * (B * T * D // n) * (n - 1) // n * 4
+    # Ring: k and v, each B x T/n x KV x Dh, passed n - 1 times: (n - 1)/n of K and V per layer.
+    cfg, (B, T), entries = _manifest("ring", n, 2)
+    kv_elems = B * T * 2 * cfg.head_dim
+    assert [e.op for e in entries] == ["ppermute"] * 2 * (n - 1) * L
+    assert sum(e.bytes_sent for e in entries) == L * 2 * kv_elems * (n - 1) // n * 4
+
+
+def test_mistakes_are_named():
+    cfg = S.config()
+    params = gpt.init(cfg, 0)
+    batch = S.batches(cfg, 1)[0]
+    mesh = fs.Mesh({"seq": 8})
+
+    def run(**kw):
+        return fs.shard_map(lambda p, x: gpt.apply(p, x, attention="einsum", seq_axis="seq", **kw), mesh=mesh,
+                            in_specs=(P(), P(None, "seq")), out_specs=P(None, "seq"))(params, batch["inputs"])
+
+    with pytest.raises(ValueError, match=r"4 query heads, which do not divide by 8: .*hybrid"):
+        run(seq_parallel="ulysses")
+    run(seq_parallel="ring")  # no head cap
+    with pytest.raises(ValueError, match="zigzag.*contiguous layout"):
+        run(seq_parallel="ulysses", seq_layout="zigzag")
+    with pytest.raises(ValueError, match="seq_parallel must be one of"):
+        run(seq_parallel="rings")
+    tokens = {"tokens": torch.zeros(4, 33, dtype=torch.int64)}
+    with pytest.raises(ValueError, match=r"batch\['tokens'\] \(B, T \+ 1\) cannot be split over the sequence"):
+        fs.shard_map(lambda p, b: gpt.loss(p, b, seq_axis="seq"), mesh=fs.Mesh({"seq": 2}),
+                     in_specs=(P(), P()), out_specs=P(), check_vma=False)(params, tokens)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world,mesh,strategy,layout,stage", [
+    (2, {"seq": 2}, "ulysses", "contiguous", 0),
+    (2, {"seq": 2}, "ring", "zigzag", 3),
+    (4, {"data": 2, "seq": 2}, "ulysses", "contiguous", 3),
+])
+def test_gloo_ranks_equal_the_unsharded_model_and_the_virtual_mesh(reference, world, mesh, strategy, layout, stage):
+    from fsharded.testing import run_on_ranks
+
+    virtual = S.train(mesh, strategy, layout, zero_stage=stage)
+    for r in run_on_ranks(S.train, world, mesh, strategy, layout, zero_stage=stage):
+        S.close(r, reference[("learned", None)])
+        S.close(r, virtual, tol=1e-6)
