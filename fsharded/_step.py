@@ -415,6 +415,11 @@ class TrainStep:
             for t, spec in zip(optree.tree_leaves(out), plan.state_specs):
                 if isinstance(t, torch.Tensor):
                     vma.set(t, frozenset(spec.axes))
+            # The same on every shard: reduced over the batch axes (the loss) or over every
+            # axis (the norm), including axes of size 1, which the paused stretch left typed.
+            for t in optree.tree_leaves(metrics):
+                if isinstance(t, torch.Tensor):
+                    vma.set(t, frozenset())
         return out, metrics
 
     def _gradients(self, plan: _Plan, state: TrainState, batch: Any) -> tuple[list, torch.Tensor]:

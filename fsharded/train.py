@@ -43,7 +43,8 @@ JOB_DEFAULTS: dict[str, Any] = {
 
 
 # The mesh axes the bundled GPT job shards over; any other axis would only replicate.
-TRAIN_AXES = ("data", "tensor")
+TRAIN_AXES = ("data", "tensor", "seq")
+SEQ_STRATEGIES = ("ulysses", "ring")  # model.seq_parallel (not yet: "megatron", "hybrid")
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -140,7 +141,16 @@ def make_config(args: argparse.Namespace, world_size: int = 1):
     if args.config:
         base = _layer_file(base, args.config)
     if args.deepspeed_config:
-        mesh = parse_mesh(args.mesh) if args.mesh is not None else base.mesh
+        if args.mesh is not None:
+            mesh = parse_mesh(args.mesh)
+        else:  # the ranks are data x sequence parallel, as DeepSpeed counts them
+            from fsharded.config._deepspeed import sequence_parallel_size
+
+            sp = sequence_parallel_size(args.deepspeed_config)
+            if base.mesh.get("data", 1) % sp:
+                raise ValueError(f"--deepspeed-config: sequence_parallel_size {sp} does not divide the "
+                                 f"{base.mesh.get('data', 1)} ranks")
+            mesh = {**base.mesh, "data": base.mesh.get("data", 1) // sp}
         ds = C.from_deepspeed(args.deepspeed_config, data_parallel_size=mesh.get("data", 1))
         base = _layer_deepspeed(base, ds)
     flags: dict[str, Any] = {}
@@ -221,6 +231,9 @@ def _layer_deepspeed(base, ds):
     d, dd = base.to_dict(), ds.to_dict()
     for k in _DS_SECTIONS:
         d[k] = dd[k]
+    d["mesh"] = {**d["mesh"], **dd["mesh"]}  # the data parallel size the batch sizes were read with
+    if dd["mesh"].get("seq", 1) > 1:  # sequence_parallel_size: Ulysses over 'seq', as DeepSpeed runs it
+        d["model"] = {"seq_parallel": "ulysses", **d["model"]}
     return C.TrainConfig.from_dict(d)
 
 
@@ -278,7 +291,7 @@ def build_model_config(cfg, data_vocab: int | None = None):
     ``model.vocab_size`` is given (a preset must run on the default data as given)."""
     from fsharded.models import GPTConfig
 
-    m = dict(cfg.model)
+    m = {k: v for k, v in cfg.model.items() if k not in ("seq_parallel", "seq_layout")}  # the job's, not the model's
     if data_vocab is not None:
         m.setdefault("vocab_size", data_vocab)
     preset = m.pop("preset", "small")
@@ -318,7 +331,59 @@ class _Progress:
             self.bar.close()
 
 
-def _check_fits(cfg, mcfg, mesh, specs_for, dist_on: bool) -> None:
+class _SeqJob:
+    """How the job lays out the sequence: the loss, the batch spec, and the batch as the
+    step takes it (inputs/targets, in zigzag order for ring attention)."""
+
+    def __init__(self, cfg, mesh, mcfg) -> None:
+        import functools
+
+        import fsharded as fs
+        from fsharded.models import gpt
+
+        self.n = mesh.shape.get("seq", 1)
+        strategy, layout = cfg.model.get("seq_parallel"), cfg.model.get("seq_layout")
+        if strategy in ("megatron", "hybrid"):
+            raise NotImplementedError(f"model.seq_parallel={strategy}: not implemented yet (ulysses and ring are)")
+        if strategy is not None and strategy not in SEQ_STRATEGIES:
+            raise ValueError(f"model.seq_parallel: {strategy!r} is not one of {', '.join(SEQ_STRATEGIES)}")
+        if strategy is not None and "seq" not in mesh.shape:
+            raise ValueError(f"model.seq_parallel={strategy} shards the sequence over the mesh axis 'seq', which "
+                             f"{mesh!r} lacks (e.g. --mesh seq=2)")
+        self.strategy = strategy or "ulysses"
+        self.layout = layout or ("zigzag" if self.strategy == "ring" else "contiguous")
+        fs.parallel.sequence.check_layout(self.layout)
+        chunks = self.n * (2 if self.layout == "zigzag" else 1)
+        if self.n > 1 and mcfg.seq_len % chunks:
+            raise ValueError(f"--seq-len {mcfg.seq_len} does not divide into {chunks} sequence chunks "
+                             f"(seq={self.n}, {self.layout} layout); pick a multiple of {chunks}")
+        if self.n > 1 and self.strategy == "ulysses":
+            heads = mcfg.n_heads // mesh.shape.get("tensor", 1)
+            if heads % self.n:
+                raise ValueError(f"model.seq_parallel=ulysses over seq={self.n} splits the {heads} attention heads "
+                                 f"of a tensor shard, which do not divide by {self.n}: use ring, or fewer ranks")
+        data = "data" if "data" in mesh.shape else None
+        if self.n > 1:
+            self.loss = functools.partial(gpt.loss, seq_axis="seq", seq_parallel=self.strategy,
+                                          seq_layout=self.layout)
+            self.batch_spec = fs.P(data, "seq")
+        else:
+            self.loss, self.batch_spec = gpt.loss, fs.P(data) if data else fs.P()
+
+    def prepare(self, batch: dict) -> dict:
+        if self.n == 1:
+            return batch
+        from fsharded.models import gpt
+        from fsharded.parallel import sequence
+
+        b = gpt.shift(batch)
+        return {k: sequence.zigzag(v, self.n) for k, v in b.items()} if self.layout == "zigzag" else b
+
+    def describe(self) -> str:
+        return f", sequence over seq={self.n} ({self.strategy}, {self.layout})" if self.n > 1 else ""
+
+
+def _check_fits(cfg, mcfg, mesh, specs_for, dist_on: bool, seq: _SeqJob) -> None:
     """The job's training state and one micro-batch's activations, estimated on meta
     tensors (weights, gradients, optimizer state, buffers; the activations from a dry run
     of the loss), against the memory available: per rank times the ranks on this host, or
@@ -344,11 +409,15 @@ def _check_fits(cfg, mcfg, mesh, specs_for, dist_on: bool) -> None:
     # The state first (arithmetic): a model that cannot fit is refused without a dry run.
     _memory.check_fits(state.total, who="memory check", what=what, processes=processes, device=device, hints=hints)
     rows = cfg.micro_batch_size * mesh.shape.get("data", 1)  # one micro-batch, global
-    tokens = torch.zeros((rows, mcfg.seq_len + 1), dtype=torch.int64, device="meta")
+    tokens = {"tokens": torch.zeros((rows, mcfg.seq_len + 1), dtype=torch.int64)}
+    if dist_on:  # this rank's shard of the batch as the step takes it
+        loss, batch, batch_spec = seq.loss, seq.prepare(tokens), seq.batch_spec
+    else:  # the virtual mesh's process holds every shard's activations: the whole batch, unsharded
+        loss, batch, batch_spec = gpt.loss, tokens, fs.P()
+    batch = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()}
     try:
-        est = _memory.estimate_memory(meta, specs, opt, precision=cfg.policy(), mesh=est_mesh, loss=gpt.loss,
-                                      batch={"tokens": tokens}, blocks="blocks",
-                                      batch_spec=fs.P("data") if "data" in est_mesh.shape else fs.P())
+        est = _memory.estimate_memory(meta, specs, opt, precision=cfg.policy(), mesh=est_mesh, loss=loss,
+                                      batch=batch, blocks="blocks", batch_spec=batch_spec)
     except Exception as e:  # noqa: BLE001 - the state alone was checked
         warnings.warn(f"fsharded train: the memory check counted the state only: the activations could "
                       f"not be measured ({type(e).__name__}: {e})", stacklevel=2)
@@ -389,8 +458,9 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
 
     data_size = mesh.shape.get("data", 1)
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * data_size
+    seq = _SeqJob(cfg, mesh, mcfg)
     if not force:  # before a byte of the model is allocated
-        _check_fits(cfg, mcfg, mesh, specs_for, dist_on)
+        _check_fits(cfg, mcfg, mesh, specs_for, dist_on, seq)
     params = gpt.init(mcfg, cfg.seed)
     specs = specs_for(params)
     if tokens.vocab_size > mcfg.vocab_size:
@@ -400,8 +470,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     batches = fs.data.Batches(train_tokens, global_batch, mcfg.seq_len, seed=cfg.seed)
     val = fs.data.Batches(val_tokens, global_batch, mcfg.seq_len, seed=cfg.seed + 1)
     opt = build_optimizer(cfg)
-    step = fs.train_step(gpt.loss, opt, mesh=mesh, param_specs=specs,
-                         batch_spec=fs.P("data") if "data" in mesh.shape else fs.P(),
+    step = fs.train_step(seq.loss, opt, mesh=mesh, param_specs=specs, batch_spec=seq.batch_spec,
                          precision=cfg.policy(), accumulation=cfg.grad_accum_steps,
                          clip=cfg.grad_clip or None, blocks="blocks", check_memory=not force)
     state = step.init(params)
@@ -418,12 +487,12 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
         if main_rank:
             print(f"fsharded train: resumed from {path} at step {start}", flush=True)
     n_params = gpt.param_count(params)
-    manifest = step.collectives(state, batches.batch_at(0))
+    manifest = step.collectives(state, seq.prepare(batches.batch_at(0)))
     if main_rank:
         print(f"fsharded train: GPT {n_params:,} params ({mcfg.n_layers} layers, d_model {mcfg.d_model}), "
               f"{mesh!r} on the {'distributed' if dist_on else 'virtual'} backend, "
               f"batch {global_batch}x{mcfg.seq_len}, {cfg.steps} steps, {cfg.precision}"
-              + (f", ZeRO-{cfg.zero_stage}" if cfg.zero_stage else ""), flush=True)
+              + (f", ZeRO-{cfg.zero_stage}" if cfg.zero_stage else "") + seq.describe(), flush=True)
     # Line-buffered: a killed run keeps every record but the one being written.
     metrics_f = open(cfg.metrics_file, "w", buffering=1) if (cfg.metrics_file and main_rank) else None  # noqa: SIM115
     bar = _Progress(cfg.steps, progress, cfg.log_every, main_rank)
@@ -434,7 +503,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     try:
         for i in range(start, cfg.steps):
             t0 = time.perf_counter()
-            state, m = step(state, batches.batch_at(i))  # the data position is the step count
+            state, m = step(state, seq.prepare(batches.batch_at(i)))  # the data position is the step count
             dt = time.perf_counter() - t0
             if mgr is not None and (mgr.due(i + 1) or (save_every and i + 1 == cfg.steps)):
                 mgr.save_state(step, state, blocking=not async_save)

@@ -209,6 +209,12 @@ def from_deepspeed(
     mesh = dict(overrides.pop("mesh", None) or {})
     dp = _ds_data_parallel(r, train, micro, accum, data_parallel_size, mesh)
     kw["mesh"] = {"data": dp, **{k: v for k, v in mesh.items() if k != "data"}}
+    sp = r.get("sequence_parallel_size", int, 1, _int_ge(1))  # DeepSpeed-Ulysses' degree
+    if sp > 1:
+        if mesh.get("seq", sp) != sp:
+            r.errors.append(f"  sequence_parallel_size: {sp}, but the mesh's 'seq' axis is {mesh['seq']}")
+        kw["mesh"]["seq"] = sp
+        kw["model"] = {**overrides.pop("model", {}), "seq_parallel": "ulysses"}
     _ds_precision(r, kw)
     _ds_optimizer(r, kw)
     _ds_scheduler(r, kw)
@@ -246,6 +252,13 @@ def from_deepspeed(
         warnings.warn("DeepSpeed config:\n  " + "\n  ".join(r.notes), ConfigWarning, stacklevel=2)
     cfg = TrainConfig(**kw)
     return cfg.replace(**overrides) if overrides else cfg
+
+
+def sequence_parallel_size(ds_config: Mapping | str | Path) -> int:
+    """A DeepSpeed config's ``sequence_parallel_size`` (1 when absent): the ranks of a
+    job are data x sequence parallel, as DeepSpeed counts them."""
+    v = _load_deepspeed(ds_config).get("sequence_parallel_size", 1)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else 1
 
 
 def _ds_data_parallel(r: _Reader, train: int | None, micro: int | None, accum: int | None,

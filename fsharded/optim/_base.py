@@ -147,7 +147,7 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     Updates may come out in a wider dtype (an fp32 update for a bf16 parameter); the sum
     is cast back so the parameter tree's dtypes never drift.
     """
-    if _foreach_ok(params):
+    if _foreach_ok(params) and plain(updates):  # (updates can be batched where params are not)
         p, tdef = optree.tree_flatten(params)
         u = optree.tree_leaves(updates)
         if all(x.dtype == y.dtype for x, y in zip(p, u)):
