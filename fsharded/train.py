@@ -43,8 +43,8 @@ JOB_DEFAULTS: dict[str, Any] = {
 
 
 # The mesh axes the bundled GPT job shards over; any other axis would only replicate.
-TRAIN_AXES = ("data", "tensor", "seq")
-SEQ_STRATEGIES = ("ulysses", "ring")  # model.seq_parallel (not yet: "megatron", "hybrid")
+TRAIN_AXES = ("data", "tensor", "seq", "seq_ring")
+SEQ_STRATEGIES = ("ulysses", "ring", "hybrid")  # model.seq_parallel (not yet: "megatron")
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -341,32 +341,40 @@ class _SeqJob:
         import fsharded as fs
         from fsharded.models import gpt
 
-        self.n = mesh.shape.get("seq", 1)
         strategy, layout = cfg.model.get("seq_parallel"), cfg.model.get("seq_layout")
-        if strategy in ("megatron", "hybrid"):
-            raise NotImplementedError(f"model.seq_parallel={strategy}: not implemented yet (ulysses and ring are)")
+        if strategy == "megatron":
+            raise NotImplementedError(f"model.seq_parallel={strategy}: not implemented yet (ulysses, ring and "
+                                      "hybrid are)")
         if strategy is not None and strategy not in SEQ_STRATEGIES:
             raise ValueError(f"model.seq_parallel: {strategy!r} is not one of {', '.join(SEQ_STRATEGIES)}")
         if strategy is not None and "seq" not in mesh.shape:
             raise ValueError(f"model.seq_parallel={strategy} shards the sequence over the mesh axis 'seq', which "
                              f"{mesh!r} lacks (e.g. --mesh seq=2)")
+        if ("seq_ring" in mesh.shape) != (strategy == "hybrid"):
+            raise ValueError("model.seq_parallel=hybrid runs Ulysses over 'seq' and ring attention over "
+                             "'seq_ring': give both (--mesh seq=2,seq_ring=2), and seq_ring only with hybrid")
         self.strategy = strategy or "ulysses"
+        self.ulysses = mesh.shape.get("seq", 1) if self.strategy in ("ulysses", "hybrid") else 1
+        self.n = mesh.shape.get("seq", 1) * mesh.shape.get("seq_ring", 1)
         self.layout = layout or ("zigzag" if self.strategy == "ring" else "contiguous")
         fs.parallel.sequence.check_layout(self.layout)
         chunks = self.n * (2 if self.layout == "zigzag" else 1)
         if self.n > 1 and mcfg.seq_len % chunks:
             raise ValueError(f"--seq-len {mcfg.seq_len} does not divide into {chunks} sequence chunks "
                              f"(seq={self.n}, {self.layout} layout); pick a multiple of {chunks}")
-        if self.n > 1 and self.strategy == "ulysses":
-            heads = mcfg.n_heads // mesh.shape.get("tensor", 1)
-            if heads % self.n:
-                raise ValueError(f"model.seq_parallel=ulysses over seq={self.n} splits the {heads} attention heads "
-                                 f"of a tensor shard, which do not divide by {self.n}: use ring, or fewer ranks")
+        heads = mcfg.n_heads // mesh.shape.get("tensor", 1)
+        if self.ulysses > 1 and heads % self.ulysses:
+            raise ValueError(f"model.seq_parallel={self.strategy} over seq={self.ulysses} splits the {heads} attention "
+                             f"heads of a tensor shard, which do not divide by {self.ulysses}: use ring or the "
+                             f"hybrid (Ulysses over fewer ranks, --mesh seq_ring=N for the rest)")
+        if self.layout == "zigzag" and self.strategy != "ring":
+            raise ValueError(f"model.seq_layout=zigzag is ring attention's; {self.strategy} needs contiguous")
         data = "data" if "data" in mesh.shape else None
         if self.n > 1:
-            self.loss = functools.partial(gpt.loss, seq_axis="seq", seq_parallel=self.strategy,
+            axis = ("seq_ring", "seq") if self.strategy == "hybrid" else "seq"
+            self.loss = functools.partial(gpt.loss, seq_axis=axis, seq_parallel=self.strategy,
                                           seq_layout=self.layout)
-            self.batch_spec = fs.P(data, "seq")
+            self.batch_spec = fs.P(data, axis)
         else:
             self.loss, self.batch_spec = gpt.loss, fs.P(data) if data else fs.P()
 
@@ -380,7 +388,10 @@ class _SeqJob:
         return {k: sequence.zigzag(v, self.n) for k, v in b.items()} if self.layout == "zigzag" else b
 
     def describe(self) -> str:
-        return f", sequence over seq={self.n} ({self.strategy}, {self.layout})" if self.n > 1 else ""
+        if self.n == 1:
+            return ""
+        where = f"seq_ring x seq={self.n}" if self.strategy == "hybrid" else f"seq={self.n}"
+        return f", sequence over {where} ({self.strategy}, {self.layout})"
 
 
 def _check_fits(cfg, mcfg, mesh, specs_for, dist_on: bool, seq: _SeqJob) -> None:

@@ -16,8 +16,8 @@ from fsharded.parallel import sequence
 STEPS = 10
 
 
-def config(positions: str = "learned", kv: int | None = None) -> gpt.GPTConfig:
-    return gpt.GPTConfig.small(d_model=32, n_layers=2, n_heads=4, n_kv_heads=kv, seq_len=32, bias=False,
+def config(positions: str = "learned", kv: int | None = None, heads: int = 4) -> gpt.GPTConfig:
+    return gpt.GPTConfig.small(d_model=32, n_layers=2, n_heads=heads, n_kv_heads=kv, seq_len=32, bias=False,
                                positions=positions)
 
 
@@ -28,16 +28,18 @@ def batches(cfg: gpt.GPTConfig, n: int = STEPS, rows: int = 4) -> list[dict]:
 
 
 def train(mesh_shape: dict, strategy: str | None = None, layout: str = "contiguous", *, zero_stage: int = 0,
-          positions: str = "learned", kv: int | None = None, tensor: bool = False) -> dict:
+          positions: str = "learned", kv: int | None = None, tensor: bool = False, heads: int = 4) -> dict:
     """STEPS steps of adamw on ``mesh_shape`` (``strategy`` None: no sequence parallelism,
     the reference); losses and the final full parameters."""
-    cfg = config(positions, kv)
+    cfg = config(positions, kv, heads)
     params = gpt.init(cfg, 0)
     mesh = fs.Mesh(mesh_shape)
     n = mesh_shape.get("seq", 1)
     loss = functools.partial(gpt.loss, attention="einsum")
+    # hybrid: the sequence over (seq_ring, seq), Ulysses over seq inside each ring position
+    seq_axis = ("seq_ring", "seq") if strategy == "hybrid" else "seq"
     if strategy is not None:
-        loss = functools.partial(loss, seq_axis="seq", seq_parallel=strategy, seq_layout=layout)
+        loss = functools.partial(loss, seq_axis=seq_axis, seq_parallel=strategy, seq_layout=layout)
     specs = gpt.tensor_parallel_specs(params) if tensor else P()
     if zero_stage:
         # Over data, or over seq on a mesh without it (the ranks of a sequence group hold the
@@ -45,7 +47,8 @@ def train(mesh_shape: dict, strategy: str | None = None, layout: str = "contiguo
         axis = "data" if "data" in mesh_shape else "seq"
         specs = fs.parallel.zero(zero_stage, axis=axis, min_size=8)(specs, params)
     axes = tuple(a for a in ("data", "seq") if a in mesh_shape)
-    batch_spec = P(axes[0] if "data" in axes else None, "seq" if "seq" in axes else None) if axes else P()
+    batch_spec = P(axes[0] if "data" in axes else None,
+                   (seq_axis if strategy is not None else "seq") if "seq" in axes else None) if axes else P()
     step = fs.train_step(loss, fs.optim.adamw(1e-3), mesh=mesh, param_specs=specs, batch_spec=batch_spec,
                          blocks="blocks", clip=1.0)
     state = step.init(params)

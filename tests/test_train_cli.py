@@ -165,7 +165,8 @@ def test_sequence_parallel_runs_train_as_the_unsharded_job(capsys, tmp_path):
     want = _done(capsys)
     for extra in (["--mesh", "seq=2"], ["--mesh", "seq=2", "--set", "model.seq_parallel=ring"],
                   ["--mesh", "data=1,seq=2,tensor=2", "--set", "model.seq_parallel=ring",
-                   "--set", "model.seq_layout=contiguous"]):
+                   "--set", "model.seq_layout=contiguous"],
+                  ["--mesh", "seq=2,seq_ring=2", "--set", "model.seq_parallel=hybrid"]):
         assert train.main([*base, *extra]) == 0, extra
         assert _done(capsys) == want, extra
     ds = tmp_path / "ds.json"  # DeepSpeed's key: Ulysses over seq, data = ranks / 2
@@ -174,7 +175,8 @@ def test_sequence_parallel_runs_train_as_the_unsharded_job(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "Mesh(data=1, seq=2)" in out and "(ulysses, contiguous)" in out
     for extra, message in ((["--set", "model.seq_parallel=ring"], "shards the sequence over the mesh axis 'seq'"),
-                           (["--mesh", "seq=2", "--set", "model.seq_parallel=hybrid"], "not implemented yet"),
+                           (["--mesh", "seq=2", "--set", "model.seq_parallel=megatron"], "not implemented yet"),
+                           (["--mesh", "seq=2", "--set", "model.seq_parallel=hybrid"], "give both"),
                            (["--mesh", "seq=4", "--seq-len", "36", "--set", "model.seq_parallel=ring"],
                             "--seq-len 36 does not divide into 8 sequence chunks"),
                            (["--mesh", "seq=8"], "splits the 4 attention heads")):
@@ -199,7 +201,7 @@ def test_activations_that_cannot_fit_are_refused_before_the_model_is_built(capsy
 
 def test_mesh_and_path_mistakes_are_named_before_anything_is_built(tmp_path, capsys):
     cases = [
-        (["--mesh", "data=2,tensr=2"], 1, "mesh axis 'tensr' is not one fsharded train shards over (data, tensor, seq); "
+        (["--mesh", "data=2,tensr=2"], 1, "mesh axis 'tensr' is not one fsharded train shards over (data, tensor, seq, seq_ring); "
                                           "did you mean 'tensor'? (an axis that should only replicate: "
                                           "--replicate-over tensr)"),
         (["--mesh", "data=2", "--replicate-over", "replica"], 1, "axis 'replica' is not in the mesh"),

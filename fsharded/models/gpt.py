@@ -251,12 +251,15 @@ _ATTENTION = {"auto": _auto_attention, "einsum": _causal_attention, "sdpa": _sdp
               "flash": _flash_attention}
 
 
-SEQ_PARALLEL = ("ulysses", "ring")
+SEQ_PARALLEL = ("ulysses", "ring", "hybrid")
 
 
-def _seq(seq_axis: str | None) -> bool:
+def _seq(seq_axis: Any) -> bool:
     """Whether the sequence is sharded over ``seq_axis`` here (bound, more than one shard)."""
-    return seq_axis is not None and is_bound(seq_axis) and axis_size(seq_axis) > 1
+    if seq_axis is None:
+        return False
+    axes = (seq_axis,) if isinstance(seq_axis, str) else tuple(seq_axis)
+    return all(is_bound(a) for a in axes) and axis_size(axes) > 1
 
 
 def _attn(p: Params, x: torch.Tensor, rotary: bool, attention: str, axis: str | None,
@@ -278,10 +281,16 @@ def _attn(p: Params, x: torch.Tensor, rotary: bool, attention: str, axis: str | 
         from fsharded.parallel.ulysses import ulysses_attention
 
         o = ulysses_attention(_ATTENTION[attention], q, k, v, seq_axis)
-    else:  # the key/value blocks around the ring
+    elif seq_parallel == "ring":  # the key/value blocks around the ring
         from fsharded.parallel.ring import ring_attention
 
         o = ring_attention(q, k, v, seq_axis, layout=seq_layout)
+    else:  # hybrid: Ulysses over the minor axis, ring attention across the major one
+        from fsharded.parallel.ring import ring_attention
+        from fsharded.parallel.ulysses import ulysses_attention
+
+        ring_axis, a2a_axis = seq_axis
+        o = ulysses_attention(lambda q, k, v: ring_attention(q, k, v, ring_axis), q, k, v, a2a_axis)
     y = _exit_tp(torch.einsum("bthe,hed->btd", o, p["wo"]), axis)  # (B, T, D)
     return y + p["bo"] if "bo" in p else y
 
@@ -367,18 +376,28 @@ def apply(params: Params, tokens: torch.Tensor, *, attention: str = "auto",
     tensor-parallel weights are split over (``None``: no tensor parallelism).
     ``seq_axis``: the mesh axis ``tokens``' sequence dim is sharded over inside shard_map
     (``None`` or unbound: not sharded), with ``seq_parallel`` "ulysses" (all-to-all to
-    whole sequences for a slice of the heads) or "ring" (key/value blocks passed around),
-    and ``seq_layout`` "contiguous" or "zigzag" (ring's causal balance; the batch put in
-    that order by ``fsharded.parallel.sequence.zigzag``). Logits come back sharded alike.
+    whole sequences for a slice of the heads), "ring" (key/value blocks passed around) or
+    "hybrid" (``seq_axis=(ring_axis, ulysses_axis)``, the sequence sharded over both as
+    ``P(None, (ring_axis, ulysses_axis))``: Ulysses inside each ring position, ring across,
+    so the degree is not capped by the heads), and ``seq_layout`` "contiguous" or "zigzag"
+    (ring's causal balance; the batch put in that order by
+    ``fsharded.parallel.sequence.zigzag``). Logits come back sharded alike.
     """
     if attention not in _ATTENTION:
         raise ValueError(f"attention must be one of {list(_ATTENTION)}, got {attention!r}")
     if seq_parallel not in SEQ_PARALLEL:
         raise ValueError(f"seq_parallel must be one of {list(SEQ_PARALLEL)}, got {seq_parallel!r}")
     sequence.check_layout(seq_layout)
-    if seq_layout == "zigzag" and seq_parallel == "ulysses" and _seq(seq_axis):
-        raise ValueError("seq_layout='zigzag' is ring attention's causal balance; Ulysses attends to "
-                         "whole sequences and needs the contiguous layout")
+    if seq_layout == "zigzag" and seq_parallel != "ring" and _seq(seq_axis):
+        raise ValueError(f"seq_layout='zigzag' is ring attention's causal balance; {seq_parallel} needs "
+                         f"the contiguous layout")
+    hybrid = seq_parallel == "hybrid" and seq_axis is not None
+    if hybrid and (isinstance(seq_axis, str) or len(tuple(seq_axis)) != 2):
+        raise ValueError(f"seq_parallel='hybrid' shards the sequence over two axes, seq_axis=(ring axis, "
+                         f"Ulysses axis) as in the batch spec P(None, (ring, ulysses)); got {seq_axis!r}")
+    if not hybrid and seq_axis is not None and not isinstance(seq_axis, str):
+        raise ValueError(f"seq_axis={seq_axis!r}: one axis for {seq_parallel} (two only for 'hybrid')")
+    seq_axis = tuple(seq_axis) if hybrid else seq_axis
     fn = block if block_fn is None else functools.partial(block_fn, block)
     rotary = "pos" not in params
     x = embed(params, tokens, seq_axis=seq_axis, seq_layout=seq_layout)
