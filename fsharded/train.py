@@ -358,10 +358,14 @@ class _SeqJob:
         self.n = mesh.shape.get("seq", 1) * mesh.shape.get("seq_ring", 1)
         self.layout = layout or ("zigzag" if self.strategy == "ring" else "contiguous")
         fs.parallel.sequence.check_layout(self.layout)
-        chunks = self.n * (2 if self.layout == "zigzag" else 1)
-        if self.n > 1 and mcfg.seq_len % chunks:
-            raise ValueError(f"--seq-len {mcfg.seq_len} does not divide into {chunks} sequence chunks "
-                             f"(seq={self.n}, {self.layout} layout); pick a multiple of {chunks}")
+        # A length that does not divide is padded at the end and masked (gpt.shift(multiple=)).
+        self.chunks = self.n * (2 if self.layout == "zigzag" else 1)
+        padded = -(-mcfg.seq_len // self.chunks) * self.chunks
+        if self.n > 1 and padded != mcfg.seq_len and mcfg.positions == "learned":
+            raise ValueError(f"--seq-len {mcfg.seq_len} does not divide into {self.chunks} sequence chunks "
+                             f"(seq={self.n}, {self.layout} layout), and padding it to {padded} would run past "
+                             f"the {mcfg.seq_len} learned positions: pick a multiple of {self.chunks}, or "
+                             f"--set model.positions=rotary (padded then)")
         heads = mcfg.n_heads // mesh.shape.get("tensor", 1)
         if self.ulysses > 1 and heads % self.ulysses:
             raise ValueError(f"model.seq_parallel={self.strategy} over seq={self.ulysses} splits the {heads} attention "
@@ -384,7 +388,7 @@ class _SeqJob:
         from fsharded.models import gpt
         from fsharded.parallel import sequence
 
-        b = gpt.shift(batch)
+        b = gpt.shift(batch, multiple=self.chunks)
         return {k: sequence.zigzag(v, self.n) for k, v in b.items()} if self.layout == "zigzag" else b
 
     def describe(self) -> str:

@@ -21,14 +21,18 @@ def config(positions: str = "learned", kv: int | None = None, heads: int = 4) ->
                                positions=positions)
 
 
-def batches(cfg: gpt.GPTConfig, n: int = STEPS, rows: int = 4) -> list[dict]:
+def batches(cfg: gpt.GPTConfig, n: int = STEPS, rows: int = 4, *, length: int | None = None,
+            multiple: int = 1) -> list[dict]:
+    """``n`` batches of ``length`` (default seq_len) tokens, padded to ``multiple``."""
     g = torch.Generator().manual_seed(3)
-    return [gpt.shift({"tokens": torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len + 1), generator=g)})
+    T = cfg.seq_len if length is None else length
+    return [gpt.shift({"tokens": torch.randint(0, cfg.vocab_size, (rows, T + 1), generator=g)}, multiple=multiple)
             for _ in range(n)]
 
 
 def train(mesh_shape: dict, strategy: str | None = None, layout: str = "contiguous", *, zero_stage: int = 0,
-          positions: str = "learned", kv: int | None = None, tensor: bool = False, heads: int = 4) -> dict:
+          positions: str = "learned", kv: int | None = None, tensor: bool = False, heads: int = 4,
+          length: int | None = None) -> dict:
     """STEPS steps of adamw on ``mesh_shape`` (``strategy`` None: no sequence parallelism,
     the reference); losses and the final full parameters."""
     cfg = config(positions, kv, heads)
@@ -53,7 +57,8 @@ def train(mesh_shape: dict, strategy: str | None = None, layout: str = "contiguo
                          blocks="blocks", clip=1.0)
     state = step.init(params)
     losses = []
-    for b in batches(cfg):
+    total = n * mesh_shape.get("seq_ring", 1) if strategy is not None else 1
+    for b in batches(cfg, length=length, multiple=total * (2 if layout == "zigzag" else 1)):
         if layout == "zigzag":
             b = {k: sequence.zigzag(v, n) for k, v in b.items()}
         state, m = step(state, b)

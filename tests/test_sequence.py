@@ -82,6 +82,18 @@ def test_forward_and_gradients_inside_shard_map(strategy, n, layout, positions, 
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("strategy,mesh,layout,positions", [
+    ("ulysses", {"seq": 4}, "contiguous", "learned"),  # 29 tokens padded to 32: fits the table
+    ("ring", {"seq": 2}, "zigzag", "rotary"),  # 29 -> 32, the padding spread by the zigzag
+    ("hybrid", {"seq_ring": 2, "seq": 2}, "contiguous", "rotary"),
+])
+def test_a_length_that_does_not_divide_is_padded_and_masked(strategy, mesh, layout, positions):
+    want = S.train({"data": 1}, positions=positions, length=29)
+    S.close(S.train(mesh, strategy, layout, positions=positions, length=29), want)
+    b = gpt.shift({"tokens": torch.arange(8).view(1, 8)}, multiple=4)
+    assert b["inputs"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 0]] and b["targets"].tolist() == [[1, 2, 3, 4, 5, 6, 7, -100]]
+
+
 def test_the_hybrid_passes_the_head_count():
     # 2 heads over a sequence degree of 8 (ring 4 x Ulysses 2); Ulysses alone stops at 2.
     want = S.train({"data": 1}, heads=2, positions="rotary", kv=1)

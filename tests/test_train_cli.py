@@ -169,6 +169,11 @@ def test_sequence_parallel_runs_train_as_the_unsharded_job(capsys, tmp_path):
                   ["--mesh", "seq=2,seq_ring=2", "--set", "model.seq_parallel=hybrid"]):
         assert train.main([*base, *extra]) == 0, extra
         assert _done(capsys) == want, extra
+    rotary = [*base, "--seq-len", "36", "--set", "model.positions=rotary"]  # 36 tokens over 8 chunks: padded
+    assert train.main([*rotary, "--mesh", "data=1"]) == 0
+    want = _done(capsys)
+    assert train.main([*rotary, "--mesh", "seq=4", "--set", "model.seq_parallel=ring"]) == 0
+    assert _done(capsys) == want
     ds = tmp_path / "ds.json"  # DeepSpeed's key: Ulysses over seq, data = ranks / 2
     ds.write_text('{"train_micro_batch_size_per_gpu": 8, "sequence_parallel_size": 2}')
     assert train.main([*base, "--deepspeed-config", str(ds)]) == 0
@@ -178,7 +183,8 @@ def test_sequence_parallel_runs_train_as_the_unsharded_job(capsys, tmp_path):
                            (["--mesh", "seq=2", "--set", "model.seq_parallel=megatron"], "not implemented yet"),
                            (["--mesh", "seq=2", "--set", "model.seq_parallel=hybrid"], "give both"),
                            (["--mesh", "seq=4", "--seq-len", "36", "--set", "model.seq_parallel=ring"],
-                            "--seq-len 36 does not divide into 8 sequence chunks"),
+                            "--seq-len 36 does not divide into 8 sequence chunks (seq=4, zigzag layout), and "
+                            "padding it to 40 would run past the 36 learned positions"),
                            (["--mesh", "seq=8"], "splits the 4 attention heads")):
         assert train.main([*base, *extra]) == 1, extra
         assert message in capsys.readouterr().err, extra

@@ -64,6 +64,7 @@ __all__ = [
     "block",
     "unembed",
     "shift",
+    "IGNORE",
     "SEQ_PARALLEL",
     "param_count",
     "tensor_parallel_specs",
@@ -343,7 +344,9 @@ def embed(params: Params, tokens: torch.Tensor, *, seq_axis: str | None = None,
         if T > T_max:
             raise ValueError(
                 f"sequence length {T} exceeds the {T_max} learned positions (params['pos'] "
-                f"has shape {tuple(params['pos'].shape)}); pass at most {T_max} tokens"
+                f"has shape {tuple(params['pos'].shape)}); pass at most {T_max} tokens (padding "
+                f"included: with a sequence padded to divide over its shards, a table that long, "
+                f"or rotary positions, which have no limit)"
             )
         if sharded:
             x = x + params["pos"][sequence.positions(tokens.shape[1], seq_axis, seq_layout,
@@ -408,10 +411,20 @@ def apply(params: Params, tokens: torch.Tensor, *, attention: str = "auto",
     return unembed(params, x)
 
 
-def shift(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+IGNORE = -100  # a target the loss skips (cross_entropy's ignore_index): padding
+
+
+def shift(batch: dict[str, torch.Tensor], *, multiple: int = 1) -> dict[str, torch.Tensor]:
     """``{"tokens": (B, T + 1)}`` -> ``{"inputs": (B, T), "targets": (B, T)}``: the form a
-    sequence-sharded batch takes (inputs and targets split alike)."""
+    sequence-sharded batch takes (inputs and targets split alike). ``multiple``: pad the
+    sequence at its end to a multiple of it (inputs with token 0, targets with ``IGNORE``):
+    causal attention keeps the padding out of every real token's result and the loss
+    skips it, so a length that does not divide over the shards trains as the unpadded one."""
     inputs, targets = _split_batch(batch)
+    pad = -inputs.shape[1] % multiple
+    if pad:
+        inputs = F.pad(inputs, (0, pad), value=0)
+        targets = F.pad(targets, (0, pad), value=IGNORE)
     return {"inputs": inputs, "targets": targets}
 
 
@@ -463,13 +476,23 @@ def loss(params: Params, batch: dict[str, torch.Tensor], *, attention: str = "au
     logits = apply(params, inputs, attention=attention, block_fn=block_fn, tensor_axis=tensor_axis,
                    seq_axis=seq_axis, seq_parallel=seq_parallel, seq_layout=seq_layout)  # (B, T, V)
     flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    sharded = _seq(seq_axis)
+    # Sequence shards may hold different numbers of real tokens (padding, IGNORE targets):
+    # each shard's sum over the mean real-token count of its sequence group, so that the
+    # step's mean over the shards is the mean over the group's real tokens.
+    reduction = "sum" if sharded else "mean"
     if _triton(flat, "cross_entropy"):
         # Chunked over the vocabulary with fp32 statistics: no fp32 copy of the logits.
         from fsharded.kernels import losses
 
-        return losses.cross_entropy(flat, flat_targets)
-    # Low-precision logits lose the small differences softmax cares about: upcast.
-    return F.cross_entropy(flat.to(torch.promote_types(flat.dtype, torch.float32)), flat_targets)
+        out = losses.cross_entropy(flat, flat_targets, reduction=reduction)
+    else:  # low-precision logits lose the small differences softmax cares about: upcast
+        out = F.cross_entropy(flat.to(torch.promote_types(flat.dtype, torch.float32)), flat_targets,
+                              reduction=reduction)
+    if not sharded:
+        return out
+    count = (flat_targets != IGNORE).sum().to(out.dtype)
+    return out / (psum(count, seq_axis) / axis_size(seq_axis))
 
 
 # ------------------------------------------------------------------------------------------
