@@ -44,7 +44,7 @@ JOB_DEFAULTS: dict[str, Any] = {
 
 # The mesh axes the bundled GPT job shards over; any other axis would only replicate.
 TRAIN_AXES = ("data", "tensor", "seq", "seq_ring")
-SEQ_STRATEGIES = ("ulysses", "ring", "hybrid")  # model.seq_parallel (not yet: "megatron")
+SEQ_STRATEGIES = ("ulysses", "ring", "hybrid", "megatron")  # model.seq_parallel
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -342,11 +342,21 @@ class _SeqJob:
         from fsharded.models import gpt
 
         strategy, layout = cfg.model.get("seq_parallel"), cfg.model.get("seq_layout")
-        if strategy == "megatron":
-            raise NotImplementedError(f"model.seq_parallel={strategy}: not implemented yet (ulysses, ring and "
-                                      "hybrid are)")
         if strategy is not None and strategy not in SEQ_STRATEGIES:
             raise ValueError(f"model.seq_parallel: {strategy!r} is not one of {', '.join(SEQ_STRATEGIES)}")
+        self.megatron = strategy == "megatron"
+        if self.megatron:  # the sequence over the tensor axis between the tensor-parallel layers
+            tp = mesh.shape.get("tensor", 1)
+            if tp == 1 or "seq" in mesh.shape or layout not in (None, "contiguous"):
+                raise ValueError("model.seq_parallel=megatron shards the sequence over the 'tensor' axis (e.g. "
+                                 "--mesh tensor=2), contiguously, without a 'seq' axis")
+            self.strategy, self.layout, self.n, self.chunks = strategy, "contiguous", tp, tp
+            if mcfg.seq_len % tp and mcfg.positions == "learned":
+                raise ValueError(f"--seq-len {mcfg.seq_len} does not divide over tensor={tp}, and padding would run "
+                                 f"past the learned positions: pick a multiple of {tp}, or --set model.positions=rotary")
+            self.loss = functools.partial(gpt.loss, seq_parallel="megatron")
+            self.batch_spec = fs.P("data") if "data" in mesh.shape else fs.P()
+            return
         if strategy is not None and "seq" not in mesh.shape:
             raise ValueError(f"model.seq_parallel={strategy} shards the sequence over the mesh axis 'seq', which "
                              f"{mesh!r} lacks (e.g. --mesh seq=2)")
@@ -383,10 +393,13 @@ class _SeqJob:
             self.loss, self.batch_spec = gpt.loss, fs.P(data) if data else fs.P()
 
     def prepare(self, batch: dict) -> dict:
-        if self.n == 1:
-            return batch
         from fsharded.models import gpt
         from fsharded.parallel import sequence
+
+        if self.n == 1:
+            return batch
+        if self.megatron:  # tokens stay whole on every tensor rank; padded only if they must be
+            return gpt.shift(batch, multiple=self.chunks) if (batch["tokens"].shape[1] - 1) % self.chunks else batch
 
         b = gpt.shift(batch, multiple=self.chunks)
         return {k: sequence.zigzag(v, self.n) for k, v in b.items()} if self.layout == "zigzag" else b
@@ -394,7 +407,8 @@ class _SeqJob:
     def describe(self) -> str:
         if self.n == 1:
             return ""
-        where = f"seq_ring x seq={self.n}" if self.strategy == "hybrid" else f"seq={self.n}"
+        where = (f"seq_ring x seq={self.n}" if self.strategy == "hybrid" else
+                 f"tensor={self.n}" if self.megatron else f"seq={self.n}")
         return f", sequence over {where} ({self.strategy}, {self.layout})"
 
 

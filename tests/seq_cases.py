@@ -42,7 +42,9 @@ def train(mesh_shape: dict, strategy: str | None = None, layout: str = "contiguo
     loss = functools.partial(gpt.loss, attention="einsum")
     # hybrid: the sequence over (seq_ring, seq), Ulysses over seq inside each ring position
     seq_axis = ("seq_ring", "seq") if strategy == "hybrid" else "seq"
-    if strategy is not None:
+    if strategy == "megatron":  # over the tensor axis, between the tensor-parallel layers
+        loss = functools.partial(loss, seq_parallel="megatron")
+    elif strategy is not None:
         loss = functools.partial(loss, seq_axis=seq_axis, seq_parallel=strategy, seq_layout=layout)
     specs = gpt.tensor_parallel_specs(params) if tensor else P()
     if zero_stage:
@@ -57,7 +59,8 @@ def train(mesh_shape: dict, strategy: str | None = None, layout: str = "contiguo
                          blocks="blocks", clip=1.0)
     state = step.init(params)
     losses = []
-    total = n * mesh_shape.get("seq_ring", 1) if strategy is not None else 1
+    total = n * mesh_shape.get("seq_ring", 1) if strategy not in (None, "megatron") else \
+        mesh_shape.get("tensor", 1) if strategy == "megatron" else 1
     for b in batches(cfg, length=length, multiple=total * (2 if layout == "zigzag" else 1)):
         if layout == "zigzag":
             b = {k: sequence.zigzag(v, n) for k, v in b.items()}

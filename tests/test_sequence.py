@@ -19,7 +19,7 @@ from fsharded.parallel import ring, sequence, ulysses
 @pytest.fixture(scope="module")
 def reference() -> dict:
     return {(pos, kv): S.train({"data": 1}, positions=pos, kv=kv)
-            for pos, kv in (("learned", None), ("rotary", 1), ("rotary", 2))}
+            for pos, kv in (("learned", None), ("rotary", None), ("rotary", 1), ("rotary", 2))}
 
 
 CASES = [  # mesh, strategy, layout, ZeRO stage, positions, kv heads, tensor parallel
@@ -40,6 +40,11 @@ CASES = [  # mesh, strategy, layout, ZeRO stage, positions, kv heads, tensor par
     # Hybrid: Ulysses over seq inside, ring over seq_ring across (with data and ZeRO-3)
     ({"seq_ring": 2, "seq": 2}, "hybrid", "contiguous", 0, "rotary", 2, False),
     ({"data": 2, "seq_ring": 2, "seq": 2}, "hybrid", "contiguous", 3, "learned", None, False),
+    # Megatron-SP: the sequence over the tensor axis between the tensor-parallel layers
+    ({"tensor": 2}, "megatron", "contiguous", 0, "learned", None, True),
+    ({"tensor": 4}, "megatron", "contiguous", 0, "rotary", None, True),
+    ({"data": 2, "tensor": 2}, "megatron", "contiguous", 3, "learned", None, True),
+    ({"data": 2, "tensor": 2}, "megatron", "contiguous", 2, "rotary", None, True),
 ]
 
 
@@ -86,10 +91,11 @@ def test_forward_and_gradients_inside_shard_map(strategy, n, layout, positions, 
     ("ulysses", {"seq": 4}, "contiguous", "learned"),  # 29 tokens padded to 32: fits the table
     ("ring", {"seq": 2}, "zigzag", "rotary"),  # 29 -> 32, the padding spread by the zigzag
     ("hybrid", {"seq_ring": 2, "seq": 2}, "contiguous", "rotary"),
+    ("megatron", {"tensor": 2}, "contiguous", "rotary"),
 ])
 def test_a_length_that_does_not_divide_is_padded_and_masked(strategy, mesh, layout, positions):
     want = S.train({"data": 1}, positions=positions, length=29)
-    S.close(S.train(mesh, strategy, layout, positions=positions, length=29), want)
+    S.close(S.train(mesh, strategy, layout, positions=positions, length=29, tensor=strategy == "megatron"), want)
     b = gpt.shift({"tokens": torch.arange(8).view(1, 8)}, multiple=4)
     assert b["inputs"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 0]] and b["targets"].tolist() == [[1, 2, 3, 4, 5, 6, 7, -100]]
 
@@ -145,6 +151,26 @@ def test_bytes_per_layer_follow_the_formulas(n):
     assert sum(e.bytes_sent for e in entries) == L * 2 * kv_elems * (n - 1) // n * 4
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_megatron_sp_bytes_per_layer(n):
+    # Megatron-SP: per block, the attention and the MLP each all-gather their input
+    # (B x T/n x D per rank, (n - 1) of those sent) and reduce-scatter their output
+    # (B x T x D, (n - 1)/n of it sent) in place of two all-reduces.
+    cfg = S.config()
+    params = gpt.init(cfg, 0)
+    batch = S.batches(cfg, 1)[0]
+    B, T = batch["inputs"].shape
+    D, L = cfg.d_model, cfg.n_layers
+    sm = fs.shard_map(lambda p, b: gpt.loss(p, b, attention="einsum", seq_parallel="megatron"),
+                      mesh=fs.Mesh({"tensor": n}), in_specs=(gpt.tensor_parallel_specs(params), P()), out_specs=P())
+    fwd = [e for e in sm.collectives(params, batch) if e.phase == "forward" and e.op != "psum"]
+    assert [e.op for e in fwd] == ["all_gather", "psum_scatter"] * 2 * L
+    assert all(e.bytes_sent == (n - 1) * B * T * D // n * 4 for e in fwd)
+    with pytest.raises(ValueError, match="this block's weights are not split over it"):
+        fs.shard_map(lambda p, b: gpt.loss(p, b, attention="einsum", seq_parallel="megatron"),
+                     mesh=fs.Mesh({"tensor": n}), in_specs=(P(), P()), out_specs=P())(params, batch)
+
+
 def test_mistakes_are_named():
     cfg = S.config()
     params = gpt.init(cfg, 0)
@@ -174,11 +200,13 @@ def test_mistakes_are_named():
     (2, {"seq": 2}, "ring", "zigzag", 3),
     (4, {"data": 2, "seq": 2}, "ulysses", "contiguous", 3),
     (4, {"seq_ring": 2, "seq": 2}, "hybrid", "contiguous", 0),
+    (2, {"tensor": 2}, "megatron", "contiguous", 0),
 ])
 def test_gloo_ranks_equal_the_unsharded_model_and_the_virtual_mesh(reference, world, mesh, strategy, layout, stage):
     from fsharded.testing import run_on_ranks
 
-    virtual = S.train(mesh, strategy, layout, zero_stage=stage)
-    for r in run_on_ranks(S.train, world, mesh, strategy, layout, zero_stage=stage):
+    tp = strategy == "megatron"
+    virtual = S.train(mesh, strategy, layout, zero_stage=stage, tensor=tp)
+    for r in run_on_ranks(S.train, world, mesh, strategy, layout, zero_stage=stage, tensor=tp):
         S.close(r, reference[("learned", None)])
         S.close(r, virtual)

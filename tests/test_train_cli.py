@@ -166,7 +166,8 @@ def test_sequence_parallel_runs_train_as_the_unsharded_job(capsys, tmp_path):
     for extra in (["--mesh", "seq=2"], ["--mesh", "seq=2", "--set", "model.seq_parallel=ring"],
                   ["--mesh", "data=1,seq=2,tensor=2", "--set", "model.seq_parallel=ring",
                    "--set", "model.seq_layout=contiguous"],
-                  ["--mesh", "seq=2,seq_ring=2", "--set", "model.seq_parallel=hybrid"]):
+                  ["--mesh", "seq=2,seq_ring=2", "--set", "model.seq_parallel=hybrid"],
+                  ["--mesh", "data=1,tensor=2", "--set", "model.seq_parallel=megatron"]):
         assert train.main([*base, *extra]) == 0, extra
         assert _done(capsys) == want, extra
     rotary = [*base, "--seq-len", "36", "--set", "model.positions=rotary"]  # 36 tokens over 8 chunks: padded
@@ -174,13 +175,19 @@ def test_sequence_parallel_runs_train_as_the_unsharded_job(capsys, tmp_path):
     want = _done(capsys)
     assert train.main([*rotary, "--mesh", "seq=4", "--set", "model.seq_parallel=ring"]) == 0
     assert _done(capsys) == want
+    rotary[rotary.index("36")] = "37"  # 37 over tensor=2: padded
+    assert train.main([*rotary, "--mesh", "data=1"]) == 0
+    want = _done(capsys)
+    assert train.main([*rotary, "--mesh", "data=1,tensor=2", "--set", "model.seq_parallel=megatron"]) == 0
+    assert _done(capsys) == want
     ds = tmp_path / "ds.json"  # DeepSpeed's key: Ulysses over seq, data = ranks / 2
     ds.write_text('{"train_micro_batch_size_per_gpu": 8, "sequence_parallel_size": 2}')
     assert train.main([*base, "--deepspeed-config", str(ds)]) == 0
     out = capsys.readouterr().out
     assert "Mesh(data=1, seq=2)" in out and "(ulysses, contiguous)" in out
     for extra, message in ((["--set", "model.seq_parallel=ring"], "shards the sequence over the mesh axis 'seq'"),
-                           (["--mesh", "seq=2", "--set", "model.seq_parallel=megatron"], "not implemented yet"),
+                           (["--mesh", "seq=2", "--set", "model.seq_parallel=megatron"],
+                            "shards the sequence over the 'tensor' axis"),
                            (["--mesh", "seq=2", "--set", "model.seq_parallel=hybrid"], "give both"),
                            (["--mesh", "seq=4", "--seq-len", "36", "--set", "model.seq_parallel=ring"],
                             "--seq-len 36 does not divide into 8 sequence chunks (seq=4, zigzag layout), and "

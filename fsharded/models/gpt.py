@@ -53,7 +53,16 @@ from fsharded.mesh import P
 from fsharded.models._gpt_config import GPTConfig
 from fsharded.parallel import sequence
 from fsharded.parallel.blocks import run_block
-from fsharded.spmd.collectives import axis_size, is_bound, psum, pvary, varying_axes
+from fsharded.spmd.collectives import (
+    all_gather,
+    axis_size,
+    is_bound,
+    pmean,
+    psum,
+    psum_scatter,
+    pvary,
+    varying_axes,
+)
 
 __all__ = [
     "GPTConfig",
@@ -157,16 +166,27 @@ def _split(axis: str | None, w: torch.Tensor) -> bool:
     return axis is not None and is_bound(axis) and axis in varying_axes(w)
 
 
-def _enter_tp(x: torch.Tensor, axis: str | None, w: torch.Tensor) -> torch.Tensor:
+def _enter_tp(x: torch.Tensor, axis: str | None, w: torch.Tensor, sp: bool = False) -> torch.Tensor:
     """Megatron's f: identity forward, all-reduce of the gradient over ``axis`` backward,
     so replicated inputs of column-parallel layers (weight ``w``) get their full gradient;
-    one all-reduce for the layer (an implicit pvary would add one per weight it meets)."""
+    one all-reduce for the layer (an implicit pvary would add one per weight it meets).
+    ``sp`` (Megatron-SP: ``x`` is this rank's sequence chunk): all-gather of the sequence
+    forward, reduce-scatter of the gradient backward."""
+    if sp:
+        if not _split(axis, w):
+            raise ValueError(f"seq_parallel='megatron' shards the sequence over the tensor axis {axis!r} "
+                             f"between tensor-parallel layers, but this block's weights are not split over "
+                             f"it: lay them out with tensor_parallel_specs")
+        return all_gather(x, axis, dim=1)
     return pvary(x, axis) if _split(axis, w) else x
 
 
-def _exit_tp(x: torch.Tensor, axis: str | None) -> torch.Tensor:
+def _exit_tp(x: torch.Tensor, axis: str | None, sp: bool = False) -> torch.Tensor:
     """Megatron's g: sum the partial outputs of row-parallel layers over ``axis``, where
-    they are partial (vary over it); outputs of replicated weights are already whole."""
+    they are partial (vary over it); outputs of replicated weights are already whole.
+    ``sp``: a reduce-scatter to this rank's sequence chunk instead (all-gather backward)."""
+    if sp:
+        return psum_scatter(x, axis, dim=1)
     return psum(x, axis) if axis is not None and is_bound(axis) and axis in varying_axes(x) else x
 
 
@@ -252,7 +272,7 @@ _ATTENTION = {"auto": _auto_attention, "einsum": _causal_attention, "sdpa": _sdp
               "flash": _flash_attention}
 
 
-SEQ_PARALLEL = ("ulysses", "ring", "hybrid")
+SEQ_PARALLEL = ("ulysses", "ring", "hybrid", "megatron")
 
 
 def _seq(seq_axis: Any) -> bool:
@@ -266,13 +286,14 @@ def _seq(seq_axis: Any) -> bool:
 def _attn(p: Params, x: torch.Tensor, rotary: bool, attention: str, axis: str | None,
           seq_axis: str | None = None, seq_parallel: str = "ulysses",
           seq_layout: str = "contiguous") -> torch.Tensor:
-    x = _enter_tp(x, axis, p["wq"])  # (B, T, D)
+    sp = seq_parallel == "megatron" and _seq(seq_axis)  # x: a sequence chunk, gathered here
+    x = _enter_tp(x, axis, p["wq"], sp)  # (B, T, D)
     q = torch.einsum("btd,dhe->bthe", x, p["wq"])  # (B, T, H/tp, Dh)
     k = torch.einsum("btd,dhe->bthe", x, p["wk"])  # (B, T, KV/tp, Dh)
     v = torch.einsum("btd,dhe->bthe", x, p["wv"])  # (B, T, KV/tp, Dh)
     if "bq" in p:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    sharded = _seq(seq_axis)
+    sharded = _seq(seq_axis) and not sp
     if rotary:
         pos = sequence.positions(q.shape[1], seq_axis, seq_layout, device=q.device) if sharded else None
         q, k = _rotary(q, pos), _rotary(k, pos)
@@ -292,22 +313,22 @@ def _attn(p: Params, x: torch.Tensor, rotary: bool, attention: str, axis: str | 
 
         ring_axis, a2a_axis = seq_axis
         o = ulysses_attention(lambda q, k, v: ring_attention(q, k, v, ring_axis), q, k, v, a2a_axis)
-    y = _exit_tp(torch.einsum("bthe,hed->btd", o, p["wo"]), axis)  # (B, T, D)
+    y = _exit_tp(torch.einsum("bthe,hed->btd", o, p["wo"]), axis, sp)  # (B, T, D), or (B, T/tp, D)
     return y + p["bo"] if "bo" in p else y
 
 
-def _mlp(p: Params, x: torch.Tensor, axis: str | None) -> torch.Tensor:
-    x = _enter_tp(x, axis, p["w_gate"] if "w_gate" in p else p["w_in"])  # (B, T, D)
+def _mlp(p: Params, x: torch.Tensor, axis: str | None, sp: bool = False) -> torch.Tensor:
+    x = _enter_tp(x, axis, p["w_gate"] if "w_gate" in p else p["w_in"], sp)  # (B, T, D)
     if "w_gate" in p:
         gate, up = x @ p["w_gate"], x @ p["w_up"]  # (B, T, F/tp)
         if "b_gate" in p:
             gate, up = gate + p["b_gate"], up + p["b_up"]
-        y = _exit_tp((F.silu(gate) * up) @ p["w_down"], axis)  # (B, T, D)
+        y = _exit_tp((F.silu(gate) * up) @ p["w_down"], axis, sp)  # (B, T, D)
         return y + p["b_down"] if "b_down" in p else y
     h = x @ p["w_in"]  # (B, T, F/tp)
     if "b_in" in p:
         h = h + p["b_in"]
-    y = _exit_tp(F.gelu(h) @ p["w_out"], axis)  # (B, T, D)
+    y = _exit_tp(F.gelu(h) @ p["w_out"], axis, sp)  # (B, T, D)
     return y + p["b_out"] if "b_out" in p else y
 
 
@@ -325,7 +346,7 @@ def block(p: Params, x: torch.Tensor, *, rotary: bool = False,
     """
     x = x + _attn(p["attn"], _norm(p["norm1"], x), rotary, attention, tensor_axis,
                   seq_axis, seq_parallel, seq_layout)
-    return x + _mlp(p["mlp"], _norm(p["norm2"], x), tensor_axis)
+    return x + _mlp(p["mlp"], _norm(p["norm2"], x), tensor_axis, seq_parallel == "megatron" and _seq(seq_axis))
 
 
 def embed(params: Params, tokens: torch.Tensor, *, seq_axis: str | None = None,
@@ -401,6 +422,8 @@ def apply(params: Params, tokens: torch.Tensor, *, attention: str = "auto",
     if not hybrid and seq_axis is not None and not isinstance(seq_axis, str):
         raise ValueError(f"seq_axis={seq_axis!r}: one axis for {seq_parallel} (two only for 'hybrid')")
     seq_axis = tuple(seq_axis) if hybrid else seq_axis
+    if seq_parallel == "megatron":
+        seq_axis, tokens = _megatron_chunk(tokens, seq_axis, tensor_axis)
     fn = block if block_fn is None else functools.partial(block_fn, block)
     rotary = "pos" not in params
     x = embed(params, tokens, seq_axis=seq_axis, seq_layout=seq_layout)
@@ -426,6 +449,22 @@ def shift(batch: dict[str, torch.Tensor], *, multiple: int = 1) -> dict[str, tor
         inputs = F.pad(inputs, (0, pad), value=0)
         targets = F.pad(targets, (0, pad), value=IGNORE)
     return {"inputs": inputs, "targets": targets}
+
+
+def _megatron_chunk(t: torch.Tensor, seq_axis: Any, tensor_axis: str | None) -> tuple[Any, torch.Tensor]:
+    """Megatron-SP: the sequence is sharded over the tensor axis between the tensor-parallel
+    layers. ``t`` (B, T), the same on every tensor rank, -> this rank's chunk (B, T/tp)
+    (integers: nothing to differentiate, nothing to communicate), and the axis."""
+    if seq_axis not in (None, tensor_axis):
+        raise ValueError(f"seq_parallel='megatron' shards the sequence over the tensor axis ({tensor_axis!r}); "
+                         f"leave seq_axis unset (got {seq_axis!r})")
+    if tensor_axis is None or not _seq(tensor_axis):
+        return None, t
+    n = axis_size(tensor_axis)
+    if t.shape[1] % n:
+        raise ValueError(f"seq_parallel='megatron': the sequence length {t.shape[1]} does not divide over "
+                         f"{tensor_axis}={n}; pad it (fsharded.models.gpt.shift(batch, multiple={n}))")
+    return tensor_axis, t[:, sequence.positions(t.shape[1] // n, tensor_axis, device=t.device)]
 
 
 def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -475,6 +514,9 @@ def loss(params: Params, batch: dict[str, torch.Tensor], *, attention: str = "au
                          f"batch['targets'] (B, T), e.g. fsharded.models.gpt.shift(batch)")
     logits = apply(params, inputs, attention=attention, block_fn=block_fn, tensor_axis=tensor_axis,
                    seq_axis=seq_axis, seq_parallel=seq_parallel, seq_layout=seq_layout)  # (B, T, V)
+    megatron = seq_parallel == "megatron"
+    if megatron:  # the logits are this tensor rank's sequence chunk: so are the targets
+        seq_axis, targets = _megatron_chunk(targets, seq_axis, tensor_axis)
     flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
     sharded = _seq(seq_axis)
     # Sequence shards may hold different numbers of real tokens (padding, IGNORE targets):
@@ -492,7 +534,9 @@ def loss(params: Params, batch: dict[str, torch.Tensor], *, attention: str = "au
     if not sharded:
         return out
     count = (flat_targets != IGNORE).sum().to(out.dtype)
-    return out / (psum(count, seq_axis) / axis_size(seq_axis))
+    out = out / (psum(count, seq_axis) / axis_size(seq_axis))
+    # Megatron-SP: the tensor axis is not a batch axis of the step: the mean over it here
+    return pmean(out, seq_axis) if megatron else out
 
 
 # ------------------------------------------------------------------------------------------
