@@ -32,14 +32,14 @@ def batches(cfg: gpt.GPTConfig, n: int = STEPS, rows: int = 4, *, length: int | 
 
 def train(mesh_shape: dict, strategy: str | None = None, layout: str = "contiguous", *, zero_stage: int = 0,
           positions: str = "learned", kv: int | None = None, tensor: bool = False, heads: int = 4,
-          length: int | None = None) -> dict:
+          length: int | None = None, remat: bool = False) -> dict:
     """STEPS steps of adamw on ``mesh_shape`` (``strategy`` None: no sequence parallelism,
     the reference); losses and the final full parameters."""
     cfg = config(positions, kv, heads)
     params = gpt.init(cfg, 0)
     mesh = fs.Mesh(mesh_shape)
     n = mesh_shape.get("seq", 1)
-    loss = functools.partial(gpt.loss, attention="einsum")
+    loss = functools.partial(gpt.loss, attention="einsum", block_fn=_remat if remat else None)
     # hybrid: the sequence over (seq_ring, seq), Ulysses over seq inside each ring position
     seq_axis = ("seq_ring", "seq") if strategy == "hybrid" else "seq"
     if strategy == "megatron":  # over the tensor axis, between the tensor-parallel layers
@@ -67,6 +67,13 @@ def train(mesh_shape: dict, strategy: str | None = None, layout: str = "contiguo
         state, m = step(state, b)
         losses.append(float(m["loss"]))
     return {"losses": losses, "params": optree.tree_map(lambda x: x.detach().clone(), step.params(state))}
+
+
+def _remat(block, p, x, **kw):
+    """Each block recomputed in backward (activation checkpointing)."""
+    leaves, tdef = optree.tree_flatten(p)
+    run = lambda x, *ps: block(optree.tree_unflatten(tdef, list(ps)), x, **kw)  # noqa: E731
+    return fs.parallel.remat.checkpoint(run)(x, *leaves)
 
 
 def close(got: dict, want: dict, tol: float = 1e-5) -> None:

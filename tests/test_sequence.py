@@ -100,6 +100,13 @@ def test_a_length_that_does_not_divide_is_padded_and_masked(strategy, mesh, layo
     assert b["inputs"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 0]] and b["targets"].tolist() == [[1, 2, 3, 4, 5, 6, 7, -100]]
 
 
+@pytest.mark.parametrize("strategy,layout,stage", [("ulysses", "contiguous", 1), ("ring", "zigzag", 3)])
+def test_data_tensor_and_seq_with_zero_and_remat(reference, strategy, layout, stage):
+    # 8 devices: data x tensor x seq, every block recomputed in backward
+    got = S.train({"data": 2, "tensor": 2, "seq": 2}, strategy, layout, zero_stage=stage, tensor=True, remat=True)
+    S.close(got, reference[("learned", None)])
+
+
 def test_the_hybrid_passes_the_head_count():
     # 2 heads over a sequence degree of 8 (ring 4 x Ulysses 2); Ulysses alone stops at 2.
     want = S.train({"data": 1}, heads=2, positions="rotary", kv=1)
