@@ -99,6 +99,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             "vs SDPA, cross-entropy memory vs naive, norms, int8 quantisation",
         ),
         Benchmark(
+            "seq",
+            "fsharded.bench.seq",
+            "sequence-parallel attention on gloo ranks: Ulysses, ring, hybrid vs DeepSpeed-Ulysses' "
+            "DistributedAttention and vs the whole sequence on one rank: time, peak bytes, bytes sent",
+        ),
+        Benchmark(
             "optim",
             "fsharded.bench.optim",
             "C++ CPU AdamW (fp32, + bf16 copy) vs torch fused/foreach AdamW and "
