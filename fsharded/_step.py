@@ -502,7 +502,8 @@ class TrainStep:
             key = optree.tree_structure((state, batch)), _shapes((state, batch))
             if self.check_schedule and key not in self._agreed:
                 with torch.no_grad():
-                    schedule, most = _schedule.dry_run(sm.local, state, batch, peak=True)
+                    schedule, most = _schedule.dry_run(sm.local, state, batch, peak=True) \
+                        if self.check_memory else (_schedule.dry_run(sm.local, state, batch), 0)
                 _schedule.agree(schedule, "train_step")
                 if self.check_memory:  # the same dry run measured what the step allocates
                     self._check_step_memory(most, state, batch)
