@@ -80,6 +80,27 @@ def _storage(t: torch.Tensor) -> Any | None:
         return None
 
 
+def _python_body(func: Any, args: tuple, kwargs: dict | None) -> Any:
+    """The Python implementation of an ``fsharded::`` custom op called on no CUDA tensor
+    and not told to run Triton (its pure-torch reference, whose temporaries the tracker
+    should see), else None."""
+    name = getattr(func, "name", None)
+    qual = name() if callable(name) else None
+    if not qual or not qual.startswith("fsharded::"):
+        return None
+    from torch._library import custom_ops
+
+    opdef = custom_ops.OPDEFS.get(qual.split(".")[0])
+    if opdef is None:
+        return None
+    if any(isinstance(t, torch.Tensor) and t.is_cuda for t in optree.tree_leaves((args, kwargs))):
+        return None
+    named = dict(zip((a.name for a in func._schema.arguments), args)) | dict(kwargs or {})
+    if named.get("use_triton") is True or named.get("impl") == "triton":
+        return None  # a Triton kernel (the interpreter on CPU): its outputs are what it allocates
+    return opdef._init_fn
+
+
 class MemoryTracker(TorchDispatchMode):
     """The dispatch mode behind ``track()``; read ``peak_bytes`` and ``peak_by_category``."""
 
@@ -290,6 +311,12 @@ class MemoryTracker(TorchDispatchMode):
             self._in_op = False
 
     def _dispatch(self, func, args, kwargs):
+        body = _python_body(func, args, kwargs)
+        if body is not None:
+            # One of fsharded's own kernels off the GPU: its reference runs in Python here,
+            # and what it allocates inside (the score matrix of a flash attention) counts.
+            with self:
+                return body(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         if _IN_COLLECTIVE.get():
             cat = "comm buffers"

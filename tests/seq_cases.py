@@ -86,3 +86,58 @@ def close(got: dict, want: dict, tol: float = 1e-5) -> None:
         assert abs(a - b) <= tol * max(1.0, abs(b)), (i, a, b)
     for a, b in zip(optree.tree_leaves(got["params"]), optree.tree_leaves(want["params"])):
         torch.testing.assert_close(a, b, atol=2 * tol, rtol=tol)
+
+
+def ring_attention_case(n: int, layout: str, *, B: int = 2, H: int = 4, KV: int = 2, Dh: int = 8,
+                        per_shard: int = 8) -> dict:
+    """Ring attention over ``Mesh({"seq": n})`` on this process's backend against causal
+    attention over the whole sequence: output and gradients of q, k, v (global), the
+    collectives the call ran (op, axis, phase, bytes), how many exchanges were posted in
+    the background (``ppermute_start`` on real ranks) and the (query, key) pairs the
+    forward's blocks computed on this shard."""
+    from fsharded import comm
+    from fsharded.parallel import ring
+    from fsharded.spmd import _manifest
+
+    g = torch.Generator().manual_seed(7)
+    T = n * per_shard
+    q = torch.randn(B, T, H, Dh, generator=g, requires_grad=True)
+    k, v = (torch.randn(B, T, KV, Dh, generator=g, requires_grad=True) for _ in range(2))
+    w = torch.randn(B, T, H, Dh, generator=g)
+    # The reference: plain causal attention, GQA heads repeated.
+    rk, rv = (t.repeat_interleave(H // KV, dim=2) for t in (k, v))
+    s = torch.einsum("bthd,bshd->bhts", q, rk) * Dh**-0.5
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    ref = torch.einsum("bhts,bshd->bthd", s.softmax(-1), rv)
+    ref_g = torch.autograd.grad((ref * w).sum(), (q, k, v))
+
+    def zz(t):
+        return sequence.zigzag(t, n) if layout == "zigzag" else t
+
+    sm = fs.shard_map(lambda q, k, v: ring.ring_attention(q, k, v, "seq", layout=layout),
+                      mesh=fs.Mesh({"seq": n}), in_specs=(P(None, "seq"),) * 3, out_specs=P(None, "seq"))
+    posted, work = [], []
+    start, block, flash = comm.send_recv_start, ring._block, ring._flash
+
+    def counting(*a, **kw):
+        posted.append(1)
+        return start(*a, **kw)
+
+    def sized(fn):
+        def run(q, k, *a):
+            work.append(q.shape[1] * k.shape[1])  # (query, key) pairs computed: (B, T, heads, Dh)
+            return fn(q, k, *a)
+        return run
+
+    comm.send_recv_start, ring._block, ring._flash = counting, sized(block), sized(flash)
+    try:
+        with _manifest.recording() as entries:
+            out = sm(zz(q), zz(k), zz(v))
+            if layout == "zigzag":
+                out = sequence.unzigzag(out, n)
+            grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    finally:
+        comm.send_recv_start, ring._block, ring._flash = start, block, flash
+    return {"pairs": sum(work), "out": out.detach(), "grads": [t.detach() for t in grads], "ref": ref.detach(),
+            "ref_grads": [t.detach() for t in ref_g], "posted": len(posted),
+            "collectives": [(e.op, e.axis, e.phase, e.bytes_sent) for e in entries]}

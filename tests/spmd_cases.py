@@ -84,6 +84,12 @@ def collective_specs(n: int):
         [(2 * n, 3)],
         lambda X: np.concatenate(
             [_chunks(X, n)[0] if i == n - 1 else np.zeros_like(_chunks(X, n)[0]) for i in range(n)], 0))
+    # The overlapped form: posted, then awaited around other work (the same value).
+    add("ppermute_start_partial",
+        lambda ax: (lambda x: (lambda h: x * 2.0 + h.wait())(fs.ppermute_start(x, ax, partial)), P(ax), P(ax)),
+        [(2 * n, 3)],
+        lambda X: 2.0 * X + np.concatenate(
+            [_chunks(X, n)[0] if i == n - 1 else np.zeros_like(_chunks(X, n)[0]) for i in range(n)], 0))
     add("pvary_psum", lambda ax: (lambda x: fs.psum(fs.pvary(x, ax) * 2.0, ax), P(), P()), [(3, 4)],
         lambda X: 2.0 * n * X, kinds=("rep", "rep"))
     add("axis_index",

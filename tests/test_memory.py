@@ -94,3 +94,17 @@ def test_virtual_per_device_equals_a_real_rank(sharded):
             assert abs(x["by"][c] - v["by"][c]) <= 0.01 * max(x["by"][c], 1), (c, v["by"], x["by"])
     for a, b in zip(v["sums"], r[0]["sums"]):
         assert abs(a - b) <= 1e-4 * max(1.0, abs(a))
+
+
+def test_the_temporaries_of_a_kernels_reference_count():
+    # Off the GPU fsharded's kernels run their pure-torch references inside a custom op;
+    # the tracker counts what those allocate inside (here the (T, T) scores per head),
+    # not only the op's outputs.
+    from fsharded.kernels.attention import flash_attention_with_lse
+
+    q, k, v = (torch.randn(1, 2, 64, 8, requires_grad=True) for _ in range(3))
+    with fs.memory.track() as mem:
+        out, lse = flash_attention_with_lse(q, k, v, causal=True, impl="reference")
+    scores = 2 * 64 * 64 * 4
+    outputs = out.numel() * 4 + lse.numel() * 4
+    assert mem.peak_bytes >= outputs + scores

@@ -217,3 +217,37 @@ def test_gloo_ranks_equal_the_unsharded_model_and_the_virtual_mesh(reference, wo
     for r in run_on_ranks(S.train, world, mesh, strategy, layout, zero_stage=stage, tensor=tp):
         S.close(r, reference[("learned", None)])
         S.close(r, virtual)
+
+
+def _ring_close(r: dict) -> None:
+    torch.testing.assert_close(r["out"], r["ref"], atol=1e-6, rtol=1e-5)
+    for a, b in zip(r["grads"], r["ref_grads"]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_on_gloo_ranks_overlaps_and_computes_only_visible_blocks(layout):
+    # On real ranks each block's exchange is posted before its attention and awaited after
+    # (forward: n - 1 rounds of k and v; backward: the same for their cotangents), and
+    # blocks are cut to their visible part; the numbers are those of the virtual mesh,
+    # where every block is computed whole under the mask, and of the whole sequence.
+    from fsharded.testing import run_on_ranks
+
+    n = 4
+    virtual = S.ring_attention_case(n, layout)
+    _ring_close(virtual)
+    assert virtual["posted"] == 0
+    kv_bytes = 2 * 8 * 2 * 8 * 4  # one shard's k (or v): B x T/n x KV x Dh float32
+    forward = [("ppermute", "seq", "forward", kv_bytes)] * 2 * (n - 1)
+    assert virtual["collectives"] == forward
+    t = 8  # tokens per shard
+    assert virtual["pairs"] == n * t * t  # every block whole (one vmap over the shards)
+    for rank, r in enumerate(run_on_ranks(S.ring_attention_case, n, n, layout)):
+        # contiguous: the blocks of earlier shards and the diagonal, later ones skipped;
+        # zigzag: the diagonal whole, every other block half (the same on every rank)
+        assert r["pairs"] == ((rank + 1) * t * t if layout == "contiguous" else t * t + (n - 1) * t * t // 2)
+        _ring_close(r)
+        torch.testing.assert_close(r["out"], virtual["out"], atol=1e-6, rtol=1e-5)
+        assert r["posted"] == 2 * 2 * (n - 1)  # k and v, forward and backward
+        assert r["collectives"] == forward + [("ppermute", "seq", "backward", kv_bytes)] * 2 * (n - 1)

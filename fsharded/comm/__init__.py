@@ -12,6 +12,7 @@ from fsharded.comm._c10d import (
     all_to_all_dims,
     reduce_scatter_dim,
     send_recv,
+    send_recv_start,
     tracing,
 )
 from fsharded.comm._groups import (
@@ -46,4 +47,5 @@ __all__ = [
     "reduce_scatter_dim",
     "all_to_all_dims",
     "send_recv",
+    "send_recv_start",
 ]

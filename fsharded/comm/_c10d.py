@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from fsharded.comm import _shm
 
 __all__ = ["tracing", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv",
-           "all_gather_dim", "reduce_scatter_dim", "all_to_all_dims"]
+           "send_recv_start", "Pending", "all_gather_dim", "reduce_scatter_dim", "all_to_all_dims"]
 
 
 def tracing() -> bool:
@@ -69,6 +69,28 @@ def all_to_all(x: torch.Tensor, g: Any) -> torch.Tensor:
 def send_recv(x: torch.Tensor, g: Any, perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """Point-to-point exchange along ``perm`` (``(src, dst)`` axis positions); positions
     that receive nothing get zeros."""
+    out, pending = send_recv_start(x, g, perm)
+    pending.wait()
+    return out
+
+
+class Pending:
+    """The requests of a started exchange; ``wait()`` once before the received buffer is
+    read (and before the sent tensor is written)."""
+
+    def __init__(self, reqs: list, keep: torch.Tensor | None = None) -> None:
+        self._reqs, self._keep = reqs, keep
+
+    def wait(self) -> None:
+        reqs, self._reqs, self._keep = self._reqs, [], None
+        for req in reqs:
+            req.wait()
+
+
+def send_recv_start(x: torch.Tensor, g: Any, perm: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, Pending]:
+    """``send_recv`` started, not finished: returns the receive buffer (zeros where
+    nothing comes; its contents are undefined until ``wait()``) and the ``Pending``
+    requests. The transfer proceeds in the transport's own threads meanwhile."""
     xs = x.contiguous()
     out = torch.zeros_like(xs)
     ops = []
@@ -77,10 +99,7 @@ def send_recv(x: torch.Tensor, g: Any, perm: tuple[tuple[int, int], ...]) -> tor
             ops.append(dist.P2POp(dist.isend, xs, g.ranks[d], group=g.group))
         if d == g.index:
             ops.append(dist.P2POp(dist.irecv, out, g.ranks[s], group=g.group))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-    return out
+    return out, Pending(dist.batch_isend_irecv(ops) if ops else [], xs)
 
 
 def _inverse(order: Sequence[int]) -> list[int]:

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from fsharded.kernels.attention import merge_attention
+from fsharded.kernels.attention import flash_attention_with_lse, merge_attention
 from fsharded.parallel import sequence
-from fsharded.spmd.collectives import axis_index, axis_size, ppermute
+from fsharded.spmd import _env, _prims
+from fsharded.spmd.collectives import axis_index, axis_size, ppermute_start
 
 __all__ = ["ring_attention", "causal_pairs"]
 
@@ -43,11 +44,66 @@ def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     return o.reshape(B, H, Tq, Dh), lse.reshape(B, H, Tq)
 
 
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_block`` for a block whose mask is plain causal (the diagonal) or empty, through
+    ``flash_attention_with_lse`` (Triton on CUDA; on CPU its reference, which keeps no
+    score matrix for the backward)."""
+    o, lse = flash_attention_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                      causal=causal, scale=scale)
+    return o, lse
+
+
+class _Anchor(torch.autograd.Function):
+    """Identity on ``o`` that ties ``k`` and ``v`` into the graph with a zero cotangent: a
+    skipped block's keys and values still get their (zero) gradient, so the backward of
+    the ppermute that brought them runs on this rank as on its peers (a ppermute is a
+    collective: every shard of the ring sends and receives in it)."""
+
+    @staticmethod
+    def forward(o, k, v):
+        return o.view_as(o)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, k, v = inputs
+        ctx.kv = (k.shape, k.dtype, v.shape, v.dtype, k.device)
+
+    @staticmethod
+    def backward(ctx, g):
+        ks, kd, vs, vd, dev = ctx.kv
+        return g, torch.zeros(ks, dtype=kd, device=dev), torch.zeros(vs, dtype=vd, device=dev)
+
+
+def _merge(o, lse, ob, lb, rows: slice | None = None):
+    """Merge a block's partial attention into the running one (``rows``: the query rows
+    the block covers, all if None)."""
+    ob = ob.to(lb.dtype)
+    if o is None:
+        return ob, lb
+    if rows is None:
+        return merge_attention(o, lse, ob, lb)
+    om, lm = merge_attention(o[:, :, rows], lse[:, :, rows], ob, lb)
+    return (torch.cat([o[:, :, :rows.start], om], dim=2),
+            torch.cat([lse[:, :, :rows.start], lm], dim=2))
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str, *,
                    layout: str = "contiguous", scale: float | None = None) -> torch.Tensor:
     """Causal attention over the whole sequence sharded over ``axis`` in ``layout``: q
     ``(B, T/n, H, Dh)``, k/v ``(B, T/n, KV, Dh)`` (``H % KV == 0``); returns ``(B, T/n,
-    H, Dh)`` in q's dtype."""
+    H, Dh)`` in q's dtype.
+
+    On real ranks the next block's transfer (``ppermute_start``) runs while the current
+    block's attention is computed, forward and backward, and only the visible part of each
+    block is computed, by ``flash_attention_with_lse`` (every visible part is then causal
+    or unmasked): in the contiguous layout a block from a later shard is skipped and
+    one from an earlier shard needs no mask; in the zigzag layout a block from an earlier
+    shard is seen only through its first chunk and one from a later shard only by the
+    second chunk of queries, half the work each. (On the virtual mesh every shard's block
+    index differs inside one vmap, so every block is computed whole under the mask; the
+    numbers are the same.)
+    """
     T, Dh = q.shape[1], q.shape[3]
     scale = Dh**-0.5 if scale is None else scale
     n = axis_size(axis)
@@ -56,17 +112,29 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str,
         o, _ = _block(q, k, v, q_pos, q_pos, scale)
         return o.transpose(1, 2).to(q.dtype)
     me = axis_index(axis).to(q.device)
+    mine = _prims.static_position(_env.bind(axis, "ring_attention"))  # None on the virtual mesh
     forward = [(j, (j + 1) % n) for j in range(n)]  # after s rounds, shard i holds shard i - s's block
+    c = T // 2
     o = lse = None
     for s in range(n):
-        if s:
-            k, v = ppermute(k, axis, forward), ppermute(v, axis, forward)
+        nxt = ppermute_start((k, v), axis, forward) if s + 1 < n else None
         k_pos = sequence.positions_of(T, (me - s) % n, n, layout)
-        ob, lb = _block(q, k, v, q_pos, k_pos, scale)
-        if o is None:
-            o, lse = ob.to(lb.dtype), lb
-        else:
-            o, lse = merge_attention(o, lse, ob.to(lb.dtype), lb)
+        if mine is None:
+            o, lse = _merge(o, lse, *_block(q, k, v, q_pos, k_pos, scale))
+        elif (j := (mine - s) % n) == mine:
+            # Both in the shard's own (increasing) positions: the plain causal mask.
+            o, lse = _merge(o, lse, *_flash(q, k, v, True, scale))
+        elif layout == "contiguous":
+            if j < mine:  # an earlier shard's block: all visible
+                o, lse = _merge(o, lse, *_flash(q, k, v, False, scale))
+            else:  # a later shard's block is all masked: nothing to compute
+                o = _Anchor.apply(o, k, v)
+        elif j < mine:  # zigzag, earlier shard: every query sees its first chunk only
+            o, lse = _merge(o, lse, *_flash(q, k[:, :c], v[:, :c], False, scale))
+        else:  # zigzag, later shard: only the second chunk of queries sees it, all of it
+            o, lse = _merge(o, lse, *_flash(q[:, c:], k, v, False, scale), rows=slice(c, T))
+        if nxt is not None:
+            k, v = nxt.wait()
     return o.transpose(1, 2).to(q.dtype)
 
 

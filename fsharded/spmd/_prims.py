@@ -321,6 +321,19 @@ def axis_position(axes: Axes) -> torch.Tensor:
     return torch.tensor(i, dtype=torch.int64)
 
 
+def static_position(axes: Axes) -> int | None:
+    """This shard's index along ``axes`` as a Python int on real ranks (also in dry runs
+    and under tracing: the rank's mesh coordinates); None on the virtual mesh, where it
+    differs from shard to shard inside one computation."""
+    frame = axes.frame
+    if frame.backend == "virtual":
+        return None
+    i = 0
+    for a in axes.names:
+        i = i * frame.mesh.shape[a] + frame.coords[a]
+    return i
+
+
 class Collective(torch.autograd.Function):
     """One autograd Function for every primitive: forward = the real-rank call, vmap =
     the virtual mesh (find the token's level), backward = the transpose, jvp = the
@@ -428,13 +441,15 @@ def _dispatch(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor, *,
 
 
 def run(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor, *,
-        like: torch.Tensor | None = None) -> torch.Tensor:
+        like: torch.Tensor | None = None, dispatch: Any = None) -> torch.Tensor:
     """A collective called by the program: recorded, typed, dispatched. ``like``: the
     program's value ``x`` was derived from inside the collective's wrapper (a dtype cast,
-    a new dim), whose type ``x`` has."""
+    a new dim), whose type ``x`` has. ``dispatch``: what runs it instead of ``_dispatch``
+    (same signature; the started exchange of ``ppermute_start``)."""
+    call = _dispatch if dispatch is None else dispatch
     mode = axes.frame.vma
     if mode is None or mode.dispatching:
-        return _dispatch(prim, params, axes, x)
+        return call(prim, params, axes, x)
     x_in = x
     have = mode.get(like if like is not None else x)
     missing = mode.ordered(set(axes.names) - have)
@@ -468,13 +483,113 @@ def run(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor, *,
         # The collective's own ops are not the program's: keep them off the table (and
         # off Python's __torch_function__ path, tens of microseconds per call).
         with torch._C.DisableTorchFunction():
-            y = _dispatch(prim, params, axes, x)
+            y = call(prim, params, axes, x)
             if y is x:
                 y = x.view_as(x)  # a new value, so it can have its own type
     finally:
         mode.dispatching -= 1
     mode.last = frozenset(have - set(axes.names) if prim.reduces else have | set(axes.names))
     mode.set(y, mode.last)
+    return y
+
+
+# Overlapped ppermute on real ranks ------------------------------------------------------
+#
+# ``start_ppermute`` posts the sends and receives and returns the receive buffer at once;
+# ``finish_ppermute`` waits for them. Both are autograd nodes, and the backward reverses
+# the pair: the finish's backward posts the cotangent's exchange (the inverse perm) and
+# the start's backward waits for it, so in the backward pass too the transfer runs while
+# autograd computes whatever lies between them (ring attention: one block's attention).
+# The receive buffer is only ever read through ``finish_ppermute``, never by the program.
+
+
+class _Exchange:
+    """One overlapped ppermute in flight: forward requests, then the backward's."""
+
+    __slots__ = ("axes", "pairs", "pending", "back")
+
+    def __init__(self, axes: Axes, pairs: tuple) -> None:
+        self.axes, self.pairs = axes, pairs
+        self.pending = self.back = None
+
+    def group(self) -> Any:
+        return comm.axis_group(self.axes.frame.mesh, self.axes.names)
+
+
+class _StartPermute(torch.autograd.Function):
+    @staticmethod
+    def forward(x, ex):
+        with memory.collective_scope():
+            out, ex.pending = comm.send_recv_start(x, ex.group(), ex.pairs)
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.ex = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        # ``g`` is the buffer the finish's backward is receiving into.
+        ex = ctx.ex
+        ex.back.wait()
+        ex.back = None
+        return g, None
+
+
+class _FinishPermute(torch.autograd.Function):
+    @staticmethod
+    def forward(buf, ex):
+        ex.pending.wait()
+        ex.pending = None
+        return buf.view_as(buf)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.ex = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        ex = ctx.ex
+        inverse = tuple((d, s) for s, d in ex.pairs)
+        _manifest.record(PPERMUTE, (inverse,), ex.axes, g)
+        with memory.collective_scope():
+            out, ex.back = comm.send_recv_start(g, ex.group(), inverse)
+        return out, None
+
+
+def can_overlap(axes: Axes, x: torch.Tensor) -> bool:
+    """Whether a ppermute over ``axes`` can run in the background: on real ranks, eager
+    (not a dry run, not traced), outside torch.func transforms. Elsewhere it is the plain
+    ppermute (the virtual mesh computes it at once anyway)."""
+    return (not axes.virtual and axes.size > 1 and not _manifest.dry() and not comm.tracing()
+            and not _F.is_functorch_wrapped_tensor(x))
+
+
+def start_ppermute(params: tuple, axes: Axes, x: torch.Tensor) -> tuple[torch.Tensor, _Exchange]:
+    """Post the ppermute of ``x`` (typed and recorded as ``ppermute``); returns the receive
+    buffer (to be passed to ``finish_ppermute`` only) and its exchange."""
+    ex = _Exchange(axes, params[0])
+
+    def dispatch(prim, params, axes, x):
+        _manifest.record(prim, params, axes, x)
+        return _StartPermute.apply(x, ex)
+
+    return run(PPERMUTE, params, axes, x, dispatch=dispatch), ex
+
+
+def finish_ppermute(buf: torch.Tensor, ex: _Exchange) -> torch.Tensor:
+    """Wait for the exchange ``start_ppermute`` posted; its result, typed as the buffer."""
+    mode = ex.axes.frame.vma
+    if mode is None or mode.dispatching:
+        return _FinishPermute.apply(buf, ex)
+    typ = mode.get(buf)
+    mode.dispatching += 1
+    try:
+        with torch._C.DisableTorchFunction():
+            y = _FinishPermute.apply(buf, ex)
+    finally:
+        mode.dispatching -= 1
+    mode.set(y, typ)
     return y
 
 

@@ -46,6 +46,8 @@ __all__ = [
     "psum_scatter",
     "all_to_all",
     "ppermute",
+    "ppermute_start",
+    "PendingPermute",
     "axis_index",
     "axis_size",
     "is_bound",
@@ -286,21 +288,67 @@ def all_to_all(x: torch.Tensor, axis: AxisName, *, split_dim: int, concat_dim: i
     return run(ALL_TO_ALL, (s, c), axes, x)
 
 
-@_treewise
-def ppermute(x: torch.Tensor, axis: AxisName, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Send this shard's ``x`` to shard ``dst`` for each ``(src, dst)`` in ``perm``;
-    shards that receive nothing get zeros. Dual: ``ppermute`` with the inverse perm."""
-    axes = _env.bind(axis, "ppermute")
+def _perm(perm: Sequence[tuple[int, int]], axes: Axes, op: str) -> tuple[tuple[int, int], ...]:
     n = axes.size
     pairs = tuple((int(s), int(d)) for s, d in perm)
     srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
     bad = [p for p in pairs if not (0 <= p[0] < n and 0 <= p[1] < n)]
     if bad or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
         raise ValueError(
-            f"ppermute: perm {list(pairs)} must be (src, dst) pairs in [0, {n}) with each "
+            f"{op}: perm {list(pairs)} must be (src, dst) pairs in [0, {n}) with each "
             f"src and each dst at most once (axis {axes.label!r} has size {n})"
         )
-    return run(PPERMUTE, (pairs,), axes, _tensor(x))
+    return pairs
+
+
+@_treewise
+def ppermute(x: torch.Tensor, axis: AxisName, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Send this shard's ``x`` to shard ``dst`` for each ``(src, dst)`` in ``perm``;
+    shards that receive nothing get zeros. Dual: ``ppermute`` with the inverse perm."""
+    axes = _env.bind(axis, "ppermute")
+    return run(PPERMUTE, (_perm(perm, axes, "ppermute"),), axes, _tensor(x))
+
+
+class PendingPermute:
+    """A ``ppermute`` under way (``ppermute_start``); ``wait()`` returns its result, the
+    same value and type ``ppermute`` gives. Call it exactly once."""
+
+    def __init__(self, value: Any = None, started: list | None = None, treedef: Any = None) -> None:
+        self._value, self._started, self._treedef = value, started, treedef
+
+    def wait(self) -> Any:
+        if self._started is not None:
+            done = [_prims.finish_ppermute(buf, ex) for buf, ex in self._started]
+            self._value = optree.tree_unflatten(self._treedef, done)
+            self._started = None
+        if self._value is None:
+            raise RuntimeError("PendingPermute.wait(): called twice")
+        out, self._value = self._value, None
+        return out
+
+
+def ppermute_start(x: Any, axis: AxisName, perm: Sequence[tuple[int, int]]) -> PendingPermute:
+    """``ppermute`` split in two, so communication overlaps computation: posts the
+    exchange of ``x`` (a tensor or a pytree of tensors) and returns at once; the
+    returned ``PendingPermute``'s ``wait()`` gives ``ppermute(x, axis, perm)``.
+
+    On real ranks (eager) the transfer runs in the transport's threads (gloo) or stream
+    (NCCL) while the caller computes, and in the backward pass the cotangent's exchange is
+    posted and awaited around the same computation. Recorded in the manifest as the
+    ``ppermute`` it is. On the virtual mesh, in a dry run, under tracing or torch.func
+    transforms it is the plain ``ppermute``, computed at once.
+
+    >>> nxt = ppermute_start(kv, "seq", ring)
+    >>> out = attend(q, kv)        # runs while kv moves to the next shard
+    >>> kv = nxt.wait()
+    """
+    axes = _env.bind(axis, "ppermute_start")
+    pairs = _perm(perm, axes, "ppermute_start")
+    leaves, treedef = optree.tree_flatten(x)
+    if not leaves or not all(isinstance(t, torch.Tensor) and _prims.can_overlap(axes, t) for t in leaves):
+        return PendingPermute(value=ppermute(x, axis, pairs))
+    return PendingPermute(started=[_prims.start_ppermute((pairs,), axes, t) for t in leaves],
+                          treedef=treedef)
 
 
 def axis_index(axis: AxisName) -> torch.Tensor:
