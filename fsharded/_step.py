@@ -382,7 +382,7 @@ class TrainStep:
             mem.register(state.opt_state, "optimizer state")
             mem.backward_category = "activations"
         params = state.params  # master weights, in the master placement
-        g_leaves, loss = self._gradients(plan, state, batch)
+        g_leaves, loss, extra = self._gradients(plan, state, batch)
         grads = optree.tree_unflatten(optree.tree_structure(params), g_leaves)
         P.label(grads, "gradients")
         # From here on every value is a shard of a leaf laid out by its spec (gradients,
@@ -407,6 +407,8 @@ class TrainStep:
             (new_params, opt_state), new_scale, scale_metrics = plan.scaling.select(
                 finite, (new_params, opt_state), (params, state.opt_state), state.loss_scale)
             metrics = {"loss": loss, "grad_norm": gnorm}
+            # What loss_fn returned beside the loss, averaged over the batch shards.
+            metrics.update(pmean(extra, self.batch_axes) if self.batch_axes and extra else extra)
             if optim.get_lr_schedule(self.optimizer) is not None:
                 metrics["lr"] = optim.get_lr(self.optimizer, plan.scaling.applied(state.step, state.loss_scale))
             metrics.update(scale_metrics)
@@ -422,8 +424,8 @@ class TrainStep:
                     vma.set(t, frozenset())
         return out, metrics
 
-    def _gradients(self, plan: _Plan, state: TrainState, batch: Any) -> tuple[list, torch.Tensor]:
-        """This shard's gradient leaves and loss, under this step's and this batch shard's
+    def _gradients(self, plan: _Plan, state: TrainState, batch: Any) -> tuple[list, torch.Tensor, dict]:
+        """This shard's gradient leaves, loss and the loss function's metrics, under this step's and this batch shard's
         key (random ops in the loss draw from it; derived at the first draw, so a loss
         without random ops pays nothing for it)."""
         varying = tuple(a for a in self.batch_axes if self.mesh.shape[a] > 1)
@@ -561,7 +563,7 @@ class TrainStep:
             def body(s: TrainState, b: Any) -> torch.Tensor:
                 frame = _env.current()
                 plan = plans[frame.backend == "distributed" or frame.mesh.size == 1]
-                g_leaves, _ = self._gradients(plan, s, b)
+                g_leaves, _, _ = self._gradients(plan, s, b)
                 vma = _env.current().vma
                 with vma.paused() if vma is not None else contextlib.nullcontext():
                     flags = torch.stack([(~torch.isfinite(g)).any().to(torch.float32) for g in g_leaves])
@@ -616,13 +618,30 @@ def _check_grad_types(grads: list, specs: list, mesh: Mesh, paths: list[str]) ->
                          "are not sharded on:\n" + "\n".join(bad[:8]))
 
 
-def _check_loss(batch_axes: tuple[str, ...], mesh: Mesh, loss: Any) -> None:
+_RESERVED = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "tokens_per_s")
+
+
+def _check_loss(batch_axes: tuple[str, ...], mesh: Mesh, out: Any) -> tuple[torch.Tensor, dict]:
+    """``loss_fn``'s result -> (the scalar loss, its metrics): a scalar, or ``(loss,
+    metrics)`` with ``metrics`` a dict of scalar tensors reported beside the loss (not
+    differentiated; averaged over the batch shards and micro-batches)."""
+    loss, extra = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise ValueError(
-            f"train_step: loss_fn must return a scalar tensor, got "
-            f"{type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}"
+            f"train_step: loss_fn must return a scalar tensor, or (loss, metrics) with metrics a "
+            f"dict of scalar tensors; got {type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}"
         )
+    bad = [k for k, v in extra.items() if not (isinstance(v, torch.Tensor) and v.dim() == 0)] \
+        if isinstance(extra, dict) else None
+    if bad is None or bad:
+        what = type(extra).__name__ if bad is None else f"entries {bad} that are not scalar tensors"
+        raise ValueError(f"train_step: loss_fn returned (loss, metrics) with metrics {what}: give a dict "
+                         f"of 0-d tensors (e.g. {{'aux_loss': aux}})")
+    taken = [k for k in extra if k in _RESERVED]
+    if taken:
+        raise ValueError(f"train_step: loss_fn's metrics {taken} collide with the step's own; rename them")
     _check_loss_type(loss, batch_axes, mesh)
+    return loss, {k: v.detach().float() for k, v in extra.items()}
 
 
 def _check_loss_type(loss: torch.Tensor, batch_axes: tuple[str, ...], mesh: Mesh) -> None:

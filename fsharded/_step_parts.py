@@ -166,14 +166,15 @@ class Gradients:
             label(leaves, "parameters")
         p = optree.tree_unflatten(tdef, [cast_tree(x, self.policy.compute_dtype) for x in leaves])
         with handling(self._handler(p)) if self.per_block else contextlib.nullcontext():
-            loss = self.loss_fn(p, micro)
-        self.check_loss(loss)
+            out = self.loss_fn(p, micro)
+        loss, extra = self.check_loss(out)
         loss = loss.float()
-        return self.scaling.scale(loss, scale), loss
+        return self.scaling.scale(loss, scale), (loss, extra)
 
     def __call__(self, params: Any, batch: Any, scale: Any, varying: tuple[str, ...],
-                 mark: Callable) -> tuple[list, torch.Tensor]:
-        """(reduced gradient leaves in the gradient placement, the mean local loss)."""
+                 mark: Callable) -> tuple[list, torch.Tensor, dict]:
+        """(reduced gradient leaves in the gradient placement, the mean local loss, the
+        mean of the metrics the loss function returned beside it)."""
         lay = self.layout
         m_leaves, m_def = optree.tree_flatten(params)
         x0 = params if self.inside else optree.tree_unflatten(m_def, self._gather(m_leaves, lay.use))
@@ -196,23 +197,25 @@ class Gradients:
         else:
             grad_fn = functools.partial(_func_grad_and_value, loss_fn)
         if reducer is not None:  # reduced into the gradient placement during backward
-            g, (_, loss) = grad_fn(x0, batch)
-            return self._place(optree.tree_leaves(g)), loss
-        grads, loss = None, None
+            g, (_, (loss, extra)) = grad_fn(x0, batch)
+            return self._place(optree.tree_leaves(g)), loss, extra
+        grads, loss, extra = None, None, None
         for i in range(self.k):
             micro = batch if self.k == 1 else optree.tree_map(lambda x, i=i: _micro(x, i, self.k), batch)
-            g, (_, l_i) = grad_fn(x0, micro)
+            g, (_, (l_i, e_i)) = grad_fn(x0, micro)
             g = optree.tree_map(lambda t: t.to(self.policy.reduce_dtype), g)
             grads = g if grads is None else optree.tree_map(torch.add, grads, g)
             loss = l_i if loss is None else loss + l_i
+            extra = e_i if extra is None else optree.tree_map(torch.add, extra, e_i)
         if self.k > 1:
             grads = optree.tree_map(lambda t: t / self.k, grads)
             loss = loss / self.k
+            extra = optree.tree_map(lambda t: t / self.k, extra)
         leaves = optree.tree_leaves(grads)
         # The reduction consumes the list (each gradient freed once bucketed); the weights
         # gathered for the loss are not needed during it.
         del g, grads, x0
-        return self._reduce(leaves), loss
+        return self._reduce(leaves), loss, extra
 
     def _in_backward(self, x0: Any) -> Any:
         """Stages 0-2 on real ranks, one micro-batch: the bucketed reduction run inside

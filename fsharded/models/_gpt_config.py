@@ -7,13 +7,71 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GPTConfig"]
+__all__ = ["GPTConfig", "MoEConfig"]
 
 _CHOICES = {
     "norm": ("layernorm", "rmsnorm"),
     "activation": ("gelu", "swiglu"),
     "positions": ("learned", "rotary"),
 }
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts in the GPT (``fsharded.parallel.moe``): every ``every``-th
+    block's MLP (blocks ``every - 1``, ``2 * every - 1``, ...) becomes ``experts`` GELU
+    MLPs behind a top-``top_k`` router. Routing options are ``fsharded.parallel.moe.route``'s;
+    they are not in the parameter tree, so ``gpt.apply``/``gpt.loss`` take this config as
+    ``moe=``.
+
+    >>> MoEConfig(experts=8, top_k=2).capacity_factor
+    1.25
+    """
+
+    experts: int = 8
+    """Experts per MoE layer (E); an ``expert`` mesh axis must divide it."""
+    top_k: int = 2
+    """Experts each token goes to (1: Switch, 2: GShard)."""
+    capacity_factor: float | None = 1.25
+    """Training capacity: ``ceil(top_k * tokens * capacity_factor / experts)`` slots per
+    expert per shard (at least ``min_capacity``); ``None``: dropless."""
+    eval_capacity_factor: float | None = 2.0
+    """The same for evaluation (``train=False``)."""
+    min_capacity: int = 4
+    """Fewest slots per expert."""
+    every: int = 2
+    """An MoE layer every this many blocks (1: every block)."""
+    d_ff: int | None = None
+    """Hidden width of each expert; ``None``: the dense MLP's ``d_ff``."""
+    aux_loss_weight: float = 0.01
+    """Weight of the load-balancing loss (summed over the MoE layers) in the loss."""
+    z_loss_weight: float = 0.0
+    """Weight of the router z-loss (summed over the MoE layers) in the loss."""
+
+    def __post_init__(self) -> None:
+        errors = []
+        for name in ("experts", "top_k", "every", "min_capacity"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "min_capacity" else 1):
+                errors.append(f"moe.{name} must be a positive int, got {v!r}")
+        if not errors and self.top_k > self.experts:
+            errors.append(f"moe.top_k ({self.top_k}) exceeds moe.experts ({self.experts}): use top_k <= experts")
+        for name in ("capacity_factor", "eval_capacity_factor"):
+            v = getattr(self, name)
+            if v is not None and not _positive_number(v):
+                errors.append(f"moe.{name} must be a positive number or None (dropless), got {v!r}")
+        if self.d_ff is not None and (not isinstance(self.d_ff, int) or isinstance(self.d_ff, bool) or self.d_ff < 1):
+            errors.append(f"moe.d_ff must be a positive int or None, got {self.d_ff!r}")
+        for name in ("aux_loss_weight", "z_loss_weight"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+                errors.append(f"moe.{name} must be a number >= 0, got {v!r}")
+        if errors:
+            raise ValueError("invalid MoEConfig:\n" + "\n".join(f"  {e}" for e in errors))
+
+    def layers(self, n_layers: int) -> list[int]:
+        """The blocks whose MLP is a mixture of experts."""
+        return [i for i in range(n_layers) if i % self.every == self.every - 1]
 
 
 @dataclass(frozen=True)
@@ -64,10 +122,19 @@ class GPTConfig:
     """Std of the normal init of embeddings and weight matrices; the projections that write
     into the residual stream (``wo``, ``w_out``/``w_down``) use ``init_std / sqrt(2 *
     n_layers)`` so the residual variance does not grow with depth (GPT-2)."""
+    moe: MoEConfig | None = None
+    """Mixture of experts in every ``moe.every``-th block (a ``MoEConfig`` or a dict of its
+    fields); ``None``: every MLP dense."""
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if isinstance(self.moe, dict):
+            unknown = sorted(set(self.moe) - {f.name for f in dataclasses.fields(MoEConfig)})
+            if unknown:
+                raise ValueError(f"invalid GPTConfig:\n  moe: unknown field(s) {unknown}; known: "
+                                 f"{[f.name for f in dataclasses.fields(MoEConfig)]}")
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
         errors = []
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "seq_len"):
             v = getattr(self, name)
@@ -107,8 +174,13 @@ class GPTConfig:
                     f"rotary positions need an even head_dim, got d_model // n_heads = "
                     f"{self.d_model} // {self.n_heads} = {self.d_model // self.n_heads}"
                 )
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            errors.append(f"moe must be a MoEConfig, a dict of its fields or None, got {type(self.moe).__name__}")
         if errors:
             raise ValueError("invalid GPTConfig:\n" + "\n".join(f"  {e}" for e in errors))
+        if self.moe is not None and self.activation != "gelu":
+            raise NotImplementedError("GPTConfig: the MoE experts are GELU MLPs; activation='swiglu' with moe "
+                                      "is not implemented (use activation='gelu')")
 
     # -- derived sizes ----------------------------------------------------------------------
 

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from fsharded._tree import rules
 from fsharded.mesh import P
-from fsharded.models._gpt_config import GPTConfig
+from fsharded.models._gpt_config import GPTConfig, MoEConfig
 from fsharded.parallel import sequence
 from fsharded.parallel.blocks import run_block
 from fsharded.spmd.collectives import (
@@ -66,6 +66,7 @@ from fsharded.spmd.collectives import (
 
 __all__ = [
     "GPTConfig",
+    "MoEConfig",
     "init",
     "apply",
     "loss",
@@ -77,12 +78,14 @@ __all__ = [
     "SEQ_PARALLEL",
     "param_count",
     "tensor_parallel_specs",
+    "expert_parallel_specs",
     "TENSOR_PARALLEL_RULES",
 ]
 
 NORM_EPS = 1e-5
 ROPE_THETA = 10000.0
 TENSOR = "tensor"  # the mesh axis Megatron tensor parallelism shards over
+EXPERT = "expert"  # the mesh axis expert parallelism splits the experts over
 
 Params = dict[str, Any]
 
@@ -125,9 +128,18 @@ def init(config: GPTConfig, seed: int = 0, *, dtype: torch.dtype = torch.float32
     if c.positions == "learned":
         params["pos"] = normal(c.seq_len, D)
     blocks = []
-    for _ in range(c.n_layers):
+    moe_layers = set(c.moe.layers(c.n_layers)) if c.moe is not None else set()
+    for i in range(c.n_layers):
         attn = {"wq": normal(D, H, Dh), "wk": normal(D, KV, Dh), "wv": normal(D, KV, Dh),
                 "wo": normal(H, Dh, D, s=out_std)}
+        if i in moe_layers:
+            E, Fe = c.moe.experts, c.moe.d_ff or Fh
+            mlp = {"router": normal(D, E), "w1": normal(E, D, Fe), "w2": normal(E, Fe, D, s=out_std)}
+            if c.bias:
+                attn.update(bq=zeros(H, Dh), bk=zeros(KV, Dh), bv=zeros(KV, Dh), bo=zeros(D))
+                mlp.update(b1=zeros(E, Fe), b2=zeros(E, D))
+            blocks.append({"norm1": norm(), "attn": attn, "norm2": norm(), "mlp": mlp})
+            continue
         if c.activation == "gelu":
             mlp = {"w_in": normal(D, Fh), "w_out": normal(Fh, D, s=out_std)}
         else:
@@ -334,7 +346,8 @@ def _mlp(p: Params, x: torch.Tensor, axis: str | None, sp: bool = False) -> torc
 
 def block(p: Params, x: torch.Tensor, *, rotary: bool = False,
           attention: str = "auto", tensor_axis: str | None = TENSOR, seq_axis: str | None = None,
-          seq_parallel: str = "ulysses", seq_layout: str = "contiguous") -> torch.Tensor:
+          seq_parallel: str = "ulysses", seq_layout: str = "contiguous", moe: MoEConfig | None = None,
+          expert_axis: str | None = EXPERT, train: bool = True) -> Any:
     """One pre-norm transformer block, ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``.
 
     ``p`` is one entry of ``params["blocks"]``; x: (B, T, D), replicated over
@@ -343,10 +356,37 @@ def block(p: Params, x: torch.Tensor, *, rotary: bool = False,
     remat or a ZeRO-3 gather, or placed on a pipeline stage as is. ``seq_axis``: the mesh
     axis x's sequence dim may be sharded over (``seq_parallel`` "ulysses" or "ring",
     ``seq_layout`` "contiguous" or "zigzag": ``fsharded.parallel.sequence``).
+
+    A block whose MLP is a mixture of experts (``p["mlp"]["router"]``) routes this shard's
+    tokens by ``moe`` (``MoEConfig``; capacity ``moe.capacity_factor``, or
+    ``eval_capacity_factor`` when not ``train``), with its experts split over
+    ``expert_axis`` where that axis is bound, and returns ``(x, aux)``: ``aux`` the
+    layer's ``aux_loss``, ``z_loss`` and ``drop_fraction`` (0-d tensors).
     """
     x = x + _attn(p["attn"], _norm(p["norm1"], x), rotary, attention, tensor_axis,
                   seq_axis, seq_parallel, seq_layout)
+    if "router" in p["mlp"]:
+        return _moe_mlp(p["mlp"], _norm(p["norm2"], x), x, moe, expert_axis, train,
+                        seq_parallel == "megatron" and _seq(seq_axis))
     return x + _mlp(p["mlp"], _norm(p["norm2"], x), tensor_axis, seq_parallel == "megatron" and _seq(seq_axis))
+
+
+def _moe_mlp(p: Params, h: torch.Tensor, x: torch.Tensor, cfg: MoEConfig | None, axis: str | None,
+             train: bool, megatron: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    if cfg is None:
+        raise ValueError("this GPT has mixture-of-experts blocks (params['blocks'][i]['mlp']['router']): pass "
+                         "its routing config, gpt.loss(params, batch, moe=config.moe) (or to apply / block)")
+    if megatron:
+        raise NotImplementedError("seq_parallel='megatron' with mixture-of-experts blocks is not implemented")
+    E = p["router"].shape[1]
+    if E != cfg.experts:
+        raise ValueError(f"moe.experts is {cfg.experts} but this block's router scores {E} experts "
+                         f"(params mlp.router {tuple(p['router'].shape)}): pass the config the model was built with")
+    from fsharded.parallel import moe as M
+
+    y, aux = M.moe_layer(p, h, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor if train else
+                         cfg.eval_capacity_factor, min_capacity=cfg.min_capacity, axis=axis)
+    return x + y, {k: aux[k] for k in ("aux_loss", "z_loss", "drop_fraction")}
 
 
 def embed(params: Params, tokens: torch.Tensor, *, seq_axis: str | None = None,
@@ -388,7 +428,8 @@ def unembed(params: Params, x: torch.Tensor) -> torch.Tensor:
 def apply(params: Params, tokens: torch.Tensor, *, attention: str = "auto",
           block_fn: Callable[..., torch.Tensor] | None = None,
           tensor_axis: str | None = TENSOR, seq_axis: str | None = None,
-          seq_parallel: str = "ulysses", seq_layout: str = "contiguous") -> torch.Tensor:
+          seq_parallel: str = "ulysses", seq_layout: str = "contiguous", moe: MoEConfig | None = None,
+          expert_axis: str | None = EXPERT, train: bool = True) -> torch.Tensor:
     """Logits ``(B, T, V)`` for integer ``tokens`` ``(B, T)``.
 
     ``attention``: ``"auto"`` (default: ``"flash"`` where its Triton kernel runs, i.e. on
@@ -405,8 +446,18 @@ def apply(params: Params, tokens: torch.Tensor, *, attention: str = "auto",
     ``P(None, (ring_axis, ulysses_axis))``: Ulysses inside each ring position, ring across,
     so the degree is not capped by the heads), and ``seq_layout`` "contiguous" or "zigzag"
     (ring's causal balance; the batch put in that order by
-    ``fsharded.parallel.sequence.zigzag``). Logits come back sharded alike.
+    ``fsharded.parallel.sequence.zigzag``). Logits come back sharded alike. ``moe``,
+    ``expert_axis``, ``train``: a model with mixture-of-experts blocks (see ``block``).
     """
+    return _forward(params, tokens, attention=attention, block_fn=block_fn, tensor_axis=tensor_axis,
+                    seq_axis=seq_axis, seq_parallel=seq_parallel, seq_layout=seq_layout, moe=moe,
+                    expert_axis=expert_axis, train=train)[0]
+
+
+def _forward(params: Params, tokens: torch.Tensor, *, attention: str, block_fn: Callable | None,
+             tensor_axis: str | None, seq_axis: Any, seq_parallel: str, seq_layout: str,
+             moe: MoEConfig | None, expert_axis: str | None, train: bool) -> tuple[torch.Tensor, list[dict]]:
+    """Logits and the auxiliary values of each mixture-of-experts block (see ``apply``)."""
     if attention not in _ATTENTION:
         raise ValueError(f"attention must be one of {list(_ATTENTION)}, got {attention!r}")
     if seq_parallel not in SEQ_PARALLEL:
@@ -429,9 +480,15 @@ def apply(params: Params, tokens: torch.Tensor, *, attention: str = "auto",
     x = embed(params, tokens, seq_axis=seq_axis, seq_layout=seq_layout)
     seq = {"seq_axis": seq_axis, "seq_parallel": seq_parallel, "seq_layout": seq_layout} \
         if seq_axis is not None else {}
+    experts = {"moe": moe, "expert_axis": expert_axis, "train": train} if moe is not None else {}
+    aux = []
     for p in params["blocks"]:  # each through the step's block hook (ZeRO-3 gathers here)
-        x = run_block(fn, p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis, **seq)
-    return unembed(params, x)
+        kw = experts if "router" in p["mlp"] else {}
+        x = run_block(fn, p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis, **seq, **kw)
+        if isinstance(x, tuple):  # a mixture-of-experts block: (x, its auxiliary values)
+            x, a = x
+            aux.append(a)
+    return unembed(params, x), aux
 
 
 IGNORE = -100  # a target the loss skips (cross_entropy's ignore_index): padding
@@ -494,7 +551,8 @@ def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
 def loss(params: Params, batch: dict[str, torch.Tensor], *, attention: str = "auto",
          block_fn: Callable[..., torch.Tensor] | None = None,
          tensor_axis: str | None = TENSOR, seq_axis: str | None = None,
-         seq_parallel: str = "ulysses", seq_layout: str = "contiguous") -> torch.Tensor:
+         seq_parallel: str = "ulysses", seq_layout: str = "contiguous", moe: MoEConfig | None = None,
+         expert_axis: str | None = EXPERT, train: bool = True, metrics: bool = False) -> Any:
     """Mean next-token cross-entropy over this shard's batch (a 0-d tensor).
 
     ``batch["tokens"]`` (B, T + 1): inputs are ``tokens[:, :-1]``, targets
@@ -506,14 +564,21 @@ def loss(params: Params, batch: dict[str, torch.Tensor], *, attention: str = "au
     (``seq_axis``, see ``apply``): give ``inputs`` and ``targets`` sharded over the axis
     (``batch_spec=P("data", "seq")``); the loss is this shard's mean, which ``train_step``
     averages over the batch axes like the data shards' (equal token counts per shard).
+
+    Mixture of experts (``moe=config.moe``, see ``block``): the loss adds
+    ``moe.aux_loss_weight`` times the load-balancing losses and ``moe.z_loss_weight`` times
+    the router z-losses, summed over the MoE blocks. ``metrics=True`` returns ``(loss,
+    metrics)`` with ``lm_loss`` and, for MoE, ``moe_aux_loss``, ``moe_z_loss`` and
+    ``moe_drop_fraction`` (the mean over the MoE blocks): the form ``train_step`` reports.
     """
     inputs, targets = _split_batch(batch)
     if _seq(seq_axis) and isinstance(batch, dict) and "tokens" in batch:
         raise ValueError(f"sequence parallel over {seq_axis!r}: batch['tokens'] (B, T + 1) cannot be "
                          f"split over the sequence (targets cross the shards); give batch['inputs'] and "
                          f"batch['targets'] (B, T), e.g. fsharded.models.gpt.shift(batch)")
-    logits = apply(params, inputs, attention=attention, block_fn=block_fn, tensor_axis=tensor_axis,
-                   seq_axis=seq_axis, seq_parallel=seq_parallel, seq_layout=seq_layout)  # (B, T, V)
+    logits, aux = _forward(params, inputs, attention=attention, block_fn=block_fn, tensor_axis=tensor_axis,
+                           seq_axis=seq_axis, seq_parallel=seq_parallel, seq_layout=seq_layout, moe=moe,
+                           expert_axis=expert_axis, train=train)  # (B, T, V)
     megatron = seq_parallel == "megatron"
     if megatron:  # the logits are this tensor rank's sequence chunk: so are the targets
         seq_axis, targets = _megatron_chunk(targets, seq_axis, tensor_axis)
@@ -531,12 +596,19 @@ def loss(params: Params, batch: dict[str, torch.Tensor], *, attention: str = "au
     else:  # low-precision logits lose the small differences softmax cares about: upcast
         out = F.cross_entropy(flat.to(torch.promote_types(flat.dtype, torch.float32)), flat_targets,
                               reduction=reduction)
-    if not sharded:
-        return out
-    count = (flat_targets != IGNORE).sum().to(out.dtype)
-    out = out / (psum(count, seq_axis) / axis_size(seq_axis))
-    # Megatron-SP: the tensor axis is not a batch axis of the step: the mean over it here
-    return pmean(out, seq_axis) if megatron else out
+    if sharded:
+        count = (flat_targets != IGNORE).sum().to(out.dtype)
+        out = out / (psum(count, seq_axis) / axis_size(seq_axis))
+        # Megatron-SP: the tensor axis is not a batch axis of the step: the mean over it here
+        out = pmean(out, seq_axis) if megatron else out
+    if not aux:
+        return (out, {"lm_loss": out.detach()}) if metrics else out
+    balance, z = sum(a["aux_loss"] for a in aux), sum(a["z_loss"] for a in aux)
+    total = out + moe.aux_loss_weight * balance.to(out.dtype) + moe.z_loss_weight * z.to(out.dtype)
+    if not metrics:
+        return total
+    return total, {"lm_loss": out.detach(), "moe_aux_loss": balance.detach(), "moe_z_loss": z.detach(),
+                   "moe_drop_fraction": sum(a["drop_fraction"] for a in aux).detach() / len(aux)}
 
 
 # ------------------------------------------------------------------------------------------
@@ -579,3 +651,22 @@ def tensor_parallel_specs(params: Params, axis: str = TENSOR) -> Any:
         table = {k: P(*(axis if e == TENSOR else e for e in v)) for k, v in TENSOR_PARALLEL_RULES.items()}
     # One table for every GPT variant (biases, gated MLPs): not every rule matches.
     return rules(params, table, allow_unmatched=True)
+
+
+def expert_parallel_specs(params: Params, axis: str = EXPERT, base: Any = None) -> Any:
+    """The spec tree that splits every mixture-of-experts block's experts over the mesh
+    axis ``axis`` (``w1``, ``w2`` and their biases on dim 0, the router replicated), on top
+    of ``base`` (a spec tree such as ``tensor_parallel_specs(params)``; default all
+    replicated). The experts must divide over the axis (``shard_map`` names any leaf that
+    does not fit).
+
+    >>> cfg = GPTConfig.tiny(moe={"experts": 4})
+    >>> expert_parallel_specs(init(cfg))["blocks"][1]["mlp"]["w1"]
+    PartitionSpec('expert',)
+    """
+    specs = optree.tree_map(lambda _: P(), params) if base is None else base
+    specs = {**specs, "blocks": [dict(b) for b in specs["blocks"]]}
+    for p, b in zip(params["blocks"], specs["blocks"]):
+        if "router" in p["mlp"]:
+            b["mlp"] = {k: P(axis) if k in ("w1", "w2", "b1", "b2") else P() for k in p["mlp"]}
+    return specs

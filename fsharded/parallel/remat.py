@@ -21,6 +21,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
+from typing import Any
+
+import optree
 import torch
 
 from fsharded import random as R
@@ -47,7 +50,7 @@ class _Remat(torch.autograd.Function):
         ctx.save_for_backward(*((rng,) if rng is not None else ()), *args)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, *gs):
         saved = ctx.saved_tensors
         rng, args = (saved[0], saved[1:]) if ctx.keyed else (None, saved)
         # Differentiate only the floating inputs autograd wants a gradient for: integer
@@ -62,8 +65,12 @@ class _Remat(torch.autograd.Function):
                 full[i] = d
             return _run_keyed(ctx.fn, rng, tuple(full), ctx.types)
 
-        def dot(*diff):  # <f(diff), g>: its gradient is f's vjp with g
-            return (f(*diff) * g).sum()
+        def dot(*diff):  # <f(diff), g>: its gradient is f's vjp with g (summed over outputs)
+            outs = f(*diff)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            terms = [(o * g).sum() for o, g in zip(outs, gs)
+                     if g is not None and o.is_floating_point()]
+            return torch.stack(terms).sum() if terms else outs[0].new_zeros(())
 
         # The same key as the forward: the recomputation draws the same dropout masks.
         # torch.func.grad rather than vjp: under vmap, torch 2.13 fails an internal assert
@@ -106,17 +113,32 @@ def _run_keyed(fn: Callable, rng: torch.Tensor | None, args: tuple, types: list 
         return _typed(fn, args, types)
 
 
-def checkpoint(fn: Callable[..., torch.Tensor], *, key: torch.Tensor | None = None) -> Callable[..., torch.Tensor]:
-    """``fn`` (tensors in, one tensor out) recomputed in backward instead of stored.
+def checkpoint(fn: Callable[..., Any], *, key: torch.Tensor | None = None) -> Callable[..., Any]:
+    """``fn`` (tensors in; a tensor or a pytree of tensors out, e.g. a block's ``(x, aux)``)
+    recomputed in backward instead of stored.
 
     ``key``: run both passes under ``fs.random.scope(key)`` (a block's own key, see
     ``run_block``) instead of a key forked from the enclosing scope. It travels as an
     input of the recomputation, not captured (torch.func cannot lift captured tensors)."""
 
-    def wrapped(*args: torch.Tensor) -> torch.Tensor:
+    def wrapped(*args: torch.Tensor) -> Any:
         bad = [type(a).__name__ for a in args if not isinstance(a, torch.Tensor)]
         if bad:
             raise TypeError(f"checkpoint: arguments must be tensors (close over the rest), got {bad}")
-        return _Remat.apply(fn, key if key is not None else R.fork(), *args)
+        shape: list = []
+
+        def flat(*a: torch.Tensor) -> Any:
+            out = fn(*a)
+            if isinstance(out, torch.Tensor):
+                return out
+            leaves, tdef = optree.tree_flatten(out)
+            bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
+            if bad or not leaves:
+                raise TypeError(f"checkpoint: the function must return tensors, got {bad or 'none'}")
+            shape[:] = [tdef]
+            return tuple(leaves)
+
+        out = _Remat.apply(flat, key if key is not None else R.fork(), *args)
+        return optree.tree_unflatten(shape[0], list(out)) if shape else out
 
     return wrapped

@@ -1,0 +1,115 @@
+"""The mixture-of-experts GPT (GPTConfig(moe=...)): expert parallelism over an 'expert'
+axis, alone and with data, tensor, ZeRO 1-3 and remat, on the virtual mesh and on gloo
+ranks, equal to one device on which each batch shard routes its own tokens (same
+routing, same drops); the same collectives on every rank whatever the routing; the
+all-to-all bytes per MoE layer; the errors."""
+
+from __future__ import annotations
+
+import math
+
+import moe_cases as M
+import pytest
+import torch
+
+import fsharded as fs
+from fsharded import P
+from fsharded.models import gpt
+from fsharded.parallel import moe
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return {n: M.train(None, shards=n) for n in (2, 4)}
+
+
+@pytest.mark.parametrize("mesh,kw", [
+    ({"expert": 2}, {}),
+    ({"expert": 4}, {}),
+    ({"data": 2}, {}),  # experts replicated: the same routing and drops as expert=2
+    ({"data": 2, "expert": 2}, {"zero_stage": 1}),
+    ({"data": 2, "expert": 2}, {"zero_stage": 3}),
+    ({"data": 2, "expert": 2}, {"zero_stage": 2, "remat": True}),
+    ({"tensor": 2, "expert": 2}, {"tensor": True}),
+], ids=str)
+def test_expert_parallel_training_equals_one_device(reference, mesh, kw):
+    shards = mesh.get("data", 1) * mesh.get("expert", 1)
+    got = M.train(mesh, **kw)
+    M.close(got, reference[shards])
+    assert 0 < max(got["drops"]) < 0.5  # capacity 1.0 drops some of the top-2 choices
+
+
+def test_dropless_and_top1():
+    for moe_kw in ({"capacity_factor": None}, {"top_k": 1, "capacity_factor": 1.0}):
+        want = M.train(None, shards=2, **moe_kw)
+        got = M.train({"expert": 2}, **moe_kw)
+        M.close(got, want)
+        if moe_kw.get("capacity_factor", 1) is None:
+            assert got["drops"] == [0.0] * M.STEPS
+
+
+def test_all_to_all_bytes_per_moe_layer():
+    # Per MoE layer and direction each shard sends (E_p - 1)/E_p of its (E, C, D) dispatch
+    # buffer, C = capacity(tokens per shard, E, top_k, capacity factor); forward: dispatch
+    # and combine, backward: their transposes.
+    cfg = M.config()
+    E, D, k = cfg.moe.experts, cfg.d_model, cfg.moe.top_k
+    for n in (2, 4):
+        got = M.train({"expert": n})
+        a2a = [c for c in got["collectives"] if c[0] == "all_to_all"]
+        tokens = 8 // n * cfg.seq_len  # rows per shard x sequence
+        C = moe.capacity(tokens, E, top_k=k, capacity_factor=1.0, min_capacity=cfg.moe.min_capacity)
+        assert C == math.ceil(k * tokens / E)
+        per = E * C * D * 4 * (n - 1) // n
+        assert len(a2a) == 4 * cfg.n_layers  # 2 forward + 2 backward per MoE layer
+        assert all(c[4] == per for c in a2a)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world,mesh,kw", [
+    (2, {"expert": 2}, {}),
+    (4, {"data": 2, "expert": 2}, {"zero_stage": 3}),
+])
+def test_gloo_ranks_equal_one_device_and_the_virtual_mesh(reference, world, mesh, kw):
+    from fsharded.testing import run_on_ranks
+
+    virtual = M.train(mesh, **kw)
+    for r in run_on_ranks(M.train, world, mesh, **kw):
+        M.close(r, reference[world])
+        M.close(r, virtual)
+
+
+@pytest.mark.multiprocess
+def test_every_rank_runs_the_same_collectives_under_skewed_routing():
+    # Every token picks experts 0 and 1 (half the choices dropped, two experts idle on their
+    # ranks): the shapes are static, so every rank runs the same all-to-alls, and the
+    # step's own schedule check (which compares the ranks' lists before the first step)
+    # passes; the lists equal the virtual mesh's.
+    from fsharded.testing import run_on_ranks
+
+    virtual = M.train({"expert": 4}, skew=True)
+    assert virtual["drops"][0] == 0.5  # experts 0 and 1 take every choice, half fits
+    ranks = run_on_ranks(M.train, 4, {"expert": 4}, skew=True)
+    for r in ranks:
+        assert r["collectives"] == ranks[0]["collectives"] == virtual["collectives"]
+        assert r["drops"] == virtual["drops"]
+
+
+def test_mistakes_are_named():
+    cfg = M.config()
+    params = gpt.init(cfg, 0)
+    batch = M.batches(cfg, 1)[0]
+    with pytest.raises(ValueError, match=r"pass its routing config, gpt.loss\(params, batch, moe=config.moe\)"):
+        gpt.loss(params, batch)
+    with pytest.raises(ValueError, match="moe.experts is 8 but this block's router scores 4"):
+        gpt.loss(params, batch, moe=gpt.MoEConfig(experts=8))
+    with pytest.raises(ValueError, match="moe.top_k \\(5\\) exceeds moe.experts \\(4\\)"):
+        M.config(top_k=5)
+    with pytest.raises(NotImplementedError, match="GELU"):
+        gpt.GPTConfig.tiny(activation="swiglu", moe={"experts": 4})
+    with pytest.raises(ValueError, match=r"moe: unknown field\(s\) \['expert'\]"):
+        gpt.GPTConfig.tiny(moe={"expert": 4})
+    mesh = fs.Mesh({"expert": 8})  # 4 experts cannot be split over 8 shards
+    with pytest.raises(ValueError, match="do not fit Mesh"):
+        fs.shard_map(lambda p, b: gpt.loss(p, b, moe=cfg.moe), mesh=mesh,
+                     in_specs=(gpt.expert_parallel_specs(params), P("expert")), out_specs=P())(params, batch)
