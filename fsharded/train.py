@@ -14,6 +14,7 @@ prints a summary: losses, throughput, parameters, mesh and per-step collective b
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -23,6 +24,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import optree
 import torch
 
 # What `fsharded train` runs with no arguments: the "small" GPT (0.84 M parameters) on
@@ -43,7 +45,7 @@ JOB_DEFAULTS: dict[str, Any] = {
 
 
 # The mesh axes the bundled GPT job shards over; any other axis would only replicate.
-TRAIN_AXES = ("data", "tensor", "seq", "seq_ring")
+TRAIN_AXES = ("data", "tensor", "seq", "seq_ring", "expert")
 SEQ_STRATEGIES = ("ulysses", "ring", "hybrid", "megatron")  # model.seq_parallel
 
 
@@ -331,6 +333,12 @@ class _Progress:
             self.bar.close()
 
 
+def _batch_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes the batch's rows are split over: data, and expert (DeepSpeed's expert
+    parallelism inside data parallelism: each expert shard trains on its own rows)."""
+    return tuple(a for a in ("data", "expert") if a in mesh.shape)
+
+
 class _SeqJob:
     """How the job lays out the sequence: the loss, the batch spec, and the batch as the
     step takes it (inputs/targets, in zigzag order for ring attention)."""
@@ -355,7 +363,7 @@ class _SeqJob:
                 raise ValueError(f"--seq-len {mcfg.seq_len} does not divide over tensor={tp}, and padding would run "
                                  f"past the learned positions: pick a multiple of {tp}, or --set model.positions=rotary")
             self.loss = functools.partial(gpt.loss, seq_parallel="megatron")
-            self.batch_spec = fs.P("data") if "data" in mesh.shape else fs.P()
+            self.batch_spec = fs.P(_batch_axes(mesh)) if _batch_axes(mesh) else fs.P()
             return
         if strategy is not None and "seq" not in mesh.shape:
             raise ValueError(f"model.seq_parallel={strategy} shards the sequence over the mesh axis 'seq', which "
@@ -383,7 +391,7 @@ class _SeqJob:
                              f"hybrid (Ulysses over fewer ranks, --mesh seq_ring=N for the rest)")
         if self.layout == "zigzag" and self.strategy != "ring":
             raise ValueError(f"model.seq_layout=zigzag is ring attention's; {self.strategy} needs contiguous")
-        data = "data" if "data" in mesh.shape else None
+        data = _batch_axes(mesh) or None  # the rows: over data, and expert (expert parallelism inside it)
         if self.n > 1:
             axis = ("seq_ring", "seq") if self.strategy == "hybrid" else "seq"
             self.loss = functools.partial(gpt.loss, seq_axis=axis, seq_parallel=self.strategy,
@@ -437,12 +445,12 @@ def _check_fits(cfg, mcfg, mesh, specs_for, dist_on: bool, seq: _SeqJob) -> None
                                     activation_bytes=0, blocks="blocks")
     # The state first (arithmetic): a model that cannot fit is refused without a dry run.
     _memory.check_fits(state.total, who="memory check", what=what, processes=processes, device=device, hints=hints)
-    rows = cfg.micro_batch_size * mesh.shape.get("data", 1)  # one micro-batch, global
+    rows = cfg.micro_batch_size * cfg.data_parallel_size  # one micro-batch, global
     tokens = {"tokens": torch.zeros((rows, mcfg.seq_len + 1), dtype=torch.int64)}
     if dist_on:  # this rank's shard of the batch as the step takes it
         loss, batch, batch_spec = seq.loss, seq.prepare(tokens), seq.batch_spec
     else:  # the virtual mesh's process holds every shard's activations: the whole batch, unsharded
-        loss, batch, batch_spec = gpt.loss, tokens, fs.P()
+        loss, batch, batch_spec = functools.partial(gpt.loss, moe=mcfg.moe), tokens, fs.P()
     batch = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()}
     try:
         est = _memory.estimate_memory(meta, specs, opt, precision=cfg.policy(), mesh=est_mesh, loss=loss,
@@ -481,13 +489,25 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     if cfg.zero_stage and "data" not in mesh.shape:
         raise ValueError(f"zero_stage={cfg.zero_stage} shards over the 'data' axis, which {mesh!r} lacks")
 
+    experts = mesh.shape.get("expert", 1)
+    if "expert" in mesh.shape and mcfg.moe is None:
+        raise ValueError(f"{mesh!r} has an 'expert' axis but the model has no experts: add them "
+                         f"(--set model.moe.experts=8), or drop the axis")
+    if mcfg.moe is not None and mcfg.moe.experts % experts:
+        raise ValueError(f"model.moe.experts={mcfg.moe.experts} does not divide over expert={experts}: use a "
+                         f"multiple of {experts} experts, or a smaller expert axis")
+
     def specs_for(params):
-        specs = gpt.tensor_parallel_specs(params) if mesh.shape.get("tensor", 1) > 1 else fs.P()
+        specs = gpt.tensor_parallel_specs(params) if mesh.shape.get("tensor", 1) > 1 else \
+            optree.tree_map(lambda _: fs.P(), params)
+        if "expert" in mesh.shape:
+            specs = gpt.expert_parallel_specs(params, base=specs)
         return fs.parallel.zero(cfg.zero_stage, axis="data")(specs, params) if cfg.zero_stage else specs
 
-    data_size = mesh.shape.get("data", 1)
-    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * data_size
+    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * cfg.data_parallel_size  # rows over data x expert
     seq = _SeqJob(cfg, mesh, mcfg)
+    if mcfg.moe is not None:  # routing settings ride with the loss; its metrics are reported
+        seq.loss = functools.partial(seq.loss, moe=mcfg.moe, metrics=True)
     if not force:  # before a byte of the model is allocated
         _check_fits(cfg, mcfg, mesh, specs_for, dist_on, seq)
     params = gpt.init(mcfg, cfg.seed)
@@ -521,7 +541,9 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
         print(f"fsharded train: GPT {n_params:,} params ({mcfg.n_layers} layers, d_model {mcfg.d_model}), "
               f"{mesh!r} on the {'distributed' if dist_on else 'virtual'} backend, "
               f"batch {global_batch}x{mcfg.seq_len}, {cfg.steps} steps, {cfg.precision}"
-              + (f", ZeRO-{cfg.zero_stage}" if cfg.zero_stage else "") + seq.describe(), flush=True)
+              + (f", ZeRO-{cfg.zero_stage}" if cfg.zero_stage else "") + seq.describe()
+              + (f", {mcfg.moe.experts} experts top-{mcfg.moe.top_k} every {mcfg.moe.every} blocks"
+                 + (f" over expert={experts}" if experts > 1 else "") if mcfg.moe is not None else ""), flush=True)
     # Line-buffered: a killed run keeps every record but the one being written.
     metrics_f = open(cfg.metrics_file, "w", buffering=1) if (cfg.metrics_file and main_rank) else None  # noqa: SIM115
     bar = _Progress(cfg.steps, progress, cfg.log_every, main_rank)
@@ -555,7 +577,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     steady_time = (time.perf_counter() - t_steady) if t_steady is not None else elapsed
     full = step.params(state)
     with torch.no_grad():
-        val_loss = sum(float(gpt.loss(full, val.batch_at(j))) for j in range(4)) / 4
+        val_loss = sum(float(gpt.loss(full, val.batch_at(j), moe=mcfg.moe, train=False)) for j in range(4)) / 4
     summary = {
         "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else math.nan,
         "first_loss": losses[0] if losses else math.nan,

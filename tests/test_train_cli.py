@@ -197,6 +197,34 @@ def test_sequence_parallel_runs_train_as_the_unsharded_job(capsys, tmp_path):
         assert message in capsys.readouterr().err, extra
 
 
+def test_experts_over_an_expert_axis_train_as_over_a_data_axis(capsys, tmp_path):
+    # --batch is per data x expert shard and each shard routes its own rows: expert=2 (the
+    # experts split) and data=2 (the experts replicated) see the same routing, drops and
+    # losses; with ZeRO-3 over data beside the expert axis too.
+    from fsharded import train
+
+    moe = ["--preset", "tiny", "--steps", "3", "--set", "model.moe.experts=4", "--set", "model.moe.top_k=2",
+           "--set", "model.moe.capacity_factor=1.0", "--set", "model.moe.every=1"]
+    runs = {}
+    for mesh in ("data=2", "expert=2", "data=2,expert=2", "data=4"):
+        extra = ["--set", "zero_stage=3"] if mesh == "data=2,expert=2" else []
+        m = tmp_path / f"{mesh}.jsonl"
+        assert train.main([*moe, "--mesh", mesh, *extra, "--metrics", str(m)]) == 0, mesh
+        runs[mesh] = [json.loads(line) for line in m.read_text().splitlines()]
+    assert "4 experts top-2 every 1 blocks over expert=2" in capsys.readouterr().out
+    for a, b in (("data=2", "expert=2"), ("data=4", "data=2,expert=2")):
+        for ra, rb in zip(runs[a], runs[b], strict=True):
+            assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5, abs=1e-5), (a, b)
+            assert ra["moe_drop_fraction"] == rb["moe_drop_fraction"], (a, b)
+    assert 0 < runs["data=2"][0]["moe_drop_fraction"] < 0.5
+    for extra, message in ((["--mesh", "expert=3"], "model.moe.experts=4 does not divide over expert=3"),
+                           (["--mesh", "expert=2", "--set", "model.moe.experts=0"], "moe.experts must be a positive int")):
+        assert train.main([*moe, *extra]) in (1, 2), extra
+        assert message in capsys.readouterr().err, extra
+    assert train.main(["--preset", "tiny", "--steps", "1", "--mesh", "expert=2"]) == 1
+    assert "has an 'expert' axis but the model has no experts" in capsys.readouterr().err
+
+
 def test_activations_that_cannot_fit_are_refused_before_the_model_is_built(capsys, monkeypatch):
     from fsharded import _memory, train
 

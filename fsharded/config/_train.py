@@ -438,7 +438,7 @@ class TrainConfig:
             triple = _resolve_batch(
                 self.train_batch_size, self.micro_batch_size, self.grad_accum_steps,
                 self.data_parallel_size, default_micro=1,
-                names=(*_BATCH, "data parallel size (mesh['data'])"),
+                names=(*_BATCH, "data parallel size (mesh['data'] x mesh['expert'])"),
             )
         except ValueError as e:
             _raise(type(self), [f"  {', '.join(_BATCH)}: {e}"])
@@ -447,8 +447,10 @@ class TrainConfig:
 
     @property
     def data_parallel_size(self) -> int:
-        """Size of the mesh's ``"data"`` axis (1 without one)."""
-        return self.mesh.get("data", 1)
+        """The batch shards: the mesh's ``"data"`` axis times its ``"expert"`` axis (expert
+        parallelism inside data parallelism, as DeepSpeed's: each expert shard takes its
+        own rows); 1 without either."""
+        return self.mesh.get("data", 1) * self.mesh.get("expert", 1)
 
     def policy(self) -> Policy:
         """The mixed-precision ``Policy`` for ``precision`` and ``reduce_dtype``, carrying
