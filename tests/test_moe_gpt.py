@@ -10,7 +10,6 @@ import math
 
 import moe_cases as M
 import pytest
-import torch
 
 import fsharded as fs
 from fsharded import P

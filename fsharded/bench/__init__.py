@@ -105,6 +105,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             "DistributedAttention and vs the whole sequence on one rank: time, peak bytes, bytes sent",
         ),
         Benchmark(
+            "moe",
+            "fsharded.bench.moe",
+            "expert-parallel MoE layer (top-1, top-2) on 2 gloo ranks vs DeepSpeed's MoE with the same "
+            "weights: step time, bytes sent, peak bytes, drop counts, output differences",
+        ),
+        Benchmark(
             "optim",
             "fsharded.bench.optim",
             "C++ CPU AdamW (fp32, + bf16 copy) vs torch fused/foreach AdamW and "
@@ -189,7 +195,8 @@ class Row:
 
 @dataclass(frozen=True)
 class Qty(Row):
-    """A row whose values are bytes (``unit="B"``) rather than seconds."""
+    """A row whose values are bytes (``unit="B"``) or counts of another ``unit``
+    (``"tokens"``) rather than seconds."""
 
     unit: str = "s"
 
@@ -204,7 +211,10 @@ def format_bytes(b: float) -> str:
 
 
 def _cell(r: Row, v: float) -> str:
-    return format_bytes(v) if getattr(r, "unit", "s") == "B" else format_time(v)
+    unit = getattr(r, "unit", "s")
+    if unit == "B":
+        return format_bytes(v)
+    return format_time(v) if unit == "s" else f"{v:,.0f} {unit}"
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fsharded.bench import Qty, Report, Row, Section
+from fsharded.bench import Qty, Report, Row, Section, format_bytes
 
 HEADS, HEAD_DIM = 8, 32
 
@@ -52,8 +52,35 @@ def _peak(fn) -> int:
     return mem.peak_bytes
 
 
-def _rank(lengths: Sequence[int], rounds: int, deepspeed: bool) -> dict:
-    """On each rank: every variant at every length."""
+def _dry_peak(fn, length: int, n: int) -> int:
+    """Peak bytes ``fn`` (a variant's per-rank call, or the whole sequence with n=1) would
+    allocate per rank at ``length`` tokens: one forward and backward on meta tensors, the
+    collectives answering locally (a dry run), counted by the memory tracker."""
+    import fsharded as fs
+    from fsharded.spmd import _manifest
+
+    q, k, v = (torch.empty(1, length // n, HEADS, HEAD_DIM, device="meta", requires_grad=True) for _ in range(3))
+    with _manifest.recording(dry=True), fs.memory.track(include_meta=True) as mem:
+        fn(q, k, v).backward(torch.empty(1, length // n, HEADS, HEAD_DIM, device="meta"))
+    return mem.peak_bytes
+
+
+def _longest(fn, n: int, budget: int, quantum: int, cap: int) -> int:
+    """The longest multiple of ``quantum`` tokens (up to ``cap``) whose dry-run peak per
+    rank fits in ``budget`` bytes (0 if none does)."""
+    lo, hi = 0, quantum
+    while hi <= cap and _dry_peak(fn, hi, n) <= budget:
+        lo, hi = hi, hi * 2
+    hi = min(hi, cap + quantum)
+    while hi - lo > quantum:  # lo fits, hi does not (or is past the cap)
+        mid = (lo + hi) // 2 // quantum * quantum
+        lo, hi = (mid, hi) if _dry_peak(fn, mid, n) <= budget else (lo, mid)
+    return lo
+
+
+def _rank(lengths: Sequence[int], rounds: int, deepspeed: bool, budget: int = 0) -> dict:
+    """On each rank: every variant at every length; with ``budget``, the longest sequence
+    each fits in it per rank."""
     import torch.distributed as dist
 
     import fsharded as fs
@@ -133,14 +160,19 @@ def _rank(lengths: Sequence[int], rounds: int, deepspeed: bool) -> dict:
             rec["none"] = {"t": _time(whole, max(1, rounds // 2)), "peak": _peak(whole)}
         dist.barrier()
         out[L] = rec
+    if budget:
+        quantum, cap = 2 * n * 64, 1 << 22
+        out["longest"] = {name: _longest(sm.local, n, budget, quantum, cap) for name, sm in variants.items()}
+        out["longest"]["none"] = _longest(_attend, 1, budget, quantum, cap)
     return out
 
 
-def run(world: int, lengths: Sequence[int], rounds: int, deepspeed: bool) -> Report:
+def run(world: int, lengths: Sequence[int], rounds: int, deepspeed: bool, budget: int = 0,
+        plot: str | None = None) -> Report:
     from fsharded.testing import run_on_ranks
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    per_rank = run_on_ranks(_rank, world, list(lengths), rounds, deepspeed)
+    per_rank = run_on_ranks(_rank, world, list(lengths), rounds, deepspeed, budget)
     r0 = per_rank[0]
     report = Report("seq", params={"torch": torch.__version__, "ranks": world,
                                    "layer": f"causal attention, {HEADS} heads x {HEAD_DIM}, batch 1, fwd + bwd"})
@@ -174,8 +206,50 @@ def run(world: int, lengths: Sequence[int], rounds: int, deepspeed: bool) -> Rep
                      max(r[L]["deepspeed"]["sent"] for r in per_rank) if deepspeed else float("nan"), unit="B")
                  for L in lengths for v in variants)
     report.sections.append(Section("bytes sent per rank per layer (fwd)", "DeepSpeed-Ulysses (4 all-to-alls)", rows))
+    if budget:
+        longest = r0["longest"]
+        rows = tuple(Qty(f"{v} vs one rank, whole sequence", f"{format_bytes(budget)} per rank", longest[v],
+                         longest["none"], unit="tokens") for v in variants)
+        report.sections.append(Section(
+            "longest sequence that fits a memory budget per rank", "the whole sequence on one rank", rows,
+            notes=("higher is better: ours/peer is how many times longer a sequence fits",
+                   "peak per rank from a dry run (meta tensors, collectives answered locally) counted by the "
+                   "memory tracker, as the peak rows above; DeepSpeed-Ulysses (not runnable on meta tensors) "
+                   "allocates what our Ulysses does at every measured length")))
     report.finish()
+    if plot:
+        _plot(plot, per_rank, lengths, variants, deepspeed, world)
     return report
+
+
+def _plot(path: str, per_rank: list, lengths: Sequence[int], variants: list, deepspeed: bool, world: int) -> None:
+    """Step time and peak bytes per rank against sequence length, one line per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(variants) + (["deepspeed"] if deepspeed else []) + ["none"]
+    label = {"deepspeed": "DeepSpeed-Ulysses", "none": "one rank, whole sequence"}
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in names:
+        ranks = per_rank[:1] if name == "none" else per_rank
+        t = [max(statistics.median(r[L][name]["t"]) for r in ranks) for L in lengths]
+        m = [max(r[L][name]["peak"] for r in ranks) / 2**20 for L in lengths]
+        style = "--" if name in ("deepspeed", "none") else "-"
+        ax_t.plot(lengths, t, style, marker="o", label=label.get(name, name))
+        ax_m.plot(lengths, m, style, marker="o", label=label.get(name, name))
+    for ax, what in ((ax_t, "step time (s, slowest rank)"), (ax_m, "peak bytes per rank (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel(what)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.legend(fontsize=8)
+    fig.suptitle(f"one causal attention layer, fwd + bwd, {world} gloo ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -186,7 +260,20 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--markdown", action="store_true", help="print Markdown tables")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed (compared where installed)")
+    p.add_argument("--budget", default="1GiB",
+                   help="per-rank memory budget for the longest-sequence search, e.g. 512MiB, 2GiB (0: skip)")
+    p.add_argument("--plot", metavar="PNG", help="save step time and peak bytes against length as a picture")
     return p
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    unit = t[len(num):]
+    if unit not in units:
+        raise SystemExit(f"fsharded bench seq: --budget {text!r}: give bytes, e.g. 512MiB or 2GiB")
+    return int(float(num) * units[unit])
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
@@ -202,6 +289,12 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
             import deepspeed.sequence.layer  # noqa: F401
         except Exception:  # noqa: BLE001 - not installed or not importable here
             with_ds = False
-    report = run(args.ranks, lengths, 2 if args.quick else args.rounds, with_ds)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("fsharded bench seq: --plot needs matplotlib (pip install 'fsharded[bench]')") from None
+    budget = 0 if args.quick else _parse_bytes(args.budget)
+    report = run(args.ranks, lengths, 2 if args.quick else args.rounds, with_ds, budget, args.plot)
     report.print(markdown=args.markdown)
     return 0
