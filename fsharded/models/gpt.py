@@ -365,10 +365,16 @@ def block(p: Params, x: torch.Tensor, *, rotary: bool = False,
     """
     x = x + _attn(p["attn"], _norm(p["norm1"], x), rotary, attention, tensor_axis,
                   seq_axis, seq_parallel, seq_layout)
-    if "router" in p["mlp"]:
+    if _is_moe(p):
         return _moe_mlp(p["mlp"], _norm(p["norm2"], x), x, moe, expert_axis, train,
                         seq_parallel == "megatron" and _seq(seq_axis))
     return x + _mlp(p["mlp"], _norm(p["norm2"], x), tensor_axis, seq_parallel == "megatron" and _seq(seq_axis))
+
+
+def _is_moe(p: Any) -> bool:
+    """Whether the block ``p`` (a params subtree; a wrapper's block object passes as is)
+    has a mixture-of-experts MLP."""
+    return isinstance(p, dict) and isinstance(p.get("mlp"), dict) and "router" in p["mlp"]
 
 
 def _moe_mlp(p: Params, h: torch.Tensor, x: torch.Tensor, cfg: MoEConfig | None, axis: str | None,
@@ -483,7 +489,7 @@ def _forward(params: Params, tokens: torch.Tensor, *, attention: str, block_fn: 
     experts = {"moe": moe, "expert_axis": expert_axis, "train": train} if moe is not None else {}
     aux = []
     for p in params["blocks"]:  # each through the step's block hook (ZeRO-3 gathers here)
-        kw = experts if "router" in p["mlp"] else {}
+        kw = experts if _is_moe(p) else {}
         x = run_block(fn, p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis, **seq, **kw)
         if isinstance(x, tuple):  # a mixture-of-experts block: (x, its auxiliary values)
             x, a = x
