@@ -33,17 +33,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import triton_interpreting
-
-_TL = {
-    torch.float16: tl.float16,
-    torch.bfloat16: tl.bfloat16,
-    torch.float32: tl.float32,
-    torch.float64: tl.float64,
-}
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from ._triton_norm import _TL, acc_dtype  # noqa: F401 - the dtype table and accumulation rule, shared
 
 
 def _on(device: torch.device):
