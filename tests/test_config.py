@@ -287,7 +287,7 @@ def test_validation_lists_every_bad_field():
 
 def test_batch_mismatch_in_train_config_shows_arithmetic():
     with pytest.raises(ValueError, match=r"train_batch_size 32 != micro_batch_size 4 \* grad_accum_steps"
-                                         r" 2 \* data parallel size \(mesh\['data'\]\) 2 = 16"):
+                                         r" 2 \* data parallel size \(mesh\['data'\] x mesh\['expert'\]\) 2 = 16"):
         TrainConfig(train_batch_size=32, micro_batch_size=4, grad_accum_steps=2, mesh={"data": 2})
 
 

@@ -415,6 +415,11 @@ def test_sorted_moe_layer_through_the_kernels(impl):
     want = _grads(lambda x, *p: whole(dict(zip(keys, p)), x), [x, *params.values()], cot)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **MM)
+    # The layer picks the same path itself when told the implementation (on CUDA: auto).
+    wired = _grads(lambda x, *p: layer.moe_layer(dict(zip(keys, p)), x, top_k=k, capacity_factor=None, axis=None,
+                                                  method="sorted", impl=impl)[0], [x, *params.values()], cot)
+    for a, b in zip(wired, want):
+        torch.testing.assert_close(a, b, **MM)
     xs = torch.stack([x, _rand(T, d, seed=2)])  # two virtual shards, each routed alone
     got = torch.vmap(kernels, in_dims=(None, 0))(params, xs)
     torch.testing.assert_close(got, torch.stack([whole(params, xs[i]) for i in range(2)]), **MM)

@@ -390,8 +390,10 @@ def _moe_mlp(p: Params, h: torch.Tensor, x: torch.Tensor, cfg: MoEConfig | None,
                          f"(params mlp.router {tuple(p['router'].shape)}): pass the config the model was built with")
     from fsharded.parallel import moe as M
 
-    y, aux = M.moe_layer(p, h, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor if train else
-                         cfg.eval_capacity_factor, min_capacity=cfg.min_capacity, axis=axis)
+    cf = cfg.capacity_factor if train else cfg.eval_capacity_factor
+    # Dropless through the sort (grouped kernels on CUDA without an expert axis)
+    y, aux = M.moe_layer(p, h, top_k=cfg.top_k, capacity_factor=cf, min_capacity=cfg.min_capacity, axis=axis,
+                         method="capacity" if cf is not None else "sorted")
     return x + y, {k: aux[k] for k in ("aux_loss", "z_loss", "drop_fraction")}
 
 

