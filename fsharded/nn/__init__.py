@@ -11,5 +11,13 @@ writing trained weights back.
 from fsharded.nn._blocks import KNOWN_LAYOUTS
 from fsharded.nn._functional import FunctionalModule, functional
 from fsharded.nn._load import LoadResult, load_into
+from fsharded.nn._sequence import (
+    IGNORE,
+    SequenceParallel,
+    causal_lm_loss,
+    sequence_attention,
+    sequence_parallel,
+)
 
-__all__ = ["functional", "FunctionalModule", "load_into", "LoadResult", "KNOWN_LAYOUTS"]
+__all__ = ["functional", "FunctionalModule", "load_into", "LoadResult", "KNOWN_LAYOUTS", "sequence_parallel",
+           "SequenceParallel", "sequence_attention", "causal_lm_loss", "IGNORE"]
