@@ -1,5 +1,5 @@
-"""DeepSpeed ZeRO checkpoints (stages 1-3, fp32, no tensor or pipeline parallelism) read
-without DeepSpeed: the full fp32 weights and Adam moments of each parameter, one at a time.
+"""DeepSpeed ZeRO checkpoints (stages 1-3, fp32 or bf16, no tensor or pipeline parallelism)
+read without DeepSpeed: the full fp32 weights and Adam moments of each parameter, one at a time.
 
 A DeepSpeed checkpoint directory holds a ``latest`` file naming a tag and, under the tag,
 per data-parallel rank ``r``:
@@ -11,6 +11,19 @@ per data-parallel rank ``r``:
 - stage 3: ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` and ``..._optim_states.pt``
   (``fp32_flat_groups``: for each parameter in order, rank ``r``'s ``ceil(numel / world)``
   elements of it, the last rank's padded).
+
+With ``"bf16": {"enabled": true}`` the optimizer files are named ``bf16_zero_pp_rank_<r>_...``
+(the model-states files keep their names) and hold the fp32 master weights all the same:
+
+- stages 1-3 by default (bf16 gradient accumulation): DeepSpeed's ZeRO optimizer, the
+  layouts above with bf16 model weights;
+- stage 1 with ``"data_types": {"grad_accum_dtype": "fp32"}``: its ``BF16_Optimizer``, whose
+  state has no ``zero_stage``: each group's flat vector padded to a multiple of
+  ``2 * world`` and cut in equal partitions, ``single_partition_of_fp32_groups`` rank ``r``'s
+  (padding included, ``group_paddings`` on the last rank), the Adam state of it beside.
+
+Stage 0 keeps the optimizer (torch's, or in bf16 DeepSpeed's FP16_UnfusedOptimizer wrapper)
+inside ``mp_rank_00_model_states.pt``, without ``param_shapes``: not read here.
 
 The files are pickles that name DeepSpeed classes (its loss scaler, an enum, fragment
 addresses): they are loaded with those classes stubbed, memory-mapped, so a parameter is
@@ -71,7 +84,8 @@ def _load(path: str) -> dict:
 
 class DeepSpeedCheckpoint:
     """One tag of a DeepSpeed ZeRO checkpoint: ``names`` (in DeepSpeed's order),
-    ``shapes``, ``stage``, ``world`` (data-parallel ranks), ``step`` (optimizer steps
+    ``shapes``, ``stage``, ``world`` (data-parallel ranks), ``bf16`` (saved by a bf16 run:
+    ``bf16_zero_pp_rank_*`` files; the tensors are its fp32 masters), ``step`` (optimizer steps
     taken), ``hyper`` (the first parameter group's lr, betas, eps, weight_decay) and
     ``tensor(name, kind)`` for kind ``"param"`` (fp32 master), ``"exp_avg"`` or
     ``"exp_avg_sq"``."""
@@ -92,36 +106,58 @@ class DeepSpeedCheckpoint:
         if not os.path.isdir(root):
             raise CheckpointError(f"checkpoint.load_deepspeed: no tag {tag!r} in {directory}")
         files = sorted(os.listdir(root))
-        if any(n.startswith("bf16_") for n in files):
-            raise NotImplementedError("checkpoint.load_deepspeed: a bf16 ZeRO checkpoint (bf16_zero_pp_rank_*) "
-                                      "is not supported yet; fp32 (and fp16 master-weight) ZeRO checkpoints are")
         if any(re.search(r"mp_rank_0*[1-9]", n) for n in files):
             raise NotImplementedError("checkpoint.load_deepspeed: the checkpoint has several model-parallel "
                                       "ranks (mp_rank_01, ...); only data-parallel ZeRO checkpoints are supported")
-        optim = sorted((n for n in files if re.fullmatch(r"zero_pp_rank_\d+_mp_rank_00_optim_states\.pt", n)),
-                       key=lambda n: int(n.split("_")[3]))
-        if not optim:
-            raise CheckpointError(f"checkpoint.load_deepspeed: no zero_pp_rank_*_optim_states.pt in {root}: "
-                                  f"not a DeepSpeed ZeRO checkpoint")
+        found = {}  # prefix ("" or "bf16_") -> {rank: file name}
+        for n in files:
+            m = _OPTIM_FILE.fullmatch(n)
+            if m is not None:
+                found.setdefault(m.group(1), {})[int(m.group(2))] = n
+        if not found and "mp_rank_00_model_states.pt" in files:
+            raise NotImplementedError(
+                f"checkpoint.load_deepspeed: {root} holds mp_rank_00_model_states.pt and no "
+                f"zero_pp_rank_*_optim_states.pt: a checkpoint without ZeRO (zero_optimization.stage 0; "
+                f"in bf16 through DeepSpeed's FP16 optimizer wrapper), whose optimizer state lives in the "
+                f"model-states file, is not supported yet; save it at ZeRO stage 1-3")
+        if not found:
+            raise CheckpointError(f"checkpoint.load_deepspeed: no zero_pp_rank_*_optim_states.pt (nor "
+                                  f"bf16_zero_pp_rank_*) in {root}: not a DeepSpeed ZeRO checkpoint")
+        if len(found) > 1:
+            raise CheckpointError(f"checkpoint.load_deepspeed: {root} holds both fp32 (zero_pp_rank_*) and "
+                                  f"bf16 (bf16_zero_pp_rank_*) optimizer files: two runs saved the same tag; "
+                                  f"save to a fresh tag")
+        (prefix, by_rank), = found.items()
+        # bf16: DeepSpeed's bf16 runs keep fp32 masters all the same; the prefix names the run.
+        self.bf16 = prefix == "bf16_"
+        optim = [by_rank[r] for r in sorted(by_rank)]
         self.world = len(optim)
-        if [int(n.split("_")[3]) for n in optim] != list(range(self.world)):
-            raise CheckpointError(f"checkpoint.load_deepspeed: {root} lacks some ranks' optimizer files "
-                                  f"(found {optim})")
-        self._optim = [_load(os.path.join(root, n))["optimizer_state_dict"] for n in optim]
+        if sorted(by_rank) != list(range(self.world)):
+            raise CheckpointError(f"checkpoint.load_deepspeed: {root} lacks some ranks' optimizer files: "
+                                  f"missing {_missing(prefix, by_rank, max(by_rank) + 1)} (found {optim})")
+        top = [_load(os.path.join(root, n)) for n in optim]
+        self._optim = [t["optimizer_state_dict"] for t in top]
         o0 = self._optim[0]
         count = o0.get("partition_count")
         count = count[0] if isinstance(count, (list, tuple)) and count else count
         if isinstance(count, int) and count != self.world:
             raise CheckpointError(f"checkpoint.load_deepspeed: {root} was saved by {count} ranks but holds "
                                   f"the optimizer files of {self.world} ({', '.join(optim)}): some ranks' "
-                                  f"files are missing")
+                                  f"files are missing: {_missing(prefix, by_rank, count)}")
         if "fp32_flat_groups" in o0:
             self.stage = 3
             model = _load(os.path.join(root, "zero_pp_rank_0_mp_rank_00_model_states.pt"))
             flat = [o["fp32_flat_groups"] for o in self._optim]
             adam = [o["optimizer_state_dict"] for o in self._optim]
         elif "single_partition_of_fp32_groups" in o0:
-            self.stage = 1 if _stage_of(o0) == 1 else 2
+            zero_stage = _stage_of(o0)
+            # DeepSpeed's BF16_Optimizer (bf16 with fp32 gradient accumulation) records no
+            # zero_stage; its partitions keep their padding, which only the last rank has.
+            bf16_optimizer = zero_stage is None and self.bf16
+            if bf16_optimizer:
+                self.stage = _config_stage(top[0]) or 1
+            else:
+                self.stage = 1 if zero_stage == 1 else 2
             model = _load(os.path.join(root, "mp_rank_00_model_states.pt"))
             flat = [o["single_partition_of_fp32_groups"] for o in self._optim]
             adam = [o["base_optimizer_state"] for o in self._optim]
@@ -136,7 +172,11 @@ class DeepSpeedCheckpoint:
                                           "their group (param_alignment_paddings) are not supported yet")
         else:
             raise CheckpointError(f"checkpoint.load_deepspeed: {optim[0]} holds neither fp32_flat_groups "
-                                  f"(ZeRO-3) nor single_partition_of_fp32_groups (ZeRO-1/2)")
+                                  f"(ZeRO-3) nor single_partition_of_fp32_groups (ZeRO-1/2, bf16)")
+        if not model.get("param_shapes"):
+            raise NotImplementedError(
+                f"checkpoint.load_deepspeed: {root}'s model states name no param_shapes (a checkpoint of "
+                f"DeepSpeed's pipeline engine or without ZeRO); only ZeRO stages 1-3 are supported")
         self.groups = [dict(g) for g in model["param_shapes"]]
         self.shapes = {n: tuple(s) for g in self.groups for n, s in g.items()}
         self.names = list(self.shapes)
@@ -155,7 +195,25 @@ class DeepSpeedCheckpoint:
                                   for r in range(self.world)],
                       "exp_avg_sq": [[adam[r]["state"][g]["exp_avg_sq"] for g in range(len(self.groups))]
                                      for r in range(self.world)]}
+        if self.stage in (1, 2):
+            self._check_sizes(root, optim)
         self._where = dict(self._index())
+
+    def _check_sizes(self, root: str, optim: list[str]) -> None:
+        """ZeRO-1/2 and BF16_Optimizer: the ranks' partitions of a group, back to back, are
+        its flat vector, padded at the end (``group_paddings`` on the last rank) at most."""
+        pads = self._optim[-1].get("group_paddings") or [0] * len(self.groups)
+        bad = []
+        for g, shapes in enumerate(self.groups):
+            need = sum(math.prod(s) for s in shapes.values())
+            for kind, parts in self._flat.items():
+                have = sum(parts[r][g].numel() for r in range(self.world))
+                if not need <= have <= need + (pads[g] if g < len(pads) else 0):
+                    bad.append(f"  group {g} {kind}: the ranks' partitions hold {have} elements, its "
+                               f"{len(shapes)} parameters (param_shapes) need {need}")
+        if bad:
+            raise CheckpointError(f"checkpoint.load_deepspeed: {root}'s optimizer files ({', '.join(optim)}) "
+                                  f"do not fit its model states:\n" + "\n".join(bad))
 
     def _index(self) -> Iterator[tuple[str, tuple[int, int, int]]]:
         """Each parameter's (group, offset, numel); at stage 3 the offset is into every
@@ -185,9 +243,25 @@ class DeepSpeedCheckpoint:
                 start += p.numel()
             full = torch.cat(pieces) if pieces else torch.empty(0)
             if full.numel() != n:
-                        raise CheckpointError(f"checkpoint.load_deepspeed: {name} needs {n} elements, the ranks' "
+                raise CheckpointError(f"checkpoint.load_deepspeed: {name} needs {n} elements, the ranks' "
                                       f"partitions hold {full.numel()} of them")
         return full.detach().to(torch.float32).reshape(self.shapes[name]).clone()
+
+
+_OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
+
+
+def _missing(prefix: str, by_rank: dict, count: int) -> str:
+    return ", ".join(f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+                     for r in range(count) if r not in by_rank) or "none by name"
+
+
+def _config_stage(top: dict) -> int | None:
+    """zero_optimization.stage of the ds_config an optimizer file carries."""
+    config = top.get("ds_config")
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    return int(stage) if isinstance(stage, (int, str)) and str(stage).isdigit() else None
 
 
 def _stage_of(optim: dict) -> int | None:
@@ -231,7 +305,7 @@ def load_deepspeed(directory: str | os.PathLike, step: Any, params: Any, *, tag:
     mesh = step.mesh
     dist = _distributed(mesh, None)
     ours = {p[len("params."):]: tuple(global_shape(s if isinstance(s, PartitionSpec) else PartitionSpec(),
-                                                   tuple(x.shape), mesh) if dist else x.shape)
+                                                   tuple(x.shape), mesh) if dist else tuple(x.shape))
             for p, x, s in zip(paths, leaves, specs) if p.startswith("params.")}
     want = {p: rename(p) for p in ours}
     problems = [f"  {p}: no {n!r} in the checkpoint" for p, n in want.items() if n not in ck.shapes]

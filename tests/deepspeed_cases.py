@@ -13,6 +13,11 @@ from fsharded.models import gpt
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "deepspeed")
 FIXTURE = torch.load(os.path.join(DATA, "reference.pt"), weights_only=True)
 REF = FIXTURE["reference"]
+# bf16 checkpoints (make_fixture.worker_bf16): fixture directory -> its ranks ("world"), DeepSpeed's
+# fp32 masters and Adam moments, and the losses of its steps after the checkpoint on
+# "batches"[1:] (global batches; "batches"[0] made the checkpoint).
+FIXTURE_BF16 = torch.load(os.path.join(DATA, "reference_bf16.pt"), weights_only=True)
+REF_BF16 = FIXTURE_BF16["reference"]
 
 
 def ds_name(path: str) -> str:
@@ -38,6 +43,14 @@ def by_name(step, state) -> dict:
     paths, leaves, _ = fs._tree.tree_flatten_with_paths(step.params(state))
     return {ds_name(p): x for p, x in zip(paths, leaves)}
 
+
+def continue_training(step, state, batches) -> tuple:
+    """The state after a step on each of ``batches`` (global (B, T + 1) tokens) and the losses."""
+    losses = []
+    for tokens in batches:
+        state, m = step(state, {"tokens": tokens})
+        losses.append(float(m["loss"]))
+    return state, losses
 
 
 def on_ranks(stage: int) -> dict:

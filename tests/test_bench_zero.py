@@ -16,7 +16,7 @@ def test_bench_zero_quick_runs():
            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
         [sys.executable, "-m", "fsharded", "bench", "zero", "--quick", "--no-deepspeed",
-         "--markdown"],
+         "--rounds", "1", "--iters", "1", "--markdown"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
