@@ -49,6 +49,7 @@ class TrainState(NamedTuple):
     opt_state: Any
     loss_scale: Any  # precision.LossScaleState, or None without loss scaling
     rng: Any = None  # fs.random key (int64 (2,)) random ops in the loss draw from, or None
+    model_state: Any = None  # state the model reads but does not differentiate (update_model_state)
 
 
 def train_step(
@@ -69,6 +70,8 @@ def train_step(
     seed: int | None = 0,
     on_nonfinite: str = "raise",
     check_memory: bool = True,
+    update_model_state: Callable[[Any, Any], Any] | None = None,
+    model_state_specs: Any = None,
 ) -> TrainStep:
     """Build a training step for ``loss_fn(params, batch) -> scalar``.
 
@@ -125,12 +128,26 @@ def train_step(
     On real ranks the first step of each layout also measures, on the schedule check's dry
     run, what the step allocates beyond the state (activations, gradients, buffers, the
     new state) and refuses the same way before running it.
+
+    State that the model reads but that is not a parameter (DeepSeek-V3's per-expert
+    routing bias, running statistics): ``update_model_state(model_state, stats) ->
+    model_state``. ``step.init(params, model_state=tree)`` puts the tree in
+    ``TrainState.model_state``; the loss is then called ``loss_fn(params, batch,
+    model_state)`` and returns ``(loss, metrics, stats)``, ``stats`` a pytree of tensors
+    (not differentiated) that the step averages over the micro-batches and the batch
+    shards, as it does the metrics, before calling ``update_model_state`` once per applied
+    step (a skipped step keeps the old model state with the old parameters). So every
+    shard takes the same update by construction; a new model state that still varies over
+    an axis its spec does not name (``model_state_specs``, default replicated) is an error
+    naming the leaf, as is one whose structure, shapes or dtypes changed. It is saved and
+    loaded with the rest of the state.
     """
     return TrainStep(loss_fn, optimizer, mesh=mesh, param_specs=param_specs,
                      batch_spec=batch_spec, precision=precision, accumulation=accumulation,
                      clip=clip, check_finite=check_finite, donate=donate, backend=backend,
                      check_schedule=check_schedule, blocks=blocks, seed=seed,
-                     on_nonfinite=on_nonfinite, check_memory=check_memory)
+                     on_nonfinite=on_nonfinite, check_memory=check_memory,
+                     update_model_state=update_model_state, model_state_specs=model_state_specs)
 
 
 class _Plan(NamedTuple):
@@ -149,8 +166,17 @@ class TrainStep:
 
     def __init__(self, loss_fn, optimizer, *, mesh, param_specs, batch_spec, precision,
                  accumulation, clip, check_finite, donate, backend, check_schedule=True,
-                 blocks=None, seed=0, on_nonfinite="raise", check_memory=True):
+                 blocks=None, seed=0, on_nonfinite="raise", check_memory=True,
+                 update_model_state=None, model_state_specs=None):
         self.loss_fn = loss_fn
+        if update_model_state is not None and not callable(update_model_state):
+            raise TypeError(f"train_step: update_model_state must be a function (model_state, stats) -> "
+                            f"model_state, got {update_model_state!r}")
+        if model_state_specs is not None and update_model_state is None:
+            raise ValueError("train_step: model_state_specs without update_model_state: pass the function "
+                             "that updates the model state")
+        self.update_model_state = update_model_state
+        self.model_state_specs = PartitionSpec() if model_state_specs is None else model_state_specs
         self.optimizer = optimizer
         self.mesh = mesh if mesh is not None else Mesh({"data": 1})
         self.param_specs = PartitionSpec() if param_specs is None else param_specs
@@ -229,9 +255,11 @@ class TrainStep:
         self._placements[key] = pl
         return pl
 
-    def init(self, params: Any) -> TrainState:
+    def init(self, params: Any, model_state: Any = None) -> TrainState:
         """State for global ``params``: master copies laid out by the placement (this
-        rank's shards on the distributed backend), optimizer state, loss scale."""
+        rank's shards on the distributed backend), optimizer state, loss scale; and the
+        global ``model_state`` (with ``update_model_state``), laid out by its specs."""
+        ms = self._init_model_state(model_state)
         paths, leaves, _ = _tree.tree_flatten_with_paths(params)
         bad = [f"  {p}: {x.dtype}" for p, x in zip(paths, leaves)
                if isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex())]
@@ -255,7 +283,30 @@ class TrainStep:
         scale = self._scaler.init() if self._scaler is not None else None
         self._local_shapes[optree.tree_structure(master)] = [tuple(x.shape) for x in optree.tree_leaves(master)]
         rng = R.key(self.seed) if self.seed is not None else None
-        return TrainState(torch.zeros((), dtype=torch.int64), master, opt_state, scale, rng)
+        return TrainState(torch.zeros((), dtype=torch.int64), master, opt_state, scale, rng, ms)
+
+    def _init_model_state(self, model_state: Any) -> Any:
+        if self.update_model_state is None:
+            if model_state is not None:
+                raise ValueError("train_step.init: model_state given, but the step has no update_model_state: "
+                                 "pass train_step(..., update_model_state=fn) (fn(model_state, stats) -> "
+                                 "model_state), or keep the tensors in the parameters or the loss")
+            return None
+        if model_state is None:
+            raise ValueError("train_step.init: this step updates a model state (update_model_state): pass "
+                             "init(params, model_state=tree) with its initial value")
+        paths, leaves, _ = _tree.tree_flatten_with_paths(model_state)
+        bad = [f"  model_state.{p}: {type(x).__name__}" for p, x in zip(paths, leaves)
+               if not isinstance(x, torch.Tensor)]
+        if bad or not leaves:
+            raise ValueError("train_step.init: model_state must be a non-empty pytree of tensors"
+                             + ("; these leaves are not:\n" + "\n".join(bad[:8]) if bad else ""))
+        ms = optree.tree_map(lambda x: x.detach().clone(), model_state)
+        specs = _full_specs(self.model_state_specs, ms)
+        if self.distributed:
+            return local_shards(ms, specs, self.mesh)
+        shard_map(lambda m: m, mesh=self.mesh, in_specs=(specs,), out_specs=specs)._flat_in((ms,))
+        return ms
 
     def _check_memory(self, params: Any, pl: Any) -> None:
         """Refuse a state that cannot fit before allocating it (see ``check_memory``)."""
@@ -325,6 +376,12 @@ class TrainStep:
             return unshard(state.params, self.placement(state.params).master, self.mesh)
         return state.params
 
+    def model_state(self, state: TrainState) -> Any:
+        """The full (global) model state (``update_model_state``), on every rank."""
+        if state.model_state is None or not self.distributed:
+            return state.model_state
+        return unshard(state.model_state, _full_specs(self.model_state_specs, state.model_state), self.mesh)
+
     def state_specs(self, state: TrainState) -> TrainState:
         """The spec of every leaf of ``state``: master weights and optimizer-state subtrees
         shaped like them take the master placement; counters and scalars are replicated."""
@@ -335,6 +392,7 @@ class TrainStep:
             optim.state_specs(state.opt_state, state.params, pspecs),
             optree.tree_map(lambda _: PartitionSpec(), state.loss_scale) if state.loss_scale is not None else None,
             PartitionSpec() if state.rng is not None else None,
+            _full_specs(self.model_state_specs, state.model_state) if state.model_state is not None else None,
         )
 
     # -- checkpoints ---------------------------------------------------------------------
@@ -361,10 +419,12 @@ class TrainStep:
         and key as saved). ``like``: a state of this step (``step.init(params)``), or the
         global params to make one from; by default the parameter tree is rebuilt from the
         checkpoint's manifest (dicts and lists, ``checkpoint.tree_like``)."""
+        ms = checkpoint.tree_like(directory, "model_state") \
+            if self.update_model_state is not None and (like is None or not isinstance(like, TrainState)) else None
         if like is None:
-            like = self.init(checkpoint.tree_like(directory, "params"))
+            like = self.init(checkpoint.tree_like(directory, "params"), ms)
         elif not isinstance(like, TrainState):
-            like = self.init(like)
+            like = self.init(like, ms)
         return checkpoint.load(directory, like, self.state_specs(like), self.mesh)
 
     # -- the step ----------------------------------------------------------------------
@@ -382,7 +442,8 @@ class TrainStep:
             mem.register(state.opt_state, "optimizer state")
             mem.backward_category = "activations"
         params = state.params  # master weights, in the master placement
-        g_leaves, loss, extra = self._gradients(plan, state, batch)
+        g_leaves, loss, (extra, stats) = self._gradients(plan, state, batch)
+        new_ms = self._new_model_state(state.model_state, stats, plan) if state.model_state is not None else None
         grads = optree.tree_unflatten(optree.tree_structure(params), g_leaves)
         P.label(grads, "gradients")
         # From here on every value is a shard of a leaf laid out by its spec (gradients,
@@ -404,15 +465,16 @@ class TrainStep:
             new_params, opt_state = plan.update(grads, gnorm, state.opt_state, params, ok=ok)
             P.label(new_params, "parameters")
             P.label(opt_state, "optimizer state")
-            (new_params, opt_state), new_scale, scale_metrics = plan.scaling.select(
-                finite, (new_params, opt_state), (params, state.opt_state), state.loss_scale)
+            (new_params, opt_state, new_ms), new_scale, scale_metrics = plan.scaling.select(
+                finite, (new_params, opt_state, new_ms), (params, state.opt_state, state.model_state),
+                state.loss_scale)
             metrics = {"loss": loss, "grad_norm": gnorm}
             # What loss_fn returned beside the loss, averaged over the batch shards.
             metrics.update(pmean(extra, self.batch_axes) if self.batch_axes and extra else extra)
             if optim.get_lr_schedule(self.optimizer) is not None:
                 metrics["lr"] = optim.get_lr(self.optimizer, plan.scaling.applied(state.step, state.loss_scale))
             metrics.update(scale_metrics)
-        out = TrainState(state.step + 1, new_params, opt_state, new_scale, state.rng)
+        out = TrainState(state.step + 1, new_params, opt_state, new_scale, state.rng, new_ms)
         if vma is not None:
             for t, spec in zip(optree.tree_leaves(out), plan.state_specs):
                 if isinstance(t, torch.Tensor):
@@ -424,6 +486,34 @@ class TrainStep:
                     vma.set(t, frozenset())
         return out, metrics
 
+    def _new_model_state(self, ms: Any, stats: Any, plan: _Plan) -> Any:
+        """``update_model_state(ms, stats)`` on the stats averaged over the batch shards
+        (the same on every shard), checked against the old model state's structure, shapes,
+        dtypes and specs."""
+        if self.batch_axes:
+            stats = optree.tree_map(lambda t: pmean(t, self.batch_axes), stats)
+        with torch.no_grad():
+            new = self.update_model_state(ms, stats)
+        paths, old_leaves, old_def = _tree.tree_flatten_with_paths(ms)
+        new_leaves, new_def = optree.tree_flatten(new)
+        if new_def != old_def:
+            raise ValueError(f"train_step: update_model_state changed the model state's structure: it took "
+                             f"{old_def} and returned {new_def}; return a tree of the same form")
+        specs = _tree.broadcast_prefix(self.model_state_specs, ms)
+        bad = []
+        for p, o, n, spec in zip(paths, old_leaves, new_leaves, specs):
+            if not isinstance(n, torch.Tensor) or n.shape != o.shape or n.dtype != o.dtype:
+                got = f"{n.dtype} {tuple(n.shape)}" if isinstance(n, torch.Tensor) else type(n).__name__
+                bad.append(f"  model_state.{p}: {o.dtype} {tuple(o.shape)} became {got}")
+            elif extra := [a for a in varying_axes(n) if a not in spec.axes and self.mesh.shape[a] > 1]:
+                bad.append(f"  model_state.{p}: varies over {extra} after update_model_state, its spec is "
+                           f"{spec!r} (it would differ between those shards: reduce what it is computed from "
+                           f"over them, or shard it there)")
+        if bad:
+            raise ValueError("train_step: update_model_state returned a model state that does not fit the "
+                             "old one:\n" + "\n".join(bad[:8]))
+        return optree.tree_unflatten(new_def, [t.detach() for t in new_leaves])
+
     def _gradients(self, plan: _Plan, state: TrainState, batch: Any) -> tuple[list, torch.Tensor, dict]:
         """This shard's gradient leaves, loss and the loss function's metrics, under this step's and this batch shard's
         key (random ops in the loss draw from it; derived at the first draw, so a loss
@@ -432,7 +522,8 @@ class TrainStep:
         keys = R.scope(functools.partial(_step_key, state.rng, state.step, self.batch_axes)) \
             if state.rng is not None else contextlib.nullcontext()
         with keys:
-            return plan.gradients(state.params, batch, state.loss_scale, varying, mark_varying)
+            return plan.gradients(state.params, batch, state.loss_scale, varying, mark_varying,
+                                  model_state=state.model_state)
 
     def _plan(self, state: TrainState, eager: bool) -> _Plan:
         """The step's pieces for this state layout and backend, chosen once. ``eager``: one
@@ -453,7 +544,8 @@ class TrainStep:
         gradients = P.Gradients(layout, self.loss_fn, policy=self.policy, scaling=scaling,
                                 batch_axes=self.batch_axes, accumulation=self.accumulation,
                                 eager=eager, distributed=self.distributed and eager, cap=self.bucket_elems,
-                                check_loss=functools.partial(_check_loss, self.batch_axes, self.mesh))
+                                check_loss=functools.partial(_check_loss, self.batch_axes, self.mesh,
+                                                             with_stats=self.update_model_state is not None))
         update = P.choose_update(self.optimizer, clip=self.clip, donate=self.donate, eager=eager,
                                  params=state.params)
         specs = _tree.broadcast_prefix(self.state_specs(state), state)
@@ -621,11 +713,27 @@ def _check_grad_types(grads: list, specs: list, mesh: Mesh, paths: list[str]) ->
 _RESERVED = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "tokens_per_s")
 
 
-def _check_loss(batch_axes: tuple[str, ...], mesh: Mesh, out: Any) -> tuple[torch.Tensor, dict]:
-    """``loss_fn``'s result -> (the scalar loss, its metrics): a scalar, or ``(loss,
-    metrics)`` with ``metrics`` a dict of scalar tensors reported beside the loss (not
-    differentiated; averaged over the batch shards and micro-batches)."""
-    loss, extra = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
+def _check_loss(batch_axes: tuple[str, ...], mesh: Mesh, out: Any, *, with_stats: bool = False) -> tuple:
+    """``loss_fn``'s result -> (the scalar loss, (its metrics, its stats)): a scalar, or
+    ``(loss, metrics)`` with ``metrics`` a dict of scalar tensors reported beside the loss
+    (not differentiated; averaged over the batch shards and micro-batches); with a model
+    state (``with_stats``), ``(loss, metrics, stats)``, ``stats`` a pytree of tensors."""
+    stats: Any = {}  # none (an empty tree: torch.func's aux takes no None)
+    if with_stats:
+        if not (isinstance(out, tuple) and len(out) == 3):
+            raise ValueError(
+                "train_step(update_model_state=...): loss_fn(params, batch, model_state) must return "
+                f"(loss, metrics, stats), got {type(out).__name__}"
+                + (f" of length {len(out)}" if isinstance(out, tuple) else "")
+                + "; metrics a dict of 0-d tensors (may be empty), stats the tensors update_model_state reads")
+        loss, extra, stats = out
+        s_paths, s_leaves, _ = _tree.tree_flatten_with_paths(stats)
+        bad = [f"stats.{p}" for p, x in zip(s_paths, s_leaves) if not isinstance(x, torch.Tensor)]
+        if bad:
+            raise ValueError(f"train_step: loss_fn's stats must be a pytree of tensors; {bad[:4]} are not")
+        stats = optree.tree_map(torch.Tensor.detach, stats)
+    else:
+        loss, extra = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise ValueError(
             f"train_step: loss_fn must return a scalar tensor, or (loss, metrics) with metrics a "
@@ -641,7 +749,7 @@ def _check_loss(batch_axes: tuple[str, ...], mesh: Mesh, out: Any) -> tuple[torc
     if taken:
         raise ValueError(f"train_step: loss_fn's metrics {taken} collide with the step's own; rename them")
     _check_loss_type(loss, batch_axes, mesh)
-    return loss, {k: v.detach().float() for k, v in extra.items()}
+    return loss, ({k: v.detach().float() for k, v in extra.items()}, stats)
 
 
 def _check_loss_type(loss: torch.Tensor, batch_axes: tuple[str, ...], mesh: Mesh) -> None:

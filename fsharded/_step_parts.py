@@ -154,7 +154,7 @@ class Gradients:
         kept = {id(t) for t in optree.tree_leaves(blocks[-1])}
         return zero3.block_handler(specs_of, lay.axis, lay.mesh, self.cap, prefetch, lay.reshard, kept)
 
-    def _local_loss(self, p: Any, micro: Any, scale: Any):
+    def _local_loss(self, p: Any, micro: Any, scale: Any, model_state: Any = None):
         lay = self.layout
         leaves, tdef = optree.tree_flatten(p)
         if self.per_block:  # blocks stay sharded until their run_block
@@ -166,15 +166,16 @@ class Gradients:
             label(leaves, "parameters")
         p = optree.tree_unflatten(tdef, [cast_tree(x, self.policy.compute_dtype) for x in leaves])
         with handling(self._handler(p)) if self.per_block else contextlib.nullcontext():
-            out = self.loss_fn(p, micro)
+            out = self.loss_fn(p, micro) if model_state is None else self.loss_fn(p, micro, model_state)
         loss, extra = self.check_loss(out)
         loss = loss.float()
         return self.scaling.scale(loss, scale), (loss, extra)
 
     def __call__(self, params: Any, batch: Any, scale: Any, varying: tuple[str, ...],
-                 mark: Callable) -> tuple[list, torch.Tensor, dict]:
+                 mark: Callable, model_state: Any = None) -> tuple[list, torch.Tensor, tuple]:
         """(reduced gradient leaves in the gradient placement, the mean local loss, the
-        mean of the metrics the loss function returned beside it)."""
+        mean of (the metrics, the stats) the loss function returned beside it). The loss
+        reads ``model_state`` where given (not differentiated)."""
         lay = self.layout
         m_leaves, m_def = optree.tree_flatten(params)
         x0 = params if self.inside else optree.tree_unflatten(m_def, self._gather(m_leaves, lay.use))
@@ -187,7 +188,7 @@ class Gradients:
             # invariant, each gradient would come back summed by the implicit pvary's
             # psum, one collective per leaf (JAX's rule).
             x0 = mark(x0, varying)
-        loss_fn = functools.partial(self._local_loss, scale=scale)
+        loss_fn = functools.partial(self._local_loss, scale=scale, model_state=model_state)
         real = self.distributed and self.eager and not _manifest.dry()
         reducer = self._in_backward(x0) if real else None
         if self.eager:

@@ -452,6 +452,9 @@ def _check_fits(cfg, mcfg, mesh, specs_for, dist_on: bool, seq: _SeqJob) -> None
     else:  # the virtual mesh's process holds every shard's activations: the whole batch, unsharded
         loss, batch, batch_spec = functools.partial(gpt.loss, moe=mcfg.moe), tokens, fs.P()
     batch = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()}
+    if mcfg.moe is not None and mcfg.moe.bias_update_rate is not None:  # the routing biases, too
+        ms, with_state = gpt.init_model_state(meta), loss
+        loss = lambda p, b: with_state(p, b, ms)[0]  # noqa: E731
     try:
         est = _memory.estimate_memory(meta, specs, opt, precision=cfg.policy(), mesh=est_mesh, loss=loss,
                                       batch=batch, blocks="blocks", batch_spec=batch_spec)
@@ -519,10 +522,13 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     batches = fs.data.Batches(train_tokens, global_batch, mcfg.seq_len, seed=cfg.seed)
     val = fs.data.Batches(val_tokens, global_batch, mcfg.seq_len, seed=cfg.seed + 1)
     opt = build_optimizer(cfg)
+    # Aux-loss-free balancing: the routing biases ride in the state, updated from the loads.
+    biased = mcfg.moe is not None and mcfg.moe.bias_update_rate is not None
     step = fs.train_step(seq.loss, opt, mesh=mesh, param_specs=specs, batch_spec=seq.batch_spec,
                          precision=cfg.policy(), accumulation=cfg.grad_accum_steps,
-                         clip=cfg.grad_clip or None, blocks="blocks", check_memory=not force)
-    state = step.init(params)
+                         clip=cfg.grad_clip or None, blocks="blocks", check_memory=not force,
+                         update_model_state=gpt.model_state_updater(mcfg.moe) if biased else None)
+    state = step.init(params, gpt.init_model_state(params) if biased else None)
     mgr = fs.checkpoint.Manager(save_dir, keep=keep, every=save_every) if (save_every or resume) else None
     start = 0
     path = (mgr.latest() if resume == "latest" else resume) if resume else None
@@ -577,7 +583,9 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     steady_time = (time.perf_counter() - t_steady) if t_steady is not None else elapsed
     full = step.params(state)
     with torch.no_grad():
-        val_loss = sum(float(gpt.loss(full, val.batch_at(j), moe=mcfg.moe, train=False)) for j in range(4)) / 4
+        ms = step.model_state(state) if biased else None
+        val_loss = sum(float(gpt.loss(full, val.batch_at(j), ms, moe=mcfg.moe, train=False)[0] if biased else
+                             gpt.loss(full, val.batch_at(j), moe=mcfg.moe, train=False)) for j in range(4)) / 4
     summary = {
         "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else math.nan,
         "first_loss": losses[0] if losses else math.nan,

@@ -26,31 +26,43 @@ def batches(cfg: gpt.GPTConfig, n: int = STEPS, rows: int = 8) -> list[dict]:
     return [{"tokens": torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len + 1), generator=g)} for _ in range(n)]
 
 
-def _reference_loss(cfg, params, batch, shards: int):
+def _reference_loss(cfg, params, batch, *extra, shards: int):
     """The mean over ``shards`` row groups of each group's loss (its own routing and
-    capacity), with the groups' metrics averaged: one device seeing what the shards see."""
-    parts = [gpt.loss(params, {"tokens": t}, attention="einsum", moe=cfg.moe, metrics=True)
+    capacity), with the groups' metrics averaged: one device seeing what the shards see.
+    With the routing biases (``extra``: the model state), the groups' loads averaged too."""
+    parts = [gpt.loss(params, {"tokens": t}, attention="einsum", moe=cfg.moe, metrics=True,
+                      model_state=extra[0] if extra else None)
              for t in batch["tokens"].chunk(shards)]
-    metrics = {k: sum(m[k] for _, m in parts) / shards for k in parts[0][1]}
-    return sum(loss for loss, _ in parts) / shards, metrics
+    metrics = {k: sum(p[1][k] for p in parts) / shards for k in parts[0][1]}
+    loss = sum(p[0] for p in parts) / shards
+    if not extra:
+        return loss, metrics
+    loads = [sum(p[2]["moe_load"][i] for p in parts) / shards for i in range(len(parts[0][2]["moe_load"]))]
+    return loss, metrics, {"moe_load": loads}
 
 
 def train(mesh_shape: dict | None, *, shards: int = 1, zero_stage: int = 0, tensor: bool = False,
-          remat: bool = False, skew: bool = False, **moe) -> dict:
+          remat: bool = False, skew: bool | float = False, steps: int = STEPS, **moe) -> dict:
     """STEPS adamw steps: on ``mesh_shape`` with the experts split over 'expert' (the batch
     over ('data', 'expert')), or None: the reference on one device, the rows in ``shards``
     groups each routed alone (as many as the mesh has batch shards)."""
     cfg = config(**moe)
     params = gpt.init(cfg, 0)
-    if skew:  # every token's choices are experts 0 and 1: the other experts idle, half drop
+    if skew is True:  # every token's choices are experts 0 and 1: the other experts idle, half drop
         for b in params["blocks"]:
             b["norm2"]["b"] = torch.ones_like(b["norm2"]["b"])  # the router's input ~ 1 + normalised x
             b["mlp"]["router"] = torch.zeros_like(b["mlp"]["router"])
             b["mlp"]["router"][:, 0] = 1.0
+    elif skew:  # the router leans toward expert 0 by about skew * d_model in its logits
+        for b in params["blocks"]:
+            b["norm2"]["b"] = torch.ones_like(b["norm2"]["b"])
+            b["mlp"]["router"][:, 0] += skew
     opt = fs.optim.adamw(1e-3)
+    biased = cfg.moe.bias_update_rate is not None
+    kw = {"update_model_state": gpt.model_state_updater(cfg.moe)} if biased else {}
     if mesh_shape is None:
         loss = functools.partial(_reference_loss, cfg, shards=shards)
-        step = fs.train_step(loss, opt, mesh=fs.Mesh({"data": 1}), clip=1.0)
+        step = fs.train_step(loss, opt, mesh=fs.Mesh({"data": 1}), clip=1.0, **kw)
     else:
         mesh = fs.Mesh(mesh_shape)
         block_fn = _remat if remat else None
@@ -61,14 +73,17 @@ def train(mesh_shape: dict | None, *, shards: int = 1, zero_stage: int = 0, tens
             specs = fs.parallel.zero(zero_stage, axis="data", min_size=8)(specs, params)
         axes = tuple(a for a in ("data", "expert") if a in mesh_shape)
         step = fs.train_step(loss, opt, mesh=mesh, param_specs=specs, batch_spec=P(axes) if axes else P(),
-                             blocks="blocks", clip=1.0)
-    state = step.init(params)
-    out: dict = {"losses": [], "drops": [], "aux": []}
-    for b in batches(cfg):
+                             blocks="blocks", clip=1.0, **kw)
+    state = step.init(params, gpt.init_model_state(params) if biased else None)
+    out: dict = {"losses": [], "drops": [], "aux": [], "bias": []}
+    for b in batches(cfg, steps):
         state, m = step(state, b)
         out["losses"].append(float(m["loss"]))
         out["drops"].append(float(m["moe_drop_fraction"]))
         out["aux"].append(float(m["moe_aux_loss"]))
+        out.setdefault("imbalance", []).append(float(m["moe_load_imbalance"]))
+        if biased:
+            out["bias"].append([x.tolist() for x in state.model_state["moe_bias"]])
     out["params"] = optree.tree_map(lambda x: x.detach().clone(), step.params(state))
     if mesh_shape is not None:
         out["collectives"] = [(e.op, e.axis, e.phase, e.shape, e.bytes_sent)
@@ -89,5 +104,6 @@ def close(got: dict, want: dict, tol: float = 1e-5) -> None:
         for i, (a, b) in enumerate(zip(got[key], want[key], strict=True)):
             assert abs(a - b) <= tol * max(1.0, abs(b)), (key, i, a, b)
     assert got["drops"] == want["drops"]
+    assert got["bias"] == want["bias"]  # sign steps of the loads: equal, not close
     for a, b in zip(optree.tree_leaves(got["params"]), optree.tree_leaves(want["params"]), strict=True):
         torch.testing.assert_close(a, b, atol=2 * tol, rtol=tol)

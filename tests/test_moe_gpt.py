@@ -94,6 +94,38 @@ def test_every_rank_runs_the_same_collectives_under_skewed_routing():
         assert r["drops"] == virtual["drops"]
 
 
+def test_routing_bias_in_the_state_equals_one_device(reference):
+    # Aux-loss-free balancing: the biases ride in TrainState.model_state and step by the
+    # sign of the loads averaged over the batch shards, so every shard holds the same
+    # biases, equal (not close) to the one-device run's; they change the routing.
+    want = M.train(None, shards=4, bias_update_rate=0.01)
+    got = M.train({"data": 2, "expert": 2}, zero_stage=3, bias_update_rate=0.01)
+    M.close(got, want)
+    assert any(x != 0 for b in got["bias"][0] for x in b)
+    assert got["drops"] != reference[4]["drops"]
+
+
+def test_routing_bias_balances_a_skewed_router():
+    # A router leaning toward expert 0: without the bias one expert keeps twice the mean
+    # load (and the drops); the bias steps the load toward uniform.
+    plain = M.train(None, skew=0.05, steps=12)
+    biased = M.train(None, skew=0.05, steps=12, bias_update_rate=0.01)
+    assert min(plain["imbalance"]) == 2.0 and biased["imbalance"][0] == 2.0
+    assert biased["imbalance"][-1] < 0.85 * plain["imbalance"][-1]
+    assert sum(biased["drops"][-3:]) < 0.75 * sum(plain["drops"][-3:])
+    first = biased["bias"][-1][0]
+    assert first[0] == min(first) < 0  # the overloaded expert is pushed down
+
+
+@pytest.mark.multiprocess
+def test_routing_bias_on_gloo_ranks():
+    from fsharded.testing import run_on_ranks
+
+    want = M.train(None, shards=2, bias_update_rate=0.01)
+    for r in run_on_ranks(M.train, 2, {"expert": 2}, bias_update_rate=0.01):
+        M.close(r, want)
+
+
 def test_mistakes_are_named():
     cfg = M.config()
     params = gpt.init(cfg, 0)
@@ -108,6 +140,13 @@ def test_mistakes_are_named():
         gpt.GPTConfig.tiny(activation="swiglu", moe={"experts": 4})
     with pytest.raises(ValueError, match=r"moe: unknown field\(s\) \['expert'\]"):
         gpt.GPTConfig.tiny(moe={"expert": 4})
+    biased = M.config(bias_update_rate=1e-3)
+    with pytest.raises(ValueError, match="bias_update_rate is set.*pass model_state="):
+        gpt.loss(params, batch, moe=biased.moe)
+    with pytest.raises(ValueError, match="no bias_update_rate"):
+        gpt.loss(params, batch, gpt.init_model_state(params), moe=cfg.moe)
+    with pytest.raises(ValueError, match="bias_update_rate must be a positive number"):
+        M.config(bias_update_rate=-1.0)
     mesh = fs.Mesh({"expert": 8})  # 4 experts cannot be split over 8 shards
     with pytest.raises(ValueError, match="do not fit Mesh"):
         fs.shard_map(lambda p, b: gpt.loss(p, b, moe=cfg.moe), mesh=mesh,

@@ -47,6 +47,11 @@ class MoEConfig:
     """Weight of the load-balancing loss (summed over the MoE layers) in the loss."""
     z_loss_weight: float = 0.0
     """Weight of the router z-loss (summed over the MoE layers) in the loss."""
+    bias_update_rate: float | None = None
+    """Aux-loss-free balancing (DeepSeek-V3): each MoE layer's experts are chosen by the
+    router's probabilities plus a per-expert bias, carried in ``TrainState.model_state``
+    (``gpt.init_model_state``) and moved by this much per step toward a uniform load
+    (``fsharded.parallel.moe.update_bias``; DeepSeek-V3 used 0.001); ``None``: no bias."""
 
     def __post_init__(self) -> None:
         errors = []
@@ -62,6 +67,9 @@ class MoEConfig:
                 errors.append(f"moe.{name} must be a positive number or None (dropless), got {v!r}")
         if self.d_ff is not None and (not isinstance(self.d_ff, int) or isinstance(self.d_ff, bool) or self.d_ff < 1):
             errors.append(f"moe.d_ff must be a positive int or None, got {self.d_ff!r}")
+        v = self.bias_update_rate
+        if v is not None and not _positive_number(v):
+            errors.append(f"moe.bias_update_rate must be a positive number or None (no bias), got {v!r}")
         for name in ("aux_loss_weight", "z_loss_weight"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):

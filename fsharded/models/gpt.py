@@ -68,6 +68,9 @@ __all__ = [
     "GPTConfig",
     "MoEConfig",
     "init",
+    "init_model_state",
+    "update_model_state",
+    "model_state_updater",
     "apply",
     "loss",
     "embed",
@@ -347,7 +350,8 @@ def _mlp(p: Params, x: torch.Tensor, axis: str | None, sp: bool = False) -> torc
 def block(p: Params, x: torch.Tensor, *, rotary: bool = False,
           attention: str = "auto", tensor_axis: str | None = TENSOR, seq_axis: str | None = None,
           seq_parallel: str = "ulysses", seq_layout: str = "contiguous", moe: MoEConfig | None = None,
-          expert_axis: str | None = EXPERT, train: bool = True) -> Any:
+          expert_axis: str | None = EXPERT, train: bool = True,
+          selection_bias: torch.Tensor | None = None) -> Any:
     """One pre-norm transformer block, ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``.
 
     ``p`` is one entry of ``params["blocks"]``; x: (B, T, D), replicated over
@@ -361,13 +365,17 @@ def block(p: Params, x: torch.Tensor, *, rotary: bool = False,
     tokens by ``moe`` (``MoEConfig``; capacity ``moe.capacity_factor``, or
     ``eval_capacity_factor`` when not ``train``), with its experts split over
     ``expert_axis`` where that axis is bound, and returns ``(x, aux)``: ``aux`` the
-    layer's ``aux_loss``, ``z_loss`` and ``drop_fraction`` (0-d tensors).
+    layer's ``aux_loss``, ``z_loss`` and ``drop_fraction`` (0-d tensors) and ``load``
+    (tokens per expert, ``(E,)``). ``selection_bias`` ``(E,)``: added to the router's
+    probabilities for the choice of experts only (aux-loss-free balancing).
     """
     x = x + _attn(p["attn"], _norm(p["norm1"], x), rotary, attention, tensor_axis,
                   seq_axis, seq_parallel, seq_layout)
     if _is_moe(p):
         return _moe_mlp(p["mlp"], _norm(p["norm2"], x), x, moe, expert_axis, train,
-                        seq_parallel == "megatron" and _seq(seq_axis))
+                        seq_parallel == "megatron" and _seq(seq_axis), selection_bias)
+    if selection_bias is not None:
+        raise ValueError("block: selection_bias is for a mixture-of-experts block; this block's MLP is dense")
     return x + _mlp(p["mlp"], _norm(p["norm2"], x), tensor_axis, seq_parallel == "megatron" and _seq(seq_axis))
 
 
@@ -378,7 +386,7 @@ def _is_moe(p: Any) -> bool:
 
 
 def _moe_mlp(p: Params, h: torch.Tensor, x: torch.Tensor, cfg: MoEConfig | None, axis: str | None,
-             train: bool, megatron: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             train: bool, megatron: bool, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     if cfg is None:
         raise ValueError("this GPT has mixture-of-experts blocks (params['blocks'][i]['mlp']['router']): pass "
                          "its routing config, gpt.loss(params, batch, moe=config.moe) (or to apply / block)")
@@ -393,8 +401,8 @@ def _moe_mlp(p: Params, h: torch.Tensor, x: torch.Tensor, cfg: MoEConfig | None,
     cf = cfg.capacity_factor if train else cfg.eval_capacity_factor
     # Dropless through the sort (grouped kernels on CUDA without an expert axis)
     y, aux = M.moe_layer(p, h, top_k=cfg.top_k, capacity_factor=cf, min_capacity=cfg.min_capacity, axis=axis,
-                         method="capacity" if cf is not None else "sorted")
-    return x + y, {k: aux[k] for k in ("aux_loss", "z_loss", "drop_fraction")}
+                         method="capacity" if cf is not None else "sorted", selection_bias=bias)
+    return x + y, {k: aux[k] for k in ("aux_loss", "z_loss", "drop_fraction", "load")}
 
 
 def embed(params: Params, tokens: torch.Tensor, *, seq_axis: str | None = None,
@@ -437,7 +445,7 @@ def apply(params: Params, tokens: torch.Tensor, *, attention: str = "auto",
           block_fn: Callable[..., torch.Tensor] | None = None,
           tensor_axis: str | None = TENSOR, seq_axis: str | None = None,
           seq_parallel: str = "ulysses", seq_layout: str = "contiguous", moe: MoEConfig | None = None,
-          expert_axis: str | None = EXPERT, train: bool = True) -> torch.Tensor:
+          expert_axis: str | None = EXPERT, train: bool = True, model_state: Any = None) -> torch.Tensor:
     """Logits ``(B, T, V)`` for integer ``tokens`` ``(B, T)``.
 
     ``attention``: ``"auto"`` (default: ``"flash"`` where its Triton kernel runs, i.e. on
@@ -455,17 +463,21 @@ def apply(params: Params, tokens: torch.Tensor, *, attention: str = "auto",
     so the degree is not capped by the heads), and ``seq_layout`` "contiguous" or "zigzag"
     (ring's causal balance; the batch put in that order by
     ``fsharded.parallel.sequence.zigzag``). Logits come back sharded alike. ``moe``,
-    ``expert_axis``, ``train``: a model with mixture-of-experts blocks (see ``block``).
+    ``expert_axis``, ``train``: a model with mixture-of-experts blocks (see ``block``);
+    ``model_state``: its routing biases (``init_model_state``), with
+    ``moe.bias_update_rate``.
     """
     return _forward(params, tokens, attention=attention, block_fn=block_fn, tensor_axis=tensor_axis,
                     seq_axis=seq_axis, seq_parallel=seq_parallel, seq_layout=seq_layout, moe=moe,
-                    expert_axis=expert_axis, train=train)[0]
+                    expert_axis=expert_axis, train=train, model_state=model_state)[0]
 
 
 def _forward(params: Params, tokens: torch.Tensor, *, attention: str, block_fn: Callable | None,
              tensor_axis: str | None, seq_axis: Any, seq_parallel: str, seq_layout: str,
-             moe: MoEConfig | None, expert_axis: str | None, train: bool) -> tuple[torch.Tensor, list[dict]]:
+             moe: MoEConfig | None, expert_axis: str | None, train: bool,
+             model_state: Any = None) -> tuple[torch.Tensor, list[dict]]:
     """Logits and the auxiliary values of each mixture-of-experts block (see ``apply``)."""
+    biases = _routing_biases(params, moe, model_state)
     if attention not in _ATTENTION:
         raise ValueError(f"attention must be one of {list(_ATTENTION)}, got {attention!r}")
     if seq_parallel not in SEQ_PARALLEL:
@@ -492,6 +504,8 @@ def _forward(params: Params, tokens: torch.Tensor, *, attention: str, block_fn: 
     aux = []
     for p in params["blocks"]:  # each through the step's block hook (ZeRO-3 gathers here)
         kw = experts if _is_moe(p) else {}
+        if kw and biases is not None:
+            kw = {**kw, "selection_bias": biases[len(aux)]}
         x = run_block(fn, p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis, **seq, **kw)
         if isinstance(x, tuple):  # a mixture-of-experts block: (x, its auxiliary values)
             x, a = x
@@ -556,7 +570,7 @@ def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def loss(params: Params, batch: dict[str, torch.Tensor], *, attention: str = "auto",
+def loss(params: Params, batch: dict[str, torch.Tensor], model_state: Any = None, *, attention: str = "auto",
          block_fn: Callable[..., torch.Tensor] | None = None,
          tensor_axis: str | None = TENSOR, seq_axis: str | None = None,
          seq_parallel: str = "ulysses", seq_layout: str = "contiguous", moe: MoEConfig | None = None,
@@ -576,8 +590,14 @@ def loss(params: Params, batch: dict[str, torch.Tensor], *, attention: str = "au
     Mixture of experts (``moe=config.moe``, see ``block``): the loss adds
     ``moe.aux_loss_weight`` times the load-balancing losses and ``moe.z_loss_weight`` times
     the router z-losses, summed over the MoE blocks. ``metrics=True`` returns ``(loss,
-    metrics)`` with ``lm_loss`` and, for MoE, ``moe_aux_loss``, ``moe_z_loss`` and
-    ``moe_drop_fraction`` (the mean over the MoE blocks): the form ``train_step`` reports.
+    metrics)`` with ``lm_loss`` and, for MoE, ``moe_aux_loss``, ``moe_z_loss``,
+    ``moe_drop_fraction`` and ``moe_load_imbalance`` (the most assignments any expert got
+    over the mean; 1 is uniform), each the mean over the MoE blocks: the form
+    ``train_step`` reports.
+    Aux-loss-free balancing (``moe.bias_update_rate``): pass the routing biases
+    ``model_state`` (``init_model_state``; positional, as ``train_step`` passes it); the
+    loss then returns ``(loss, metrics, stats)``, ``stats["moe_load"]`` each MoE block's tokens per expert, the form
+    ``train_step(..., update_model_state=gpt.model_state_updater(moe))`` takes.
     """
     inputs, targets = _split_batch(batch)
     if _seq(seq_axis) and isinstance(batch, dict) and "tokens" in batch:
@@ -586,7 +606,7 @@ def loss(params: Params, batch: dict[str, torch.Tensor], *, attention: str = "au
                          f"batch['targets'] (B, T), e.g. fsharded.models.gpt.shift(batch)")
     logits, aux = _forward(params, inputs, attention=attention, block_fn=block_fn, tensor_axis=tensor_axis,
                            seq_axis=seq_axis, seq_parallel=seq_parallel, seq_layout=seq_layout, moe=moe,
-                           expert_axis=expert_axis, train=train)  # (B, T, V)
+                           expert_axis=expert_axis, train=train, model_state=model_state)  # (B, T, V)
     megatron = seq_parallel == "megatron"
     if megatron:  # the logits are this tensor rank's sequence chunk: so are the targets
         seq_axis, targets = _megatron_chunk(targets, seq_axis, tensor_axis)
@@ -613,10 +633,66 @@ def loss(params: Params, batch: dict[str, torch.Tensor], *, attention: str = "au
         return (out, {"lm_loss": out.detach()}) if metrics else out
     balance, z = sum(a["aux_loss"] for a in aux), sum(a["z_loss"] for a in aux)
     total = out + moe.aux_loss_weight * balance.to(out.dtype) + moe.z_loss_weight * z.to(out.dtype)
-    if not metrics:
-        return total
-    return total, {"lm_loss": out.detach(), "moe_aux_loss": balance.detach(), "moe_z_loss": z.detach(),
-                   "moe_drop_fraction": sum(a["drop_fraction"] for a in aux).detach() / len(aux)}
+    m = {"lm_loss": out.detach(), "moe_aux_loss": balance.detach(), "moe_z_loss": z.detach(),
+         "moe_drop_fraction": sum(a["drop_fraction"] for a in aux).detach() / len(aux),
+         "moe_load_imbalance": sum(a["load"].max() / a["load"].mean() for a in aux).detach() / len(aux)}
+    if model_state is not None:
+        return total, m, {"moe_load": [a["load"].detach() for a in aux]}
+    return (total, m) if metrics else total
+
+
+def init_model_state(params: Params) -> dict[str, list[torch.Tensor]]:
+    """The state aux-loss-free balancing carries (``MoEConfig.bias_update_rate``):
+    ``{"moe_bias": [zeros(E) per mixture-of-experts block, in block order]}`` (float32),
+    for ``train_step(...).init(params, model_state=...)``.
+
+    >>> cfg = GPTConfig.tiny(moe={"experts": 4, "bias_update_rate": 1e-3})
+    >>> [b.shape for b in init_model_state(init(cfg))["moe_bias"]]
+    [torch.Size([4])]
+    """
+    biases = [torch.zeros(p["mlp"]["router"].shape[1], dtype=torch.float32, device=p["mlp"]["router"].device)
+              for p in params["blocks"] if _is_moe(p)]
+    if not biases:
+        raise ValueError("init_model_state: this GPT has no mixture-of-experts blocks (GPTConfig(moe=...))")
+    return {"moe_bias": biases}
+
+
+def update_model_state(model_state: dict, stats: dict, *, rate: float) -> dict:
+    """DeepSeek-V3's bias step for every MoE block: ``bias + rate * sign(mean(load) -
+    load)`` (``fsharded.parallel.moe.update_bias``) from the blocks' loads ``stats
+    ["moe_load"]`` (in a step: averaged over the micro-batches and the batch shards)."""
+    from fsharded.parallel import moe as M
+
+    b, load = model_state["moe_bias"], stats["moe_load"]
+    if len(b) != len(load):
+        raise ValueError(f"update_model_state: {len(b)} routing biases but loads of {len(load)} MoE blocks")
+    return {"moe_bias": [M.update_bias(x, n, rate) for x, n in zip(b, load)]}
+
+
+def model_state_updater(moe: MoEConfig) -> Callable[[dict, dict], dict]:
+    """``update_model_state`` at ``moe.bias_update_rate``, for ``train_step``."""
+    if moe is None or moe.bias_update_rate is None:
+        raise ValueError("model_state_updater: the MoE config has no bias_update_rate (no routing bias)")
+    return functools.partial(update_model_state, rate=moe.bias_update_rate)
+
+
+def _routing_biases(params: Params, moe: MoEConfig | None, model_state: Any) -> list | None:
+    """The MoE blocks' routing biases from ``model_state``, checked against the blocks."""
+    if model_state is None:
+        if moe is not None and moe.bias_update_rate is not None and any(_is_moe(p) for p in params["blocks"]):
+            raise ValueError("moe.bias_update_rate is set, so the experts are chosen with a routing bias: pass "
+                             "model_state= (gpt.init_model_state(params), carried by train_step's "
+                             "TrainState.model_state), or drop bias_update_rate")
+        return None
+    if moe is None or moe.bias_update_rate is None:
+        raise ValueError("model_state= holds routing biases, but the MoE config has no bias_update_rate: pass "
+                         "moe=config.moe of a config with bias_update_rate")
+    biases = model_state.get("moe_bias") if isinstance(model_state, dict) else None
+    n = sum(_is_moe(p) for p in params["blocks"])
+    if not isinstance(biases, (list, tuple)) or len(biases) != n:
+        raise ValueError(f"model_state must be {{'moe_bias': [one (E,) tensor per MoE block]}} for this GPT's "
+                         f"{n} MoE blocks (gpt.init_model_state(params)); got {type(model_state).__name__}")
+    return list(biases)
 
 
 # ------------------------------------------------------------------------------------------
