@@ -151,3 +151,18 @@ def test_mistakes_are_named():
     with pytest.raises(ValueError, match="do not fit Mesh"):
         fs.shard_map(lambda p, b: gpt.loss(p, b, moe=cfg.moe), mesh=mesh,
                      in_specs=(gpt.expert_parallel_specs(params), P("expert")), out_specs=P())(params, batch)
+
+
+def test_moe_config_from_deepspeeds_arguments():
+    # DeepSpeed's MoE(hidden_size, expert, num_experts=..., k=..., ...) arguments
+    c = gpt.MoEConfig.from_deepspeed(num_experts=8, k=2, capacity_factor=1.25, eval_capacity_factor=2.0,
+                                     min_capacity=2, use_rts=False, top2_2nd_expert_sampling=False,
+                                     ep_size=2, every=1)
+    assert (c.experts, c.top_k, c.capacity_factor, c.eval_capacity_factor, c.min_capacity, c.every) == \
+        (8, 2, 1.25, 2.0, 2, 1)
+    dropless = gpt.MoEConfig.from_deepspeed(num_experts=4, drop_tokens=False, use_rts=False)
+    assert dropless.capacity_factor is None and dropless.eval_capacity_factor is None and dropless.top_k == 1
+    with pytest.raises(NotImplementedError, match=r"use_rts=True(.|\n)*top2_2nd_expert_sampling=True"):
+        gpt.MoEConfig.from_deepspeed(num_experts=8, k=2)  # DeepSpeed's defaults route at random
+    with pytest.raises(NotImplementedError, match="noisy_gate_policy='RSample'"):
+        gpt.MoEConfig.from_deepspeed(num_experts=8, use_rts=False, noisy_gate_policy="RSample")

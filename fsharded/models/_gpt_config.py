@@ -77,6 +77,47 @@ class MoEConfig:
         if errors:
             raise ValueError("invalid MoEConfig:\n" + "\n".join(f"  {e}" for e in errors))
 
+    @classmethod
+    def from_deepspeed(cls, *, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
+                       eval_capacity_factor: float = 1.0, min_capacity: int = 4, drop_tokens: bool = True,
+                       use_rts: bool = True, noisy_gate_policy: str | None = None, use_residual: bool = False,
+                       top2_2nd_expert_sampling: bool = True, enable_expert_tensor_parallelism: bool = False,
+                       use_tutel: bool = False, ep_size: int | None = None, **ours: Any) -> MoEConfig:
+        """The config of DeepSpeed's ``deepspeed.moe.layer.MoE(hidden_size, expert, ...)``
+        arguments (DeepSpeed's JSON config has no MoE keys: its layers are configured in
+        code). ``ep_size`` is the mesh's ``expert`` axis (``--mesh expert=N``), not a
+        routing setting; ``drop_tokens=False`` is dropless; ``ours``: the fields DeepSpeed
+        leaves to the model (``every``, ``d_ff``, ``aux_loss_weight``, ...). What routes
+        differently here is refused by name rather than approximated: random token
+        selection (DeepSpeed's default ``use_rts=True``; ours keeps tokens in order),
+        sampling top-2's second expert (``top2_2nd_expert_sampling=True``, its default),
+        noisy gates, residual MoE and expert tensor parallelism.
+
+        >>> MoEConfig.from_deepspeed(num_experts=8, k=2, capacity_factor=1.25, use_rts=False,
+        ...                          top2_2nd_expert_sampling=False).capacity_factor
+        1.25
+        """
+        refused = []
+        if use_rts:
+            refused.append("use_rts=True (random token selection at a full expert; here the earlier tokens "
+                           "stay): pass use_rts=False")
+        if k == 2 and top2_2nd_expert_sampling:
+            refused.append("top2_2nd_expert_sampling=True (the second expert drawn with Gumbel noise; here "
+                           "it is the second-largest probability): pass top2_2nd_expert_sampling=False")
+        if noisy_gate_policy is not None:
+            refused.append(f"noisy_gate_policy={noisy_gate_policy!r}: pass None")
+        if use_residual:
+            refused.append("use_residual=True (residual MoE): pass False")
+        if enable_expert_tensor_parallelism:
+            refused.append("enable_expert_tensor_parallelism=True: expert tensor parallelism is not implemented")
+        if refused:
+            raise NotImplementedError("MoEConfig.from_deepspeed: not implemented here:\n"
+                                      + "\n".join(f"  {r}" for r in refused))
+        del use_tutel, ep_size  # a kernel choice, and the mesh's expert axis
+        return cls(experts=num_experts, top_k=k, capacity_factor=capacity_factor if drop_tokens else None,
+                   eval_capacity_factor=eval_capacity_factor if drop_tokens else None,
+                   min_capacity=min_capacity, **ours)
+
     def layers(self, n_layers: int) -> list[int]:
         """The blocks whose MLP is a mixture of experts."""
         return [i for i in range(n_layers) if i % self.every == self.every - 1]
