@@ -16,9 +16,10 @@ call on every rank to the slowest rank's return, rounds alternating; bytes on di
 the step time while a save is written in the background. Resharding: the 2-rank
 checkpoint loaded into one process at ZeRO-1, and a checkpoint saved on 4 ranks at ZeRO-3
 loaded on 2 ranks at ZeRO-1, against DCP loading its own checkpoints into the same
-layouts. Each load is checked to give the saved values back exactly. Page cache: files are
-read back warm (what a resume right after a save sees); ``--drop`` is not offered, as
-dropping caches needs root.
+layouts. Each load is checked to give the saved values back exactly. Page cache: every
+timed call starts with the checkpoints' files synced and evicted from it
+(``posix_fadvise(DONTNEED)``, which needs no root), so loads read from the disk, as a
+resume in a new job does, and no peer reads what another left cached.
 """
 
 from __future__ import annotations
@@ -85,6 +86,25 @@ def _trained(step, params, config) -> fs.TrainState:
     return state
 
 
+def _cold(root: str) -> None:
+    """Every file under ``root`` on the disk and out of the page cache (clean pages are
+    dropped by DONTNEED; where the OS has no fadvise, nothing)."""
+    os.sync()
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    for d, _, names in os.walk(root):
+        for n in names:
+            try:
+                fd = os.open(os.path.join(d, n), os.O_RDONLY)
+            except OSError:  # removed meanwhile
+                continue
+            try:
+                advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def _bytes_under(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs_ in os.walk(path) for f in fs_)
 
@@ -117,7 +137,7 @@ def rank_worker(job: Job) -> dict:
         # no dirty pages of an earlier call (another writer's, left for the kernel to flush
         # later) written back while this one runs.
         fs.checkpoint._wait_removals()
-        os.sync()
+        _cold(job.root)
         dist.barrier()
         t0 = time.perf_counter()
         fn()
@@ -283,11 +303,13 @@ def resharded(job: Job, rounds: int) -> Row:
     out: dict = {}
 
     def ours() -> float:
+        _cold(job.root)
         t0 = time.perf_counter()
         out["ours"] = step.load(ours_dir, like)
         return time.perf_counter() - t0
 
     def peer() -> float:
+        _cold(job.root)
         t0 = time.perf_counter()
         out["dcp"] = fs.checkpoint.load_dcp(dcp_dir, like, specs, step.mesh)
         return time.perf_counter() - t0
@@ -339,6 +361,8 @@ def load_on_two(job: Job) -> dict:
 
     for rd in range(job.rounds):
         for name, fn in ((("ours", ours), ("dcp", peer)) if rd % 2 == 0 else (("dcp", peer), ("ours", ours))):
+            if dist.get_rank() == 0:
+                _cold(job.root)
             dist.barrier()
             t0 = time.perf_counter()
             fn()
