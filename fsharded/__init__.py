@@ -33,6 +33,7 @@ from fsharded._memory import (
 from fsharded._step import TrainState, TrainStep, train_step
 from fsharded._tree import rules, tree_flatten_with_paths, tree_map_with_path
 from fsharded.mesh import Mesh, NamedSharding, P, PartitionSpec
+from fsharded.visualize import visualize_sharding
 from fsharded.spmd import (
     Entry,
     Manifest,
@@ -112,6 +113,7 @@ __all__ = [
     "config",
     "data",
     "train_step",
+    "visualize_sharding",
     "TrainStep",
     "TrainState",
 ]

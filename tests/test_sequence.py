@@ -146,10 +146,11 @@ def _manifest(strategy: str, n: int, kv: int | None) -> tuple:
 @pytest.mark.parametrize("n", [2, 4])
 def test_bytes_per_layer_follow_the_formulas(n):
     # Ulysses: per attention, q, k, v and the output, each B x T/n x D per rank, go through
-    # an all-to-all keeping 1/n: 4 B T D / n elements in and out, (n - 1)/n of them sent.
+    # all-to-alls keeping 1/n: 4 B T D / n elements in and out, (n - 1)/n of them sent; q,
+    # k and v packed into one all-to-all, the output in another.
     cfg, (B, T), entries = _manifest("ulysses", n, None)
     D, L = cfg.d_model, cfg.n_layers
-    assert [e.op for e in entries] == ["all_to_all"] * 4 * L
+    assert [e.op for e in entries] == ["all_to_all"] * 2 * L
     assert sum(e.bytes_sent for e in entries) == L * 4 * (B * T * D // n) * (n - 1) // n * 4
     # Ring: k and v, each B x T/n x KV x Dh, passed n - 1 times: (n - 1)/n of K and V per layer.
     cfg, (B, T), entries = _manifest("ring", n, 2)

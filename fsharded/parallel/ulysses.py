@@ -2,9 +2,10 @@
 slice of the heads.
 
 Inside ``shard_map`` with the sequence sharded over ``axis`` (size ``n``), q, k and v
-``(B, T/n, H, Dh)`` go through one all-to-all each to ``(B, T, H/n, Dh)`` — the whole
-sequence, ``H/n`` heads — the local attention runs unchanged, and one all-to-all brings the
-output back to ``(B, T/n, H, Dh)``. Per layer each rank sends and receives
+``(B, T/n, H, Dh)`` go to ``(B, T, H/n, Dh)`` — the whole sequence, ``H/n`` heads — in one
+all-to-all (packed so that each rank's chunk holds its q, k and v heads: one collective
+instead of DeepSpeed's three), the local attention runs unchanged, and one all-to-all
+brings the output back to ``(B, T/n, H, Dh)``. Per layer each rank sends and receives
 ``4 * B * T * D / n`` elements (q, k, v and the output, ``(n - 1)/n`` of them leaving the rank),
 against Megatron-SP's all-gather and reduce-scatter of the whole activations.
 
@@ -51,6 +52,14 @@ def ulysses_attention(attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor
     m = kv_heads_for(H, KV, n)
     if m != KV:  # each kv head's copies stay next to each other: query head j still reads j // (H/m)
         k, v = (t.repeat_interleave(m // KV, dim=2) for t in (k, v))
-    q, k, v = (all_to_all(t, axis, split_dim=2, concat_dim=1) for t in (q, k, v))
+    if q.dtype == k.dtype == v.dtype:
+        # Rank r's chunk of the packed heads is its q heads, then its k and v heads.
+        B, t, _, Dh = q.shape
+        h, mk = H // n, m // n
+        packed = torch.cat([x.reshape(B, t, n, w, Dh) for x, w in ((q, h), (k, mk), (v, mk))], dim=3)
+        packed = all_to_all(packed.reshape(B, t, n * (h + 2 * mk), Dh), axis, split_dim=2, concat_dim=1)
+        q, k, v = packed.split([h, mk, mk], dim=2)  # (B, T, h | mk | mk, Dh)
+    else:
+        q, k, v = (all_to_all(x, axis, split_dim=2, concat_dim=1) for x in (q, k, v))
     o = attend(q, k, v)  # (B, T, H/n, Dh)
     return all_to_all(o, axis, split_dim=1, concat_dim=2)
