@@ -33,7 +33,6 @@ from fsharded._memory import (
 from fsharded._step import TrainState, TrainStep, train_step
 from fsharded._tree import rules, tree_flatten_with_paths, tree_map_with_path
 from fsharded.mesh import Mesh, NamedSharding, P, PartitionSpec
-from fsharded.visualize import visualize_sharding
 from fsharded.spmd import (
     Entry,
     Manifest,
@@ -60,6 +59,7 @@ from fsharded.spmd import (
     unshard,
     varying_axes,
 )
+from fsharded.visualize import visualize_sharding
 
 __version__ = "0.1.0"
 
