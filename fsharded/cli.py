@@ -4,6 +4,7 @@
     fsharded bench --list                 # the registered benchmarks
     fsharded bench spmd --quick           # run one; options after the name go to it
     fsharded bench spmd --help
+    fsharded plot metrics.jsonl -o curves.png   # a run's metrics as a picture
     python -m fsharded bench spmd --markdown
 
 Each subcommand is a function ``_add_<name>(subparsers)`` that registers its parser and
@@ -125,9 +126,40 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run_export)
 
 
+# -- fsharded plot ---------------------------------------------------------------------------
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from fsharded.plot import plot_metrics
+
+    try:
+        drawn = plot_metrics(args.metrics, args.out, keys=args.keys.split(",") if args.keys else None,
+                             labels=args.labels.split(",") if args.labels else None)
+    except (OSError, ValueError) as e:
+        _err(str(e))
+        return 1
+    print(f"fsharded plot: {', '.join(drawn)} of {len(args.metrics)} run(s) -> {args.out}")
+    return 0
+
+
+def _add_plot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plot",
+        help="draw a run's JSONL metrics (loss curves and the rest) as a picture",
+        description="One panel per metric of fsharded train --metrics files, steps on the x axis, "
+        "one line per file.",
+    )
+    p.add_argument("metrics", nargs="+", help="JSONL metrics files (fsharded train --metrics)")
+    p.add_argument("-o", "--out", default="metrics.png", help="the picture to write (default: metrics.png)")
+    p.add_argument("--keys", help="comma-separated metrics to draw (default: all, loss first)")
+    p.add_argument("--labels", help="comma-separated names of the runs (default: the file names)")
+    p.set_defaults(handler=_run_plot)
+
+
 # -- top level -------------------------------------------------------------------------------
 
-_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_bench, _add_train, _add_export)
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_bench, _add_train, _add_export,
+                                                                       _add_plot)
 
 
 def build_parser() -> argparse.ArgumentParser:
