@@ -124,6 +124,9 @@ def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3, the newest)")
     p.add_argument("--force", action="store_true",
                    help="start even when the memory estimate exceeds the memory available")
+    p.add_argument("--peak-tflops", type=float,
+                   help="the device's peak TFLOP/s for the MFU in the summary (default: a table of known "
+                        "GPUs; none on CPU)")
     p.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background while training goes on")
     p.add_argument("--resume", metavar="latest|PATH",
@@ -472,7 +475,7 @@ def _check_fits(cfg, mcfg, mesh, specs_for, dist_on: bool, seq: _SeqJob) -> None
 
 def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_every: int | None = None,
         keep: int | None = 3, resume: str | None = None, async_save: bool = False,
-        force: bool = False, replicate_over: Sequence[str] = ()) -> dict:
+        force: bool = False, replicate_over: Sequence[str] = (), peak_tflops: float | None = None) -> dict:
     """Train per ``cfg``; returns the summary dict (also printed on rank 0). With
     ``save_every`` a checkpoint goes to ``save_dir/step-<n>`` every that many steps and at
     the end (``async_save``: written in the background, the last one waited for); ``resume`` ("latest" or a checkpoint's path) continues a run exactly: its state
@@ -599,6 +602,19 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
         "collective_bytes_per_step": manifest.by_axis(),
         "collectives_per_step": len(manifest),
     }
+    # Model FLOPs of a step (all devices; dense GPTs), TFLOP/s per rank (the virtual mesh: in
+    # its one process) and MFU.
+    from fsharded import flops as FL
+
+    try:
+        step_flops = FL.gpt_step_flops(full, batch=global_batch, seq_len=mcfg.seq_len)
+    except NotImplementedError:  # mixture of experts: capacity-dependent
+        step_flops = None
+    if step_flops is not None and steady_time > 0:
+        per_device = step_flops * steady_steps / steady_time / (mesh.size if dist_on else 1)
+        peak = peak_tflops if peak_tflops is not None else FL.peak_tflops(cfg.precision)
+        summary.update(flops_per_step=step_flops, tflops_per_s_per_device=per_device / 1e12,
+                       mfu=FL.mfu(per_device, 1.0, peak))
     if main_rank:
         by_axis = ", ".join(f"{a}: {b:,d} B" for a, b in summary["collective_bytes_per_step"].items()) or "none"
         print(
@@ -606,7 +622,12 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
             f"val {val_loss:.4f}\n"
             f"      {summary['tokens_per_s']:,.0f} tokens/s, {elapsed:.1f} s, {n_params:,} params, "
             f"mesh {dict(mesh.shape)}\n"
-            f"      collectives per step: {summary['collectives_per_step']} ({by_axis} sent per rank)",
+            f"      collectives per step: {summary['collectives_per_step']} ({by_axis} sent per rank)"
+            + (f"\n      {summary['flops_per_step'] / 1e9:,.2f} GFLOP per step, "
+               f"{summary['tflops_per_s_per_device']:.3f} TFLOP/s "
+               f"{'per rank' if dist_on else 'in this process'}"
+               + (f", MFU {summary['mfu']:.1%}" if summary.get("mfu") is not None else
+                  " (MFU: give --peak-tflops)") if "flops_per_step" in summary else ""),
             flush=True,
         )
     return summary
@@ -629,7 +650,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded train") -> 
         try:
             run(cfg, progress=args.progress, save_dir=args.save_dir, save_every=args.save_every,
                 keep=args.keep, resume=args.resume, async_save=args.async_save, force=args.force,
-                replicate_over=[a.strip() for a in args.replicate_over.split(",") if a.strip()])
+                replicate_over=[a.strip() for a in args.replicate_over.split(",") if a.strip()],
+                peak_tflops=args.peak_tflops)
         except (ValueError, OSError, NotImplementedError, FloatingPointError, MemoryError) as e:
             print(f"fsharded train: {e}", file=sys.stderr)
             return 1
