@@ -1,0 +1,83 @@
+"""What ``train_step`` checks of what a loss function gives it: the form of its result
+(a scalar, ``(loss, metrics)``, or ``(loss, metrics, stats)`` with a model state), the
+loss's varying axes, and the reduced gradients' types."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from fsharded import _tree
+from fsharded.mesh._mesh import Mesh
+from fsharded.spmd.collectives import varying_axes
+
+
+def _check_grad_types(grads: list, specs: list, mesh: Mesh, paths: list[str]) -> None:
+    """Each reduced gradient may vary only over the axes its parameter is sharded on."""
+    bad = [f"  params.{p}: varies over {extra}, its spec is {s!r}"
+           for p, g, s in zip(paths, grads, specs)
+           if (extra := [a for a in varying_axes(g) if a not in s.axes and mesh.shape[a] > 1])]
+    if bad:
+        raise ValueError("train_step: gradients left unreduced over mesh axes their parameters "
+                         "are not sharded on:\n" + "\n".join(bad[:8]))
+
+
+_RESERVED = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "tokens_per_s")
+
+
+def _check_loss(batch_axes: tuple[str, ...], mesh: Mesh, out: Any, *, with_stats: bool = False) -> tuple:
+    """``loss_fn``'s result -> (the scalar loss, (its metrics, its stats)): a scalar, or
+    ``(loss, metrics)`` with ``metrics`` a dict of scalar tensors reported beside the loss
+    (not differentiated; averaged over the batch shards and micro-batches); with a model
+    state (``with_stats``), ``(loss, metrics, stats)``, ``stats`` a pytree of tensors."""
+    stats: Any = {}  # none (an empty tree: torch.func's aux takes no None)
+    if with_stats:
+        if not (isinstance(out, tuple) and len(out) == 3):
+            raise ValueError(
+                "train_step(update_model_state=...): loss_fn(params, batch, model_state) must return "
+                f"(loss, metrics, stats), got {type(out).__name__}"
+                + (f" of length {len(out)}" if isinstance(out, tuple) else "")
+                + "; metrics a dict of 0-d tensors (may be empty), stats the tensors update_model_state reads")
+        loss, extra, stats = out
+        s_paths, s_leaves, _ = _tree.tree_flatten_with_paths(stats)
+        bad = [f"stats.{p}" for p, x in zip(s_paths, s_leaves) if not isinstance(x, torch.Tensor)]
+        if bad:
+            raise ValueError(f"train_step: loss_fn's stats must be a pytree of tensors; {bad[:4]} are not")
+        stats = optree.tree_map(torch.Tensor.detach, stats)
+    else:
+        loss, extra = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(
+            f"train_step: loss_fn must return a scalar tensor, or (loss, metrics) with metrics a "
+            f"dict of scalar tensors; got {type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}"
+        )
+    bad = [k for k, v in extra.items() if not (isinstance(v, torch.Tensor) and v.dim() == 0)] \
+        if isinstance(extra, dict) else None
+    if bad is None or bad:
+        what = type(extra).__name__ if bad is None else f"entries {bad} that are not scalar tensors"
+        raise ValueError(f"train_step: loss_fn returned (loss, metrics) with metrics {what}: give a dict "
+                         f"of 0-d tensors (e.g. {{'aux_loss': aux}})")
+    taken = [k for k in extra if k in _RESERVED]
+    if taken:
+        raise ValueError(f"train_step: loss_fn's metrics {taken} collide with the step's own; rename them")
+    _check_loss_type(loss, batch_axes, mesh)
+    return loss, ({k: v.detach().float() for k, v in extra.items()}, stats)
+
+
+def _check_loss_type(loss: torch.Tensor, batch_axes: tuple[str, ...], mesh: Mesh) -> None:
+    """A shard's loss may vary over the batch axes only: one that still varies over
+    another axis is each shard's partial piece of a different model (its parameters are
+    sharded over the axis and the model does not reduce over it)."""
+    extra = [a for a in varying_axes(loss) if a not in batch_axes and mesh.shape[a] > 1]
+    if extra:
+        raise ValueError(
+            f"train_step: the loss varies over mesh axis {extra[0]!r}"
+            + (f" (and {extra[1:]})" if len(extra) > 1 else "")
+            + f" after loss_fn, but only the batch axes {list(batch_axes)} may differ between "
+            f"shards: parameters are sharded over {extra[0]!r} and the model does not reduce "
+            f"over it (a missing psum). Tell the model the axis name (e.g. "
+            f"functools.partial(gpt.loss, tensor_axis={extra[0]!r})), add the psum, or keep "
+            f"the parameters replicated over {extra[0]!r}"
+        )
