@@ -69,6 +69,21 @@ class MemoryEstimate:
         base = self.master + self.params + self.compute_params + self.optimizer + self.buffers
         return base + max(self.activations + self.backward_grads, self.grads, self.gather_transient)
 
+    def breakdown(self) -> tuple[str, dict[str, int]]:
+        """The peak by category: ``(moment, {category: bytes})`` whose bytes add up to
+        ``peak`` exactly. The state (parameters, master weights, optimizer state, gathered
+        weights, buffers) is always there; the rest is the largest of the three moments
+        ``peak`` takes: ``"backward"`` (activations and the gradients beside them),
+        ``"after backward"`` (every gradient) or ``"gather"`` (ZeRO-1/2's gather)."""
+        parts = {"parameters": self.params, "master weights": self.master, "optimizer state": self.optimizer,
+                 "gathered weights": self.compute_params, "comm buffers": self.buffers}
+        moments = [("backward", {"activations": self.activations, "gradients": self.backward_grads}),
+                   ("after backward", {"gradients": self.grads}),
+                   ("gather", {"ZeRO gather": self.gather_transient})]
+        moment, extra = max(moments, key=lambda m: sum(m[1].values()))  # the first of equals
+        parts.update(extra)
+        return moment, parts
+
     @property
     def total(self) -> int:
         """``peak`` plus the new state of a pure (not donated) update: an upper bound."""

@@ -1,9 +1,15 @@
-"""Pictures of a run's JSONL metrics (``fsharded train --metrics m.jsonl``):
-``fsharded plot m.jsonl [more.jsonl ...] -o curves.png``.
+"""Pictures: a run's JSONL metrics, memory per device, bytes per step per axis.
 
-One panel per metric (loss first, then grad_norm, lr, the rest in file order; ``--keys``
-picks them), steps on the x axis, one line per file, so runs on different meshes or
-precisions can be laid over each other.
+``plot_metrics`` draws the metrics ``fsharded train --metrics m.jsonl`` writes
+(``fsharded plot m.jsonl [more.jsonl ...] -o curves.png``): one panel per metric (loss
+first, then grad_norm, lr, the rest in file order; ``--keys`` picks them), steps on the x
+axis, one line per file, so runs on different meshes or precisions can be laid over each
+other.
+
+``memory_figure({label: fs.estimate_memory(...)})``: the peak per device as stacked bars by
+category (one bar per label, e.g. per ZeRO stage). ``collectives_figure({label:
+step.collectives(state, batch)})``: bytes each rank sends per step, stacked by collective
+and mesh axis, the calls inside backward hatched. Both return a matplotlib figure (shown by a notebook).
 """
 
 from __future__ import annotations
@@ -11,9 +17,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-__all__ = ["read_metrics", "plot_metrics"]
+__all__ = ["read_metrics", "plot_metrics", "memory_figure", "collectives_figure"]
 
 _FIRST = ("loss", "lm_loss", "grad_norm", "lr", "loss_scale")
 _SKIP = ("step",)
@@ -84,3 +91,94 @@ def plot_metrics(paths: Sequence[str | os.PathLike], out: str | os.PathLike, *,
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return drawn
+
+
+_MEMORY_COLOURS = {"parameters": "#4c72b0", "master weights": "#55a868", "optimizer state": "#c44e52",
+                   "gathered weights": "#8172b2", "comm buffers": "#937860", "activations": "#dd8452",
+                   "gradients": "#da8bc3", "ZeRO gather": "#8c8c8c"}
+
+
+def _unit(largest: float) -> tuple[float, str]:
+    for div, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if largest >= div:
+            return div, name
+    return 1, "B"
+
+
+def memory_figure(estimates: Any, *, title: str = "memory per device at the peak", ax: Any = None) -> Any:
+    """Stacked bars of the peak per device by category, one bar per ``{label: MemoryEstimate}``
+    item (a lone estimate: one bar); each bar's height is the estimate's ``peak`` and its
+    label names the moment of the peak (``MemoryEstimate.breakdown``)."""
+    import matplotlib.pyplot as plt
+
+    if not isinstance(estimates, Mapping):
+        estimates = {"": estimates}
+    if not estimates:
+        raise ValueError("memory_figure: no estimates")
+    rows = {label: est.breakdown() for label, est in estimates.items()}
+    div, unit = _unit(max(sum(parts.values()) for _, parts in rows.values()))
+    fig, ax = (plt.subplots(figsize=(1.6 + 1.3 * len(rows), 3.4)) if ax is None else (ax.figure, ax))
+    cats = [c for c in _MEMORY_COLOURS if any(parts.get(c) for _, parts in rows.values())]
+    x = range(len(rows))
+    bottom = [0.0] * len(rows)
+    for c in cats:
+        h = [parts.get(c, 0) / div for _, parts in rows.values()]
+        ax.bar(x, h, bottom=bottom, color=_MEMORY_COLOURS[c], label=c, width=0.6, edgecolor="white")
+        bottom = [b + v for b, v in zip(bottom, h)]
+    for i, ((moment, _), top) in enumerate(zip(rows.values(), bottom)):
+        ax.text(i, top, f"{top:,.0f}\n({moment})", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(x), [str(k) for k in rows], fontsize=8)
+    ax.set_ylabel(unit, fontsize=8)
+    ax.set_ylim(0, max(bottom) * 1.25)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def collectives_figure(manifests: Any, *, title: str = "bytes sent per rank per step", ax: Any = None) -> Any:
+    """Stacked bars of the bytes each rank sends in one step, one bar per ``{label:
+    Manifest}`` item, one segment per (collective, mesh axis), hatched for the calls made
+    inside backward (the manifest's ``phase``; a step's gradient reduction after backward
+    is solid); the total on top. Collectives that send nothing (a
+    size-1 axis, ``pvary``) are left out."""
+    import matplotlib.pyplot as plt
+
+    if not isinstance(manifests, Mapping):
+        manifests = {"": manifests}
+    if not manifests:
+        raise ValueError("collectives_figure: no manifests")
+    keys: list[tuple[str, str]] = []
+    sums: dict[str, dict[tuple[str, str, str], int]] = {}
+    for label, man in manifests.items():
+        acc: dict[tuple[str, str, str], int] = {}
+        for e in man:
+            if e.bytes_sent:
+                acc[(e.op, e.axis, e.phase)] = acc.get((e.op, e.axis, e.phase), 0) + e.bytes_sent
+                if (e.op, e.axis) not in keys:
+                    keys.append((e.op, e.axis))
+        sums[label] = acc
+    totals = [sum(acc.values()) for acc in sums.values()]
+    div, unit = _unit(max(totals) if totals else 0)
+    fig, ax = (plt.subplots(figsize=(1.6 + 1.3 * len(sums), 3.4)) if ax is None else (ax.figure, ax))
+    cmap = plt.get_cmap("tab10")
+    x = range(len(sums))
+    bottom = [0.0] * len(sums)
+    for j, (op, axis) in enumerate(keys):
+        for phase, hatch in (("forward", None), ("backward", "///")):
+            h = [acc.get((op, axis, phase), 0) / div for acc in sums.values()]
+            if not any(h):
+                continue
+            ax.bar(x, h, bottom=bottom, color=cmap(j % 10), hatch=hatch, width=0.6, edgecolor="white",
+                   label=f"{op} over {axis}" + (" (in backward)" if phase == "backward" else ""))
+            bottom = [b + v for b, v in zip(bottom, h)]
+    for i, t in enumerate(totals):
+        ax.text(i, t / div, f"{t / div:,.1f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(x), [str(k) for k in sums], fontsize=8)
+    ax.set_ylabel(unit, fontsize=8)
+    ax.set_ylim(0, (max(totals) / div if any(totals) else 1) * 1.2)
+    ax.set_title(title, fontsize=9)
+    if keys:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
