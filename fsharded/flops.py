@@ -43,22 +43,52 @@ def peak_tflops(precision: str, device: Any = None) -> float | None:
     return None
 
 
-def gpt_step_flops(params: dict, *, batch: int, seq_len: int) -> int:
+def gpt_step_flops(params: dict, *, batch: int, seq_len: int, moe: Any = None, routing_shards: int = 1,
+                   count: str = "model") -> int:
     """FLOPs of one forward + backward of ``fsharded.models.gpt.loss`` on ``batch`` rows of
-    ``seq_len`` tokens (the whole step, summed over all devices)."""
-    from fsharded.models.gpt import _is_moe
+    ``seq_len`` tokens (the whole step, summed over all devices).
 
+    Mixture-of-experts blocks need their routing config ``moe`` (``GPTConfig.moe``) and the
+    number of shards the batch's tokens are routed on (``routing_shards``: the data x
+    expert shards; capacity is per shard). Their router is ``2 * tokens * d * E`` forward;
+    the experts' rows depend on ``count``: ``"model"`` (the default, what MFU counts) takes
+    each token through its ``top_k`` experts, ``k * tokens`` rows; ``"computed"`` takes the
+    rows the batched matmuls run, ``E * C`` per shard with the capacity buffer (empty slots
+    included) and ``E * T`` on the dropless form's padded buffer (what FlopCounterMode
+    sees on CPU)."""
+    from fsharded.models.gpt import _is_moe
+    from fsharded.parallel.moe import capacity
+
+    if count not in ("model", "computed"):
+        raise ValueError(f"gpt_step_flops: count must be 'model' or 'computed', got {count!r}")
     tokens = batch * seq_len
+    if tokens % routing_shards:
+        raise ValueError(f"gpt_step_flops: {tokens} tokens do not split into {routing_shards} routing shards")
     fwd = 0
     for i, p in enumerate(params["blocks"]):
-        if _is_moe(p):
-            raise NotImplementedError(f"gpt_step_flops: block {i} is a mixture of experts (its FLOPs depend on "
-                                      f"the capacity): measure it with measure_flops")
         a = p["attn"]
         H, Dh = a["wq"].shape[1], a["wq"].shape[2]
         for w in ("wq", "wk", "wv", "wo"):
             fwd += 2 * tokens * a[w].numel()
         fwd += 2 * 2 * batch * seq_len * seq_len * H * Dh  # q k^T and p v, the full square
+        if _is_moe(p):
+            if moe is None:
+                raise ValueError(f"gpt_step_flops: block {i} is a mixture of experts; pass its routing "
+                                 f"config (moe=GPTConfig.moe) and routing_shards")
+            m = p["mlp"]
+            E = m["router"].shape[1]
+            fwd += 2 * tokens * m["router"].numel()
+            per_row = 2 * (m["w1"].numel() + m["w2"].numel()) // E
+            ts = tokens // routing_shards
+            if count == "model":
+                rows = moe.top_k * ts
+            elif moe.capacity_factor is None:
+                rows = E * ts
+            else:
+                rows = E * capacity(ts, E, top_k=moe.top_k, capacity_factor=moe.capacity_factor,
+                                    min_capacity=moe.min_capacity)
+            fwd += routing_shards * rows * per_row
+            continue
         for w in ("w_in", "w_out", "w_gate", "w_up", "w_down"):
             if w in p["mlp"]:
                 fwd += 2 * tokens * p["mlp"][w].numel()

@@ -329,7 +329,8 @@ class _Progress:
             self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
         elif step % self.every == 0 or step == 1:
             print(f"step {step:5d}  loss {rec['loss']:.4f}  lr {rec.get('lr', float('nan')):.2e}  "
-                  f"grad_norm {rec['grad_norm']:.3f}  {rec['tokens_per_s']:,.0f} tok/s", flush=True)
+                  f"grad_norm {rec['grad_norm']:.3f}  {rec['tokens_per_s']:,.0f} tok/s"
+                  + (f"  MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""), flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -553,6 +554,19 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
               + (f", ZeRO-{cfg.zero_stage}" if cfg.zero_stage else "") + seq.describe()
               + (f", {mcfg.moe.experts} experts top-{mcfg.moe.top_k} every {mcfg.moe.every} blocks"
                  + (f" over expert={experts}" if experts > 1 else "") if mcfg.moe is not None else ""), flush=True)
+    # Model FLOPs of a step (all devices; MoE blocks: each token through its top-k experts,
+    # routed per micro-batch and shard), TFLOP/s per rank (the virtual mesh: in its one
+    # process) and MFU, per step in the metrics and over the steady steps in the summary.
+    from fsharded import flops as FL
+
+    try:
+        step_flops = FL.gpt_step_flops(params, batch=global_batch, seq_len=mcfg.seq_len, moe=mcfg.moe,
+                                       routing_shards=cfg.grad_accum_steps * cfg.data_parallel_size * seq.n
+                                       if mcfg.moe is not None and not seq.megatron else 1)
+    except ValueError:  # tokens that do not split evenly into the routing shards (padded sequences)
+        step_flops = None
+    devices = mesh.size if dist_on else 1
+    peak = peak_tflops if peak_tflops is not None else FL.peak_tflops(cfg.precision)
     # Line-buffered: a killed run keeps every record but the one being written.
     metrics_f = open(cfg.metrics_file, "w", buffering=1) if (cfg.metrics_file and main_rank) else None  # noqa: SIM115
     bar = _Progress(cfg.steps, progress, cfg.log_every, main_rank)
@@ -571,6 +585,10 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
                 t_steady = time.perf_counter() - dt  # exclude the first (warm-up) step
             rec = {"step": i + 1, **{k: float(v) for k, v in m.items()}, "step_time_s": dt,
                    "tokens_per_s": tok_per_step / dt}
+            if step_flops is not None:
+                rec["tflops_per_s"] = step_flops / dt / devices / 1e12
+                if peak is not None:
+                    rec["mfu"] = FL.mfu(step_flops / devices, dt, peak)
             losses.append(rec["loss"])
             bar.update(i + 1, rec)
             if metrics_f is not None:
@@ -602,17 +620,8 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
         "collective_bytes_per_step": manifest.by_axis(),
         "collectives_per_step": len(manifest),
     }
-    # Model FLOPs of a step (all devices; dense GPTs), TFLOP/s per rank (the virtual mesh: in
-    # its one process) and MFU.
-    from fsharded import flops as FL
-
-    try:
-        step_flops = FL.gpt_step_flops(full, batch=global_batch, seq_len=mcfg.seq_len)
-    except NotImplementedError:  # mixture of experts: capacity-dependent
-        step_flops = None
     if step_flops is not None and steady_time > 0:
-        per_device = step_flops * steady_steps / steady_time / (mesh.size if dist_on else 1)
-        peak = peak_tflops if peak_tflops is not None else FL.peak_tflops(cfg.precision)
+        per_device = step_flops * steady_steps / steady_time / devices
         summary.update(flops_per_step=step_flops, tflops_per_s_per_device=per_device / 1e12,
                        mfu=FL.mfu(per_device, 1.0, peak))
     if main_rank:
