@@ -23,6 +23,7 @@ from fsharded import (
     precision,
     random,
     spmd,
+    timeline,
 )
 from fsharded._memory import (
     InsufficientMemoryError,
@@ -112,6 +113,8 @@ __all__ = [
     "precision",
     "config",
     "data",
+    "checkpoint",
+    "timeline",
     "train_step",
     "visualize_sharding",
     "TrainStep",

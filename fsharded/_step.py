@@ -29,6 +29,7 @@ from fsharded import _step_parts as P
 from fsharded import _tree, checkpoint, memory, optim
 from fsharded import random as R
 from fsharded._step_checks import _check_grad_types, _check_loss
+from fsharded.comm import _trace
 from fsharded.mesh._layout import check_tree, dims, local_slice
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
@@ -604,7 +605,7 @@ class TrainStep:
                     self._check_step_memory(most, state, batch)
                 self._agreed.add(key)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _trace.span("step"):
                 new_state, metrics = sm.local(state, batch)
         except RuntimeError as e:
             if not self.distributed:

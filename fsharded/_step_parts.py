@@ -23,6 +23,7 @@ import optree
 import torch
 
 from fsharded import _tree, memory, optim
+from fsharded.comm import _trace
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
 from fsharded.parallel import _buckets as B
@@ -83,8 +84,9 @@ def _autograd_grad_and_value(f, p, batch, *, backward_ctx=contextlib.nullcontext
         req = [x.detach().requires_grad_() for x in leaves]
         if reducer is not None:
             reducer.watch(req)
-        out, aux = f(optree.tree_unflatten(tdef, req), batch)
-        with backward_ctx():
+        with _trace.span("forward"):
+            out, aux = f(optree.tree_unflatten(tdef, req), batch)
+        with _trace.span("backward"), backward_ctx():
             grads = torch.autograd.grad(out, req, allow_unused=True)
     if reducer is not None:
         del grads  # stride-0 stand-ins: the values are in the reducer's buckets

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from fsharded.comm import _shm
+from fsharded.comm import _shm, _trace
 
 __all__ = ["tracing", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv",
            "send_recv_start", "Pending", "all_gather_dim", "reduce_scatter_dim", "all_to_all_dims"]
@@ -87,6 +87,7 @@ class Pending:
             req.wait()
 
 
+@_trace.traced("send_recv", 0, 1, started=True)
 def send_recv_start(x: torch.Tensor, g: Any, perm: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, Pending]:
     """``send_recv`` started, not finished: returns the receive buffer (zeros where
     nothing comes; its contents are undefined until ``wait()``) and the ``Pending``

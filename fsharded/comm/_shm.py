@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsharded.comm import _groups
+from fsharded.comm import _groups, _trace
 
 __all__ = ["all_reduce_", "all_gather_into", "reduce_scatter_into", "all_to_all_into",
            "comm_for", "enabled", "in_use",
@@ -194,6 +194,8 @@ def _site() -> int:
     if _checks() == "off":
         return 0
     f = sys._getframe(2)
+    while f is not None and f.f_code is _trace.WRAPPER_CODE:  # the timing wrapper, if any
+        f = f.f_back
     value = 0
     for _ in range(_SITE_FRAMES):
         if f is None:
@@ -291,6 +293,7 @@ def comm_for(x: torch.Tensor, g: Any) -> Any:
     return entry[1]
 
 
+@_trace.traced("all_reduce", 0)
 def all_reduce_(y: torch.Tensor, op: str, g: Any, *, divisor: int = 1) -> None:
     """In place over the group: ``op`` "sum" or "max" (``y`` contiguous); a sum is then
     divided by ``divisor`` (floating ``y``), rounded as ``psum(y) / divisor`` is."""
@@ -314,6 +317,7 @@ def all_reduce_(y: torch.Tensor, op: str, g: Any, *, divisor: int = 1) -> None:
         y.div_(divisor)
 
 
+@_trace.traced("all_gather", 1)
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op: bool = False) -> Any:
     """``out`` (n * numel) <- every group rank's ``x`` in group-rank order (both contiguous);
     a work handle when ``async_op`` (shared memory: already complete)."""
@@ -328,6 +332,7 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op: boo
     return gather(_bytes(out), _bytes(x), group=g.group, async_op=async_op)
 
 
+@_trace.traced("reduce_scatter", 1)
 def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op: bool = False) -> Any:
     """``out`` <- the sum over the group of block ``group rank`` of ``x`` (n blocks)."""
     c, site = comm_for(x, g), _site()
@@ -346,6 +351,7 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op:
     return scatter(out.view(-1), x.view(-1), group=g.group, async_op=async_op)
 
 
+@_trace.traced("all_to_all", 1)
 def all_to_all_into(out: torch.Tensor, x: torch.Tensor, g: Any) -> None:
     """``out`` block j <- block ``group rank`` of group rank j's ``x`` (n equal blocks)."""
     if x.dim() == 0 or x.shape[0] % g.size:
