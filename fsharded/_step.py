@@ -445,7 +445,7 @@ class TrainStep:
             mem.backward_category = "activations"
         params = state.params  # master weights, in the master placement
         g_leaves, loss, (extra, stats) = self._gradients(plan, state, batch)
-        new_ms = self._new_model_state(state.model_state, stats, plan) if state.model_state is not None else None
+        new_ms = self._new_model_state(state.model_state, stats) if state.model_state is not None else None
         grads = optree.tree_unflatten(optree.tree_structure(params), g_leaves)
         P.label(grads, "gradients")
         # From here on every value is a shard of a leaf laid out by its spec (gradients,
@@ -488,7 +488,7 @@ class TrainStep:
                     vma.set(t, frozenset())
         return out, metrics
 
-    def _new_model_state(self, ms: Any, stats: Any, plan: _Plan) -> Any:
+    def _new_model_state(self, ms: Any, stats: Any) -> Any:
         """``update_model_state(ms, stats)`` on the stats averaged over the batch shards
         (the same on every shard), checked against the old model state's structure, shapes,
         dtypes and specs."""
