@@ -77,7 +77,8 @@ def _check_loss_type(loss: torch.Tensor, batch_axes: tuple[str, ...], mesh: Mesh
             + (f" (and {extra[1:]})" if len(extra) > 1 else "")
             + f" after loss_fn, but only the batch axes {list(batch_axes)} may differ between "
             f"shards: parameters are sharded over {extra[0]!r} and the model does not reduce "
-            f"over it (a missing psum). Tell the model the axis name (e.g. "
-            f"functools.partial(gpt.loss, tensor_axis={extra[0]!r})), add the psum, or keep "
-            f"the parameters replicated over {extra[0]!r}"
+            f"over it (a missing psum). Tell the model the axis name (the bundled GPT: "
+            f"functools.partial(gpt.loss, tensor_axis={extra[0]!r}); an nn.Module under "
+            f"fs.parallel.tensor.plan: call the model through the plan, tp.apply(params, ...) "
+            f"or tp.wrap(loss_fn)), add the psum, or keep the parameters replicated over {extra[0]!r}"
         )

@@ -64,17 +64,15 @@ def _keys(runs: list[list[dict]], keys: Sequence[str] | None) -> list[str]:
 def plot_metrics(paths: Sequence[str | os.PathLike], out: str | os.PathLike, *,
                  keys: Sequence[str] | None = None, labels: Sequence[str] | None = None) -> list[str]:
     """Draw the metrics of ``paths`` into the picture ``out``; returns the metrics drawn."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend stays as it is
 
     runs = [read_metrics(p) for p in paths]
     names = list(labels) if labels else [os.path.basename(str(p)) for p in paths]
     drawn = _keys(runs, keys)
     cols = min(3, len(drawn))
     rows = math.ceil(len(drawn) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    fig = Figure(figsize=(4.2 * cols, 3.0 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax, k in zip(axes.flat, drawn):
         for recs, name in zip(runs, names):
             pts = [(r.get("step", i + 1), r[k]) for i, r in enumerate(recs) if isinstance(r.get(k), (int, float))]
@@ -89,7 +87,6 @@ def plot_metrics(paths: Sequence[str | os.PathLike], out: str | os.PathLike, *,
         axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return drawn
 
 

@@ -194,10 +194,7 @@ class ShardingView:
     def _repr_png_(self) -> bytes:
         import io
 
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # savefig works on any backend: the notebook's stays
 
         fig = self.figure()
         buf = io.BytesIO()

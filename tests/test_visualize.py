@@ -132,6 +132,23 @@ def test_the_picture():
     assert len(fig.axes[0].patches) == 4
 
 
+def test_pictures_leave_the_notebooks_backend_alone(tmp_path):
+    """Drawing a view (or a metrics file) must not switch matplotlib's backend: in a
+    notebook that would stop every later figure from showing."""
+    matplotlib = pytest.importorskip("matplotlib")
+    from fsharded.plot import plot_metrics
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        fs.visualize_sharding(torch.zeros(8, 6), P("data"), MESH2)._repr_png_()
+        (tmp_path / "m.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n')
+        plot_metrics([tmp_path / "m.jsonl"], tmp_path / "m.png")
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before)
+
+
 def test_mistakes_are_named():
     with pytest.raises(ValueError, match="do not fit Mesh"):
         fs.visualize_sharding(torch.zeros(5, 4), P("data"), MESH2)
