@@ -5,6 +5,11 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# fsharded.testing.run_on_ranks keeps its gloo ranks between calls (a new process group
+# each time): a hundred spawns of Python + torch + fsharded less. FSHARDED_TEST_POOL=0 to
+# spawn every time.
+os.environ.setdefault("FSHARDED_TEST_POOL", "1")
+
 # Triton decides at decoration time whether a kernel is compiled or interpreted: without a
 # GPU, the kernel tests run Triton's interpreter on CPU tensors (tiny shapes only).
 try:

@@ -263,7 +263,9 @@ def _deepspeed_engine(job: Job, params: dict, config: gpt.GPTConfig):
 
 def two_ranks(job: Job) -> dict[str, list]:
     """Rows of the 2-rank runs: {"dcp": ..., "deepspeed": ..., "steps": ...}."""
-    from fsharded.testing import run_on_ranks
+    from fsharded.testing import (
+        run_on_new_ranks as run_on_ranks,  # fresh processes: clean peaks and caches
+    )
 
     res = run_on_ranks(rank_worker, 2, job)
     bad = [(r, k) for r, x in enumerate(res) for k, ok in x["exact"].items() if not ok]
@@ -372,7 +374,9 @@ def load_on_two(job: Job) -> dict:
 
 
 def four_to_two(job: Job) -> Row:
-    from fsharded.testing import run_on_ranks
+    from fsharded.testing import (
+        run_on_new_ranks as run_on_ranks,  # fresh processes: clean peaks and caches
+    )
 
     run_on_ranks(save_on_four, 4, job)
     res = run_on_ranks(load_on_two, 2, job)

@@ -261,7 +261,9 @@ def run(cfg: Config, deepspeed: bool, *, world: int = 2) -> tuple[Report, dict]:
     ``{(top_k, tokens): {"ours": ..., "deepspeed": ..., "cmp": ...}}`` (summed or worst
     over the ranks: times the slowest rank's median, peaks and bytes the largest, drops
     the sum, differences the largest)."""
-    from fsharded.testing import run_on_ranks
+    from fsharded.testing import (
+        run_on_new_ranks as run_on_ranks,  # fresh processes: clean peaks and caches
+    )
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     per_rank = run_on_ranks(_rank, world, cfg, deepspeed)

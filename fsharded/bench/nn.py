@@ -245,7 +245,9 @@ def rank_worker(job: Job) -> dict:
 
 
 def two_ranks(c: Config, batch: int, rounds: int, iters: int) -> Section:
-    from fsharded.testing import run_on_ranks
+    from fsharded.testing import (
+        run_on_new_ranks as run_on_ranks,  # fresh processes: clean peaks and caches
+    )
 
     res = run_on_ranks(rank_worker, 2, Job(c, batch, rounds, iters))
     _agree(res[0]["ours_losses"], res[0]["peer_losses"], "2 ranks")

@@ -169,7 +169,9 @@ def _rank(lengths: Sequence[int], rounds: int, deepspeed: bool, budget: int = 0)
 
 def run(world: int, lengths: Sequence[int], rounds: int, deepspeed: bool, budget: int = 0,
         plot: str | None = None) -> Report:
-    from fsharded.testing import run_on_ranks
+    from fsharded.testing import (
+        run_on_new_ranks as run_on_ranks,  # fresh processes: clean peaks and caches
+    )
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     per_rank = run_on_ranks(_rank, world, list(lengths), rounds, deepspeed, budget)

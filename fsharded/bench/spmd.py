@@ -387,7 +387,9 @@ def _rows(
 def collective_section(
     sizes: Sequence[int], *, rounds: int, iters: int | None, world_size: int = 2
 ) -> Section:
-    from fsharded.testing import run_on_ranks
+    from fsharded.testing import (
+        run_on_new_ranks as run_on_ranks,  # fresh processes: clean peaks and caches
+    )
 
     cases = _cases(sizes, iters, block_bytes=16 << 20, lo=10, hi=200)
     # By module name, so the spawned ranks can import it however this process was started.

@@ -582,7 +582,9 @@ def _stages(text: str) -> tuple[int, ...]:
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     import fsharded as fs
     from fsharded.models import gpt
-    from fsharded.testing import run_on_ranks
+    from fsharded.testing import (
+        run_on_new_ranks as run_on_ranks,  # fresh processes: clean peaks and caches
+    )
 
     args = build_parser(prog).parse_args(argv)
     stages = _stages(args.stages)
@@ -665,7 +667,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
 
 
 def _memory(job: Job, name: str, stage: int) -> dict:
-    from fsharded.testing import run_on_ranks
+    from fsharded.testing import (
+        run_on_new_ranks as run_on_ranks,  # fresh processes: clean peaks and caches
+    )
 
     for attempt in range(2):  # a port taken by a concurrent run fails the first try
         try:

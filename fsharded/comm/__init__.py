@@ -5,7 +5,7 @@ and traceable c10d calls (``_c10d``) and the same-host shared-memory transport f
 CPU ranks (``_shm``). Nothing here knows about shard_map, specs or varying axes.
 """
 
-from fsharded.comm import _c10d, _shm  # noqa: F401 - the transport modules, by name
+from fsharded.comm import _c10d, _groups, _shm  # noqa: F401 - the transport modules, by name
 from fsharded.comm._c10d import (
     all_gather_dim,
     all_reduce,
@@ -31,6 +31,7 @@ from fsharded.comm._groups import (
 
 __all__ = [
     "initialize",
+    "shutdown",
     "is_initialized",
     "rank",
     "world_size",
@@ -49,3 +50,15 @@ __all__ = [
     "send_recv",
     "send_recv_start",
 ]
+
+
+def shutdown() -> None:
+    """Destroy the default process group and forget every axis group and shared-memory
+    segment made over it, so ``initialize`` can start afresh in this process (a notebook
+    that re-launches, a pool of test ranks)."""
+    import torch.distributed as dist
+
+    _groups.forget()
+    _shm.forget()
+    if is_initialized():
+        dist.destroy_process_group()

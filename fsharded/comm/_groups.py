@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 __all__ = ["initialize", "is_initialized", "rank", "world_size", "device_mesh", "axis_group",
-           "AxisGroup", "check_world", "remember_device_mesh", "default_device_type", "timeout_s"]
+           "AxisGroup", "check_world", "remember_device_mesh", "default_device_type", "timeout_s", "forget"]
 
 # A mesh here is any value with the ``fsharded.Mesh`` interface (axis names, sizes,
 # coordinates of a rank); this layer sits below the mesh values and does not import them.
@@ -76,6 +76,12 @@ def initialize(backend: str | None = None, *, timeout_s: float = 300.0) -> None:
     else:
         dist.init_process_group(backend, timeout=timeout)
     _TIMEOUT["s"] = float(timeout_s)
+
+
+def forget() -> None:
+    """Drop every axis group and device mesh made so far (``comm.shutdown``)."""
+    _GROUPS.clear()
+    _DEVICE_MESHES.clear()
 
 
 def rank() -> int:

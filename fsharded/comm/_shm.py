@@ -75,6 +75,13 @@ def set_observer(fn: Callable[[str, torch.Tensor, int], None] | None) -> None:
     _observer = fn
 
 
+def forget() -> None:
+    """Drop every group's segment (``comm.shutdown``: the groups are being destroyed, and a
+    new group could reuse an old one's id)."""
+    with _SETUP_LOCK:
+        _COMMS.clear()
+
+
 def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 

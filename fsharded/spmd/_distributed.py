@@ -7,14 +7,13 @@ from typing import Any
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor
 
 from fsharded import comm
 from fsharded.mesh._layout import dims, local_slice
 from fsharded.mesh._spec import PartitionSpec
 from fsharded.spmd import _env, _prims, _vma
 from fsharded.spmd._env import Axes
-from fsharded.spmd._transfer import Sharded, from_dtensor, gather_global
+from fsharded.spmd._transfer import Sharded, from_dtensor, gather_global, is_dtensor
 
 
 class _EnterShard(torch.autograd.Function):
@@ -135,7 +134,7 @@ def _axes(frame: _env.AxisFrame, names: tuple[str, ...]) -> Axes:
 def _enter(x: Any, spec: Any, mesh: Any, coords: dict, path: str) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
-    if isinstance(x, DTensor):
+    if is_dtensor(x):
         try:
             _, dspec, dmesh = from_dtensor(x)
         except ValueError as e:

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsharded import _tree, comm
 from fsharded.mesh._layout import (
@@ -25,6 +25,13 @@ from fsharded.mesh._spec import PartitionSpec, format_spec_errors, spec_errors
 
 __all__ = ["shard", "unshard", "Sharded", "local_shards", "to_dtensor", "from_dtensor",
            "gather_global", "backend_for"]
+
+
+def is_dtensor(x: Any) -> bool:
+    """``isinstance(x, DTensor)`` without importing DTensor (a large part of start-up time):
+    no value is one before its module is loaded."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(x, mod.DTensor)
 
 
 def backend_for(mesh: Mesh, backend: str | None) -> str:
@@ -174,6 +181,8 @@ def gather_global(local: torch.Tensor, spec: PartitionSpec, mesh: Mesh) -> torch
 
 def placements(spec: PartitionSpec, mesh: Mesh, ndim: int) -> list:
     """DTensor placements (one per mesh axis) for ``spec``."""
+    from torch.distributed.tensor import Replicate, Shard
+
     out: list = [Replicate()] * len(mesh.axis_names)
     for d, axes in enumerate(dims(spec, ndim)):
         if len(axes) > 1:
@@ -196,6 +205,8 @@ def to_dtensor(local: torch.Tensor, spec: PartitionSpec, mesh: Mesh) -> Any:
     ``local`` is what ``shard(x, spec, mesh)`` gives on the distributed backend; the
     result's ``full_tensor()`` is ``x``. Differentiable (``DTensor.from_local``).
     """
+    from torch.distributed.tensor import DTensor
+
     if not isinstance(spec, PartitionSpec):
         spec = PartitionSpec(*spec)
     check_sharded_tree([local], [spec], ["<root>"], mesh, "distributed")
@@ -210,6 +221,8 @@ def to_dtensor(local: torch.Tensor, spec: PartitionSpec, mesh: Mesh) -> Any:
 
 def from_dtensor(dt: Any) -> tuple[torch.Tensor, PartitionSpec, Mesh]:
     """``(local shard, spec, mesh)`` of a ``DTensor`` with Shard/Replicate placements."""
+    from torch.distributed.tensor import Replicate, Shard
+
     mesh = Mesh.from_torch(dt.device_mesh)
     entries: list[list[str]] = [[] for _ in range(dt.dim())]
     for axis, pl in zip(mesh.axis_names, dt.placements):
