@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CommEvent", "Span", "start", "stop", "traced", "span", "active"]
+__all__ = ["CommEvent", "Span", "start", "stop", "traced", "span", "active", "autograd_phase"]
 
 
 @dataclass
@@ -73,7 +73,8 @@ def stop() -> _Recording | None:
     return rec
 
 
-def _phase() -> str:
+def autograd_phase() -> str:
+    """"backward" inside autograd's backward pass, else "forward"."""
     try:
         node = torch._C._current_autograd_node()
     except AttributeError:  # pragma: no cover - older torch
@@ -116,7 +117,7 @@ def traced(op: str, src: int, group: int = 2, *, started: bool = False) -> Calla
             if rec is None:
                 return fn(*args, **kwargs)
             x, g = args[src], args[group]
-            ev = CommEvent(op, g.size, x.numel() * x.element_size(), _phase(), time.perf_counter(), None,
+            ev = CommEvent(op, g.size, x.numel() * x.element_size(), autograd_phase(), time.perf_counter(), None,
                            started or bool(kwargs.get("async_op", False)))
             rec.events.append(ev)
             out = fn(*args, **kwargs)

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from fsharded.comm._trace import autograd_phase
+
 __all__ = ["Entry", "Manifest", "recording"]
 
 
@@ -96,14 +98,6 @@ def dry() -> bool:
     return _DRY.get()
 
 
-def _phase() -> str:
-    try:
-        node = torch._C._current_autograd_node()
-    except AttributeError:  # pragma: no cover - older torch
-        node = None
-    return "backward" if node is not None else "forward"
-
-
 def record(prim: Any, params: tuple, axes: Any, x: torch.Tensor) -> None:
     entries = _REC.get()
     if entries is None:
@@ -118,7 +112,7 @@ def record(prim: Any, params: tuple, axes: Any, x: torch.Tensor) -> None:
             dtype=x.dtype,
             shape=shape,
             bytes_sent=int(prim.sent(shape, x.element_size(), n, params)) if n > 1 else 0,
-            phase=_phase(),
+            phase=autograd_phase(),
             params=params,
         )
     )
