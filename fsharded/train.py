@@ -646,7 +646,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded train") -> 
     args = build_parser(prog).parse_args(argv)
     import fsharded as fs
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched:
         fs.distributed.initialize()
     try:
         cfg = make_config(args, world_size=fs.distributed.world_size())
@@ -664,6 +665,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded train") -> 
         except (ValueError, OSError, NotImplementedError, FloatingPointError, MemoryError) as e:
             print(f"fsharded train: {e}", file=sys.stderr)
             return 1
+    if launched:  # torn down before exit (gloo's threads at interpreter teardown can abort)
+        fs.distributed.shutdown()
     return 0
 
 
