@@ -222,6 +222,7 @@ class TrainStep:
         self._scaler = self.policy.loss_scaler()
         self.check_schedule = check_schedule
         self._agreed: set = set()
+        self.staging = checkpoint.Staging()  # save_async's host buffer, reused between saves
 
     @property
     def bucket_elems(self) -> int:
@@ -411,9 +412,12 @@ class TrainStep:
         """``save`` in the background (``fsharded.checkpoint.save_async``): returns once the
         state is copied (the next step may then overwrite it, donated), a thread writes it;
         ``.wait()`` on the result (on every rank) until the checkpoint is complete.
-        ``max_staged_bytes`` bounds the copies held at once."""
+        ``max_staged_bytes`` bounds the copies held at once. The copy goes into host memory
+        the step keeps for its next save (``step.staging``: this device's share of the
+        state; ``step.staging.release()`` frees it)."""
         return checkpoint.save_async(directory, state, self.state_specs(state), self.mesh,
-                                     overwrite=overwrite, max_staged_bytes=max_staged_bytes)
+                                     overwrite=overwrite, max_staged_bytes=max_staged_bytes,
+                                     staging=self.staging)
 
     def load(self, directory: Any, like: Any = None) -> TrainState:
         """The state saved at ``directory``, laid out for this step's mesh and placement,

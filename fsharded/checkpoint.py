@@ -33,17 +33,15 @@ naming the file and the leaf, never a partly loaded state.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import queue
 import secrets
 import shutil
-import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import optree
@@ -51,26 +49,24 @@ import torch
 
 from fsharded import comm
 from fsharded._ckpt_common import (
-    CHUNK,
     FORMAT,
     CheckpointError,
     _assemble,
     _blocks,
-    _bytes,
     _distributed,
     _dtype,
     _flat_specs,
     _flatten,
     _Reader,
-    checksummer,
     read_manifest,
 )
 from fsharded._ckpt_interop import dcp_state_dict, export_safetensors, load_dcp, save_dcp
+from fsharded._ckpt_write import Arena, _fsync, _write_data, _write_json
 from fsharded._ds_checkpoint import DeepSpeedCheckpoint, load_deepspeed, read_deepspeed
 from fsharded.mesh import Mesh, PartitionSpec
 from fsharded.mesh._layout import dims, global_shape, local_slice
 
-__all__ = ["save", "save_async", "PendingSave", "load", "tree_like", "Manager", "read_deepspeed", "load_deepspeed",
+__all__ = ["save", "save_async", "PendingSave", "Staging", "load", "tree_like", "Manager", "read_deepspeed", "load_deepspeed",
            "DeepSpeedCheckpoint", "save_dcp", "load_dcp", "dcp_state_dict", "export_safetensors", "FORMAT",
            "CheckpointError", "read_manifest"]  # and DCPReader (imported when asked for)
 
@@ -101,14 +97,6 @@ def _writes(spec: PartitionSpec, coords: dict) -> bool:
 
 
 # -- save ---------------------------------------------------------------------------------------
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, *,
@@ -253,144 +241,46 @@ def _layout(paths: list, leaves: list, flat_specs: list, mesh: Mesh, dist: bool,
     return entries, pieces
 
 
-def _write_data(tmp: str, rank: int, pieces: Iterable[tuple]) -> None:
-    """This writer's data file and, once it is on disk, its blocks file (renamed into place
-    complete, so that a reader that sees it sees all of it). Written a chunk at a time, each
-    checksummed as it passes (``_DataFile``)."""
-    kind, crc = checksummer()
-    blocks = []
-    data_name = f"data-{rank:05d}.bin"
-    out = _DataFile(os.path.join(tmp, data_name))
-    try:
-        for path, start, size, piece in pieces:
-            buf = _bytes(piece)
-            value, part = 0, None
-            for i in range(0, buf.nbytes, CHUNK):
-                part = buf[i:i + CHUNK]
-                value = crc(part, value)
-                out.write(part)
-            blocks.append({"path": path, "start": start, "shape": size, "file": data_name,
-                           "offset": out.offset - buf.nbytes, "nbytes": buf.nbytes, kind: value})
-            del buf, part, piece  # a staged copy is freed before the next one is asked for
-        out.finish()
-    finally:
-        out.close()
-    name = os.path.join(tmp, f"blocks-{rank:05d}.json")
-    _write_json(name + ".part", blocks)
-    os.replace(name + ".part", name)
-
-
-_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length multiples of this
-
-
-class _DataFile:
-    """Bytes written back to back into a new file, then fsynced.
-
-    Where the OS and the file system take ``O_DIRECT`` (Linux, most disk file systems;
-    ``FSHARDED_CKPT_DIRECT=0`` turns it off) the bytes go from an aligned chunk buffer
-    straight to the disk: no page-cache copy and no kernel write-back threads competing
-    with training for the CPU (on a 2-core VM it writes 300 MB in about a fifth of the
-    buffered time), as DeepSpeed's FastPersist does. The last chunk is padded to the
-    alignment and the file truncated to its length. Elsewhere (tmpfs, macOS) the writes
-    are buffered, each chunk's write-back to the disk started at once (Linux's
-    sync_file_range) so that the closing fsync waits only for the last chunks."""
-
-    def __init__(self, path: str) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        direct = getattr(os, "O_DIRECT", 0) if os.environ.get("FSHARDED_CKPT_DIRECT", "1") != "0" else 0
-        self.fd, self.direct = -1, False
-        if direct:
-            try:
-                self.fd, self.direct = os.open(path, flags | direct, 0o644), True
-            except OSError:  # EINVAL: the file system does not take O_DIRECT
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-        if self.fd < 0:
-            self.fd = os.open(path, flags, 0o644)
-        self.offset = 0  # bytes written (in the buffer included)
-        self._synced = 0  # buffered: bytes whose write-back has been started
-        if self.direct:
-            import mmap
-
-            self._buf = mmap.mmap(-1, CHUNK)  # page-aligned
-            self._view = memoryview(self._buf)
-            self._fill, self._fell_back = 0, False
-
-    def write(self, part: memoryview) -> None:
-        self.offset += part.nbytes
-        if not self.direct:
-            while part.nbytes:
-                part = part[os.write(self.fd, part):]
-            if self.offset - self._synced >= CHUNK:
-                _start_writeback(self.fd, self._synced, self.offset - self._synced)
-                self._synced = self.offset
-            return
-        while part.nbytes:
-            n = min(part.nbytes, CHUNK - self._fill)
-            self._view[self._fill:self._fill + n] = part[:n]
-            self._fill += n
-            part = part[n:]
-            if self._fill == CHUNK:
-                self._flush(CHUNK)
-
-    def _flush(self, n: int) -> None:
-        """Write the buffer's first ``n`` bytes (a multiple of the alignment)."""
-        done = 0
-        while done < n:
-            try:
-                done += os.write(self.fd, self._view[done:n])
-            except OSError as e:
-                if e.errno != errno.EINVAL or self._fell_back:
-                    raise
-                self._buffered()  # a device with a larger alignment: the rest buffered
-        self._fill = 0
-
-    def _buffered(self) -> None:
-        import fcntl
-
-        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-        self._fell_back = True
-
-    def finish(self) -> None:
-        """Write what is buffered, cut the padding, fsync."""
-        if self.direct and self._fill:
-            n = -(-self._fill // _ALIGN) * _ALIGN
-            self._view[self._fill:n] = bytes(n - self._fill)
-            self._flush(n)
-            os.ftruncate(self.fd, self.offset)
-        os.fsync(self.fd)
-
-    def close(self) -> None:
-        if self.direct:
-            self._view.release()
-            self._buf.close()
-            self.direct = False
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-_sync_file_range: Any = None
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Start writing a range of ``fd``'s page cache to the disk without waiting (Linux's
-    sync_file_range; elsewhere nothing: fsync then writes it all)."""
-    global _sync_file_range
-    if _sync_file_range is None:
-        _sync_file_range = False
-        if sys.platform.startswith("linux"):
-            with contextlib.suppress(OSError, AttributeError):
-                import ctypes
-
-                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-                _sync_file_range = fn
-    if _sync_file_range:
-        _sync_file_range(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; errors: fsync reports them
-
-
 # -- saving in the background -------------------------------------------------------------------
+
+
+class Staging:
+    """Host memory kept from one background save to the next (``save_async(staging=)``; a
+    train step keeps one for its ``save_async``). A save copies the blocks this device
+    writes into one page-aligned buffer laid out as its data file and writes the file from
+    it (``_ckpt_write.Arena``); the next save reuses that buffer instead of allocating and
+    faulting in new pages, so the copy that blocks the caller runs at memory speed (about
+    5x faster here), as DCP's cached staging does. It holds this device's share of the
+    largest state saved so far (``nbytes``) until ``release()``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: Arena | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes held between saves."""
+        free = self._free
+        return free.capacity if free is not None else 0
+
+    def release(self) -> None:
+        """Free the memory held (a save in flight keeps its buffer until it is written)."""
+        with self._lock:
+            self._free = None
+
+    def _take(self, nbytes: int) -> Arena:
+        with self._lock:
+            free = self._free
+            if free is not None and free.capacity >= nbytes:
+                self._free = None
+                free.used = 0
+                return free
+        return Arena(nbytes)  # none kept, too small, or in use by a save still in flight
+
+    def _give(self, arena: Arena) -> None:
+        with self._lock:
+            if self._free is None or arena.capacity > self._free.capacity:
+                self._free = arena
 
 
 class PendingSave:
@@ -399,8 +289,11 @@ class PendingSave:
     raises what failed. ``peak_staged_bytes``: the most bytes of staged copies held at
     once."""
 
-    def __init__(self, job: _Job, timeout_s: float) -> None:
+    def __init__(self, job: _Job, timeout_s: float, arena: Arena | None = None,
+                 staging: Staging | None = None) -> None:
         self._job, self._timeout = job, timeout_s
+        self._arena, self._staging = arena, staging  # arena: every block copied into it
+        self._staged_all = threading.Event()
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._staged = 0
@@ -440,6 +333,12 @@ class PendingSave:
         try:
             for path, start, size, piece in self._job.pieces:
                 n = piece.numel() * piece.element_size()
+                if self._arena is not None:  # every block at once, in the file's layout
+                    if self._error is not None:
+                        break
+                    self._queue.put((path, start, size, self._arena.put(piece), 0))
+                    self.peak_staged_bytes = self._arena.used
+                    continue
                 with self._cond:
                     while (bound is not None and self._staged and self._staged + n > bound
                            and self._error is None):
@@ -458,6 +357,7 @@ class PendingSave:
         finally:
             self._queue.put(None)
             self._job.pieces = []  # the caller's tensors are not held past this call
+            self._staged_all.set()
 
     def _staged_pieces(self) -> Iterator[tuple]:
         while True:
@@ -470,16 +370,20 @@ class PendingSave:
             del item
             yield path, start, size, copy
             del copy  # written: free it and let the stager go on
-            with self._cond:
-                self._staged -= n
-                self._cond.notify_all()
+            if n:
+                with self._cond:
+                    self._staged -= n
+                    self._cond.notify_all()
 
     # -- the background: write, then (rank 0) publish when every writer is done ------------
 
     def _run(self) -> None:
         job = self._job
         try:
-            _write_data(job.tmp, job.rank, self._staged_pieces())
+            try:
+                _write_data(job.tmp, job.rank, self._staged_pieces(), self._arena)
+            finally:
+                self._return_arena()
             if self._error is not None:  # staging failed: what was written is not the state
                 raise self._error
             if job.rank == 0:
@@ -503,6 +407,16 @@ class PendingSave:
             else:
                 shutil.rmtree(job.tmp, ignore_errors=True)
 
+    def _return_arena(self) -> None:
+        """Hand the arena back for the next save once the caller has stopped copying into
+        it and the file is written (or failed)."""
+        arena, self._arena = self._arena, None
+        if arena is not None:
+            self._staged_all.wait()
+            self._drain()
+            if self._staging is not None:
+                self._staging._give(arena)
+
     def _drain(self) -> None:
         """Drop staged copies nobody will write."""
         with contextlib.suppress(queue.Empty):
@@ -512,22 +426,38 @@ class PendingSave:
 
 def save_async(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, *,
                backend: str | None = None, overwrite: bool = False,
-               max_staged_bytes: int | None = None, timeout_s: float = 1800.0) -> PendingSave:
+               max_staged_bytes: int | None = None, staging: Staging | None = None,
+               timeout_s: float = 1800.0) -> PendingSave:
     """``save`` in the background: returns once every block this device writes is copied
     (the caller may then change ``tree`` — a donated step may overwrite it), while a
     thread writes the copies, checksums and publishes the checkpoint as ``save`` does.
     ``.wait()`` on the result blocks until it is complete (call it on every rank).
 
-    ``max_staged_bytes``: at most that many bytes of copies held at once (at least one
-    block): the call then returns once all but that much is written. Without it every
-    block is copied at once (host memory: this device's share of the state), as DCP's
-    async_save stages. Collectives run only in this call, none in the thread."""
+    Without ``max_staged_bytes`` (or with one that holds them all) every block is copied at
+    once (host memory: this device's share of the state), as DCP's async_save stages, into
+    one buffer laid out as the data file, which is written from it; ``staging`` (a
+    ``Staging``) keeps that buffer for the next save, so that later copies reuse warm
+    memory. ``max_staged_bytes``: at most that many bytes of copies held at once (at least
+    one block): the call then returns once all but that much is written. Collectives run
+    only in this call, none in the thread.
+
+    >>> staging = fs.checkpoint.Staging()
+    >>> pending = fs.checkpoint.save_async("ckpt/step-200", state, specs, mesh, staging=staging)
+    >>> ...                           # train on
+    >>> pending.wait()"""
     if max_staged_bytes is not None and (isinstance(max_staged_bytes, bool) or
                                          not isinstance(max_staged_bytes, int) or max_staged_bytes < 1):
         raise ValueError(f"checkpoint.save_async: max_staged_bytes must be a positive int or None, "
                          f"got {max_staged_bytes!r}")
+    if staging is not None and not isinstance(staging, Staging):
+        raise TypeError(f"checkpoint.save_async: staging must be a checkpoint.Staging or None, "
+                        f"got {type(staging).__name__}")
     job = _Job(directory, tree, specs, mesh, backend, overwrite)
-    pending = PendingSave(job, timeout_s)
+    total = sum(p.numel() * p.element_size() for *_, p in job.pieces)
+    arena = None
+    if max_staged_bytes is None or max_staged_bytes >= total:
+        arena = staging._take(total) if staging is not None else Arena(total)
+    pending = PendingSave(job, timeout_s, arena, staging)
     pending._stage(max_staged_bytes)
     return pending
 
@@ -559,14 +489,6 @@ def _poll(ready: Any, timeout_s: float, what: str) -> None:
         delay = min(delay * 2, 0.05)
 
 
-def _write_json(path: str, obj: Any) -> None:
-    with open(path, "w") as f:
-        f.write(json.dumps(obj))  # one string from the C encoder (json.dump streams in Python)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-# -- load ---------------------------------------------------------------------------------------
 
 
 def tree_like(directory: str | os.PathLike, prefix: str = "") -> Any:

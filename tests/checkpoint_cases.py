@@ -136,7 +136,8 @@ def dcp_cases(directory: str) -> dict:
     return out
 
 
-def async_save_while_training(mesh_axes: dict, stage: int, directory: str) -> dict:
+def async_save_while_training(mesh_axes: dict, stage: int, directory: str,
+                              max_staged_bytes: int | None = 4096) -> dict:
     """Save in the background after 3 steps, train 2 more (donated: in place) before
     waiting, then load what was saved."""
     step, params = make_step(mesh_axes, stage)
@@ -145,7 +146,7 @@ def async_save_while_training(mesh_axes: dict, stage: int, directory: str) -> di
                             blocks="blocks", clip=1.0, donate=True)
     state, _ = train(donated, donated.init(params), 0, 3)
     snapshot = global_state(donated, state)
-    pending = donated.save_async(state, directory, max_staged_bytes=4096)
+    pending = donated.save_async(state, directory, max_staged_bytes=max_staged_bytes)
     state, _ = train(donated, state, 3, 2)
     pending.wait()
     after = global_state(donated, state)

@@ -395,7 +395,7 @@ def test_manager_keeps_the_newest_and_finds_the_latest(tmp_path):
 def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     import errno
 
-    from fsharded import checkpoint as ck
+    from fsharded import _ckpt_write as ck
 
     step, params, state = _saved(tmp_path)
     before = C.global_state(step, state)
@@ -419,15 +419,20 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypat
 @pytest.mark.parametrize("chunk", [None, 4096 * 3])
 def test_direct_and_buffered_writes_give_the_same_files(tmp_path, monkeypatch, chunk):
     # O_DIRECT (where the file system takes it) writes through an aligned chunk buffer
-    # and cuts the last chunk's padding; the buffered path writes as is: the same bytes.
-    # Small chunks put block boundaries inside chunks and chunks inside blocks.
-    from fsharded import checkpoint as ck
+    # and cuts the last chunk's padding; the buffered path writes as is; a background save
+    # writes the file from its staging arena (padded to the alignment, then cut): the same
+    # bytes every way. Small chunks put block boundaries inside chunks and chunks inside
+    # blocks; the strided leaf and the odd-sized ones put blocks at unaligned offsets.
+    from fsharded import _ckpt_write as ck
 
     if chunk is not None:
         monkeypatch.setattr(ck, "CHUNK", chunk)
-    tree = {"a": torch.randn(1001), "b": torch.arange(7, dtype=torch.int16), "c": torch.randn(3, 4099)}
+    tree = {"a": torch.randn(1001), "b": torch.arange(7, dtype=torch.int16), "c": torch.randn(3, 4099),
+            "d": torch.randn(6, 9).t(), "e": torch.tensor(2.5, dtype=torch.bfloat16)}
     directs = []
-    for mode in ("1", "0"):
+    staging = fs.checkpoint.Staging()
+    runs = [(mode, how) for mode in ("1", "0") for how in ("save", "async", "async-again")]
+    for mode, how in runs:
         monkeypatch.setenv("FSHARDED_CKPT_DIRECT", mode)
         real = ck._DataFile.__init__
 
@@ -436,13 +441,21 @@ def test_direct_and_buffered_writes_give_the_same_files(tmp_path, monkeypatch, c
             directs.append(self.direct)
 
         monkeypatch.setattr(ck._DataFile, "__init__", spy)
-        fs.checkpoint.save(tmp_path / mode, tree, P(), fs.Mesh({"data": 1}))
+        if how == "save":
+            fs.checkpoint.save(tmp_path / f"{mode}-{how}", tree, P(), fs.Mesh({"data": 1}))
+        else:  # the second one reuses the staging arena of the first
+            fs.checkpoint.save_async(tmp_path / f"{mode}-{how}", tree, P(), fs.Mesh({"data": 1}),
+                                     staging=staging).wait()
         monkeypatch.setattr(ck._DataFile, "__init__", real)
-        got = fs.checkpoint.load(tmp_path / mode, tree, P(), fs.Mesh({"data": 1}))
+        got = fs.checkpoint.load(tmp_path / f"{mode}-{how}", tree, P(), fs.Mesh({"data": 1}))
         assert all(torch.equal(got[k], tree[k]) for k in tree)
-    assert directs[1] is False
-    data = [(tmp_path / m / "data-00000.bin").read_bytes() for m in ("1", "0")]
-    assert data[0] == data[1] and len(data[0]) == sum(t.numel() * t.element_size() for t in tree.values())
+    assert directs[3:] == [False] * 3
+    data = [(tmp_path / f"{m}-{h}" / "data-00000.bin").read_bytes() for m, h in runs]
+    assert all(d == data[0] for d in data)
+    assert len(data[0]) == sum(t.numel() * t.element_size() for t in tree.values())
+    assert staging.nbytes == -(-len(data[0]) // 4096) * 4096  # one arena kept, reused
+    staging.release()
+    assert staging.nbytes == 0
 
 
 # -- DCP ------------------------------------------------------------------------------------------
@@ -592,7 +605,7 @@ def test_async_save_snapshots_the_state_and_bounds_its_copies(tmp_path):
 def test_async_save_failure_is_raised_at_wait_and_keeps_the_previous(tmp_path, monkeypatch):
     import errno
 
-    from fsharded import checkpoint as ck
+    from fsharded import _ckpt_write as ck
 
     step, params, state = _saved(tmp_path)
     before = C.global_state(step, state)
@@ -614,6 +627,36 @@ def test_async_save_failure_is_raised_at_wait_and_keeps_the_previous(tmp_path, m
     assert C.leaves_equal(C.global_state(step, step.load(tmp_path / "ck", params)), before)
 
 
+def test_async_save_failing_while_writing_from_its_arena_keeps_the_previous(tmp_path, monkeypatch):
+    # The unbounded path copies every block into the step's staging arena and writes the
+    # file from it: a write that fails there is raised at wait(), nothing is published,
+    # and the arena goes back to the step for the next save, which succeeds.
+    import errno
+
+    from fsharded import _ckpt_write as ck
+
+    step, params, state = _saved(tmp_path)
+    before = C.global_state(step, state)
+    state2, _ = C.train(step, state, 0, 1)
+
+    def full(self, view, nbytes):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ck._DataFile, "write_from", full)
+    pending = step.save_async(state2, tmp_path / "ck", overwrite=True)
+    with pytest.raises(OSError, match="No space left"):
+        pending.wait()
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # the temporary directory removed
+    assert C.leaves_equal(C.global_state(step, step.load(tmp_path / "ck", params)), before)
+    held = step.staging.nbytes
+    assert held >= _state_bytes(state2)[0]
+    monkeypatch.undo()
+    after = C.global_state(step, state2)
+    assert step.save_async(state2, tmp_path / "ck", overwrite=True).wait() == str(tmp_path / "ck")
+    assert step.staging.nbytes == held  # the same arena, reused
+    assert C.leaves_equal(C.global_state(step, step.load(tmp_path / "ck", params)), after)
+
+
 def test_manager_saves_in_the_background(tmp_path):
     step, params = C.make_step({"data": 2}, 2)
     mgr = fs.checkpoint.Manager(tmp_path, keep=2)
@@ -632,12 +675,14 @@ def test_manager_saves_in_the_background(tmp_path):
 def test_async_save_on_gloo_ranks_while_training(tmp_path):
     from fsharded.testing import run_on_ranks
 
-    res = run_on_ranks(C.async_save_while_training, 2, {"data": 2}, 3, str(tmp_path / "ck"))
-    for r in res:
-        assert C.leaves_equal(r["loaded"], r["snapshot"])
-        assert r["trained_on"]  # the steps after the call changed the state
-    virt = C.load_and_train({"data": 2}, 1, str(tmp_path / "ck"))
-    assert C.leaves_equal(virt["loaded"], res[0]["snapshot"])
+    for bound in (4096, None):  # copies a few blocks at a time; all at once into the arena
+        d = str(tmp_path / f"ck-{bound}")
+        res = run_on_ranks(C.async_save_while_training, 2, {"data": 2}, 3, d, bound)
+        for r in res:
+            assert C.leaves_equal(r["loaded"], r["snapshot"])
+            assert r["trained_on"]  # the steps after the call changed the state
+        virt = C.load_and_train({"data": 2}, 1, d)
+        assert C.leaves_equal(virt["loaded"], res[0]["snapshot"])
 
 
 def test_load_without_a_template_rebuilds_the_tree_from_the_manifest(tmp_path):
