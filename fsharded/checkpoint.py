@@ -300,7 +300,6 @@ class PendingSave:
         self.peak_staged_bytes = 0
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="fsharded-checkpoint", daemon=False)
-        self._thread.start()
 
     @property
     def directory(self) -> str:
@@ -458,7 +457,14 @@ def save_async(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, 
     if max_staged_bytes is None or max_staged_bytes >= total:
         arena = staging._take(total) if staging is not None else Arena(total)
     pending = PendingSave(job, timeout_s, arena, staging)
-    pending._stage(max_staged_bytes)
+    if arena is None:  # the writer frees copies as it goes, so that staging can go on
+        pending._thread.start()
+        pending._stage(max_staged_bytes)
+        return pending
+    try:  # the writer starts once the copy is made: it would only slow the caller's copy
+        pending._stage(max_staged_bytes)
+    finally:
+        pending._thread.start()  # (also after a failed copy: it cleans up)
     return pending
 
 

@@ -126,5 +126,6 @@ def test_checkpoint_bench_quick_runs():
     )
     assert r.returncode == 0, r.stderr[-4000:]
     for case in ("save (step.save vs dcp.save)", "load (step.load vs dcp.load)", "bytes on disk",
-                 "2 ranks ZeRO-3 -> 1 process ZeRO-1"):
+                 "2 ranks ZeRO-3 -> 1 process ZeRO-1", "while save_async writes vs without a save"):
         assert case in r.stdout, r.stdout
+    assert "a save costs the loop" in r.stdout and "of one step" in r.stdout, r.stdout

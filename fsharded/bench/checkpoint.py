@@ -49,6 +49,7 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+STEPS = 3  # training steps per timed round, with a save in the background or without
 STEP_ROUNDS = 9  # at least, for the step-time rows (a step varies by ~10% here)
 SIZES = {"5m": (256, 6), "50m": (640, 10)}  # d_model, layers: 4.8 M and 49.5 M params
 
@@ -60,7 +61,7 @@ class Job:
     rounds: int
     root: str
     label: str = ""  # the size column
-    steps: int = 3  # training steps timed with and without a save in the background
+    steps: int = STEPS  # training steps timed with and without a save in the background
     deepspeed: bool = False  # also DeepSpeed's save_checkpoint / load_checkpoint (ZeRO-3)
     extensions_dir: str = ""
 
@@ -219,10 +220,27 @@ def rank_worker(job: Job) -> dict:
             dist.barrier()
         for fn in ((ours_async_done, dcp_async_done) if rd % 2 == 0 else (dcp_async_done, ours_async_done)):
             times[fn.__name__].append(timed(fn))
-    # A step's cost while a save is written in the background against the same steps
-    # without one: timed from the save_async call (the copy it blocks for counts) through
-    # the steps to its wait(), on a batch the step has already run once (the first call on
-    # a new batch shape costs more and would land in one bucket only).
+    exact = {k: _same(v, state) for k, v in loaded.items()}
+    shard_bytes = sum(x.numel() * x.element_size() for x in _leaves(state))
+    sizes = {"ours": _bytes_under(ours_dir), "dcp": _bytes_under(dcp_dir)}
+    if job.deepspeed:
+        sizes["deepspeed"] = _bytes_under(ds_dir)
+    return {"times": times, "exact": exact, "shard_bytes": shard_bytes, "bytes": sizes}
+
+
+def steps_worker(job: Job) -> dict:
+    """A step's cost while a save is written in the background against the same steps
+    without one, in processes that run nothing else (no peer's threads or memory around):
+    timed from the save_async call (the copy it blocks for counts) through the steps to its
+    wait(), on a batch the step has already run once (the first call on a new batch shape
+    costs more and would land in one bucket only)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    config = _config(job)
+    step, params = _step(fs.Mesh({"data": dist.get_world_size()}), 3, config)
+    ours_dir = os.path.join(job.root, "ours")
+    times: dict[str, list[float]] = {}
     g = torch.Generator().manual_seed(1)
     batch = {"tokens": torch.randint(0, config.vocab_size, (8, 65), generator=g)}
     train_state = _trained(step, params, config)
@@ -244,12 +262,7 @@ def rank_worker(job: Job) -> dict:
             dt = (time.perf_counter() - t0) / job.steps
             dist.barrier()
             times["steps_async" if with_save else "steps_plain"].append(dt)
-    exact = {k: _same(v, state) for k, v in loaded.items()}
-    shard_bytes = sum(x.numel() * x.element_size() for x in _leaves(state))
-    sizes = {"ours": _bytes_under(ours_dir), "dcp": _bytes_under(dcp_dir)}
-    if job.deepspeed:
-        sizes["deepspeed"] = _bytes_under(ds_dir)
-    return {"times": times, "exact": exact, "shard_bytes": shard_bytes, "bytes": sizes}
+    return times
 
 
 def _deepspeed_engine(job: Job, params: dict, config: gpt.GPTConfig):
@@ -276,6 +289,7 @@ def two_ranks(job: Job) -> dict[str, list]:
     )
 
     res = run_on_ranks(rank_worker, 2, job)
+    steps = run_on_ranks(steps_worker, 2, job)[0]
     bad = [(r, k) for r, x in enumerate(res) for k, ok in x["exact"].items() if not ok]
     if bad:
         raise AssertionError(f"bench checkpoint: a load did not give the saved state back: {bad}")
@@ -289,7 +303,7 @@ def two_ranks(job: Job) -> dict[str, list]:
                                        size, t["ours_async_done"], t["dcp_async_done"]))
     out["dcp"].append(Qty("bytes on disk", size, b["ours"], b["dcp"], unit="B"))
     out["steps"] = [Row.from_samples("a ZeRO-3 step (8x64 global) while save_async writes vs without a save",
-                                     size, t["steps_async"], t["steps_plain"])]
+                                     size, steps["steps_async"], steps["steps_plain"])]
     if "deepspeed" in b:
         out["deepspeed"] = [Row.from_samples(f"{w} (step.{w} vs engine.{w}_checkpoint)", size,
                                              t[f"ours_{w}"], t[f"ds_{w}"]) for w in ("save", "load")]
@@ -457,7 +471,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     report.sections.append(Section(
         title="the step-time overhead of saving in the background (the same state, 2 gloo ranks)",
         peer="the same steps with no save in flight", rows=tuple(rows["steps"]), target=1.05,
-        notes=(f"3 steps timed per round, at least {STEP_ROUNDS} rounds alternating, medians; timed from "
+        notes=(*(f"{r.size}: a save costs the loop {(r.ours_s - r.peer_s) * STEPS * 1e3:+.0f} ms, "
+                 f"{(r.ours_s - r.peer_s) * STEPS / r.peer_s:+.0%} of one step" for r in rows["steps"]),
+               f"{STEPS} steps timed per round, at least {STEP_ROUNDS} rounds alternating, medians; timed from "
                f"the save_async call (the copy it blocks for included) to its wait() after the steps; "
                f"the copy goes into the staging memory the step keeps from its previous save",)))
     report.sections.append(Section(
