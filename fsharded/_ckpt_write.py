@@ -99,8 +99,6 @@ class _DataFile:
         self.offset = 0  # bytes written (in the buffer included)
         self._synced = 0  # buffered: bytes whose write-back has been started
         if self.direct:
-            import mmap
-
             self._buf = mmap.mmap(-1, CHUNK)  # page-aligned
             self._view = memoryview(self._buf)
             self._fill, self._fell_back = 0, False
