@@ -293,7 +293,6 @@ class PendingSave:
                  staging: Staging | None = None) -> None:
         self._job, self._timeout = job, timeout_s
         self._arena, self._staging = arena, staging  # arena: every block copied into it
-        self._staged_all = threading.Event()
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._staged = 0
@@ -333,8 +332,6 @@ class PendingSave:
             for path, start, size, piece in self._job.pieces:
                 n = piece.numel() * piece.element_size()
                 if self._arena is not None:  # every block at once, in the file's layout
-                    if self._error is not None:
-                        break
                     self._queue.put((path, start, size, self._arena.put(piece), 0))
                     self.peak_staged_bytes = self._arena.used
                     continue
@@ -356,7 +353,6 @@ class PendingSave:
         finally:
             self._queue.put(None)
             self._job.pieces = []  # the caller's tensors are not held past this call
-            self._staged_all.set()
 
     def _staged_pieces(self) -> Iterator[tuple]:
         while True:
@@ -407,11 +403,10 @@ class PendingSave:
                 shutil.rmtree(job.tmp, ignore_errors=True)
 
     def _return_arena(self) -> None:
-        """Hand the arena back for the next save once the caller has stopped copying into
-        it and the file is written (or failed)."""
+        """Hand the arena back for the next save once the file is written (or failed); the
+        writer of an arena starts after the caller's copy into it (``save_async``)."""
         arena, self._arena = self._arena, None
         if arena is not None:
-            self._staged_all.wait()
             self._drain()
             if self._staging is not None:
                 self._staging._give(arena)
