@@ -39,7 +39,7 @@ def _write_data(tmp: str, rank: int, pieces: Iterable[tuple], arena: Arena | Non
     """This writer's data file and, once it is on disk, its blocks file (renamed into place
     complete, so that a reader that sees it sees all of it). Written a chunk at a time, each
     checksummed as it passes (``_DataFile``). With ``arena``, the pieces' values are its
-    slices, back to back from its start (``Arena.put``): they are checksummed as they come,
+    slices, back to back from its start (``Arena.copy_in``): they are checksummed as they come,
     then the file is written from the arena's memory in one pass."""
     kind, crc = checksummer()
     blocks = []
@@ -212,17 +212,28 @@ class Arena:
         self._mm = mmap.mmap(-1, self.capacity)
         self.view = memoryview(self._mm)
         self.used = 0
+        self._layout: Any = None  # the layout the views below were made for
+        self._dsts: list = []
+        self._views: list[memoryview] = []
 
-    def put(self, x: torch.Tensor) -> memoryview:
-        """Copy ``x`` (any device, any strides) in after what is there, as C-order bytes;
-        those bytes here."""
-        n = x.numel() * x.element_size()
-        if self.used + n > self.capacity:
-            raise ValueError(f"Arena.put: {n} more bytes do not fit ({self.used} of {self.capacity} used)")
-        if n:
-            dst = torch.frombuffer(self._mm, dtype=x.dtype, count=x.numel(), offset=self.used)
-            with torch.no_grad():
-                dst.view(x.shape).copy_(x.detach())
-            del dst
-        self.used += n
-        return self.view[self.used - n:self.used]
+    def copy_in(self, layout: Any, tensors: list[torch.Tensor]) -> list[memoryview]:
+        """Copy each of ``tensors`` (any device, any strides) to its block of ``layout``
+        (``checkpoint._Layout``: the blocks' offsets and bytes, back to back from the
+        start, as C-order bytes); those bytes here, one memoryview per block. The tensors
+        over the blocks are kept for the next copy of the same layout (a step saves the
+        same state again)."""
+        if layout.total > self.capacity:
+            raise ValueError(f"Arena.copy_in: {layout.total} bytes do not fit in {self.capacity}")
+        if self._layout is not layout:
+            self._layout, self._dsts = None, []
+            for x, offset, n in zip(tensors, layout.offsets, layout.nbytes):
+                self._dsts.append(torch.frombuffer(self._mm, dtype=x.dtype, count=x.numel(), offset=offset)
+                                  .view(x.shape) if n else None)
+            self._views = [self.view[o:o + n] for o, n in zip(layout.offsets, layout.nbytes)]
+            self._layout = layout
+        with torch.no_grad():
+            for dst, x in zip(self._dsts, tensors):
+                if dst is not None:
+                    dst.copy_(x.detach())
+        self.used = layout.total
+        return self._views

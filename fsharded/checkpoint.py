@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import queue
 import secrets
@@ -137,7 +138,8 @@ class _Job:
         self.mesh, self.dist = mesh, _distributed(mesh, backend)
         self.rank = comm.rank() if self.dist else 0
         self.writers = comm.world_size() if self.dist else 1
-        self.entries, self.pieces = _layout(paths, leaves, flat_specs, mesh, self.dist, self.rank)
+        self.layout, self.entries, self.pieces = _layout(paths, leaves, flat_specs, mesh, self.dist,
+                                                         self.rank, tdef)
         if os.path.exists(directory) and not overwrite:
             raise FileExistsError(f"checkpoint.save: {directory} exists; pass overwrite=True to replace it")
         token = [secrets.token_hex(4)]
@@ -218,27 +220,73 @@ def _wait_removals(timeout_s: float = 60.0) -> None:
     _poll(lambda: not _removing, timeout_s, "checkpoint: removing replaced checkpoints")
 
 
-def _layout(paths: list, leaves: list, flat_specs: list, mesh: Mesh, dist: bool,
-            rank: int) -> tuple[list[dict], list[tuple]]:
-    """The manifest's leaf entries and this writer's blocks: (path, start, shape, tensor)."""
-    entries, pieces = [], []
-    writers = [mesh.coords(rank)] if dist else [mesh.coords(i) for i in range(mesh.size)]
-    for path, x, spec in zip(paths, leaves, flat_specs):
-        if not isinstance(x, torch.Tensor):
-            if not isinstance(x, (int, float, bool, str)) and x is not None:
-                raise TypeError(f"checkpoint.save: {path} is a {type(x).__name__}; leaves must "
-                                f"be tensors or JSON values (int, float, bool, str)")
-            entries.append({"path": path, "value": x})
-            continue
-        spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()
-        shape = global_shape(spec, tuple(x.shape), mesh) if dist else tuple(x.shape)
-        entries.append({"path": path, "shape": list(shape), "dtype": str(x.dtype),
-                        "spec": _spec_json(spec)})
-        for coords in writers:
-            if _writes(spec, coords):
-                start, size = _box(spec, shape, mesh, coords)
-                pieces.append((path, start, size, x if dist else local_slice(x, spec, mesh, coords)))
-    return entries, pieces
+class _Layout:
+    """Where a save puts the leaves of one kind of tree (its structure, each leaf's shape
+    and dtype, the specs, the mesh, the writer): the manifest's entries of its tensors
+    (``None`` for a JSON value, stored as it is at each save), this writer's blocks as
+    (path, start, shape, leaf index, (spec, coords) to slice a global value or ``None``),
+    and each block's bytes and offset in the data file (``total``: the file's size)."""
+
+    __slots__ = ("entries", "blocks", "nbytes", "offsets", "total", "__weakref__")
+
+    def __init__(self, paths: list, leaves: list, flat_specs: list, mesh: Mesh, dist: bool,
+                 rank: int) -> None:
+        self.entries: list[dict | None] = []
+        self.blocks: list[tuple] = []
+        self.nbytes: list[int] = []
+        self.offsets: list[int] = []
+        self.total = 0
+        writers = [mesh.coords(rank)] if dist else [mesh.coords(i) for i in range(mesh.size)]
+        for i, (path, x, spec) in enumerate(zip(paths, leaves, flat_specs)):
+            if not isinstance(x, torch.Tensor):
+                if not isinstance(x, (int, float, bool, str)) and x is not None:
+                    raise TypeError(f"checkpoint.save: {path} is a {type(x).__name__}; leaves must "
+                                    f"be tensors or JSON values (int, float, bool, str)")
+                self.entries.append(None)
+                continue
+            spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()
+            shape = global_shape(spec, tuple(x.shape), mesh) if dist else tuple(x.shape)
+            self.entries.append({"path": path, "shape": list(shape), "dtype": str(x.dtype),
+                                 "spec": _spec_json(spec)})
+            for coords in writers:
+                if _writes(spec, coords):
+                    start, size = _box(spec, shape, mesh, coords)
+                    self.blocks.append((path, start, size, i, None if dist else (spec, coords)))
+                    self.offsets.append(self.total)
+                    self.nbytes.append(math.prod(size) * x.element_size())
+                    self.total += self.nbytes[-1]
+
+
+_LAYOUTS: dict = {}  # the layouts of the trees saved lately (a step saves the same kind again)
+
+
+def _layout(paths: list, leaves: list, flat_specs: list, mesh: Mesh, dist: bool, rank: int,
+            tdef: Any = None) -> tuple[_Layout, list[dict], list[tuple]]:
+    """The layout of a save (remembered by ``tdef``, the leaves' shapes and dtypes, the
+    specs, the mesh and the writer), the manifest's leaf entries and this writer's blocks:
+    (path, start, shape, tensor)."""
+    key = None
+    if tdef is not None:
+        key = (tdef, mesh, dist, rank,
+               tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in leaves))
+        try:
+            key = (key, tuple(flat_specs))
+            layout = _LAYOUTS.get(key)
+        except TypeError:  # an unhashable spec
+            key = layout = None
+    else:
+        layout = None
+    if layout is None:
+        layout = _Layout(paths, leaves, flat_specs, mesh, dist, rank)
+        if key is not None:
+            if len(_LAYOUTS) >= 16:
+                _LAYOUTS.clear()
+            _LAYOUTS[key] = layout
+    entries = [e if e is not None else {"path": p, "value": x}
+               for e, p, x in zip(layout.entries, paths, leaves)]
+    pieces = [(path, start, size, leaves[i] if where is None else local_slice(leaves[i], where[0], mesh, where[1]))
+              for path, start, size, i, where in layout.blocks]
+    return layout, entries, pieces
 
 
 # -- saving in the background -------------------------------------------------------------------
@@ -297,7 +345,8 @@ class PendingSave:
         self._cond = threading.Condition()
         self._staged = 0
         self.peak_staged_bytes = 0
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue = queue.Queue()  # the copies made, in bounded staging
+        self._copied: list[tuple] = []  # the blocks in the arena, where there is one
         self._thread = threading.Thread(target=self._run, name="fsharded-checkpoint", daemon=False)
 
     @property
@@ -329,12 +378,14 @@ class PendingSave:
 
     def _stage(self, bound: int | None) -> None:
         try:
-            for path, start, size, piece in self._job.pieces:
+            pieces = self._job.pieces
+            if self._arena is not None:  # every block at once, in the file's layout
+                views = self._arena.copy_in(self._job.layout, [p[3] for p in pieces])
+                self._copied = [(path, start, size, view) for (path, start, size, _), view in zip(pieces, views)]
+                self.peak_staged_bytes = self._arena.used
+                pieces = ()
+            for path, start, size, piece in pieces:
                 n = piece.numel() * piece.element_size()
-                if self._arena is not None:  # every block at once, in the file's layout
-                    self._queue.put((path, start, size, self._arena.put(piece), 0))
-                    self.peak_staged_bytes = self._arena.used
-                    continue
                 with self._cond:
                     while (bound is not None and self._staged and self._staged + n > bound
                            and self._error is None):
@@ -376,7 +427,10 @@ class PendingSave:
         job = self._job
         try:
             try:
-                _write_data(job.tmp, job.rank, self._staged_pieces(), self._arena)
+                if self._arena is not None and self._error is not None:
+                    raise self._error  # the copy failed: no blocks file, the others see the failure
+                copied = self._copied if self._arena is not None else self._staged_pieces()
+                _write_data(job.tmp, job.rank, copied, self._arena)
             finally:
                 self._return_arena()
             if self._error is not None:  # staging failed: what was written is not the state
@@ -406,6 +460,7 @@ class PendingSave:
         """Hand the arena back for the next save once the file is written (or failed); the
         writer of an arena starts after the caller's copy into it (``save_async``)."""
         arena, self._arena = self._arena, None
+        self._copied = []
         if arena is not None:
             self._drain()
             if self._staging is not None:
@@ -447,7 +502,7 @@ def save_async(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, 
         raise TypeError(f"checkpoint.save_async: staging must be a checkpoint.Staging or None, "
                         f"got {type(staging).__name__}")
     job = _Job(directory, tree, specs, mesh, backend, overwrite)
-    total = sum(p.numel() * p.element_size() for *_, p in job.pieces)
+    total = job.layout.total
     arena = None
     if max_staged_bytes is None or max_staged_bytes >= total:
         arena = staging._take(total) if staging is not None else Arena(total)

@@ -458,6 +458,43 @@ def test_direct_and_buffered_writes_give_the_same_files(tmp_path, monkeypatch, c
     assert staging.nbytes == 0
 
 
+def test_saves_of_trees_of_one_structure_take_each_its_own_layout(tmp_path):
+    # A save's layout (manifest entries, blocks, offsets) and the staging arena's views of
+    # its blocks are kept for the next save of the same kind of tree. Trees with the same
+    # structure but other shapes, dtypes, specs or JSON values must each get their own:
+    # every one round-trips exactly, through save and through save_async on one arena.
+    mesh = fs.Mesh({"data": 2})
+    g = torch.Generator().manual_seed(0)
+    cases = [
+        ({"w": torch.randn(4, 6, generator=g), "b": torch.randn(6, generator=g), "n": 3}, {"w": P("data"), "b": P(), "n": P()}),
+        ({"w": torch.randn(4, 6, generator=g), "b": torch.randn(6, generator=g), "n": 4}, {"w": P("data"), "b": P(), "n": P()}),
+        ({"w": torch.randn(4, 6, generator=g), "b": torch.randn(6, generator=g), "n": 5}, {"w": P(None, "data"), "b": P(), "n": P()}),
+        ({"w": torch.randn(8, 2, generator=g), "b": torch.randn(6, generator=g), "n": 6}, {"w": P("data"), "b": P(), "n": P()}),
+        ({"w": torch.randn(4, 6, generator=g).double(), "b": torch.randn(6, generator=g), "n": 7}, {"w": P("data"), "b": P(), "n": P()}),
+        ({"w": torch.randn(4, 6, generator=g), "b": torch.randn(6, generator=g), "n": "x"}, {"w": P("data"), "b": P(), "n": P()}),
+    ]
+    staging = fs.checkpoint.Staging()
+    layouts = []
+    for i, (tree, specs) in enumerate(cases):
+        for how in ("save", "async"):
+            d = tmp_path / f"{i}-{how}"
+            if how == "save":
+                fs.checkpoint.save(d, tree, specs, mesh)
+            else:
+                pending = fs.checkpoint.save_async(d, tree, specs, mesh, staging=staging)
+                layouts.append(pending._job.layout)
+                pending.wait()
+            got = fs.checkpoint.load(d, tree, specs, mesh)
+            assert got["n"] == tree["n"]
+            for k in ("w", "b"):
+                assert got[k].dtype == tree[k].dtype and torch.equal(got[k], tree[k]), (i, how, k)
+            manifest = fs.checkpoint.read_manifest(d)
+            assert [e["spec"] for e in manifest["leaves"] if e["path"] == "w"] == [
+                [list(a) if isinstance(a, tuple) else a for a in specs["w"]]]
+    assert layouts[0] is layouts[1] and layouts[1] is not layouts[2]  # only a new value: one layout
+    assert len({id(x) for x in layouts[1:]}) == len(layouts) - 1
+
+
 # -- DCP ------------------------------------------------------------------------------------------
 
 
