@@ -50,7 +50,7 @@ def _log(msg: str) -> None:
 
 
 STEPS = 3  # training steps per timed round, with a save in the background or without
-STEP_ROUNDS = 9  # at least, for the step-time rows (a step varies by ~10% here)
+STEP_ROUNDS = 15  # at least, for the step-time rows (a step varies by ~10% here, a save costs ~5%)
 SIZES = {"5m": (256, 6), "50m": (640, 10)}  # d_model, layers: 4.8 M and 49.5 M params
 
 
@@ -62,6 +62,7 @@ class Job:
     root: str
     label: str = ""  # the size column
     steps: int = STEPS  # training steps timed with and without a save in the background
+    step_rounds: int = STEP_ROUNDS  # at least this many rounds of them
     deepspeed: bool = False  # also DeepSpeed's save_checkpoint / load_checkpoint (ZeRO-3)
     extensions_dir: str = ""
 
@@ -247,7 +248,7 @@ def steps_worker(job: Job) -> dict:
     train_state, m = step(train_state, batch)
     step.save_async(train_state, ours_dir + "-bg", overwrite=True).wait()  # the staging arena made
     times["steps_async"], times["steps_plain"] = [], []
-    for rd in range(max(job.rounds, STEP_ROUNDS)):
+    for rd in range(max(job.rounds, job.step_rounds)):
         for with_save in ((True, False) if rd % 2 == 0 else (False, True)):
             fs.checkpoint._wait_removals()
             os.sync()
@@ -429,6 +430,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     if unknown or not names:
         parser.error(f"--sizes: {', '.join(unknown) or 'none given'}; choose from {', '.join(SIZES)}")
     sizes = [(32, 2, 2)] if args.quick else [(*SIZES[n], 7 if n == "5m" else 3) for n in names]
+    step_rounds = 2 if args.quick else STEP_ROUNDS
     with_ds = not args.no_deepspeed and importlib.util.find_spec("deepspeed") is not None
     rows: dict[str, list] = {"dcp": [], "deepspeed": [], "steps": [], "reshard": []}
     models, rounds_used = [], []
@@ -437,7 +439,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         rounds_used.append(rounds)
         root = tempfile.mkdtemp(prefix="fsharded-bench-ckpt-", dir=args.dir)
         try:
-            job = Job(d_model, layers, rounds, root, deepspeed=with_ds,
+            job = Job(d_model, layers, rounds, root, deepspeed=with_ds, step_rounds=step_rounds,
                       extensions_dir=os.path.join(tempfile.gettempdir(), "fsharded-bench-zero-extensions"))
             n = gpt.param_count(gpt.init(_config(job), 0))
             job = dataclasses.replace(job, label=f"{n / 1e6:.3g} M params")
@@ -473,7 +475,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         peer="the same steps with no save in flight", rows=tuple(rows["steps"]), target=1.05,
         notes=(*(f"{r.size}: a save costs the loop {(r.ours_s - r.peer_s) * STEPS * 1e3:+.0f} ms, "
                  f"{(r.ours_s - r.peer_s) * STEPS / r.peer_s:+.0%} of one step" for r in rows["steps"]),
-               f"{STEPS} steps timed per round, at least {STEP_ROUNDS} rounds alternating, medians; timed from "
+               f"{STEPS} steps timed per round, at least {step_rounds} rounds alternating, medians; timed from "
                f"the save_async call (the copy it blocks for included) to its wait() after the steps; "
                f"the copy goes into the staging memory the step keeps from its previous save",)))
     report.sections.append(Section(
