@@ -55,20 +55,21 @@ def _verifier(b: dict, path: str) -> tuple[str, Callable[..., int]]:
     raise CheckpointError(f"checkpoint: {path}: the block of {b.get('path')} has no checksum")
 
 
-_PATHS: dict = {}  # treespec -> the dotted paths of its leaves (a step saves the same tree often)
+_PATHS: dict = {}  # (treespec, its string) -> the dotted paths of its leaves (a step saves the same tree often)
 
 
 def _flatten(tree: Any) -> tuple[list[str], list, Any]:
     """(dotted paths, leaves, treespec); NamedTuple fields and dataclass fields by name
     (``opt_state.0.mu.w``), so a path reads as the attribute it is."""
     leaves, tdef = optree.tree_flatten(tree)
-    paths = _PATHS.get(tdef)
+    key = (tdef, str(tdef))  # its string too: {1: x} and {True: x} have equal treespecs
+    paths = _PATHS.get(key)
     if paths is None:
         paths = [".".join(str(getattr(e, "field", e.entry)) for e in acc) or "<root>"
                  for acc in tdef.accessors()]
         if len(_PATHS) >= 64:
             _PATHS.clear()
-        _PATHS[tdef] = paths
+        _PATHS[key] = paths
     return list(paths), leaves, tdef
 
 

@@ -153,3 +153,23 @@ def async_save_while_training(mesh_axes: dict, stage: int, directory: str,
     loaded = global_state(donated, donated.load(directory, params))
     return {"snapshot": snapshot, "loaded": loaded,
             "trained_on": not leaves_equal(after, snapshot)}
+
+
+def save_with_bad_specs(directory: str) -> dict:
+    """On real ranks: saves whose specs do not fit their leaves (an axis not in the mesh, a
+    spec on a JSON value) raise, naming the leaf, and leave no directory behind; then a save
+    that fits still works."""
+    import os
+
+    mesh = fs.Mesh({"data": torch.distributed.get_world_size()})
+    errors = []
+    for tree, specs in [({"w": torch.ones(4), "b": torch.ones(2)}, {"w": P("data"), "b": P("model")}),
+                        ({"w": torch.ones(4), "n": 3}, {"w": P("data"), "n": P("data")})]:
+        try:
+            fs.checkpoint.save(directory, tree, specs, mesh)
+        except ValueError as e:
+            errors.append(str(e))
+    listed = sorted(os.listdir(os.path.dirname(directory)))
+    fs.checkpoint.save(directory, {"w": torch.full((4,), float(torch.distributed.get_rank()))}, P("data"), mesh)
+    return {"errors": errors, "listed": listed,
+            "loaded": fs.checkpoint.load(directory, {"w": torch.empty(8)}, P(), mesh)["w"].tolist()}

@@ -108,6 +108,34 @@ def test_any_tree_and_specs(tmp_path):
 # -- bad input ------------------------------------------------------------------------------------
 
 
+def test_a_spec_that_does_not_fit_is_an_error_at_save(tmp_path):
+    # The blocks of a leaf whose dim does not divide over its axes would not cover it: the
+    # save must fail (naming the leaf and the fix) rather than publish what no load can read.
+    mesh = fs.Mesh({"data": 2})
+    tree = {"a": torch.arange(5.0), "b": torch.ones(4), "n": 3}
+    for specs, names in [({"a": P("data"), "b": P(), "n": P()}, ["a: spec", "not divisible by 2"]),
+                         ({"a": P(), "b": P("model"), "n": P()}, ["b: spec", "'model' is not in the mesh"]),
+                         ({"a": P(), "b": P(), "n": P("data")}, ["n: spec", "cannot be sharded"])]:
+        for save in (fs.checkpoint.save, fs.checkpoint.save_async):
+            with pytest.raises(ValueError, match="checkpoint.save") as e:
+                save(tmp_path / "ck", tree, specs, mesh)
+            assert all(n in str(e.value) for n in names), str(e.value)
+    assert os.listdir(tmp_path) == []
+    fs.checkpoint.save(tmp_path / "ck", tree, {"a": P(), "b": P("data"), "n": P()}, mesh)
+    assert torch.equal(fs.checkpoint.load(tmp_path / "ck", tree, P(), mesh)["a"], tree["a"])
+
+
+@pytest.mark.multiprocess
+def test_a_spec_that_does_not_fit_is_an_error_at_save_on_gloo_ranks(tmp_path):
+    from fsharded.testing import run_on_ranks
+
+    for r in run_on_ranks(C.save_with_bad_specs, 2, str(tmp_path / "ck")):
+        assert len(r["errors"]) == 2 and r["listed"] == []
+        assert "b: spec" in r["errors"][0] and "'model' is not in the mesh" in r["errors"][0]
+        assert "n: spec" in r["errors"][1] and "cannot be sharded" in r["errors"][1]
+        assert r["loaded"] == [0.0] * 4 + [1.0] * 4
+
+
 def _saved(tmp_path):
     step, params = C.make_step({"data": 2}, 3)
     state = step.init(params)
