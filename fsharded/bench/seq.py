@@ -78,6 +78,12 @@ def _longest(fn, n: int, budget: int, quantum: int, cap: int) -> int:
     return lo
 
 
+def rounds_at(length: int, rounds: int) -> int:
+    """Timed rounds at ``length`` tokens: ``rounds`` from 4096 up, more below (up to 4x at
+    1024 and shorter), where a step is short and the machine's noise a larger part of it."""
+    return rounds * max(1, min(4, 4096 // max(1, length)))
+
+
 def _rank(lengths: Sequence[int], rounds: int, deepspeed: bool, budget: int = 0) -> dict:
     """On each rank: every variant at every length; with ``budget``, the longest sequence
     each fits in it per rank."""
@@ -145,11 +151,18 @@ def _rank(lengths: Sequence[int], rounds: int, deepspeed: bool, budget: int = 0)
             def whole(qf=qf, kf=kf, vf=vf, gf=gf):
                 _attend(qf, kf, vf).backward(gf)
                 qf.grad = kf.grad = vf.grad = None
-        for name, fn in fns.items():
+        for fn in fns.values():
             fn()  # warm
+        rec.update({name: {"t": []} for name in fns})
+        names = list(fns)
+        for r in range(rounds_at(L, rounds)):  # rounds alternate the variants, the first one rotating, so
+            for name in names[r % len(names):] + names[:r % len(names)]:  # drifts in the
+                dist.barrier()                                            # machine's load hit
+                rec[name]["t"] += _time(fns[name], 1)                     # them all alike
+        for name, fn in fns.items():
             dist.barrier()
-            rec[name] = {"t": _time(fn, rounds), "peak": _peak(fn)}
-            dist.barrier()
+            rec[name]["peak"] = _peak(fn)
+        dist.barrier()
         whole_shape = [torch.empty(1, L, HEADS, HEAD_DIM) for _ in range(3)]  # collectives() takes global values
         for name, sm in variants.items():
             rec[name]["sent"] = sm.collectives(*whole_shape).total_bytes()
@@ -188,7 +201,9 @@ def run(world: int, lengths: Sequence[int], rounds: int, deepspeed: bool, budget
                      for L in lengths for v in variants)
         report.sections.append(Section(f"step time on {world} ranks (slowest rank)", "deepspeed.sequence."
                                        "layer.DistributedAttention around the same local attention", rows,
-                                       target=1.0))
+                                       target=1.0, notes=(f"median of {rounds} rounds per rank (x4 at 1024 tokens, x2 at 2048), the variants "
+                                                          "alternating within each round (the first one "
+                                                          "rotating); a step takes its slowest rank's median",)))
         rows = tuple(Qty(f"{v} vs DeepSpeed-Ulysses", f"{L} tokens", max(r[L][v]["peak"] for r in per_rank),
                          max(r[L]["deepspeed"]["peak"] for r in per_rank), unit="B")
                      for L in lengths for v in variants)
@@ -259,7 +274,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="short sequences, few rounds (a smoke run)")
     p.add_argument("--ranks", type=int, default=2, help="gloo ranks (default 2; 4 adds the hybrid)")
     p.add_argument("--lengths", default="1024,4096", help="comma-separated sequence lengths")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds at 4096 tokens and up "
+                   "(x2 at 2048, x4 at 1024 and shorter)")
     p.add_argument("--markdown", action="store_true", help="print Markdown tables")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed (compared where installed)")
     p.add_argument("--budget", default="1GiB",

@@ -1,0 +1,25 @@
+"""Smoke test of `fsharded bench seq` on 2 gloo ranks (no timing asserted)."""
+
+import pytest
+
+
+def test_rounds_grow_at_short_lengths():
+    from fsharded.bench.seq import rounds_at
+
+    assert [rounds_at(L, 5) for L in (256, 1024, 2048, 4096, 16384)] == [20, 20, 10, 5, 5]
+
+
+@pytest.mark.multiprocess
+def test_bench_seq_quick_runs_without_deepspeed(capsys):
+    from fsharded.bench import seq
+
+    assert seq.main(["--quick", "--no-deepspeed", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("## fsharded bench seq")
+    for title in ("### step time against no sequence parallelism",
+                  "### peak activation bytes per rank against no sequence parallelism",
+                  "### bytes sent per rank per layer (fwd)"):
+        assert title in out, out
+    for v in ("ulysses", "ring"):
+        assert f"| {v} vs one rank, whole sequence | 256 tokens |" in out, out
+    assert "DeepSpeed-Ulysses (4 all-to-alls)" in out and "| n/a |" in out  # the peer, not run
