@@ -201,7 +201,8 @@ def combine(y: torch.Tensor, r: Routing) -> torch.Tensor:
     E, C, d = y.shape
     idx = _flat_slot(r).clamp(max=E * C - 1)  # (T, k); dropped rows get weight 0
     w = (r.weights * r.kept).to(y.dtype)
-    return (y.reshape(E * C, d)[idx] * w.unsqueeze(-1)).sum(1)
+    # (T, 1, k) @ (T, k, d): the weighted sum without a (T, k, d) product beside the rows
+    return torch.bmm(w.unsqueeze(1), y.reshape(E * C, d)[idx]).squeeze(1)
 
 
 def sort_by_expert(r: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -248,7 +249,7 @@ def sorted_combine(y: torch.Tensor, r: Routing) -> torch.Tensor:
     pos = torch.arange(k * T, device=y.device)
     ys = y[e, pos - offsets[e]]  # (N, d)
     back = ys[torch.argsort(order)].reshape(k, T, d).transpose(0, 1)  # (T, k, d)
-    return (back * r.weights.to(y.dtype).unsqueeze(-1)).sum(1)
+    return torch.bmm(r.weights.to(y.dtype).unsqueeze(1), back).squeeze(1)
 
 
 def expert_mlp(params: Params, h: torch.Tensor) -> torch.Tensor:
@@ -269,11 +270,15 @@ def _experts_batched(params: Params, h: torch.Tensor) -> torch.Tensor:
 
 
 def _experts_looped(params: Params, h: torch.Tensor) -> torch.Tensor:
-    w1, w2 = params["w1"], params["w2"]
-    b1, b2 = params.get("b1"), params.get("b2")
+    # unbind, not h[e]: its backward stacks the experts' gradients once, where indexing
+    # would give each expert a zero gradient of the whole tensor to add up.
+    E = h.shape[0]
+    w1, w2, hs = params["w1"].unbind(0), params["w2"].unbind(0), h.unbind(0)
+    b1 = params["b1"].unbind(0) if "b1" in params else None
+    b2 = params["b2"].unbind(0) if "b2" in params else None
     outs = []
-    for e in range(h.shape[0]):
-        a = torch.addmm(b1[e], h[e], w1[e]) if b1 is not None else torch.mm(h[e], w1[e])
+    for e in range(E):
+        a = torch.addmm(b1[e], hs[e], w1[e]) if b1 is not None else torch.mm(hs[e], w1[e])
         g = F.gelu(a)
         outs.append(torch.addmm(b2[e], g, w2[e]) if b2 is not None else torch.mm(g, w2[e]))
     return torch.stack(outs)
