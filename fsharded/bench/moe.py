@@ -34,7 +34,7 @@ class Config:
     """tokens per rank, one measurement each"""
     top_k: tuple[int, ...] = (1, 2)
     """routings measured: 1 (Switch) and/or 2 (GShard)"""
-    rounds: int = 7
+    rounds: int = 15
     """timed steps per framework, alternating"""
     d_model: int = 256
     d_ff: int = 1024

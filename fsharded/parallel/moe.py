@@ -262,6 +262,12 @@ def expert_mlp(params: Params, h: torch.Tensor) -> torch.Tensor:
     return _experts_looped(params, h) if h.device.type == "cpu" else _experts_batched(params, h)
 
 
+def _shard_major(buf: torch.Tensor) -> bool:
+    """Whether expert parallelism keeps the all-to-all's shard-major rows and loops over
+    them (CPU), rather than regrouping them by expert for one batched matmul."""
+    return buf.device.type == "cpu"
+
+
 def _experts_batched(params: Params, h: torch.Tensor) -> torch.Tensor:
     b1, b2 = params.get("b1"), params.get("b2")
     a = torch.baddbmm(b1.unsqueeze(1), h, params["w1"]) if b1 is not None else torch.bmm(h, params["w1"])
@@ -270,15 +276,20 @@ def _experts_batched(params: Params, h: torch.Tensor) -> torch.Tensor:
 
 
 def _experts_looped(params: Params, h: torch.Tensor) -> torch.Tensor:
+    """``h`` ``(G * E_l, C, d)``: row ``i`` through expert ``i % E_l``'s MLP, one matmul
+    per row and projection (``G`` groups of rows, e.g. one per source shard)."""
     # unbind, not h[e]: its backward stacks the experts' gradients once, where indexing
     # would give each expert a zero gradient of the whole tensor to add up.
-    E = h.shape[0]
+    E = params["w1"].shape[0]
+    if h.shape[0] % E:
+        raise ValueError(f"expert_mlp: {h.shape[0]} buffer rows for {E} experts")
     w1, w2, hs = params["w1"].unbind(0), params["w2"].unbind(0), h.unbind(0)
     b1 = params["b1"].unbind(0) if "b1" in params else None
     b2 = params["b2"].unbind(0) if "b2" in params else None
     outs = []
-    for e in range(E):
-        a = torch.addmm(b1[e], hs[e], w1[e]) if b1 is not None else torch.mm(hs[e], w1[e])
+    for i, x in enumerate(hs):
+        e = i % E
+        a = torch.addmm(b1[e], x, w1[e]) if b1 is not None else torch.mm(x, w1[e])
         g = F.gelu(a)
         outs.append(torch.addmm(b2[e], g, w2[e]) if b2 is not None else torch.mm(g, w2[e]))
     return torch.stack(outs)
@@ -347,11 +358,18 @@ def moe_layer(params: Params, x: torch.Tensor, *, top_k: int = 1, capacity_facto
     if method == "sorted" and n == 1 and _grouped_kernels(x2, impl):
         return _grouped_experts(params, x2, r, impl).reshape(shape), aux
     buf = sorted_dispatch(x2, r) if method == "sorted" else dispatch(x2, r)  # (E, C, d)
-    if n > 1:
+    experts = {k: params[k] for k in _EXPERT_LEAVES if k in params}
+    if n > 1 and _shard_major(buf):
+        # Shard-major, as the all-to-all lays it out: row s * E/n + e holds shard s's slots
+        # for my expert e, each row its own matmul (no relayout copies either way).
+        buf = all_to_all(buf, axis, split_dim=0, concat_dim=0)  # (n * E/n, C, d)
+        out = _experts_looped(experts, buf)
+        out = all_to_all(out, axis, split_dim=0, concat_dim=0)  # (E, C, d): my slots, every expert
+    elif n > 1:
         buf = all_to_all(buf, axis, split_dim=0, concat_dim=1)  # (E/n, n*C, d): my experts, every shard's slots
-    out = expert_mlp({k: params[k] for k in _EXPERT_LEAVES if k in params}, buf)
-    if n > 1:
-        out = all_to_all(out, axis, split_dim=1, concat_dim=0)  # (E, C, d): my slots, every expert
+        out = all_to_all(expert_mlp(experts, buf), axis, split_dim=1, concat_dim=0)  # (E, C, d)
+    else:
+        out = expert_mlp(experts, buf)
     y = sorted_combine(out, r) if method == "sorted" else combine(out, r)
     return y.reshape(shape), aux
 
