@@ -65,8 +65,7 @@ from fsharded._ckpt_interop import dcp_state_dict, export_safetensors, load_dcp,
 from fsharded._ckpt_write import Arena, _fsync, _write_data, _write_json
 from fsharded._ds_checkpoint import DeepSpeedCheckpoint, load_deepspeed, read_deepspeed
 from fsharded.mesh import Mesh, PartitionSpec
-from fsharded.mesh._layout import dims, global_shape, local_slice
-from fsharded.mesh._spec import format_spec_errors, spec_errors
+from fsharded.mesh._layout import check_sharded_tree, check_tree, dims, global_shape, local_slice
 
 __all__ = ["save", "save_async", "PendingSave", "Staging", "load", "tree_like", "Manager", "read_deepspeed", "load_deepspeed",
            "DeepSpeedCheckpoint", "save_dcp", "load_dcp", "dcp_state_dict", "export_safetensors", "FORMAT",
@@ -228,7 +227,7 @@ class _Layout:
     (path, start, shape, leaf index, (spec, coords) to slice a global value or ``None``),
     and each block's bytes and offset in the data file (``total``: the file's size)."""
 
-    __slots__ = ("entries", "blocks", "nbytes", "offsets", "total", "__weakref__")
+    __slots__ = ("entries", "blocks", "nbytes", "offsets", "total")
 
     def __init__(self, paths: list, leaves: list, flat_specs: list, mesh: Mesh, dist: bool,
                  rank: int) -> None:
@@ -237,13 +236,13 @@ class _Layout:
         self.nbytes: list[int] = []
         self.offsets: list[int] = []
         self.total = 0
+        flat_specs = [s if isinstance(s, PartitionSpec) else PartitionSpec() for s in flat_specs]
         _check_specs(paths, leaves, flat_specs, mesh, dist)
         writers = [mesh.coords(rank)] if dist else [mesh.coords(i) for i in range(mesh.size)]
         for i, (path, x, spec) in enumerate(zip(paths, leaves, flat_specs)):
             if not isinstance(x, torch.Tensor):
                 self.entries.append(None)
                 continue
-            spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()
             shape = global_shape(spec, tuple(x.shape), mesh) if dist else tuple(x.shape)
             self.entries.append({"path": path, "shape": list(shape), "dtype": str(x.dtype),
                                  "spec": _spec_json(spec)})
@@ -260,46 +259,31 @@ def _check_specs(paths: list, leaves: list, flat_specs: list, mesh: Mesh, dist: 
     """Every leaf storable and its spec fitting it (a global value on one process, this
     rank's shard on real ranks): otherwise the blocks would not cover the leaf, and a save
     would succeed that no load can read. One error listing every failing leaf."""
-    bad = []
-    for path, x, spec in zip(paths, leaves, flat_specs):
-        spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()
-        if not isinstance(x, torch.Tensor):
-            if not isinstance(x, (int, float, bool, str)) and x is not None:
-                raise TypeError(f"checkpoint.save: {path} is a {type(x).__name__}; leaves must "
-                                f"be tensors or JSON values (int, float, bool, str)")
-            if len(spec):
-                bad.append((path, spec, (), [f"a {type(x).__name__} value is not a tensor and cannot be "
-                                             f"sharded: give it the spec P()"]))
-            continue
-        shape = tuple(x.shape)
-        if dist and all(a in mesh.shape for a in spec.axes):
-            shape = global_shape(spec, shape, mesh)  # a shard: the global shape always divides
-        errs = spec_errors(spec, shape, mesh)
-        if errs:
-            bad.append((path, spec, tuple(x.shape), errs))
-    if bad:
-        raise ValueError("checkpoint.save: " + format_spec_errors(bad, mesh))
+    for path, x in zip(paths, leaves):
+        if not isinstance(x, (torch.Tensor, int, float, bool, str)) and x is not None:
+            raise TypeError(f"checkpoint.save: {path} is a {type(x).__name__}; leaves must "
+                            f"be tensors or JSON values (int, float, bool, str)")
+    if dist:
+        check_sharded_tree(leaves, flat_specs, paths, mesh, "distributed", what="checkpoint.save")
+    else:
+        check_tree(leaves, flat_specs, paths, mesh, "checkpoint.save")
 
 
 _LAYOUTS: dict = {}  # the layouts of the trees saved lately (a step saves the same kind again)
 
 
 def _layout(paths: list, leaves: list, flat_specs: list, mesh: Mesh, dist: bool, rank: int,
-            tdef: Any = None) -> tuple[_Layout, list[dict], list[tuple]]:
-    """The layout of a save (remembered by ``tdef``, the leaves' shapes and dtypes, the
-    specs, the mesh and the writer), the manifest's leaf entries and this writer's blocks:
-    (path, start, shape, tensor)."""
-    key = None
-    if tdef is not None:
-        key = (tdef, tuple(paths), mesh, dist, rank,  # the paths: {1: x} and {True: x} have equal treespecs
-               tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in leaves))
-        try:
-            key = (key, tuple(flat_specs))
-            layout = _LAYOUTS.get(key)
-        except TypeError:  # an unhashable spec
-            key = layout = None
-    else:
-        layout = None
+            tdef: Any) -> tuple[_Layout, list[dict], list[tuple]]:
+    """The layout of a save (remembered by ``tdef`` and the paths, the leaves' shapes and
+    dtypes, the specs, the mesh and the writer), the manifest's leaf entries and this
+    writer's blocks: (path, start, shape, tensor)."""
+    key = (tdef, tuple(paths), mesh, dist, rank,  # the paths: {1: x} and {True: x} have equal treespecs
+           tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in leaves))
+    try:
+        key = (key, tuple(flat_specs))
+        layout = _LAYOUTS.get(key)
+    except TypeError:  # an unhashable spec
+        key = layout = None
     if layout is None:
         layout = _Layout(paths, leaves, flat_specs, mesh, dist, rank)
         if key is not None:

@@ -270,14 +270,15 @@ def test_expert_parallel_equals_the_layer_per_shard(mesh_shape, tok_axes, cf, me
 def test_expert_parallel_regrouped_by_expert_equals_the_shard_major_form(mesh_shape, tok_axes, cf, method,
                                                                          monkeypatch):
     # CPU keeps the all-to-all's shard-major rows (one matmul per row); other devices
-    # regroup them by expert for one batched matmul: the same outputs and gradients.
+    # regroup them by expert for one batched matmul (forced here on CPU tensors): the same
+    # outputs and gradients.
     kw = dict(top_k=2, capacity_factor=cf, min_capacity=1, method=method)
     params, sm = _sharded(mesh_shape, tok_axes, kw)
     x = _tokens()
     cot = torch.randn(T, D, generator=torch.Generator().manual_seed(9))
     runs = []
     for shard_major in (True, False):
-        monkeypatch.setattr(moe, "_shard_major", lambda buf, v=shard_major: v)
+        monkeypatch.setattr(moe, "_per_row", lambda buf, v=shard_major: v)
         runs.append((sm(params, x), _grads(lambda p, x: sm(p, x)[0], params, x, cot)))
     _assert_trees_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
 

@@ -87,13 +87,15 @@ def local_slice(x: torch.Tensor, spec: PartitionSpec, mesh: Mesh, coords: dict[s
     return x
 
 
-def check_sharded_tree(leaves: list, specs: list, paths: list[str], mesh: Mesh, backend: str) -> None:
-    """Validate leaves in the backend's sharded form against their specs (for ``unshard``)."""
+def check_sharded_tree(leaves: list, specs: list, paths: list[str], mesh: Mesh, backend: str,
+                       what: str = "unshard") -> None:
+    """Validate leaves in the backend's sharded form against their specs (for ``unshard``,
+    or ``what`` else takes shards)."""
     bad = []
     for path, y, spec in zip(paths, leaves, specs):
         if not isinstance(y, torch.Tensor):
             if len(spec):
-                bad.append((path, spec, (), [f"{type(y).__name__} is not a tensor"]))
+                bad.append((path, spec, (), [f"{type(y).__name__} is not a tensor and cannot be sharded"]))
             continue
         shape = tuple(y.shape)
         unknown = [a for a in spec.axes if a not in mesh.shape]
@@ -115,7 +117,7 @@ def check_sharded_tree(leaves: list, specs: list, paths: list[str], mesh: Mesh, 
         if errs:
             bad.append((path, spec, shape, errs))
     if bad:
-        raise ValueError("unshard: " + format_spec_errors(bad, mesh))
+        raise ValueError(f"{what}: " + format_spec_errors(bad, mesh))
 
 
 def global_shape(spec: PartitionSpec, local_shape: tuple, mesh: Mesh) -> tuple[int, ...]:

@@ -259,12 +259,13 @@ def expert_mlp(params: Params, h: torch.Tensor) -> torch.Tensor:
     slower than the same products as separate mm calls at 4 x (1280..2560, 256) x 1024,
     forward + backward, and backward then frees each expert's activations as it finishes
     it); elsewhere one batched matmul per projection for all the experts."""
-    return _experts_looped(params, h) if h.device.type == "cpu" else _experts_batched(params, h)
+    return _experts_looped(params, h) if _per_row(h) else _experts_batched(params, h)
 
 
-def _shard_major(buf: torch.Tensor) -> bool:
-    """Whether expert parallelism keeps the all-to-all's shard-major rows and loops over
-    them (CPU), rather than regrouping them by expert for one batched matmul."""
+def _per_row(buf: torch.Tensor) -> bool:
+    """Whether the experts run one matmul per buffer row (CPU), so that expert parallelism
+    keeps the all-to-all's shard-major rows, rather than one batched matmul for all of
+    them, the rows regrouped by expert."""
     return buf.device.type == "cpu"
 
 
@@ -359,7 +360,7 @@ def moe_layer(params: Params, x: torch.Tensor, *, top_k: int = 1, capacity_facto
         return _grouped_experts(params, x2, r, impl).reshape(shape), aux
     buf = sorted_dispatch(x2, r) if method == "sorted" else dispatch(x2, r)  # (E, C, d)
     experts = {k: params[k] for k in _EXPERT_LEAVES if k in params}
-    if n > 1 and _shard_major(buf):
+    if n > 1 and _per_row(buf):
         # Shard-major, as the all-to-all lays it out: row s * E/n + e holds shard s's slots
         # for my expert e, each row its own matmul (no relayout copies either way).
         buf = all_to_all(buf, axis, split_dim=0, concat_dim=0)  # (n * E/n, C, d)
