@@ -96,7 +96,7 @@ def _python_body(func: Any, args: tuple, kwargs: dict | None) -> Any:
     if any(isinstance(t, torch.Tensor) and t.is_cuda for t in optree.tree_leaves((args, kwargs))):
         return None
     named = dict(zip((a.name for a in func._schema.arguments), args)) | dict(kwargs or {})
-    if named.get("use_triton") is True or named.get("impl") == "triton":
+    if named.get("backend") == "triton" or named.get("impl") == "triton":
         return None  # a Triton kernel (the interpreter on CPU): its outputs are what it allocates
     return opdef._init_fn
 

@@ -193,16 +193,76 @@ def test_merge_ring_step_matches_causal_with_kv_cache():
     _assert_close(got, _ground_truth(q, k, v, g, gl, causal=True, window=None), 1e-4, 1e-4)
 
 
-@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=needs_triton)])
-def test_opcheck(impl):
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton),
+                                     pytest.param("cpu", marks=pytest.mark.skipif(DEV != "cpu", reason="CPU kernel"))])
+def test_opcheck(backend):
     q, k, v = _inputs(1, 2, 1, 16, 16, 16)
-    use_triton = impl == "triton"
-    torch.library.opcheck(A._attention_op, (q, k, v, True, 4, 0.25, use_triton))
-    out, lse = A._attention_op(q, k, v, True, 4, 0.25, use_triton)
+    window = None if backend == "cpu" else 4  # the CPU kernel has no window
+    torch.library.opcheck(A._attention_op, (q, k, v, True, window, 0.25, backend))
+    out, lse = A._attention_op(q, k, v, True, window, 0.25, backend)
     dout = _rand(*out.shape, seed=3)
     for dlse in (None, _rand(*lse.shape, seed=4)):
-        args = (dout, dlse, q, k, v, out, lse, True, 4, 0.25, use_triton)
+        args = (dout, dlse, q, k, v, out, lse, True, window, 0.25, backend)
         torch.library.opcheck(A._attention_backward_op, args)
+
+
+# Cases torch's fused CPU kernel computes (no window; causal only with Sq == Sk).
+CPU_CASES = ["causal", "non_causal_sq_ne_sk", "gqa", "head_dim_24"]
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="torch's fused CPU kernel")
+@pytest.mark.parametrize("name", CPU_CASES)
+def test_cpu_kernel_matches_reference(name):
+    """auto on CPU runs torch's fused flash kernels; out, lse and all three gradients (the
+    lse's too, entering through the extra column) match the fp64 ground truth."""
+    q, k, v, g, gl, opts = _case(name)
+    assert A._backend(None, q, k, v, opts["causal"], opts["window"]) == "cpu"
+    got = _value_and_grads(flash_attention_with_lse, q, k, v, g, gl, **opts)
+    _assert_close(got, _ground_truth(q, k, v, g, gl, **opts), 2e-5, 2e-5)
+    got64 = _value_and_grads(flash_attention_with_lse, *(x.double() for x in (q, k, v)), g, gl, **opts)
+    _assert_close(got64, _ground_truth(q, k, v, g, gl, **opts), 1e-12, 1e-12)
+    # Without an lse gradient the kernel's backward runs as it is.
+    got = _value_and_grads(flash_attention_with_lse, q, k, v, g, torch.zeros_like(gl), **opts)
+    _assert_close(got, _ground_truth(q, k, v, g, torch.zeros_like(gl), **opts), 2e-5, 2e-5)
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="torch's fused CPU kernel")
+def test_cpu_kernel_choice():
+    """The fused CPU kernel runs only where its semantics are ours; elsewhere the reference,
+    and impl='reference' or FSHARDED_KERNELS=reference always get the reference."""
+    q, k, v = _inputs(1, 2, 1, 8, 8, 16)
+    assert A._backend(None, q, k, v, True, None) == "cpu"
+    assert A._backend(None, q, k, v, True, 4) == "reference"  # a window
+    assert A._backend(None, q, k[:, :, :6], v[:, :, :6], False, None) == "cpu"
+    assert A._backend(None, q[:, :, :6], k, v, True, None) == "reference"  # causal, Sq != Sk
+    assert A._backend(None, q, k[:, :, :0], v[:, :, :0], False, None) == "reference"  # no keys
+    assert A._backend("reference", q, k, v, True, None) == "reference"
+    assert A._backend(None, q, k.double(), v.double(), True, None) == "reference"  # mixed dtypes
+    meta = [x.to("meta") for x in (q, k, v)]  # dry runs count what the CPU would allocate
+    assert A._backend(None, *meta, True, None) == "cpu"
+
+
+def test_cpu_kernel_choice_forced_reference(monkeypatch):
+    monkeypatch.setenv("FSHARDED_KERNELS", "reference")
+    q, k, v = _inputs(1, 2, 1, 8, 8, 16)
+    assert A._backend(None, q, k, v, True, None) == "reference"
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="torch's fused CPU kernel")
+def test_cpu_kernel_under_vmap_and_grad_like_the_virtual_mesh():
+    """On the virtual mesh the op runs under vmap(grad): the vmapped dim folds into the
+    batch of one fused call; values and gradients equal the per-sample reference."""
+    qs, ks, vs = (_rand(3, 1, 2, 12, 16, seed=s) for s in (1, 2, 3))
+
+    def loss(q, k, v, impl):
+        return (flash_attention(q, k, v, impl=impl) ** 2).sum()
+
+    got = torch.func.vmap(torch.func.grad(lambda q, k, v: loss(q, k, v, None), argnums=(0, 1, 2)))(qs, ks, vs)
+    for i in range(3):
+        q, k, v = (x[i].clone().requires_grad_() for x in (qs, ks, vs))
+        ref = torch.autograd.grad(loss(q, k, v, "reference"), (q, k, v))
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a[i], b, atol=2e-5, rtol=2e-5)
 
 
 @needs_triton
@@ -265,7 +325,7 @@ def test_nested_vmap_grad_like_the_virtual_mesh():
 def test_op_autograd_and_no_double_backward():
     # The op itself is differentiable with plain autograd (registered rule) ...
     q, k, v = (x.requires_grad_() for x in _inputs(1, 2, 2, 8, 8, 16, dtype=torch.float64))
-    out, _ = torch.ops.fsharded.flash_attention(q, k, v, True, None, 0.25, False)
+    out, _ = torch.ops.fsharded.flash_attention(q, k, v, True, None, 0.25, "reference")
     (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
     want = torch.autograd.grad(flash_attention_reference(q, k, v, scale=0.25).sum(), q)[0]
     torch.testing.assert_close(dq, want, atol=1e-12, rtol=1e-12)
