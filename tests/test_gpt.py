@@ -384,3 +384,20 @@ def test_bad_inputs():
         gpt.apply(params, torch.zeros(1, 4, dtype=torch.long), attention="bogus")
     with pytest.raises(TypeError, match="GPTConfig"):
         gpt.init({"d_model": 4})
+
+
+def test_auto_attention_on_cpu_takes_the_fused_kernel_from_256_tokens():
+    """On CPU, "auto" is the einsum form below CPU_FLASH_MIN_TOKENS and torch's fused flash
+    kernel from there on (bitwise the "flash" choice), equal to the einsum form to fp32
+    rounding, values and gradients (the llamaish config: GQA and rotary positions)."""
+    c = LLAMAISH
+    params = gpt.init(c, seed=3)
+    for T, fused in ((gpt.CPU_FLASH_MIN_TOKENS // 2, False), (gpt.CPU_FLASH_MIN_TOKENS, True)):
+        tokens = torch.randint(0, c.vocab_size, (2, T + 1), generator=torch.Generator().manual_seed(T))
+        grads = {a: torch.func.grad(lambda p, a=a: gpt.loss(p, {"tokens": tokens}, attention=a))(params)
+                 for a in ("auto", "flash", "einsum")}
+        same = "flash" if fused else "einsum"
+        for g, h in zip(optree.tree_leaves(grads["auto"]), optree.tree_leaves(grads[same])):
+            torch.testing.assert_close(g, h, rtol=0, atol=0)
+        for g, h in zip(optree.tree_leaves(grads["flash"]), optree.tree_leaves(grads["einsum"])):
+            torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-6)

@@ -59,6 +59,7 @@ from ._dispatch import choose, forced
 
 __all__ = [
     "flash_attention",
+    "flash_backend",
     "flash_attention_reference",
     "flash_attention_with_lse",
     "merge_attention",
@@ -448,6 +449,19 @@ def _backend(impl: str | None, q: Tensor, k: Tensor, v: Tensor, causal: bool, wi
     if want != "auto" or forced() != "auto":
         raise problem
     return "reference"
+
+
+def flash_backend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, window: int | None = None,
+                  impl: str | None = None) -> str:
+    """Which implementation :func:`flash_attention` would run on these inputs: ``"triton"``,
+    ``"cpu"`` (torch's fused CPU kernels) or ``"reference"`` (scores kept, O(Sq * Sk) memory).
+
+    >>> q = torch.randn(1, 2, 8, 16)
+    >>> flash_backend(q, q, q), flash_backend(q, q, q, window=4)
+    ('cpu', 'reference')
+    """
+    _check("flash_backend", q, k, v, causal, window, None)
+    return _backend(impl, q, k, v, causal, window)
 
 
 def flash_attention_with_lse(
