@@ -23,11 +23,17 @@ from fsharded.bench import Qty, Report, Row, Section, format_bytes
 HEADS, HEAD_DIM = 8, 32
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention on (B, T, h, Dh) — the local attention every variant runs."""
-    from fsharded.models.gpt import _causal_attention
+ATTENTION = ("flash", "einsum")
 
-    return _causal_attention(q, k, v)
+
+def _local(name: str):
+    """Causal attention on (B, T, h, Dh), the local attention Ulysses, DeepSpeed's wrapper
+    and the whole-sequence run share: ``"flash"``, ``fsharded.kernels.flash_attention``
+    (torch's fused flash kernel on CPU: no (T, T) scores kept), or ``"einsum"``, the
+    explicit-scores form (O(T^2) memory per head)."""
+    from fsharded.models.gpt import _causal_attention, _flash_attention
+
+    return {"flash": _flash_attention, "einsum": _causal_attention}[name]
 
 
 def _inputs(length: int, n: int, rank: int) -> list[torch.Tensor]:
@@ -84,9 +90,10 @@ def rounds_at(length: int, rounds: int) -> int:
     return rounds * max(1, min(4, 4096 // max(1, length)))
 
 
-def _rank(lengths: Sequence[int], rounds: int, deepspeed: bool, budget: int = 0) -> dict:
+def _rank(lengths: Sequence[int], rounds: int, deepspeed: bool, budget: int = 0, attention: str = "flash") -> dict:
     """On each rank: every variant at every length; with ``budget``, the longest sequence
     each fits in it per rank."""
+    _attend = _local(attention)
     import torch.distributed as dist
 
     import fsharded as fs
@@ -181,16 +188,17 @@ def _rank(lengths: Sequence[int], rounds: int, deepspeed: bool, budget: int = 0)
 
 
 def run(world: int, lengths: Sequence[int], rounds: int, deepspeed: bool, budget: int = 0,
-        plot: str | None = None) -> Report:
+        plot: str | None = None, attention: str = "flash") -> Report:
     from fsharded.testing import (
         run_on_new_ranks as run_on_ranks,  # fresh processes: clean peaks and caches
     )
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    per_rank = run_on_ranks(_rank, world, list(lengths), rounds, deepspeed, budget)
+    per_rank = run_on_ranks(_rank, world, list(lengths), rounds, deepspeed, budget, attention)
     r0 = per_rank[0]
     report = Report("seq", params={"torch": torch.__version__, "ranks": world,
-                                   "layer": f"causal attention, {HEADS} heads x {HEAD_DIM}, batch 1, fwd + bwd"})
+                                   "layer": f"causal attention, {HEADS} heads x {HEAD_DIM}, batch 1, fwd + bwd",
+                                   "local attention": attention})
     variants = [v for v in ("ulysses", "ring", "hybrid") if v in r0[lengths[0]]]
 
     def slowest(L, name):  # a step takes as long as its slowest rank
@@ -217,8 +225,10 @@ def run(world: int, lengths: Sequence[int], rounds: int, deepspeed: bool, budget
                      r0[L]["none"]["peak"], unit="B") for L in lengths for v in variants)
     report.sections.append(Section("peak activation bytes per rank against no sequence parallelism",
                                    "the whole sequence on one rank", rows,
-                                   notes=(f"about 1/{world} expected for the linear parts; the causal "
-                                          "scores are (T/P) x T per head in every variant",)))
+                                   notes=((f"about 1/{world} expected: flash attention keeps no scores",)
+                                          if attention == "flash" else
+                                          (f"about 1/{world} expected for the linear parts; the causal "
+                                           "scores are (T/P) x T per head in every variant",))))
     rows = tuple(Qty(f"{v} bytes sent per rank", f"{L} tokens", max(r[L][v]["sent"] for r in per_rank),
                      max(r[L]["deepspeed"]["sent"] for r in per_rank) if deepspeed else float("nan"), unit="B")
                  for L in lengths for v in variants)
@@ -280,6 +290,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed (compared where installed)")
     p.add_argument("--budget", default="1GiB",
                    help="per-rank memory budget for the longest-sequence search, e.g. 512MiB, 2GiB (0: skip)")
+    p.add_argument("--attention", choices=ATTENTION, default="flash",
+                   help="the local attention (Ulysses, DeepSpeed's and the whole sequence run it; the ring's "
+                   "blocks run flash_attention_with_lse): flash (fused, O(T) memory; default) or einsum "
+                   "(explicit scores)")
     p.add_argument("--plot", metavar="PNG", help="save step time and peak bytes against length as a picture")
     return p
 
@@ -313,6 +327,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         except ImportError:
             raise SystemExit("fsharded bench seq: --plot needs matplotlib (pip install 'fsharded[bench]')") from None
     budget = 0 if args.quick else _parse_bytes(args.budget)
-    report = run(args.ranks, lengths, 2 if args.quick else args.rounds, with_ds, budget, args.plot)
+    report = run(args.ranks, lengths, 2 if args.quick else args.rounds, with_ds, budget, args.plot,
+                 args.attention)
     report.print(markdown=args.markdown)
     return 0

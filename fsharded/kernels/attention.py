@@ -212,13 +212,20 @@ def _repeat_kv(x: Tensor, group: int) -> Tensor:
     return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 
+def _bshd(x: Tensor) -> Tensor:
+    """``x`` (B, H, S, ...) stored sequence-major, as torch's CPU kernels write their outputs
+    (a no-op when it already is): the (B, S, H, D) layout models keep, so their transposes
+    back to it are free."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _cpu_forward(q, k, v, causal, scale) -> tuple[Tensor, Tensor]:
     """(out, lse) by torch's fused CPU flash kernel (online softmax over key blocks, no
     score matrix kept); kv heads repeated over their query groups."""
     group = q.shape[1] // k.shape[1]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, _repeat_kv(k, group), _repeat_kv(v, group), 0.0, causal, scale=scale)
-    return out.contiguous(), lse.contiguous()
+    return _bshd(out), _bshd(lse)
 
 
 def _cpu_backward(dout, dlse, q, k, v, out, lse, causal, scale) -> tuple[Tensor, Tensor, Tensor]:
@@ -237,12 +244,17 @@ def _cpu_backward(dout, dlse, q, k, v, out, lse, causal, scale) -> tuple[Tensor,
         out = torch.cat([out, torch.ones_like(out[..., :1])], dim=-1)
         dout = torch.cat([dout, -dlse.unsqueeze(-1).to(dout.dtype)], dim=-1)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.contiguous(), q, k, v, out, lse, 0.0, causal, scale=scale)
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
     if dlse is not None:
         dq, dk, dv = dq[..., :D], dk[..., :D], dv[..., :D]
     if group > 1:
-        dk, dv = (g.reshape(B, Hkv, group, *g.shape[2:]).sum(2) for g in (dk, dv))
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+        dk, dv = (g.unflatten(1, (Hkv, group)).sum(2) for g in (dk, dv))
+    return _bshd(dq), _bshd(dk), _bshd(dv)
+
+
+def _bshd_like(x: Tensor, shape, dtype=None) -> Tensor:
+    """An empty (B, H, S, ...) tensor stored sequence-major (``_bshd``'s layout)."""
+    return x.new_empty((shape[0], shape[2], shape[1], *shape[3:]), dtype=dtype).transpose(1, 2)
 
 
 def flash_attention_reference(
@@ -288,6 +300,8 @@ def _attention_op(
 
 @_attention_op.register_fake
 def _attention_fake(q, k, v, causal, window, scale, backend):
+    if backend == "cpu":
+        return _bshd_like(q, q.shape), _bshd_like(q, q.shape[:3], _acc_dtype(q.dtype))
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype))
 
 
@@ -317,6 +331,8 @@ def _attention_backward_op(
 
 @_attention_backward_op.register_fake
 def _attention_backward_fake(dout, dlse, q, k, v, out, lse, causal, window, scale, backend):
+    if backend == "cpu":
+        return _bshd_like(q, q.shape), _bshd_like(k, k.shape), _bshd_like(v, v.shape)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

@@ -53,12 +53,14 @@ def ulysses_attention(attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor
     if m != KV:  # each kv head's copies stay next to each other: query head j still reads j // (H/m)
         k, v = (t.repeat_interleave(m // KV, dim=2) for t in (k, v))
     if q.dtype == k.dtype == v.dtype:
-        # Rank r's chunk of the packed heads is its q heads, then its k and v heads.
-        B, t, _, Dh = q.shape
+        # One copy packs q, k and v straight into send order (n, B, T/n, h + 2 mk, Dh):
+        # destination r's chunk holds its q heads, then its k and v heads.
         h, mk = H // n, m // n
-        packed = torch.cat([x.reshape(B, t, n, w, Dh) for x, w in ((q, h), (k, mk), (v, mk))], dim=3)
-        packed = all_to_all(packed.reshape(B, t, n * (h + 2 * mk), Dh), axis, split_dim=2, concat_dim=1)
-        q, k, v = packed.split([h, mk, mk], dim=2)  # (B, T, h | mk | mk, Dh)
+        send = torch.cat([x.unflatten(2, (n, w)).movedim(2, 0) for x, w in ((q, h), (k, mk), (v, mk))], dim=3)
+        recv = all_to_all(send, axis, split_dim=0, concat_dim=0)  # (n source shards, B, T/n, ...)
+        del send  # not kept through the attention
+        whole = recv.movedim(0, 1).flatten(1, 2)  # (B, T, h + 2 mk, Dh), a view for B == 1
+        q, k, v = whole.split([h, mk, mk], dim=2)  # (B, T, h | mk | mk, Dh)
     else:
         q, k, v = (all_to_all(x, axis, split_dim=2, concat_dim=1) for x in (q, k, v))
     o = attend(q, k, v)  # (B, T, H/n, Dh)
