@@ -230,7 +230,7 @@ def _ring_close(r: dict) -> None:
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_ring_on_gloo_ranks_overlaps_and_computes_only_visible_blocks(layout):
     # On real ranks each block's exchange is posted before its attention and awaited after
-    # (forward: n - 1 rounds of k and v; backward: the same for their cotangents), and
+    # (forward: n - 1 rounds of k and v; backward: k and v again and their gradients), and
     # blocks are cut to their visible part; the numbers are those of the virtual mesh,
     # where every block is computed whole under the mask, and of the whole sequence.
     from fsharded.testing import run_on_ranks
@@ -250,5 +250,8 @@ def test_ring_on_gloo_ranks_overlaps_and_computes_only_visible_blocks(layout):
         assert r["pairs"] == ((rank + 1) * t * t if layout == "contiguous" else t * t + (n - 1) * t * t // 2)
         _ring_close(r)
         torch.testing.assert_close(r["out"], virtual["out"], atol=1e-6, rtol=1e-5)
-        assert r["posted"] == 2 * 2 * (n - 1)  # k and v, forward and backward
-        assert r["collectives"] == forward + [("ppermute", "seq", "backward", kv_bytes)] * 2 * (n - 1)
+        # Forward: n - 1 hops of k and v. Backward (memory O(T/n): no block kept from the
+        # forward): k and v go round again, n - 1 hops the other way, and their gradients
+        # with them, n - 1 hops: 4 (n - 1) exchanges of one shard's k (or v) each.
+        assert r["posted"] == 2 * (n - 1) + 4 * (n - 1)
+        assert r["collectives"] == forward + [("ppermute", "seq", "backward", kv_bytes)] * 4 * (n - 1)

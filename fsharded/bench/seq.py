@@ -11,6 +11,7 @@ four all-to-alls computed: q, k, v and the output, ``(P - 1)/P`` of each sent).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -187,6 +188,201 @@ def _rank(lengths: Sequence[int], rounds: int, deepspeed: bool, budget: int = 0,
     return out
 
 
+# --------------------------------------------------------------------------- a small GPT
+
+GPT_LAYERS, GPT_D = 2, HEADS * HEAD_DIM
+
+
+def _gpt_config(length: int):
+    from fsharded.models import gpt
+
+    return gpt.GPTConfig.small(d_model=GPT_D, n_layers=GPT_LAYERS, n_heads=HEADS, seq_len=length,
+                               positions="rotary", bias=False, norm="rmsnorm", activation="swiglu")
+
+
+def _gpt_batch(length: int, vocab: int, multiple: int, zigzag: int = 0) -> dict:
+    from fsharded.models import gpt
+    from fsharded.parallel import sequence
+
+    g = torch.Generator().manual_seed(length)
+    b = gpt.shift({"tokens": torch.randint(0, vocab, (1, length + 1), generator=g)}, multiple=multiple)
+    return {k: sequence.zigzag(v, zigzag) for k, v in b.items()} if zigzag else b
+
+
+def _gpt_step(n: int, variant: str, attention: str, length: int):
+    """(train step, state, global batch) of the small GPT on ``n`` ranks for ``variant``
+    ("ulysses", "ring" zigzag, "hybrid", or "none": one process, the whole sequence)."""
+    import functools
+
+    import fsharded as fs
+    from fsharded import P
+    from fsharded.models import gpt
+
+    cfg = _gpt_config(length)
+    kw: dict = {}
+    if variant == "none":
+        mesh, spec = fs.Mesh({"seq": 1}), P()
+    elif variant == "hybrid":
+        mesh, spec = fs.Mesh({"seq_ring": n // 2, "seq": 2}), P(None, ("seq_ring", "seq"))
+        kw = dict(seq_axis=("seq_ring", "seq"), seq_parallel="hybrid")
+    else:
+        mesh, spec = fs.Mesh({"seq": n}), P(None, "seq")
+        kw = dict(seq_axis="seq", seq_parallel=variant, seq_layout="zigzag" if variant == "ring" else "contiguous")
+    loss = functools.partial(gpt.loss, attention=attention, **kw)
+    step = fs.train_step(loss, fs.optim.adamw(1e-4), mesh=mesh, batch_spec=spec)
+    zz = n if variant == "ring" else 0
+    return step, step.init(gpt.init(cfg, 0)), _gpt_batch(length, cfg.vocab_size, 2 * n, zz)
+
+
+def _ds_ulysses(attend, q, k, v, axis):
+    """DeepSpeed-Ulysses' ``DistributedAttention`` around ``attend`` over the world group:
+    the peer's wrapper in place of ``ulysses_attention`` in the same GPT."""
+    import torch.distributed as dist
+    from deepspeed.sequence.layer import DistributedAttention
+
+    class Local(torch.nn.Module):
+        def forward(self, q, k, v, *args, **kwargs):
+            return attend(q, k, v)
+
+    return DistributedAttention(Local(), dist.group.WORLD, scatter_idx=2, gather_idx=1)(q, k, v, 0)
+
+
+def _rank_gpt(lengths: Sequence[int], rounds: int, deepspeed: bool, attention: str) -> dict:
+    """On each rank: a train step of the small GPT for every variant and length, timed
+    alternately as in ``_rank``; DeepSpeed's variant is our Ulysses GPT with
+    ``DistributedAttention`` in place of ``ulysses_attention``."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    import fsharded as fs
+    from fsharded.parallel import ulysses
+
+    torch.set_num_threads(1)
+    n = dist.get_world_size()
+    names = ["ulysses", "ring"] + (["hybrid"] if n >= 4 else []) + (["deepspeed"] if deepspeed else [])
+    if deepspeed:
+        import logging
+
+        from fsharded.bench.zero import _quiet_stdout
+
+        _quiet_stdout()
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        import deepspeed as ds_pkg
+
+        ds_pkg.utils.logger.setLevel(logging.WARNING)
+        ds_pkg.init_distributed(dist_backend="gloo")
+    out: dict = {}
+    for L in lengths:
+        runs = {}
+        for name in names:
+            step, state, batch = _gpt_step(n, "ulysses" if name == "deepspeed" else name, attention, L)
+            patch = mock.patch.object(ulysses, "ulysses_attention", _ds_ulysses) if name == "deepspeed" else None
+            runs[name] = [step, state, batch, patch]
+
+        def call(name):
+            step, state, batch, patch = runs[name]
+            with patch if patch is not None else contextlib.nullcontext():
+                state, metrics = step(state, batch)
+                runs[name][1] = state
+            return float(metrics["loss"])
+
+        rec = {name: {"t": [], "loss": call(name)} for name in names}  # warm
+        for r in range(rounds_at(L, rounds)):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                call(name)
+                rec[name]["t"].append(time.perf_counter() - t0)
+        for name in names:
+            dist.barrier()
+            with fs.memory.track() as mem:
+                call(name)
+            rec[name]["peak"] = mem.peak_bytes
+            if name != "deepspeed":
+                step, state, batch, _ = runs[name]
+                manifest = step.collectives(state, batch)
+                rec[name]["sent"] = manifest.total_bytes()
+                rec[name]["a2a"] = sum(e.bytes_sent for e in manifest if e.op == "all_to_all")
+        if deepspeed:  # our Ulysses' program with DeepSpeed's 4 all-to-alls per attention, fwd and bwd
+            q_bytes = L // n * HEADS * HEAD_DIM * 4
+            u = rec["ulysses"]
+            rec["deepspeed"]["sent"] = u["sent"] - u["a2a"] + GPT_LAYERS * 2 * 4 * q_bytes * (n - 1) // n
+        del runs
+        out[L] = rec
+    return out
+
+
+def _rank_gpt_whole(lengths: Sequence[int], rounds: int, attention: str) -> dict:
+    """The whole sequence in one process: the same GPT's train step, no sequence parallelism."""
+    import fsharded as fs
+
+    torch.set_num_threads(1)
+    out = {}
+    for L in lengths:
+        step, state, batch = _gpt_step(1, "none", attention, L)
+        state, m = step(state, batch)
+        t = []
+        for _ in range(max(1, rounds_at(L, rounds) // 2)):
+            t0 = time.perf_counter()
+            state, m = step(state, batch)
+            t.append(time.perf_counter() - t0)
+        with fs.memory.track() as mem:
+            state, m = step(state, batch)
+        out[L] = {"t": t, "peak": mem.peak_bytes, "loss": float(m["loss"])}
+    return out
+
+
+def run_gpt(world: int, lengths: Sequence[int], rounds: int, deepspeed: bool, attention: str = "flash") -> Report:
+    from fsharded.testing import run_on_new_ranks
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    per_rank = run_on_new_ranks(_rank_gpt, world, list(lengths), rounds, deepspeed, attention)
+    whole = run_on_new_ranks(_rank_gpt_whole, 1, list(lengths), rounds, attention)[0]
+    r0 = per_rank[0]
+    report = Report("seq", params={"torch": torch.__version__, "ranks": world, "model": (
+        f"GPT d_model={GPT_D} layers={GPT_LAYERS} heads={HEADS}x{HEAD_DIM} rotary, batch 1, adamw train step"),
+        "local attention": attention})
+    variants = [v for v in ("ulysses", "ring", "hybrid") if v in r0[lengths[0]]]
+
+    def slowest(L, name):
+        return max(statistics.median(r[L][name]["t"]) for r in per_rank)
+
+    if deepspeed:
+        rows = tuple(Row(f"{v} vs DeepSpeed-Ulysses", f"{L} tokens", slowest(L, v), slowest(L, "deepspeed"))
+                     for L in lengths for v in variants)
+        report.sections.append(Section(
+            f"GPT train step on {world} ranks (slowest rank)", "the same GPT with deepspeed.sequence.layer."
+            "DistributedAttention in place of ulysses_attention", rows, target=1.0,
+            notes=("median per rank, the variants alternating within each round; a step takes its slowest "
+                   "rank's median",)))
+    rows = tuple(Row(f"{v} vs one process, whole sequence", f"{L} tokens", slowest(L, v),
+                     statistics.median(whole[L]["t"])) for L in lengths for v in variants)
+    report.sections.append(Section("GPT train step against no sequence parallelism",
+                                   "the whole sequence in one process", rows,
+                                   notes=(f"ideal: 1/{world} of the compute, plus the exchange",)))
+    rows = tuple(Qty(f"{v} vs one process, whole sequence", f"{L} tokens", max(r[L][v]["peak"] for r in per_rank),
+                     whole[L]["peak"], unit="B") for L in lengths for v in variants)
+    if deepspeed:
+        rows += tuple(Qty(f"{v} vs DeepSpeed-Ulysses", f"{L} tokens", max(r[L][v]["peak"] for r in per_rank),
+                          max(r[L]["deepspeed"]["peak"] for r in per_rank), unit="B")
+                      for L in lengths for v in variants)
+    rows = tuple(Qty(f"{v} bytes sent per rank", f"{L} tokens", max(r[L][v]["sent"] for r in per_rank),
+                     max(r[L]["deepspeed"]["sent"] for r in per_rank) if deepspeed else float("nan"), unit="B")
+                 for L in lengths for v in variants)
+    report.sections.append(Section("bytes sent per rank per train step (forward, backward, gradient sync)",
+                                   "DeepSpeed-Ulysses' four all-to-alls per attention in our Ulysses' program",
+                                   rows))
+    names = variants + (["deepspeed"] if deepspeed else [])
+    worst = max(abs(r[L][v]["loss"] - whole[L]["loss"]) for r in per_rank for L in lengths for v in names)
+    report.sections.append(Section("peak bytes a GPT train step allocates per rank", "as named", rows, notes=(
+        f"activations about 1/{world} of the whole sequence's; the step's new parameters and optimizer "
+        "state are the same in every variant",
+        f"first-step losses equal the whole sequence's to {worst:.1e}")))
+    report.finish()
+    return report
+
+
 def run(world: int, lengths: Sequence[int], rounds: int, deepspeed: bool, budget: int = 0,
         plot: str | None = None, attention: str = "flash") -> Report:
     from fsharded.testing import (
@@ -294,6 +490,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="the local attention (Ulysses, DeepSpeed's and the whole sequence run it; the ring's "
                    "blocks run flash_attention_with_lse): flash (fused, O(T) memory; default) or einsum "
                    "(explicit scores)")
+    p.add_argument("--model", choices=("layer", "gpt"), default="layer",
+                   help="one attention layer (default) or a small GPT's train step (d_model "
+                   f"{GPT_D}, {GPT_LAYERS} layers, rotary)")
     p.add_argument("--plot", metavar="PNG", help="save step time and peak bytes against length as a picture")
     return p
 
@@ -326,6 +525,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise SystemExit("fsharded bench seq: --plot needs matplotlib (pip install 'fsharded[bench]')") from None
+    if args.model == "gpt":
+        report = run_gpt(args.ranks, lengths, 2 if args.quick else args.rounds, with_ds, args.attention)
+        report.print(markdown=args.markdown)
+        return 0
     budget = 0 if args.quick else _parse_bytes(args.budget)
     report = run(args.ranks, lengths, 2 if args.quick else args.rounds, with_ds, budget, args.plot,
                  args.attention)

@@ -59,6 +59,7 @@ from ._dispatch import choose, forced
 
 __all__ = [
     "flash_attention",
+    "flash_attention_backward",
     "flash_backend",
     "flash_attention_reference",
     "flash_attention_with_lse",
@@ -505,6 +506,35 @@ def flash_attention_with_lse(
     """
     scale = _check("flash_attention", q, k, v, causal, window, scale)
     return _FlashAttention.apply(q, k, v, causal, window, scale, _backend(impl, q, k, v, causal, window))
+
+
+def flash_attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    dlse: Tensor | None = None,
+    impl: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)``: the backward of :func:`flash_attention_with_lse` run by hand,
+    without autograd, given the gradient ``dout`` of ``out`` (and ``dlse`` of ``lse``).
+
+    For blockwise schemes (ring attention) that compute the gradients themselves: with
+    ``out`` and ``lse`` of the attention over *all* keys, and ``k``/``v`` one block of
+    them, the result is exactly that block's share (``dk``, ``dv``) and the block's
+    contribution to ``dq`` — the probabilities ``exp(s - lse)`` and the row term
+    ``rowsum(dout * out)`` are the global ones. Same layout and options as
+    :func:`flash_attention` (no window); the implementation is the one
+    :func:`flash_backend` names for these inputs.
+    """
+    scale = _check("flash_attention_backward", q, k, v, causal, None, scale)
+    backend = _backend(impl, q, k, v, causal, None)
+    return _attention_backward_op(dout, dlse, q, k, v, out, lse, causal, None, scale, backend)
 
 
 def flash_attention(

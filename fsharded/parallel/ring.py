@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from fsharded.kernels.attention import flash_attention_with_lse, merge_attention
+from fsharded import comm, memory
+from fsharded.kernels.attention import flash_attention_backward, flash_attention_with_lse, merge_attention
 from fsharded.parallel import sequence
-from fsharded.spmd import _env, _prims
+from fsharded.spmd import _env, _manifest, _prims
 from fsharded.spmd.collectives import axis_index, axis_size, ppermute_start
 
 __all__ = ["ring_attention", "causal_pairs"]
@@ -88,6 +89,125 @@ def _merge(o, lse, ob, lb, rows: slice | None = None):
             torch.cat([lse[:, :, :rows.start], lm], dim=2))
 
 
+def _part(j: int, mine: int, layout: str, T: int) -> tuple[slice, slice, bool] | None:
+    """The visible part of shard ``j``'s key block for shard ``mine``'s queries, as
+    (query rows, key columns, causal) on real ranks, None if it sees none of it: the diagonal block is causal; in the
+    contiguous layout an earlier shard's block is all visible and a later one's hidden; in
+    the zigzag layout an earlier shard's first chunk is seen by every query and a later
+    shard's block by the second chunk of queries."""
+    whole, c = slice(None), T // 2
+    if j == mine:
+        return whole, whole, True
+    if layout == "contiguous":
+        return (whole, whole, False) if j < mine else None
+    return (whole, slice(0, c), False) if j < mine else (slice(c, T), whole, False)
+
+
+class _Send:
+    """The ppermute of one tensor over ``axes`` along ``pairs``, posted now (recorded in an
+    open manifest as the ppermute it is); ``wait()`` gives the received tensor. In a dry
+    run the local answer, at once."""
+
+    def __init__(self, x: torch.Tensor, axes, pairs: tuple) -> None:
+        if _prims.can_overlap(axes, x):
+            _manifest.record(_prims.PPERMUTE, (pairs,), axes, x)
+            with memory.collective_scope():
+                self.buf, self.pending = comm.send_recv_start(x, comm.axis_group(axes.frame.mesh, axes.names), pairs)
+        else:
+            self.buf, self.pending = _prims._dispatch(_prims.PPERMUTE, (pairs,), axes, x), None
+
+    def wait(self) -> torch.Tensor:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        return self.buf
+
+
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, ob: torch.Tensor, lb: torch.Tensor) -> None:
+    """Merge a block's (out, lse) into the running ones in place (every row of a block sees
+    a key, so ``lb`` is finite; the running lse starts at -inf with out 0)."""
+    new = torch.logaddexp(lse, lb)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(ob.to(out.dtype) * torch.exp(lb - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+class _Ring(torch.autograd.Function):
+    """Ring attention on real ranks as one Function (as ring flash attention implementations
+    do), so that memory per shard stays O(T/n): the forward merges each visible block into a
+    running (out, lse) in place and keeps only q, k, v of this shard and the final out and
+    lse; the backward passes the key/value blocks around the ring once more, in the other
+    direction, runs each block's flash backward against the final out and lse
+    (``flash_attention_backward``: exactly the block's share), and sends each block's
+    key/value gradients along with it, every shard adding its part, so they reach their
+    owner with its own block in the last round. No per-block outputs are kept, no lse
+    gradient is formed; the exchanges overlap the blocks' attention. Per layer each shard
+    sends ``n - 1`` blocks of k and v forward, and ``n - 1`` of k and v and of their
+    gradients backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, axes, mine, layout, scale):
+        n, T = axes.size, q.shape[1]
+        B, _, H, Dh = q.shape
+        ahead = tuple((j, (j + 1) % n) for j in range(n))
+        ct = torch.promote_types(q.dtype, torch.float32)
+        out = q.new_zeros((B, H, T, Dh), dtype=ct)
+        lse = q.new_full((B, H, T), float("-inf"), dtype=ct)
+        ctx.save_for_backward(q, k, v)
+        for s in range(n):
+            nxt = (_Send(k, axes, ahead), _Send(v, axes, ahead)) if s + 1 < n else None
+            if (part := _part((mine - s) % n, mine, layout, T)) is not None:
+                rows, cols, causal = part
+                ob, lb = _flash(q[:, rows], k[:, cols], v[:, cols], causal, scale)
+                _merge_into(out[:, :, rows], lse[:, :, rows], ob, lb)
+            if nxt is not None:
+                k, v = nxt[0].wait(), nxt[1].wait()
+        out = out.to(q.dtype)
+        ctx.stats = (out, lse)
+        ctx.info = (axes, mine, layout, scale)
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v = ctx.saved_tensors
+        out, lse = ctx.stats
+        axes, mine, layout, scale = ctx.info
+        n, T = axes.size, q.shape[1]
+        behind = tuple(((j + 1) % n, j) for j in range(n))
+        ct = lse.dtype
+        qt, do = q.transpose(1, 2), dout.transpose(1, 2)  # (B, H, T, Dh)
+        dq = torch.zeros(qt.shape, dtype=ct, device=q.device)
+        # Round s (from n - 1 down to 0) works on shard (mine - s)'s block, received from the
+        # next shard, which worked on it in round s + 1, with the gradients summed so far.
+        nxt = (_Send(k, axes, behind), _Send(v, axes, behind))
+        acc = None
+        for s in reversed(range(n)):
+            if s > 0:
+                kb, vb = nxt[0].wait(), nxt[1].wait()
+                nxt = (_Send(kb, axes, behind), _Send(vb, axes, behind)) if s > 1 else None
+            else:
+                kb, vb = k, v
+            if (part := _part((mine - s) % n, mine, layout, T)) is None:  # contiguous: a later shard's
+                dk, dv = kb.new_zeros(kb.shape, dtype=ct), vb.new_zeros(vb.shape, dtype=ct)
+            else:
+                rows, cols, causal = part
+                gq, gk, gv = flash_attention_backward(do[:, :, rows], qt[:, :, rows], kb[:, cols].transpose(1, 2),
+                                                      vb[:, cols].transpose(1, 2), out[:, :, rows], lse[:, :, rows],
+                                                      causal=causal, scale=scale)
+                dq[:, :, rows] += gq
+                gk, gv = gk.transpose(1, 2).to(ct), gv.transpose(1, 2).to(ct)
+                if cols == slice(None):  # the whole block: its gradient as the kernel gave it
+                    dk, dv = gk, gv
+                else:
+                    dk, dv = kb.new_zeros(kb.shape, dtype=ct), vb.new_zeros(vb.shape, dtype=ct)
+                    dk[:, cols], dv[:, cols] = gk, gv
+            if acc is not None:
+                dk += acc[0].wait()
+                dv += acc[1].wait()
+            if s > 0:
+                acc = (_Send(dk.to(k.dtype), axes, behind), _Send(dv.to(v.dtype), axes, behind))
+        return dq.to(q.dtype).transpose(1, 2), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str, *,
                    layout: str = "contiguous", scale: float | None = None) -> torch.Tensor:
     """Causal attention over the whole sequence sharded over ``axis`` in ``layout``: q
@@ -111,8 +231,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str,
     if n == 1:
         o, _ = _block(q, k, v, q_pos, q_pos, scale)
         return o.transpose(1, 2).to(q.dtype)
+    axes = _env.bind(axis, "ring_attention")
+    mine = _prims.static_position(axes)  # None on the virtual mesh
+    if mine is not None and not torch.compiler.is_compiling() and not torch._C._functorch.is_functorch_wrapped_tensor(q):
+        return _Ring.apply(q, k, v, axes, mine, layout, scale)
     me = axis_index(axis).to(q.device)
-    mine = _prims.static_position(_env.bind(axis, "ring_attention"))  # None on the virtual mesh
     forward = [(j, (j + 1) % n) for j in range(n)]  # after s rounds, shard i holds shard i - s's block
     c = T // 2
     o = lse = None
