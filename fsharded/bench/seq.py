@@ -424,7 +424,10 @@ def run(world: int, lengths: Sequence[int], rounds: int, deepspeed: bool, budget
                      r0[L]["none"]["peak"], unit="B") for L in lengths for v in variants)
     report.sections.append(Section("peak activation bytes per rank against no sequence parallelism",
                                    "the whole sequence on one rank", rows,
-                                   notes=((f"about 1/{world} expected: flash attention keeps no scores",)
+                                   notes=(("flash attention keeps no scores, so one layer's allocations are "
+                                           "its exchange buffers, output and gradients, several O(T/P) tensors per "
+                                           "rank against the whole sequence's few O(T) ones; a model's activations "
+                                           f"come to about 1/{world} (--model gpt)",)
                                           if attention == "flash" else
                                           (f"about 1/{world} expected for the linear parts; the causal "
                                            "scores are (T/P) x T per head in every variant",))))

@@ -8,6 +8,13 @@ works on the block that started on shard ``i - s`` (passed one step around the r
 results are merged with their log-sum-exp (``fsharded.kernels.merge_attention``), so the
 result is exact attention over the whole sequence. No head-count cap.
 
+On real ranks the whole ring is one autograd Function (``_Ring``): the forward merges
+each block into a running (out, lse) in place and keeps only this shard's q, k, v and the
+final out and lse, and the backward sends k and v round once more (the other way) with
+their gradients, running each block's flash backward against the final out and lse, so
+memory per shard stays O(T/n). On the virtual mesh (and under torch.func transforms) the
+blocks and their merges are plain differentiable ops.
+
 The causal mask compares global positions (``fsharded.parallel.sequence.positions``), so
 either layout works: ``"contiguous"``, or ``"zigzag"`` (shard ``i`` holds chunks ``i`` and
 ``2n - 1 - i`` of ``2n``), where every shard has the same number of unmasked (query, key)
@@ -214,10 +221,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str,
     ``(B, T/n, H, Dh)``, k/v ``(B, T/n, KV, Dh)`` (``H % KV == 0``); returns ``(B, T/n,
     H, Dh)`` in q's dtype.
 
-    On real ranks the next block's transfer (``ppermute_start``) runs while the current
-    block's attention is computed, forward and backward, and only the visible part of each
-    block is computed, by ``flash_attention_with_lse`` (every visible part is then causal
-    or unmasked): in the contiguous layout a block from a later shard is skipped and
+    On real ranks the next block's transfer runs while the current block's attention is
+    computed, forward and backward (the backward passes k and v round again, with their
+    gradients: per layer ``n - 1`` hops of k and v forward, ``2 (n - 1)`` of k, v and their
+    gradients backward), and only the visible part of each block is computed, by the
+    flash kernels (every visible part is then causal or unmasked): in the contiguous layout a block from a later shard is skipped and
     one from an earlier shard needs no mask; in the zigzag layout a block from an earlier
     shard is seen only through its first chunk and one from a later shard only by the
     second chunk of queries, half the work each. (On the virtual mesh every shard's block
