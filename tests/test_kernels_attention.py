@@ -386,3 +386,41 @@ def test_gpu_autotuned_matches_reference(D, window, dtype):
         # at 256 keys under the interpreter. A masking bug is O(1).
         err = ((a.double() - b).abs().max() / b.abs().max()).item()
         assert err < 2e-2, f"{name}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("impl", [None, "reference"])
+def test_backward_of_one_key_block_against_the_whole_output_is_its_share(impl):
+    """flash_attention_backward with the out and lse of attention over all keys and k, v
+    one block of them gives that block's dk, dv and its part of dq (what ring attention's
+    backward adds up), for the fused CPU kernels and the reference alike."""
+    q, k, v = _inputs(1, 2, 1, 8, 12, 16, dtype=torch.float64)
+    out, lse = flash_attention_with_lse(q, k, v, causal=False)
+    dout = _rand(*out.shape, dtype=torch.float64, seed=5)
+    dq, dk, dv = A.flash_attention_backward(dout, q, k, v, out, lse, causal=False, impl=impl)
+    parts = [A.flash_attention_backward(dout, q, k[:, :, c], v[:, :, c], out, lse, causal=False, impl=impl)
+             for c in (slice(0, 5), slice(5, 12))]
+    torch.testing.assert_close(parts[0][0] + parts[1][0], dq, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(torch.cat([parts[0][1], parts[1][1]], 2), dk, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(torch.cat([parts[0][2], parts[1][2]], 2), dv, atol=1e-12, rtol=1e-12)
+    with pytest.raises(ValueError, match=r"lse \(1, 2, 7\) \(expected \(1, 2, 8\)\)"):
+        A.flash_attention_backward(dout, q, k, v, out, lse[:, :, :7], causal=False, impl=impl)
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="torch's fused CPU kernel")
+def test_cpu_kernel_is_not_given_what_it_cannot_read():
+    """Rows must be contiguous in the head dim for the fused kernels (a transposed or
+    strided head dim runs the reference), and an empty head dim never reaches them; the
+    results are right either way."""
+    q, k, v = _inputs(1, 2, 2, 8, 8, 4)
+    strided = [_rand(1, 2, 4, 8, seed=9).transpose(-1, -2), _rand(1, 2, 8, 8, seed=10)[..., ::2]]
+    for x in strided:
+        for args in ((x, k, v), (q, x, v), (q, k, x)):
+            assert A._backend(None, *args, True, None) == "reference"
+            g = _rand(1, 2, 8, 4, dtype=torch.float64, seed=7)
+            gl = _rand(1, 2, 8, dtype=torch.float64, seed=8)
+            got = _value_and_grads(flash_attention_with_lse, *args, g, gl, causal=True, window=None)
+            _assert_close(got, _ground_truth(*args, g, gl, causal=True, window=None), 2e-5, 2e-5)
+    empty = [torch.randn(1, 2, 4, 0, requires_grad=True)] + [torch.randn(1, 2, 5, 0, requires_grad=True)] * 2
+    assert A._backend(None, *empty, False, None) == "reference"
+    _, lse = flash_attention_with_lse(*empty, causal=False)
+    assert all(g.shape == x.shape for g, x in zip(torch.autograd.grad(lse.sum(), empty[:2]), empty))

@@ -172,9 +172,11 @@ def _reference_with_lse(q, k, v, causal, window, scale) -> tuple[Tensor, Tensor]
     return out.to(q.dtype), lse
 
 
-def _reference_backward(dout, dlse, q, k, v, lse, causal, window, scale):
+def _reference_backward(dout, dlse, q, k, v, out, lse, causal, window, scale):
     """Closed-form gradients of (out, lse) in the accumulation dtype; dk, dv summed over
-    each kv head's query group."""
+    each kv head's query group. The row term is ``rowsum(dout * out)`` from the given
+    ``out`` (as the fused kernels form it), so with ``out`` and ``lse`` of the attention
+    over all keys and ``k``/``v`` one block of them it gives that block's share."""
     s = _scores(q, k, causal, window, scale)
     p = _probs(s, lse.to(s.dtype))
     ct = s.dtype
@@ -185,7 +187,7 @@ def _reference_backward(dout, dlse, q, k, v, lse, causal, window, scale):
     vf = v.to(ct).repeat_interleave(group, dim=1)
     do = dout.to(ct)
     dp = torch.matmul(do, vf.transpose(-1, -2))
-    delta = (p * dp).sum(-1)  # == rowsum(dO * O)
+    delta = (do * out.to(ct)).sum(-1)  # rowsum(p * dp) when k, v are all the keys
     if dlse is not None:
         delta = delta - dlse.to(ct)
     ds = p * (dp - delta.unsqueeze(-1))
@@ -206,6 +208,7 @@ def _cpu_fits(q: Tensor, k: Tensor, v: Tensor, causal: bool, window) -> bool:
     (its causal mask is aligned at the first key, ours at the last)."""
     return ({t.device.type for t in (q, k, v)} <= {"cpu", "meta"} and q.dtype in _CPU_DTYPES
             and q.dtype == k.dtype == v.dtype and window is None and q.shape[2] > 0 and k.shape[2] > 0
+            and q.shape[3] > 0 and all(t.stride(-1) == 1 for t in (q, k, v))  # the kernels read rows
             and (not causal or q.shape[2] == k.shape[2]))
 
 
@@ -239,6 +242,7 @@ def _cpu_backward(dout, dlse, q, k, v, out, lse, causal, scale) -> tuple[Tensor,
     Hkv = k.shape[1]
     group = Hq // Hkv
     k, v = _repeat_kv(k, group), _repeat_kv(v, group)
+    out, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (out, dout))
     if dlse is not None:
         pad = torch.nn.functional.pad
         q, k, v = pad(q, (0, 1)), pad(k, (0, 1)), pad(v, (0, 1))
@@ -327,7 +331,7 @@ def _attention_backward_op(
         return _triton_attention.backward(dout, dlse, q, k, v, out, lse, causal, window, scale)
     if backend == "cpu":
         return _cpu_backward(dout, dlse, q, k, v, out, lse, causal, scale)
-    return _reference_backward(dout, dlse, q, k, v, lse, causal, window, scale)
+    return _reference_backward(dout, dlse, q, k, v, out, lse, causal, window, scale)
 
 
 @_attention_backward_op.register_fake
@@ -533,6 +537,12 @@ def flash_attention_backward(
     :func:`flash_backend` names for these inputs.
     """
     scale = _check("flash_attention_backward", q, k, v, causal, None, scale)
+    stats = (("dout", dout, q.shape), ("out", out, q.shape), ("lse", lse, q.shape[:3]))
+    if dlse is not None:
+        stats += (("dlse", dlse, q.shape[:3]),)
+    bad = [f"{name} {tuple(t.shape)} (expected {tuple(want)})" for name, t, want in stats if t.shape != want]
+    if bad:
+        raise ValueError(f"flash_attention_backward: {', '.join(bad)} for q {tuple(q.shape)}")
     backend = _backend(impl, q, k, v, causal, None)
     return _attention_backward_op(dout, dlse, q, k, v, out, lse, causal, None, scale, backend)
 

@@ -157,9 +157,10 @@ class _Ring(torch.autograd.Function):
         B, _, H, Dh = q.shape
         ahead = tuple((j, (j + 1) % n) for j in range(n))
         ct = torch.promote_types(q.dtype, torch.float32)
-        out = q.new_zeros((B, H, T, Dh), dtype=ct)
+        acc = q.new_zeros((B, T, H, Dh), dtype=ct)  # stored as the output is returned
+        out = acc.transpose(1, 2)  # (B, H, T, Dh)
         lse = q.new_full((B, H, T), float("-inf"), dtype=ct)
-        ctx.save_for_backward(q, k, v)
+        q0, k0, v0 = q, k, v
         for s in range(n):
             nxt = (_Send(k, axes, ahead), _Send(v, axes, ahead)) if s + 1 < n else None
             if (part := _part((mine - s) % n, mine, layout, T)) is not None:
@@ -168,15 +169,15 @@ class _Ring(torch.autograd.Function):
                 _merge_into(out[:, :, rows], lse[:, :, rows], ob, lb)
             if nxt is not None:
                 k, v = nxt[0].wait(), nxt[1].wait()
-        out = out.to(q.dtype)
-        ctx.stats = (out, lse)
+        result = acc.to(q.dtype)  # (B, T, H, Dh), not a view: the caller may write to it
+        ctx.save_for_backward(q0, k0, v0, result, lse)  # version-checked, the output included
         ctx.info = (axes, mine, layout, scale)
-        return out.transpose(1, 2)
+        return result
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v = ctx.saved_tensors
-        out, lse = ctx.stats
+        q, k, v, result, lse = ctx.saved_tensors
+        out = result.transpose(1, 2)  # (B, H, T, Dh)
         axes, mine, layout, scale = ctx.info
         n, T = axes.size, q.shape[1]
         behind = tuple(((j + 1) % n, j) for j in range(n))
@@ -207,9 +208,9 @@ class _Ring(torch.autograd.Function):
                 else:
                     dk, dv = kb.new_zeros(kb.shape, dtype=ct), vb.new_zeros(vb.shape, dtype=ct)
                     dk[:, cols], dv[:, cols] = gk, gv
-            if acc is not None:
-                dk += acc[0].wait()
-                dv += acc[1].wait()
+            if acc is not None:  # out of place: dk may be a view of the kernel's output
+                dk = dk + acc[0].wait()
+                dv = dv + acc[1].wait()
             if s > 0:
                 acc = (_Send(dk.to(k.dtype), axes, behind), _Send(dv.to(v.dtype), axes, behind))
         return dq.to(q.dtype).transpose(1, 2), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
