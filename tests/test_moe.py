@@ -128,6 +128,17 @@ def test_expert_mlp_looped_and_batched_forms_agree(bias):
         torch.testing.assert_close(outs[0][0][e], want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     assert torch.equal(moe.expert_mlp(params, h), outs[0][0])  # CPU takes the looped form
+    # Under torch.func (the virtual mesh) the looped form is plain ops on unbound experts;
+    # eagerly it is one Function writing the weight gradients in place: the same numbers.
+    loss = lambda p, hh: (moe._experts_looped(p, hh) * cot).sum()  # noqa: E731
+    gp, gh = torch.func.grad(loss, argnums=(0, 1))(params, h)
+    torch.testing.assert_close((gh, gp), (outs[0][1], outs[0][2]), rtol=1e-5, atol=1e-5)
+    # Two groups of rows per expert (expert parallelism's shard-major rows): both add up.
+    h2, cot2 = torch.cat([h, h.flip(1)]), torch.cat([cot, cot.flip(0)])
+    p = {k: v.clone().requires_grad_() for k, v in params.items()}
+    (moe._experts_looped(p, h2) * cot2).sum().backward()
+    gp = torch.func.grad(lambda p: (moe._experts_looped(p, h2) * cot2).sum())(params)
+    torch.testing.assert_close({k: v.grad for k, v in p.items()}, gp, rtol=1e-5, atol=1e-5)
 
 
 def test_sorted_form_fills_the_same_buffer():

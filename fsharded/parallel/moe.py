@@ -276,14 +276,72 @@ def _experts_batched(params: Params, h: torch.Tensor) -> torch.Tensor:
     return torch.baddbmm(b2.unsqueeze(1), g, params["w2"]) if b2 is not None else torch.bmm(g, params["w2"])
 
 
+class _LoopedMLP(torch.autograd.Function):
+    """``_experts_looped`` in eager autograd, lighter than the same ops recorded one by one:
+    the forward keeps each row's pre-activation only (its GELU is recomputed in backward),
+    the backward frees each row's as it finishes it and writes every expert's weight and
+    bias gradients straight into one zeroed tensor per leaf (``addmm_`` into its slice),
+    where autograd would hold the experts' separate gradients and then stack them."""
+
+    @staticmethod
+    def forward(ctx, h, w1, w2, b1, b2):
+        E = w1.shape[0]
+        out = h.new_empty(h.shape[0], h.shape[1], w2.shape[2])
+        pre = []
+        for i in range(h.shape[0]):
+            e = i % E
+            a = torch.addmm(b1[e], h[i], w1[e]) if b1 is not None else torch.mm(h[i], w1[e])
+            g = F.gelu(a)
+            if b2 is not None:
+                torch.addmm(b2[e], g, w2[e], out=out[i])
+            else:
+                torch.mm(g, w2[e], out=out[i])
+            pre.append(a)
+        ctx.save_for_backward(h, w1, w2)
+        ctx.pre = pre  # internal, never handed out: freed row by row in backward
+        ctx.biases = (b1 is not None, b2 is not None)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        h, w1, w2 = ctx.saved_tensors
+        pre, ctx.pre = ctx.pre, None
+        has_b1, has_b2 = ctx.biases
+        E = w1.shape[0]
+        dw1, dw2 = torch.zeros_like(w1), torch.zeros_like(w2)
+        db1 = w1.new_zeros(w1.shape[0], w1.shape[2]) if has_b1 else None
+        db2 = w2.new_zeros(w2.shape[0], w2.shape[2]) if has_b2 else None
+        dh = [] if ctx.needs_input_grad[0] else None
+        for i in range(h.shape[0]):
+            e, a = i % E, pre[i]
+            pre[i] = None
+            dw2[e].addmm_(F.gelu(a).T, dy[i])
+            if db2 is not None:
+                db2[e] += dy[i].sum(0)
+            da = torch.ops.aten.gelu_backward(dy[i] @ w2[e].T, a)
+            del a
+            dw1[e].addmm_(h[i].T, da)
+            if db1 is not None:
+                db1[e] += da.sum(0)
+            if dh is not None:
+                dh.append(da @ w1[e].T)
+        return (torch.stack(dh) if dh is not None else None), dw1, dw2, db1, db2
+
+
 def _experts_looped(params: Params, h: torch.Tensor) -> torch.Tensor:
     """``h`` ``(G * E_l, C, d)``: row ``i`` through expert ``i % E_l``'s MLP, one matmul
     per row and projection (``G`` groups of rows, e.g. one per source shard)."""
-    # unbind, not h[e]: its backward stacks the experts' gradients once, where indexing
-    # would give each expert a zero gradient of the whole tensor to add up.
     E = params["w1"].shape[0]
     if h.shape[0] % E:
         raise ValueError(f"expert_mlp: {h.shape[0]} buffer rows for {E} experts")
+    leaves = (h, params["w1"], params["w2"], params.get("b1"), params.get("b2"))
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    if not any(t is not None and wrapped(t) for t in leaves) and len({t.dtype for t in leaves if t is not None}) == 1:
+        return _LoopedMLP.apply(*leaves)
+    # Under torch.func (the virtual mesh): unbind, not h[e]: its backward stacks the
+    # experts' gradients once, where indexing would give each expert a zero gradient of
+    # the whole tensor to add up.
     w1, w2, hs = params["w1"].unbind(0), params["w2"].unbind(0), h.unbind(0)
     b1 = params["b1"].unbind(0) if "b1" in params else None
     b2 = params["b2"].unbind(0) if "b2" in params else None
