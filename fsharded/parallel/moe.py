@@ -337,7 +337,8 @@ def _experts_looped(params: Params, h: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"expert_mlp: {h.shape[0]} buffer rows for {E} experts")
     leaves = (h, params["w1"], params["w2"], params.get("b1"), params.get("b2"))
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    if not any(t is not None and wrapped(t) for t in leaves) and len({t.dtype for t in leaves if t is not None}) == 1:
+    if (not any(t is not None and wrapped(t) for t in leaves) and len({t.dtype for t in leaves if t is not None}) == 1
+            and not torch.is_autocast_enabled(h.device.type)):
         return _LoopedMLP.apply(*leaves)
     # Under torch.func (the virtual mesh): unbind, not h[e]: its backward stacks the
     # experts' gradients once, where indexing would give each expert a zero gradient of
