@@ -350,3 +350,63 @@ def test_mistakes_are_named():
         run(params, {"expert": 2})
     with pytest.raises(ValueError, match="method='sorted' is dropless; pass capacity_factor=None"):
         moe.moe_layer(params, x, method="sorted", capacity_factor=1.0)
+
+
+def _expert_tp(mesh_shape: dict, tok_axes: tuple, kw: dict):
+    """The layer with each expert's hidden dim split over ``tensor`` (and the experts over
+    ``expert`` when the mesh has it); the tokens are the same on every tensor shard."""
+    params = _params(8)
+    specs = moe.expert_parallel_specs(params, axis="expert" if "expert" in mesh_shape else None,
+                                      tensor_axis="tensor")
+    tok = P(tok_axes) if tok_axes else P()
+
+    def body(p, x):
+        y, aux = moe.moe_layer(p, x, tensor_axis="tensor", **kw)
+        return y, aux["load"][None]
+
+    sm = fs.shard_map(body, mesh=fs.Mesh(mesh_shape), in_specs=(specs, tok), out_specs=(tok, tok))
+    return params, sm
+
+
+@pytest.mark.parametrize("mesh_shape,tok_axes,method", [
+    ({"tensor": 2}, (), "capacity"),
+    ({"expert": 2, "tensor": 2}, ("expert",), "capacity"),
+    ({"data": 2, "tensor": 2}, ("data",), "sorted"),
+], ids=["tensor2", "expert2-tensor2", "data2-tensor2-sorted"])
+def test_expert_tensor_parallel_equals_the_layer_per_shard(mesh_shape, tok_axes, method):
+    # Expert TP: w1 split on its hidden dim, w2 and b1 alike, b2 whole; each tensor shard's
+    # partial products summed by one psum of the experts' output buffer, b2 added once.
+    kw = dict(top_k=2, capacity_factor=None if method == "sorted" else 1.0, min_capacity=1, method=method)
+    params, sm = _expert_tp(mesh_shape, tok_axes, kw)
+    x = _tokens()
+    shards = math.prod(mesh_shape[a] for a in tok_axes)
+    n = T // shards
+
+    def per_shard(p, x):
+        outs = [moe.moe_layer(p, x[i * n:(i + 1) * n], axis=None, **kw) for i in range(shards)]
+        return torch.cat([y for y, _ in outs]), torch.stack([a["load"] for _, a in outs])
+
+    got, want = sm(params, x), per_shard(params, x)
+    _assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
+    cot = torch.randn(T, D, generator=torch.Generator().manual_seed(9))
+    g = _grads(lambda p, x: sm(p, x)[0], params, x, cot)
+    g_ref = _grads(lambda p, x: per_shard(p, x)[0], params, x, cot)
+    _assert_trees_close(g, g_ref, rtol=1e-5, atol=1e-5)
+    # One psum over tensor per layer, of the experts' output buffer, forward (and its
+    # transpose for the tokens' gradient in backward).
+    ops = [(e.op, e.axis, e.phase) for e in sm.collectives(params, x) if e.axis == "tensor"]
+    assert ops.count(("psum", "tensor", "forward")) == 1, ops
+
+
+def test_expert_tensor_parallel_needs_every_hidden_leaf_split():
+    params = _params(8)
+    specs = moe.expert_parallel_specs(params, axis=None, tensor_axis="tensor")
+    specs["w2"] = P()  # w1 and b1 split, w2 whole: the partial sums would not add up
+    sm = fs.shard_map(lambda p, x: moe.moe_layer(p, x, tensor_axis="tensor", axis=None, top_k=2)[0],
+                      mesh=fs.Mesh({"tensor": 2}), in_specs=(specs, P()), out_specs=P())
+    with pytest.raises(ValueError, match=r"only \['b1', 'w1'\] vary over it \(not \['w2'\]\)"):
+        sm(params, _tokens())
+    # Replicated weights with the axis bound: every tensor shard computes the whole MLP.
+    sm = fs.shard_map(lambda p, x: moe.moe_layer(p, x, tensor_axis="tensor", axis=None, top_k=2)[0],
+                      mesh=fs.Mesh({"tensor": 2}), in_specs=(P(), P()), out_specs=P())
+    torch.testing.assert_close(sm(params, _tokens()), moe.moe_layer(params, _tokens(), axis=None, top_k=2)[0])

@@ -36,6 +36,13 @@ def test_expert_parallel_training_equals_one_device(reference, mesh, kw):
     got = M.train(mesh, **kw)
     M.close(got, reference[shards])
     assert 0 < max(got["drops"]) < 0.5  # capacity 1.0 drops some of the top-2 choices
+    if kw.get("tensor"):  # expert tensor parallelism: each MoE layer psums its experts' outputs
+        cfg = M.config()
+        E, D = cfg.moe.experts, cfg.d_model
+        layers = sum("router" in b["mlp"] for b in gpt.init(cfg, 0)["blocks"])
+        bufs = [c for c in got["collectives"]
+                if c[:3] == ("psum", "tensor", "forward") and len(c[3]) == 3 and (c[3][0], c[3][2]) == (E, D)]
+        assert len(bufs) == layers, got["collectives"]
 
 
 def test_dropless_and_top1():
@@ -68,13 +75,15 @@ def test_all_to_all_bytes_per_moe_layer():
 @pytest.mark.parametrize("world,mesh,kw", [
     (2, {"expert": 2}, {}),
     (4, {"data": 2, "expert": 2}, {"zero_stage": 3}),
+    (4, {"tensor": 2, "expert": 2}, {"tensor": True}),  # expert tensor parallelism
 ])
 def test_gloo_ranks_equal_one_device_and_the_virtual_mesh(reference, world, mesh, kw):
     from fsharded.testing import run_on_ranks
 
     virtual = M.train(mesh, **kw)
+    shards = mesh.get("data", 1) * mesh.get("expert", 1)  # batch shards, each routing its own tokens
     for r in run_on_ranks(M.train, world, mesh, **kw):
-        M.close(r, reference[world])
+        M.close(r, reference[shards])
         M.close(r, virtual)
 
 

@@ -123,3 +123,19 @@ def test_closure_captured_tensors_are_replicated():
     out.sum().backward()
     torch.testing.assert_close(out, torch.tensor([[4.0, 8.0]]))
     torch.testing.assert_close(w.grad, torch.tensor([4.0, 4.0]))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["out", "copy", "setitem"])
+def test_in_place_writes_through_views_widen_the_buffer_type(how):
+    # A buffer typed invariant over x, written (through views of it, or with out=) with
+    # values that vary over x, varies over x: a psum over x then sums the shards instead of
+    # multiplying one shard's value by their number.
+    import vma_cases
+
+    from fsharded.testing import run_on_ranks
+
+    for r in run_on_ranks(vma_cases.writes_through_views, 4, how):
+        assert r["types"]["out"] == ("y", "x")
+        assert all(t == ("y", "x") for k, t in r["types"].items() if k.startswith("early"))
+        torch.testing.assert_close(r["got"], r["want"])

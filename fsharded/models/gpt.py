@@ -385,7 +385,7 @@ def block(p: Params, x: torch.Tensor, *, rotary: bool = False,
                   seq_axis, seq_parallel, seq_layout)
     if _is_moe(p):
         return _moe_mlp(p["mlp"], _norm(p["norm2"], x), x, moe, expert_axis, train,
-                        seq_parallel == "megatron" and _seq(seq_axis), selection_bias)
+                        seq_parallel == "megatron" and _seq(seq_axis), selection_bias, tensor_axis)
     if selection_bias is not None:
         raise ValueError("block: selection_bias is for a mixture-of-experts block; this block's MLP is dense")
     return x + _mlp(p["mlp"], _norm(p["norm2"], x), tensor_axis, seq_parallel == "megatron" and _seq(seq_axis))
@@ -398,7 +398,8 @@ def _is_moe(p: Any) -> bool:
 
 
 def _moe_mlp(p: Params, h: torch.Tensor, x: torch.Tensor, cfg: MoEConfig | None, axis: str | None,
-             train: bool, megatron: bool, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             train: bool, megatron: bool, bias: torch.Tensor | None = None,
+             tensor_axis: str | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     if cfg is None:
         raise ValueError("this GPT has mixture-of-experts blocks (params['blocks'][i]['mlp']['router']): pass "
                          "its routing config, gpt.loss(params, batch, moe=config.moe) (or to apply / block)")
@@ -413,7 +414,8 @@ def _moe_mlp(p: Params, h: torch.Tensor, x: torch.Tensor, cfg: MoEConfig | None,
     cf = cfg.capacity_factor if train else cfg.eval_capacity_factor
     # Dropless through the sort (grouped kernels on CUDA without an expert axis)
     y, aux = M.moe_layer(p, h, top_k=cfg.top_k, capacity_factor=cf, min_capacity=cfg.min_capacity, axis=axis,
-                         method="capacity" if cf is not None else "sorted", selection_bias=bias)
+                         method="capacity" if cf is not None else "sorted", selection_bias=bias,
+                         tensor_axis=tensor_axis)
     return x + y, {k: aux[k] for k in ("aux_loss", "z_loss", "drop_fraction", "load")}
 
 
@@ -722,6 +724,10 @@ TENSOR_PARALLEL_RULES: dict[str, P] = {
     "blocks.*.mlp.b_in": P(TENSOR),
     "blocks.*.mlp.b_gate": P(TENSOR),
     "blocks.*.mlp.b_up": P(TENSOR),
+    # mixture-of-experts blocks: every expert's hidden units (expert tensor parallelism) ...
+    "blocks.*.mlp.w1": P(None, None, TENSOR),
+    "blocks.*.mlp.b1": P(None, TENSOR),
+    "blocks.*.mlp.w2": P(None, TENSOR, None),
     # ... row-parallel: split the input features, outputs are psum'ed over tensor.
     "blocks.*.attn.wo": P(TENSOR, None, None),
     "blocks.*.mlp.w_out": P(TENSOR, None),
@@ -753,8 +759,9 @@ def tensor_parallel_specs(params: Params, axis: str = TENSOR) -> Any:
 def expert_parallel_specs(params: Params, axis: str = EXPERT, base: Any = None) -> Any:
     """The spec tree that splits every mixture-of-experts block's experts over the mesh
     axis ``axis`` (``w1``, ``w2`` and their biases on dim 0, the router replicated), on top
-    of ``base`` (a spec tree such as ``tensor_parallel_specs(params)``; default all
-    replicated). The experts must divide over the axis (``shard_map`` names any leaf that
+    of ``base`` (a spec tree such as ``tensor_parallel_specs(params)``, whose split of each
+    expert's hidden units over the tensor axis is kept: expert tensor parallelism; default
+    all replicated). The experts must divide over the axis (``shard_map`` names any leaf that
     does not fit).
 
     >>> cfg = GPTConfig.tiny(moe={"experts": 4})
@@ -764,6 +771,7 @@ def expert_parallel_specs(params: Params, axis: str = EXPERT, base: Any = None) 
     specs = optree.tree_map(lambda _: P(), params) if base is None else base
     specs = {**specs, "blocks": [dict(b) for b in specs["blocks"]]}
     for p, b in zip(params["blocks"], specs["blocks"]):
-        if "router" in p["mlp"]:
-            b["mlp"] = {k: P(axis) if k in ("w1", "w2", "b1", "b2") else P() for k in p["mlp"]}
+        if "router" in p["mlp"]:  # dim 0 over axis; the base's split of the hidden dim kept
+            b["mlp"] = {k: P(axis, *tuple(b["mlp"][k])[1:]) if k in ("w1", "w2", "b1", "b2") else P()
+                        for k in p["mlp"]}
     return specs

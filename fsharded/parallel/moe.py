@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from fsharded.mesh import P
-from fsharded.spmd.collectives import all_to_all, axis_size, is_bound
+from fsharded.spmd.collectives import all_to_all, axis_size, is_bound, psum, varying_axes
 
 __all__ = [
     "Routing",
@@ -286,17 +286,14 @@ class _LoopedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w1, w2, b1, b2):
         E = w1.shape[0]
-        out = h.new_empty(h.shape[0], h.shape[1], w2.shape[2])
-        pre = []
+        outs, pre = [], []
         for i in range(h.shape[0]):
             e = i % E
             a = torch.addmm(b1[e], h[i], w1[e]) if b1 is not None else torch.mm(h[i], w1[e])
             g = F.gelu(a)
-            if b2 is not None:
-                torch.addmm(b2[e], g, w2[e], out=out[i])
-            else:
-                torch.mm(g, w2[e], out=out[i])
+            outs.append(torch.addmm(b2[e], g, w2[e]) if b2 is not None else torch.mm(g, w2[e]))
             pre.append(a)
+        out = torch.stack(outs)
         ctx.save_for_backward(h, w1, w2)
         ctx.pre = pre  # internal, never handed out: freed row by row in backward
         ctx.biases = (b1 is not None, b2 is not None)
@@ -336,8 +333,7 @@ def _experts_looped(params: Params, h: torch.Tensor) -> torch.Tensor:
     if h.shape[0] % E:
         raise ValueError(f"expert_mlp: {h.shape[0]} buffer rows for {E} experts")
     leaves = (h, params["w1"], params["w2"], params.get("b1"), params.get("b2"))
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    if (not any(t is not None and wrapped(t) for t in leaves) and len({t.dtype for t in leaves if t is not None}) == 1
+    if (not torch._C._are_functorch_transforms_active() and len({t.dtype for t in leaves if t is not None}) == 1
             and not torch.is_autocast_enabled(h.device.type)):
         return _LoopedMLP.apply(*leaves)
     # Under torch.func (the virtual mesh): unbind, not h[e]: its backward stacks the
@@ -361,7 +357,8 @@ _EXPERT_LEAVES = ("w1", "w2", "b1", "b2")
 def moe_layer(params: Params, x: torch.Tensor, *, top_k: int = 1, capacity_factor: float | None = 1.0,
               min_capacity: int = 4, normalize: bool | None = None,
               selection_bias: torch.Tensor | None = None, axis: str | None = "expert",
-              method: str = "capacity", impl: str | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              method: str = "capacity", impl: str | None = None,
+              tensor_axis: str | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A mixture-of-experts GELU MLP on tokens ``x`` ``(..., d)`` (leading dims flattened
     in row-major order into ``T`` tokens); returns ``y`` of ``x``'s shape and ``aux``:
     ``aux_loss`` (``load_balancing_loss``), ``z_loss``, ``drop_fraction`` and ``load``
@@ -381,6 +378,13 @@ def moe_layer(params: Params, x: torch.Tensor, *, top_k: int = 1, capacity_facto
     With ``axis`` bound by an enclosing ``shard_map`` (size ``n > 1``), the expert leaves
     are this shard's ``E/n`` experts (``expert_parallel_specs``) and the buffers go through
     ``all_to_all`` over ``axis``; unbound (or ``None``), every expert runs here.
+
+    Expert tensor parallelism: with ``tensor_axis`` bound (size ``t > 1``), each expert's
+    hidden dim is split over it (``expert_parallel_specs(..., tensor_axis=...)``: ``w1``
+    ``(E_l, d, f/t)``, ``w2`` ``(E_l, f/t, d)``, ``b1`` ``(E_l, f/t)``, ``b2`` whole), the
+    tokens are the same on every tensor shard (so is the routing), each shard computes its
+    part of the second projection, and one ``psum`` over ``tensor_axis`` of the experts'
+    output buffer adds them up before ``b2``.
 
     >>> p = init(8, 16, 4, seed=0)
     >>> y, aux = moe_layer(p, torch.randn(10, 8), top_k=2)
@@ -419,19 +423,56 @@ def moe_layer(params: Params, x: torch.Tensor, *, top_k: int = 1, capacity_facto
         return _grouped_experts(params, x2, r, impl).reshape(shape), aux
     buf = sorted_dispatch(x2, r) if method == "sorted" else dispatch(x2, r)  # (E, C, d)
     experts = {k: params[k] for k in _EXPERT_LEAVES if k in params}
+    t = _expert_tensor_degree(experts, tensor_axis)
+    if t > 1:
+        b2 = experts.pop("b2", None)  # added once, to the sum of the partial products
+        mlp, looped = _tensor_parallel(expert_mlp, tensor_axis, b2), _tensor_parallel(_experts_looped, tensor_axis, b2)
+    else:
+        mlp, looped = expert_mlp, _experts_looped
     if n > 1 and _per_row(buf):
         # Shard-major, as the all-to-all lays it out: row s * E/n + e holds shard s's slots
         # for my expert e, each row its own matmul (no relayout copies either way).
         buf = all_to_all(buf, axis, split_dim=0, concat_dim=0)  # (n * E/n, C, d)
-        out = _experts_looped(experts, buf)
+        out = looped(experts, buf)
         out = all_to_all(out, axis, split_dim=0, concat_dim=0)  # (E, C, d): my slots, every expert
     elif n > 1:
         buf = all_to_all(buf, axis, split_dim=0, concat_dim=1)  # (E/n, n*C, d): my experts, every shard's slots
-        out = all_to_all(expert_mlp(experts, buf), axis, split_dim=1, concat_dim=0)  # (E, C, d)
+        out = all_to_all(mlp(experts, buf), axis, split_dim=1, concat_dim=0)  # (E, C, d)
     else:
-        out = expert_mlp(experts, buf)
+        out = mlp(experts, buf)
     y = sorted_combine(out, r) if method == "sorted" else combine(out, r)
     return y.reshape(shape), aux
+
+
+def _expert_tensor_degree(experts: Params, tensor_axis: str | None) -> int:
+    """How many shards of ``tensor_axis`` split the experts' hidden dim here: its size when
+    it is bound and ``w1``, ``w2`` (and ``b1``) vary over it (sharded by their specs), 1 when
+    none of them does (replicated weights: every tensor shard computes the whole MLP)."""
+    if tensor_axis is None or not is_bound(tensor_axis) or axis_size(tensor_axis) == 1:
+        return 1
+    split = {k: tensor_axis in varying_axes(experts[k]) for k in ("w1", "w2", "b1") if k in experts}
+    if not any(split.values()):
+        return 1
+    if not all(split.values()):
+        raise ValueError(f"moe_layer: expert tensor parallelism over {tensor_axis!r} splits every expert's "
+                         f"hidden dim, but only {sorted(k for k, v in split.items() if v)} vary over it (not "
+                         f"{sorted(k for k, v in split.items() if not v)}): shard w1 on dim 2, w2 and b1 on dim 1 "
+                         f"(expert_parallel_specs(..., tensor_axis={tensor_axis!r}))")
+    return axis_size(tensor_axis)
+
+
+def _tensor_parallel(run, tensor_axis: str, b2: torch.Tensor | None):
+    """``run`` (the experts' MLP on a buffer whose rows cycle through the local experts)
+    with each expert's hidden dim split over ``tensor_axis``: the partial products summed
+    over it, then ``b2`` added once per row's expert."""
+
+    def mlp(experts: Params, buf: torch.Tensor) -> torch.Tensor:
+        out = psum(run(experts, buf), tensor_axis)
+        if b2 is None:
+            return out
+        return out + b2.repeat(buf.shape[0] // b2.shape[0], 1).unsqueeze(1)  # row i: expert i % E_l
+
+    return mlp
 
 
 def _grouped_kernels(x: torch.Tensor, impl: str | None) -> bool:
@@ -477,12 +518,17 @@ def init(d_model: int, d_ff: int, experts: int, *, seed: int = 0, bias: bool = F
     return p
 
 
-def expert_parallel_specs(params: Params, *, axis: str = "expert", axis_size: int | None = None) -> dict:
+def expert_parallel_specs(params: Params, *, axis: str | None = "expert", axis_size: int | None = None,
+                          tensor_axis: str | None = None) -> dict:
     """Specs for expert parallelism: the expert leaves split over ``axis`` on dim 0, the
-    router replicated. With ``axis_size``, checks that the experts divide over it."""
+    router replicated. With ``axis_size``, checks that the experts divide over it. With
+    ``tensor_axis`` (expert tensor parallelism), each expert's hidden dim is split over it
+    too: ``w1`` on dim 2, ``w2`` and ``b1`` on dim 1, ``b2`` only over ``axis``."""
     E = params["w1"].shape[0]
     if axis_size is not None and E % axis_size:
         raise ValueError(f"expert_parallel_specs: the {E} experts (w1 {tuple(params['w1'].shape)}) do not "
                          f"divide over axis {axis!r} of size {axis_size}: use a number of experts "
                          f"divisible by {axis_size}, or a smaller {axis!r} axis")
-    return {k: (P(axis) if k in _EXPERT_LEAVES else P()) for k in params}
+    hidden = {"w1": P(axis, None, tensor_axis), "w2": P(axis, tensor_axis), "b1": P(axis, tensor_axis)}
+    return {k: ((hidden.get(k, P(axis)) if tensor_axis is not None else P(axis)) if k in _EXPERT_LEAVES else P())
+            for k in params}

@@ -242,7 +242,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str,
         return o.transpose(1, 2).to(q.dtype)
     axes = _env.bind(axis, "ring_attention")
     mine = _prims.static_position(axes)  # None on the virtual mesh
-    if mine is not None and not torch.compiler.is_compiling() and not torch._C._functorch.is_functorch_wrapped_tensor(q):
+    if mine is not None and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
         return _Ring.apply(q, k, v, axes, mine, layout, scale)
     me = axis_index(axis).to(q.device)
     forward = [(j, (j + 1) % n) for j in range(n)]  # after s rounds, shard i holds shard i - s's block

@@ -64,6 +64,9 @@ class VmaMode(TorchFunctionMode):
         self.dispatching = 0
         self._carried: list[list[frozenset]] = []
         self.last: frozenset | None = None  # the type of the last collective's result
+        # Tensors whose type an in-place write widened (directly or through a view): their
+        # views, made before or after the write, share the storage and so the type.
+        self._widened: dict[int, weakref.ref] = {}
 
     # -- the table ------------------------------------------------------------------------
 
@@ -82,8 +85,33 @@ class VmaMode(TorchFunctionMode):
                 return False
             cur = _F.get_unwrapped(cur)
 
+    def _base_type(self, t: torch.Tensor) -> frozenset:
+        """The type a view inherits from its base when an in-place write widened that."""
+        b = t._base
+        if b is None:
+            return _NONE
+        e = self._widened.get(id(b))
+        return (self._lookup(b) or _NONE) if e is not None and e() is b else _NONE
+
+    def widen(self, t: torch.Tensor, axes: frozenset) -> None:
+        """``t`` was written in place with values varying over ``axes``: it, and the tensor
+        it is a view of (whose other views then see the same), vary over them too."""
+        self.set(t, self.get(t) | axes)
+        for cur in (t, t._base):
+            if cur is not None:
+                if cur is not t:
+                    self.set(cur, self.get(cur) | axes)
+                self._widened[id(cur)] = weakref.ref(cur)
+
     def get(self, t: torch.Tensor) -> frozenset:
         """The axes ``t`` varies over."""
+        if self._widened and t._base is not None:
+            inherited = self._base_type(t)
+            if inherited:
+                return self._get(t) | inherited
+        return self._get(t)
+
+    def _get(self, t: torch.Tensor) -> frozenset:
         found = self._lookup(t)
         if found is not None:
             return found
@@ -187,7 +215,7 @@ class VmaMode(TorchFunctionMode):
             if kind is _CUSTOM and getattr(args[0], "vma_typed", False):
                 return self._self_typed(func, args, kwargs)
         # The hot path (every op of the body): the operands' types, inlined.
-        table, wrapped = self._vma, _F.is_functorch_wrapped_tensor
+        table, wrapped, widened = self._vma, _F.is_functorch_wrapped_tensor, self._widened
         typed = []
         union = _NONE
         for a in (args if not kwargs else (*args, *kwargs.values())):
@@ -205,6 +233,8 @@ class VmaMode(TorchFunctionMode):
                     v = e[1]
                 else:
                     v = self.get(t) if wrapped(t) else _NONE
+                if widened and t._base is not None:
+                    v = v | self._base_type(t)
                 typed.append((t, v))
                 if v:
                     union = union | v
@@ -221,7 +251,9 @@ class VmaMode(TorchFunctionMode):
                     self.set(out, typed[0][1])
                 return out
             if kind is _MUTATES and args and isinstance(args[0], torch.Tensor):
-                self.set(args[0], union)
+                self.widen(args[0], union)
+            for t in _out_tensors(kwargs.get("out")):  # ``out=``: written in place
+                self.widen(t, union)
             if isinstance(out, torch.Tensor):
                 self.set(out, union)
             else:
