@@ -5,6 +5,9 @@ varies over, computed by rules as the body runs, the same way on both backends.
 * Each collective has its rule beside it (``_prims``): ``psum``/``pmean``/``pmax`` remove
   the axes, ``pvary``, ``all_gather``, ``psum_scatter``, ``all_to_all`` and ``ppermute``
   keep or add them, ``all_gather_invariant`` removes them.
+* An in-place write (an in-place op, item assignment, ``out=``) gives its target the
+  union, and the tensor the target is a view of too; a view of a tensor widened that way
+  carries its base's axes, so a buffer filled row by row with varying values varies.
 * Every other op takes the union of its operands' axes. Where an invariant operand that is
   being differentiated meets a varying one, an implicit ``pvary`` is inserted (identity
   forward, ``psum`` backward): the cotangent of a value that is the same on every shard
