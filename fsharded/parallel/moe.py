@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from fsharded.mesh import P
-from fsharded.spmd.collectives import all_to_all, axis_size, is_bound, psum, varying_axes
+from fsharded.spmd.collectives import all_to_all, axis_size, is_bound, psum, pvary, varying_axes
 
 __all__ = [
     "Routing",
@@ -280,7 +280,7 @@ class _LoopedMLP(torch.autograd.Function):
     """``_experts_looped`` in eager autograd, lighter than the same ops recorded one by one:
     the forward keeps each row's pre-activation only (its GELU is recomputed in backward),
     the backward frees each row's as it finishes it and writes every expert's weight and
-    bias gradients straight into one zeroed tensor per leaf (``addmm_`` into its slice),
+    bias gradients straight into one zeroed tensor per leaf (an ``addmm`` into its slice),
     where autograd would hold the experts' separate gradients and then stack them."""
 
     @staticmethod
@@ -313,12 +313,12 @@ class _LoopedMLP(torch.autograd.Function):
         for i in range(h.shape[0]):
             e, a = i % E, pre[i]
             pre[i] = None
-            dw2[e].addmm_(F.gelu(a).T, dy[i])
+            torch.addmm(dw2[e], F.gelu(a).T, dy[i], out=dw2[e])  # addmm_ would hide from FLOP counters
             if db2 is not None:
                 db2[e] += dy[i].sum(0)
             da = torch.ops.aten.gelu_backward(dy[i] @ w2[e].T, a)
             del a
-            dw1[e].addmm_(h[i].T, da)
+            torch.addmm(dw1[e], h[i].T, da, out=dw1[e])
             if db1 is not None:
                 db1[e] += da.sum(0)
             if dh is not None:
@@ -335,6 +335,13 @@ def _experts_looped(params: Params, h: torch.Tensor) -> torch.Tensor:
     leaves = (h, params["w1"], params["w2"], params.get("b1"), params.get("b2"))
     if (not torch._C._are_functorch_transforms_active() and len({t.dtype for t in leaves if t is not None}) == 1
             and not torch.is_autocast_enabled(h.device.type)):
+        # The typing sees the Function's insides, not its application, so the implicit
+        # pvary of an input invariant over an axis the weights vary over (the tokens under
+        # expert tensor parallelism: their gradient sums over it) is made here.
+        have = set(varying_axes(h))
+        wider = tuple(dict.fromkeys(a for t in leaves[1:] if t is not None for a in varying_axes(t) if a not in have))
+        if wider:
+            leaves = (pvary(h, wider), *leaves[1:])
         return _LoopedMLP.apply(*leaves)
     # Under torch.func (the virtual mesh): unbind, not h[e]: its backward stacks the
     # experts' gradients once, where indexing would give each expert a zero gradient of

@@ -16,9 +16,13 @@ varies over, computed by rules as the body runs, the same way on both backends.
   axis) transpose to a ``psum``.
 * ``torch.autograd.grad`` (so also ``torch.func.grad``/``vjp``) and ``Tensor.grad`` give
   a cotangent the type of its primal. ``_foreach_*`` ops act index by index.
-* An autograd Function is opaque: its outputs get the union of its inputs' types, unless
-  the Function types its own insides (``vma_typed = True`` on the class, as the remat
-  ``fsharded.parallel.remat.checkpoint`` does with ``VmaMode.typing``).
+* An autograd Function under torch.func transforms (the virtual mesh) is opaque: its
+  outputs get the union of its inputs' types, unless the Function types its own insides
+  (``vma_typed = True`` on the class, as the remat ``fsharded.parallel.remat.checkpoint``
+  does with ``VmaMode.typing``). In eager autograd (real ranks) the mode sees the ops of
+  its forward instead, run without grad: their types come out right, but no implicit
+  ``pvary`` is inserted for the Function's inputs, so a Function whose inputs differ in
+  their axes pvaries the invariant ones itself (as ``moe``'s per-row experts do).
 
 The types are tracked by a ``TorchFunctionMode`` that ``shard_map`` enters for the body;
 each value's axes are kept by object identity. Values whose history the mode did not see
