@@ -394,7 +394,7 @@ def test_auto_attention_on_cpu_takes_the_fused_kernel_from_256_tokens():
     params = gpt.init(c, seed=3)
     for T, fused in ((gpt.CPU_FLASH_MIN_TOKENS // 2, False), (gpt.CPU_FLASH_MIN_TOKENS, True)):
         tokens = torch.randint(0, c.vocab_size, (2, T + 1), generator=torch.Generator().manual_seed(T))
-        grads = {a: torch.func.grad(lambda p, a=a: gpt.loss(p, {"tokens": tokens}, attention=a))(params)
+        grads = {a: torch.func.grad(lambda p, a=a, t=tokens: gpt.loss(p, {"tokens": t}, attention=a))(params)
                  for a in ("auto", "flash", "einsum")}
         same = "flash" if fused else "einsum"
         for g, h in zip(optree.tree_leaves(grads["auto"]), optree.tree_leaves(grads[same])):

@@ -281,7 +281,7 @@ def _rank_gpt(lengths: Sequence[int], rounds: int, deepspeed: bool, attention: s
             patch = mock.patch.object(ulysses, "ulysses_attention", _ds_ulysses) if name == "deepspeed" else None
             runs[name] = [step, state, batch, patch]
 
-        def call(name):
+        def call(name, runs=runs):
             step, state, batch, patch = runs[name]
             with patch if patch is not None else contextlib.nullcontext():
                 state, metrics = step(state, batch)
@@ -309,7 +309,7 @@ def _rank_gpt(lengths: Sequence[int], rounds: int, deepspeed: bool, attention: s
             q_bytes = L // n * HEADS * HEAD_DIM * 4
             u = rec["ulysses"]
             rec["deepspeed"]["sent"] = u["sent"] - u["a2a"] + GPT_LAYERS * 2 * 4 * q_bytes * (n - 1) // n
-        del runs
+        runs.clear()  # this length's states freed before the next
         out[L] = rec
     return out
 

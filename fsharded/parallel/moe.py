@@ -36,7 +36,14 @@ import torch
 import torch.nn.functional as F
 
 from fsharded.mesh import P
-from fsharded.spmd.collectives import all_to_all, axis_size, is_bound, psum, pvary, varying_axes
+from fsharded.spmd.collectives import (
+    all_to_all,
+    axis_size,
+    is_bound,
+    psum,
+    pvary_to_union,
+    varying_axes,
+)
 
 __all__ = [
     "Routing",
@@ -335,14 +342,10 @@ def _experts_looped(params: Params, h: torch.Tensor) -> torch.Tensor:
     leaves = (h, params["w1"], params["w2"], params.get("b1"), params.get("b2"))
     if (not torch._C._are_functorch_transforms_active() and len({t.dtype for t in leaves if t is not None}) == 1
             and not torch.is_autocast_enabled(h.device.type)):
-        # The typing sees the Function's insides, not its application, so the implicit
-        # pvary of an input invariant over an axis the weights vary over (the tokens under
-        # expert tensor parallelism: their gradient sums over it) is made here.
-        have = set(varying_axes(h))
-        wider = tuple(dict.fromkeys(a for t in leaves[1:] if t is not None for a in varying_axes(t) if a not in have))
-        if wider:
-            leaves = (pvary(h, wider), *leaves[1:])
-        return _LoopedMLP.apply(*leaves)
+        # The typing sees the Function's insides, not its application: the implicit pvary
+        # of an input invariant over an axis another varies over (the tokens under expert
+        # tensor parallelism: their gradient sums over it) is made here.
+        return _LoopedMLP.apply(*pvary_to_union(*leaves))
     # Under torch.func (the virtual mesh): unbind, not h[e]: its backward stacks the
     # experts' gradients once, where indexing would give each expert a zero gradient of
     # the whole tensor to add up.

@@ -26,10 +26,14 @@ from __future__ import annotations
 import torch
 
 from fsharded import comm, memory
-from fsharded.kernels.attention import flash_attention_backward, flash_attention_with_lse, merge_attention
+from fsharded.kernels.attention import (
+    flash_attention_backward,
+    flash_attention_with_lse,
+    merge_attention,
+)
 from fsharded.parallel import sequence
 from fsharded.spmd import _env, _manifest, _prims
-from fsharded.spmd.collectives import axis_index, axis_size, ppermute_start
+from fsharded.spmd.collectives import axis_index, axis_size, ppermute_start, pvary_to_union
 
 __all__ = ["ring_attention", "causal_pairs"]
 
@@ -243,7 +247,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str,
     axes = _env.bind(axis, "ring_attention")
     mine = _prims.static_position(axes)  # None on the virtual mesh
     if mine is not None and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
-        return _Ring.apply(q, k, v, axes, mine, layout, scale)
+        return _Ring.apply(*pvary_to_union(q, k, v), axes, mine, layout, scale)  # (see _vma: Functions)
     me = axis_index(axis).to(q.device)
     forward = [(j, (j + 1) % n) for j in range(n)]  # after s rounds, shard i holds shard i - s's block
     c = T // 2

@@ -195,6 +195,18 @@ def mark_varying(tree: Any, axis: AxisName) -> Any:
         lambda t: mode.pvary(t, mode.ordered(set(axes.names) - mode.get(t))), tree)
 
 
+def pvary_to_union(*xs: torch.Tensor | None) -> tuple:
+    """``xs`` each ``pvary``-ed to the union of their varying axes (None passes through):
+    what the varying-axes typing does implicitly for the operands of an op, done by hand
+    for the inputs of an autograd Function on real ranks, whose application the typing
+    does not see (see ``fsharded.spmd._vma``). Outside shard_map, ``xs`` unchanged."""
+    union = tuple(dict.fromkeys(a for x in xs if x is not None for a in varying_axes(x)))
+    if not union:
+        return xs
+    return tuple(x if x is None or not (missing := tuple(a for a in union if a not in varying_axes(x)))
+                 else pvary(x, missing) for x in xs)
+
+
 def _gather_dim(x: torch.Tensor, dim: int, tiled: bool, op: str) -> int:
     if tiled and x.dim() == 0:
         raise ValueError(
