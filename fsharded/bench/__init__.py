@@ -195,8 +195,9 @@ class Row:
 
 @dataclass(frozen=True)
 class Qty(Row):
-    """A row whose values are bytes (``unit="B"``) or counts of another ``unit``
-    (``"tokens"``) rather than seconds."""
+    """A row whose values are bytes (``unit="B"``), counts of another ``unit``
+    (``"tokens"``) or plain numbers (``unit=""``, four decimals: losses) rather than
+    seconds."""
 
     unit: str = "s"
 
@@ -214,6 +215,8 @@ def _cell(r: Row, v: float) -> str:
     unit = getattr(r, "unit", "s")
     if unit == "B":
         return format_bytes(v)
+    if unit == "":
+        return f"{v:.4f}"
     return format_time(v) if unit == "s" else f"{v:,.0f} {unit}"
 
 

@@ -15,6 +15,7 @@ many assignments each drops; and how far the two outputs are apart::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -47,9 +48,11 @@ class Config:
     """std of a direction ``m`` every token shares (``x = z + m``, ``z`` standard normal):
     it tilts the routing towards some experts, as a trained router is tilted, so that
     experts overflow at capacity factor 1.25 (6-12% of the assignments drop at the default sizes)"""
+    gpt_rounds: int = 8
+    """timed train steps per framework of the MoE GPT (``--model gpt``), alternating"""
 
 
-QUICK = Config(tokens=(128,), rounds=2, d_model=32, d_ff=64)
+QUICK = Config(tokens=(128,), rounds=2, d_model=32, d_ff=64, gpt_rounds=2)
 
 
 def _params(cfg: Config) -> dict[str, torch.Tensor]:
@@ -179,16 +182,7 @@ def _rank(cfg: Config, deepspeed: bool) -> dict:
     params = _params(cfg)
     specs = moe.expert_parallel_specs(params, axis_size=n)
     if deepspeed:
-        import logging
-
-        from fsharded.bench.zero import _quiet_stdout
-
-        _quiet_stdout()  # DeepSpeed's logs and JIT builds: stdout is the report
-        os.environ["DS_ACCELERATOR"] = "cpu"
-        import deepspeed as ds_pkg
-
-        ds_pkg.utils.logger.setLevel(logging.WARNING)
-        ds_pkg.init_distributed(dist_backend="gloo")  # wraps the existing gloo group
+        _init_deepspeed()
     local = {k: v.requires_grad_() for k, v in local_shards(params, specs, mesh).items()}
     skew = torch.randn(cfg.d_model, generator=torch.Generator().manual_seed(2)) * cfg.token_skew
     out: dict = {}
@@ -297,6 +291,268 @@ def run(cfg: Config, deepspeed: bool, *, world: int = 2) -> tuple[Report, dict]:
     return _report(cfg, nums, deepspeed, world), nums
 
 
+# --------------------------------------------------------------------------- an MoE GPT
+
+GPT_LAYERS, GPT_HEADS, GPT_EVERY = 4, 4, 2
+"""The MoE GPT: 4 blocks, the MLPs of blocks 1 and 3 mixtures of experts."""
+
+
+def _gpt_config(cfg: Config, k: int, capacity_factor: float, seq: int):
+    from fsharded.models import gpt
+
+    moe_cfg = gpt.MoEConfig(experts=cfg.experts, top_k=k, capacity_factor=capacity_factor,
+                            eval_capacity_factor=capacity_factor, min_capacity=cfg.min_capacity,
+                            every=GPT_EVERY, d_ff=cfg.d_ff, aux_loss_weight=0.01, z_loss_weight=0.0)
+    return gpt.GPTConfig.small(vocab_size=256, d_model=cfg.d_model, n_layers=GPT_LAYERS, n_heads=GPT_HEADS,
+                               mlp_ratio=cfg.d_ff / cfg.d_model, seq_len=seq, activation="gelu", bias=False, moe=moe_cfg)
+
+
+def _gpt_seq(cfg: Config) -> int:
+    return min(256, min(cfg.tokens))
+
+
+def _gpt_params(cfg: Config, gcfg) -> dict:
+    """``gpt.init`` with the routers drawn with ``router_std`` as in the layer (the
+    normalised hidden states are unit RMS, so the logits' std is about ``router_std *
+    sqrt(d_model)``): 4-9% of the assignments drop at capacity factor 1.25."""
+    from fsharded.models import gpt
+
+    params = gpt.init(gcfg, 0)
+    g = torch.Generator().manual_seed(1)
+    for b in params["blocks"]:
+        if "router" in b["mlp"]:
+            b["mlp"]["router"] = torch.randn(b["mlp"]["router"].shape, generator=g) * cfg.router_std
+    return params
+
+
+def _gpt_step(cfg: Config, k: int, capacity_factor: float, tokens: int, n: int):
+    """(train step, initial state, global batch): the MoE GPT trained with AdamW, the
+    experts over ``expert`` (``gpt.expert_parallel_specs``), the rows over it too."""
+    import functools
+
+    import optree
+
+    import fsharded as fs
+    from fsharded import P
+    from fsharded.models import gpt
+
+    seq = _gpt_seq(cfg)
+    gcfg = _gpt_config(cfg, k, capacity_factor, seq)
+    params = _gpt_params(cfg, gcfg)
+    mesh = fs.Mesh({"expert": n})
+    specs = gpt.expert_parallel_specs(params, base=optree.tree_map(lambda _: P(), params))
+    step = fs.train_step(functools.partial(gpt.loss, moe=gcfg.moe, metrics=True), fs.optim.adamw(1e-3), mesh=mesh,
+                         param_specs=specs, batch_spec=P("expert"))
+    g = torch.Generator().manual_seed(3)
+    batch = gpt.shift({"tokens": torch.randint(0, gcfg.vocab_size, (tokens * n // seq, seq + 1), generator=g)})
+    return step, step.init(params), batch
+
+
+class _DeepSpeedInGPT:
+    """DeepSpeed's ``MoE`` in place of ``moe.moe_layer`` inside the GPT's step: each call
+    runs one ``deepspeed.moe.layer.MoE`` (gate, its all-to-alls, its experts) on the
+    block's own parameters through ``torch.func.functional_call`` (the layouts of
+    ``_deepspeed_layer``), and counts its drops as ours are counted."""
+
+    def __init__(self, cfg: Config, k: int, capacity_factor: float, n: int):
+        from deepspeed.moe.layer import MoE
+
+        self.k, self.local = k, cfg.experts // n
+        self.layer = MoE(cfg.d_model, expert=_MLP(cfg.d_model, cfg.d_ff), num_experts=cfg.experts, ep_size=n, k=k,
+                         capacity_factor=capacity_factor, eval_capacity_factor=capacity_factor,
+                         min_capacity=cfg.min_capacity, drop_tokens=True, use_rts=False,
+                         top2_2nd_expert_sampling=False)
+        self.layer.set_deepspeed_parallelism()
+        self.seen: dict = {}
+        self.capacity: list[int] = []  # one per call
+
+        def keep(module, args, out):
+            self.seen.update(capacity=int(out[1]), exp_counts=out[6].detach())
+            self.capacity.append(int(out[1]))
+
+        self.layer.deepspeed_moe.gate.register_forward_hook(keep)
+
+    def __call__(self, p: dict, x: torch.Tensor, **_: object) -> tuple[torch.Tensor, dict]:
+        w = {"deepspeed_moe.gate.wg.weight": p["router"].t()}
+        for i in range(self.local):
+            w[f"deepspeed_moe.experts.deepspeed_experts.{i}.fc1.weight"] = p["w1"][i].t()
+            w[f"deepspeed_moe.experts.deepspeed_experts.{i}.fc2.weight"] = p["w2"][i].t()
+        y, l_aux, _ = torch.func.functional_call(self.layer, w, (x,))
+        counts = self.seen["exp_counts"].to(l_aux.dtype)
+        dropped = (counts - self.seen["capacity"]).clamp(min=0).sum() / (x.numel() // x.shape[-1] * self.k)
+        zero = l_aux.detach() * 0  # typed as l_aux is: this shard's
+        return y, {"aux_loss": l_aux, "z_loss": zero, "drop_fraction": zero + dropped, "load": zero + counts}
+
+
+def _rank_gpt(cfg: Config, deepspeed: bool) -> dict:
+    """On each rank: a train step of the MoE GPT, ours against the same GPT with
+    DeepSpeed's MoE in place of ``moe_layer``, timed alternately as in ``_rank``."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    import fsharded as fs
+    from fsharded.parallel import moe
+
+    torch.set_num_threads(1)
+    n = dist.get_world_size()
+    if deepspeed:
+        _init_deepspeed()
+    names = ("ours", "deepspeed") if deepspeed else ("ours",)
+    out: dict = {}
+
+    def variant(name, k, cf, T):
+        step, state, batch = _gpt_step(cfg, k, cf, T, n)
+        ds = _DeepSpeedInGPT(cfg, k, cf, n) if name == "deepspeed" else None
+        return [step, state, batch, ds]
+
+    def call(run):
+        step, state, batch, ds = run
+        with mock.patch.object(moe, "moe_layer", ds) if ds is not None else contextlib.nullcontext():
+            run[1], m = step(state, batch)
+        return {key: float(v) for key, v in m.items()}
+
+    for k in cfg.top_k:
+        if deepspeed:  # nothing dropped (capacity = all tokens): the two GPTs train alike
+            runs = {name: variant(name, k, cfg.experts / k, cfg.tokens[0]) for name in names}
+            out[k, "no drops"] = {name: [call(runs[name])["loss"] for _ in range(3)] for name in names}
+        for T in cfg.tokens:
+            runs = {name: variant(name, k, cfg.capacity_factor, T) for name in names}
+            rec = {name: {"first": call(runs[name]), "t": []} for name in names}  # warm
+            for r in range(cfg.gpt_rounds):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    call(runs[name])
+                    rec[name]["t"].append(time.perf_counter() - t0)
+            for name in names:
+                dist.barrier()
+                with fs.memory.track() as mem:
+                    rec[name]["last"] = call(runs[name])
+                rec[name]["peak"] = mem.peak_of(("activations", "comm buffers"))
+            step, state, batch, _ = runs["ours"]
+            manifest = step.collectives(state, batch)
+            rec["ours"]["sent"] = manifest.total_bytes()
+            rec["ours"]["sent_a2a"] = sum(e.bytes_sent for e in manifest if e.op == "all_to_all")
+            if deepspeed:  # our step's other collectives + DeepSpeed's four (E, C, d) all-to-alls per layer
+                caps = runs["deepspeed"][3].capacity[-(GPT_LAYERS // GPT_EVERY):]
+                a2a = sum(4 * cfg.experts * C * cfg.d_model * 4 * (n - 1) // n for C in caps)
+                rec["deepspeed"]["sent"] = rec["ours"]["sent"] - rec["ours"]["sent_a2a"] + a2a
+                rec["deepspeed"]["sent_a2a"] = a2a
+            runs.clear()
+            out[k, T] = rec
+    return out
+
+
+def run_gpt(cfg: Config, deepspeed: bool, *, world: int = 2) -> tuple[Report, dict]:
+    """The MoE GPT's train step on ``world`` gloo ranks, ours against the same GPT with
+    DeepSpeed's MoE layers; returns the report and the numbers (as ``run``: the slowest
+    rank's median, the largest peak and bytes)."""
+    from fsharded.testing import run_on_new_ranks
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    per_rank = run_on_new_ranks(_rank_gpt, world, cfg, deepspeed)
+    names = ("ours", "deepspeed") if deepspeed else ("ours",)
+    nums: dict = {}
+    layers = GPT_LAYERS // GPT_EVERY
+    for key in per_rank[0]:
+        rs = [r[key] for r in per_rank]
+        if key[1] == "no drops":  # the losses are the step's mean over the ranks: equal on every rank
+            nums[key] = rs[0]
+            continue
+        k, T = key
+        nums[key] = {name: {
+            "t": max(statistics.median(r[name]["t"]) for r in rs),
+            "peak": max(r[name]["peak"] for r in rs),
+            "sent": max(r[name]["sent"] for r in rs) if "sent" in rs[0][name] else float("nan"),
+            "sent_a2a": max(r[name]["sent_a2a"] for r in rs) if "sent_a2a" in rs[0][name] else float("nan"),
+            # the metrics are means over the MoE layers and the batch shards
+            "drops": round(rs[0][name]["first"]["moe_drop_fraction"] * T * k * layers * world),
+            "first": rs[0][name]["first"], "last": rs[0][name]["last"]} for name in names}
+    return _report_gpt(cfg, nums, deepspeed, world), nums
+
+
+def _report_gpt(cfg: Config, nums: dict, deepspeed: bool, world: int) -> Report:
+    nan = float("nan")
+    target = 1.0 if deepspeed else None
+    seq = _gpt_seq(cfg)
+    report = _Report("moe", params={
+        "torch": torch.__version__, "ranks": world, "threads per rank": 1,
+        "model": f"GPT, d_model {cfg.d_model}, {GPT_LAYERS} blocks, {GPT_HEADS} heads, GELU MLPs of {cfg.d_ff}; "
+                 f"blocks {GPT_EVERY - 1} and {2 * GPT_EVERY - 1}: {cfg.experts} experts over {world} ranks, "
+                 f"capacity factor {cfg.capacity_factor}, router std {cfg.router_std}; sequences of {seq}, "
+                 "the rows over the expert axis; AdamW train step, fp32",
+        "rounds": cfg.gpt_rounds})
+    peer = ("the same GPT and step with deepspeed.moe.layer.MoE(ep_size=2, use_rts=False, "
+            "top2_2nd_expert_sampling=False) in place of moe_layer, on the same parameters"
+            if deepspeed else "DeepSpeed not run (n/a)")
+    keys = [key for key in nums if key[1] != "no drops"]
+
+    def rows(label: str, field: str, unit: str, cls=Qty, ours_field: str | None = None) -> tuple:
+        return tuple(cls(f"top-{k}{label}", f"{T} tokens/rank", nums[k, T]["ours"][ours_field or field],
+                         nums[k, T]["deepspeed"][field] if deepspeed else nan,
+                         **({} if cls is Row else {"unit": unit}))
+                     for k, T in keys)
+
+    report.sections.append(Section(
+        f"MoE GPT train step on {world} ranks (slowest rank)", peer, rows("", "t", "s", Row), target=target,
+        notes=("medians of alternating rounds (the first framework rotating); each rank one thread; "
+               "everything but the MoE layers is the same program on both sides",)))
+    report.sections.append(Section(
+        "bytes sent per rank per train step", peer,
+        rows(", all-to-alls", "sent_a2a", "B") + rows(", every collective", "sent", "B"), target=target,
+        notes=("ours: the step's manifest (forward, backward, gradient sync); DeepSpeed: the same step's "
+               "other collectives plus its four (E, C, d) fp32 all-to-alls per MoE layer, (n - 1)/n of each "
+               "sent, C its own capacity",)))
+    report.sections.append(Section(
+        "peak activation bytes per rank of a train step", peer, rows("", "peak", "B"), target=target,
+        notes=("the memory tracker's activation and comm-buffer categories (parameters, gradients and "
+               "optimizer state are the same on both sides)",)))
+    report.sections.append(Section(
+        "assignments dropped over capacity, first step (all ranks, both MoE layers)", peer,
+        rows("", "drops", "drops"), notes=(
+            "both from the step's moe_drop_fraction metric (DeepSpeed's: sum(max(0, exp_counts - C)) of "
+            "its gate); the second MoE layer's inputs differ a little where the first layer's dropped "
+            "tokens are treated differently, so its counts may too",)))
+    if deepspeed:
+        loss_rows = tuple(Qty(f"top-{k}: first-step loss", f"{T} tokens/rank",
+                              nums[k, T]["ours"]["first"]["loss"], nums[k, T]["deepspeed"]["first"]["loss"],
+                              unit="")
+                          for k, T in keys)
+        loss_rows += tuple(Qty(f"top-{k}: loss of step {cfg.gpt_rounds + 2}, same batch", f"{T} tokens/rank",
+                               nums[k, T]["ours"]["last"]["loss"], nums[k, T]["deepspeed"]["last"]["loss"],
+                               unit="")
+                           for k, T in keys)
+        notes = []
+        for k in cfg.top_k:
+            a, b = nums[k, "no drops"]["ours"], nums[k, "no drops"]["deepspeed"]
+            notes.append(f"top-{k}, capacity factor {cfg.experts / k:g} (capacity = every token, nothing "
+                         f"dropped), {cfg.tokens[0]} tokens/rank: losses of 3 steps "
+                         + ", ".join(f"{x:.6f}/{y:.6f}" for x, y in zip(a, b))
+                         + f" (ours/DeepSpeed), at most {max(abs(x - y) for x, y in zip(a, b)):.1e} apart")
+        notes.append(f"at capacity factor {cfg.capacity_factor} the losses differ where the routing semantics "
+                     "do (see `fsharded bench moe` on one layer): at top-1 which tokens stay at a full expert, "
+                     "at top-2 a token's weights after one of its choices is dropped; every step trains on the "
+                     "same batch, so from there the two runs fit it along their own paths")
+        report.sections.append(Section("losses (the step's loss: LM loss + 0.01 x the balancing losses)", peer,
+                                       loss_rows, notes=tuple(notes)))
+    report.finish()
+    return report
+
+
+def _init_deepspeed() -> None:
+    import logging
+
+    from fsharded.bench.zero import _quiet_stdout
+
+    _quiet_stdout()  # DeepSpeed's logs and JIT builds: stdout is the report
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed as ds_pkg
+
+    ds_pkg.utils.logger.setLevel(logging.WARNING)
+    ds_pkg.init_distributed(dist_backend="gloo")  # wraps the existing gloo group
+
+
 class _Report(Report):
     """Counts of other units print "n/a" where the peer was not run."""
 
@@ -400,7 +656,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds (a smoke run)")
     p.add_argument("--tokens", default=",".join(map(str, d.tokens)), help="comma-separated tokens per rank")
     p.add_argument("--top-k", default=",".join(map(str, d.top_k)), help="comma-separated: 1, 2 or both")
-    p.add_argument("--rounds", type=int, default=d.rounds)
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"timed rounds per framework (default {d.rounds}; {d.gpt_rounds} with --model gpt)")
+    p.add_argument("--model", choices=("layer", "gpt"), default="layer",
+                   help="one MoE layer (default) or an MoE GPT's train step (4 blocks, 2 of them MoE)")
     p.add_argument("--markdown", action="store_true", help="print Markdown tables")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed (compared where installed)")
     return p
@@ -420,7 +679,16 @@ def _ints(text: str, flag: str, allowed: Sequence[int] | None = None) -> tuple[i
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
-    cfg = QUICK if args.quick else Config(tokens=_ints(args.tokens, "--tokens"), rounds=args.rounds)
+    cfg = QUICK if args.quick else Config(tokens=_ints(args.tokens, "--tokens"))
+    if args.rounds is not None:
+        if args.rounds < 1:
+            raise SystemExit(f"fsharded bench moe: --rounds {args.rounds}: give at least 1")
+        cfg = Config(**{**asdict(cfg), "rounds": args.rounds, "gpt_rounds": args.rounds})
+    if args.model == "gpt" and not args.quick:
+        seq = _gpt_seq(cfg)
+        bad = [T for T in cfg.tokens if T % seq]
+        if bad:
+            raise SystemExit(f"fsharded bench moe --model gpt: --tokens {bad} are not whole sequences of {seq}")
     cfg = Config(**{**asdict(cfg), "top_k": _ints(args.top_k, "--top-k", (1, 2))})
     with_ds = not args.no_deepspeed
     if with_ds:
@@ -429,6 +697,6 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
             import deepspeed.moe.layer  # noqa: F401
         except Exception:  # noqa: BLE001 - not installed or not importable here
             with_ds = False
-    report, _ = run(cfg, with_ds)
+    report, _ = (run_gpt if args.model == "gpt" else run)(cfg, with_ds)
     report.print(markdown=args.markdown)
     return 0
