@@ -287,20 +287,24 @@ class _LoopedMLP(torch.autograd.Function):
     """``_experts_looped`` in eager autograd, lighter than the same ops recorded one by one:
     the forward keeps each row's pre-activation only (its GELU is recomputed in backward),
     the backward frees each row's as it finishes it and writes every expert's weight and
-    bias gradients straight into one zeroed tensor per leaf (an ``addmm`` into its slice),
-    where autograd would hold the experts' separate gradients and then stack them."""
+    bias gradients straight into one tensor per leaf (an ``mm``, then ``addmm``, into its
+    slice), where autograd would hold the experts' separate gradients and then stack them;
+    the outputs and the tokens' gradients are written into their rows as well."""
 
     @staticmethod
     def forward(ctx, h, w1, w2, b1, b2):
         E = w1.shape[0]
-        outs, pre = [], []
+        pre = []
+        out = h.new_empty(h.shape[0], h.shape[1], w2.shape[2])
         for i in range(h.shape[0]):
             e = i % E
             a = torch.addmm(b1[e], h[i], w1[e]) if b1 is not None else torch.mm(h[i], w1[e])
             g = F.gelu(a)
-            outs.append(torch.addmm(b2[e], g, w2[e]) if b2 is not None else torch.mm(g, w2[e]))
+            if b2 is not None:
+                torch.addmm(b2[e], g, w2[e], out=out[i])
+            else:
+                torch.mm(g, w2[e], out=out[i])
             pre.append(a)
-        out = torch.stack(outs)
         ctx.save_for_backward(h, w1, w2)
         ctx.pre = pre  # internal, never handed out: freed row by row in backward
         ctx.biases = (b1 is not None, b2 is not None)
@@ -313,32 +317,46 @@ class _LoopedMLP(torch.autograd.Function):
         pre, ctx.pre = ctx.pre, None
         has_b1, has_b2 = ctx.biases
         E = w1.shape[0]
-        dw1, dw2 = torch.zeros_like(w1), torch.zeros_like(w2)
-        db1 = w1.new_zeros(w1.shape[0], w1.shape[2]) if has_b1 else None
-        db2 = w2.new_zeros(w2.shape[0], w2.shape[2]) if has_b2 else None
-        dh = [] if ctx.needs_input_grad[0] else None
+        # Every expert has a row (h.shape[0] is a multiple of E): its first row writes
+        # the gradients, the later ones add to them, so nothing is zeroed first.
+        dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+        db1 = w1.new_empty(w1.shape[0], w1.shape[2]) if has_b1 else None
+        db2 = w2.new_empty(w2.shape[0], w2.shape[2]) if has_b2 else None
+        dh = h.new_empty(h.shape) if ctx.needs_input_grad[0] else None
         for i in range(h.shape[0]):
             e, a = i % E, pre[i]
             pre[i] = None
-            torch.addmm(dw2[e], F.gelu(a).T, dy[i], out=dw2[e])  # addmm_ would hide from FLOP counters
-            if db2 is not None:
+            first = i < E
+            # mm/addmm with out=, not addmm_: FLOP counters see them
+            if first:
+                torch.mm(F.gelu(a).T, dy[i], out=dw2[e])
+            else:
+                torch.addmm(dw2[e], F.gelu(a).T, dy[i], out=dw2[e])
+            if db2 is not None and first:
+                torch.sum(dy[i], 0, out=db2[e])
+            elif db2 is not None:
                 db2[e] += dy[i].sum(0)
             da = torch.ops.aten.gelu_backward(dy[i] @ w2[e].T, a)
             del a
-            torch.addmm(dw1[e], h[i].T, da, out=dw1[e])
-            if db1 is not None:
+            if first:
+                torch.mm(h[i].T, da, out=dw1[e])
+            else:
+                torch.addmm(dw1[e], h[i].T, da, out=dw1[e])
+            if db1 is not None and first:
+                torch.sum(da, 0, out=db1[e])
+            elif db1 is not None:
                 db1[e] += da.sum(0)
             if dh is not None:
-                dh.append(da @ w1[e].T)
-        return (torch.stack(dh) if dh is not None else None), dw1, dw2, db1, db2
+                torch.mm(da, w1[e].T, out=dh[i])
+        return dh, dw1, dw2, db1, db2
 
 
 def _experts_looped(params: Params, h: torch.Tensor) -> torch.Tensor:
     """``h`` ``(G * E_l, C, d)``: row ``i`` through expert ``i % E_l``'s MLP, one matmul
     per row and projection (``G`` groups of rows, e.g. one per source shard)."""
     E = params["w1"].shape[0]
-    if h.shape[0] % E:
-        raise ValueError(f"expert_mlp: {h.shape[0]} buffer rows for {E} experts")
+    if h.shape[0] % E or not h.shape[0]:
+        raise ValueError(f"expert_mlp: {h.shape[0]} buffer rows for {E} experts (give a positive multiple)")
     leaves = (h, params["w1"], params["w2"], params.get("b1"), params.get("b2"))
     if (not torch._C._are_functorch_transforms_active() and len({t.dtype for t in leaves if t is not None}) == 1
             and not torch.is_autocast_enabled(h.device.type)):
