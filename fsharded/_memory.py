@@ -9,7 +9,9 @@ and precision (and including gathered weights and communication buckets).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,8 +115,10 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     Activations: give the per-shard ``loss(params, batch)`` and a global ``batch`` (split
     by ``batch_spec``, default ``P("data")`` when the mesh has ``data``, as in
     ``train_step``). One device's forward and backward then run on meta tensors (sizes, no
-    data) of its parameter and batch shards, with collectives left unbound (as model code
-    written with ``fsharded.collectives.is_bound`` allows), and the memory tracker reports
+    data) of its parameter and batch shards, with the mesh's axes bound as device 0 alone
+    binds them (collectives answer locally with that device's shapes and send nothing, so
+    an expert-parallel layer runs its all-to-alls on its share of the experts), and the
+    memory tracker reports
     the peak of everything they allocate except the parameter gradients: saved
     activations, temporaries and activation gradients. At ZeRO stage 3 each block runs
     under the same remat as in ``train_step``, so only block inputs are kept. Code meta
@@ -220,6 +224,27 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     )
 
 
+@contextlib.contextmanager
+def _as_device_0(mesh: Mesh, coords: dict) -> Iterator[Any]:
+    """The mesh's axes bound as device 0 alone binds them (``fsharded.spmd._schedule.run_shard``):
+    collectives answer locally, with this device's shapes (an all-to-all's buffer, a
+    psum's result), and send nothing; yields the varying-axes table (None on a mesh of one
+    device)."""
+    import dataclasses
+
+    from fsharded.spmd import _env, _manifest, _prims, _vma
+
+    frame = _env.AxisFrame(mesh, "distributed", coords=coords)
+    with _manifest.recording(dry=True):
+        if mesh.size == 1:
+            with _env.enter(frame):
+                yield None
+            return
+        mode = _vma.VmaMode(mesh.axis_names, _prims.implicit_pvary(frame))
+        with _env.enter(dataclasses.replace(frame, vma=mode)), mode:
+            yield mode
+
+
 def _block_index(params: Any, paths: list[str], blocks: str | None) -> list[int | None]:
     """For each leaf, the index of its block in the list at ``blocks``, or None."""
     if blocks is None:
@@ -276,9 +301,15 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
             return checkpoint(run)(x, *ps)
 
     def attempt(kind: _schedule.Kind) -> tuple[int, int]:
-        with _schedule.stand_ins(kind) as convert:
+        with _schedule.stand_ins(kind) as convert, _as_device_0(mesh, coords) as mode:
             local = [convert(v).to(policy.compute_dtype).requires_grad_() for v in p_views]
             local_batch = convert(b_views)
+            if mode is not None:  # the inputs' varying axes, as train_step's in_specs give them
+                for t, u in zip(local, use):
+                    mode.set(t, frozenset(u.axes))
+                for t, s in zip(optree.tree_leaves(local_batch), b_specs):
+                    if isinstance(t, torch.Tensor):
+                        mode.set(t, frozenset(s.axes))
             with memory.track(include_meta=True) as mem:
                 mem.backward_category = "activations"
                 mem.register(local, "parameters")

@@ -86,3 +86,35 @@ def loss_and_grad(mesh_axes: dict, sharded: bool) -> dict:
 
 def _dim(spec) -> int:
     return next(i for i, a in enumerate(spec) if a is not None)
+
+
+def measure_moe(mesh_axes: dict, stage: int) -> dict:
+    """The same for a GPT with mixture-of-experts blocks, its experts split over
+    ``expert`` (the rows over data and expert): the estimator runs the loss as device 0,
+    its all-to-alls answering locally."""
+    import functools
+
+    import optree
+
+    mesh = fs.Mesh(mesh_axes)
+    config = gpt.GPTConfig.small(d_model=128, n_layers=4, moe=gpt.MoEConfig(experts=4, top_k=2))
+    params = gpt.init(config, 0)
+    specs = gpt.expert_parallel_specs(params, base=optree.tree_map(lambda _: P(), params))
+    plan = fs.parallel.zero(stage, min_size=16)(specs, params) if stage else specs
+    rows = ("data", "expert") if "data" in mesh_axes else "expert"
+    b = batch(config, rows=8)
+    opt = fs.optim.adamw(1e-3)
+    loss = functools.partial(gpt.loss, moe=config.moe)
+    step = fs.train_step(loss, opt, mesh=mesh, param_specs=plan, batch_spec=P(rows), donate=True, blocks="blocks")
+    state = step.init(params)
+    state, _ = step(state, b)
+    with fs.memory.track(mesh=mesh) as mem:
+        mem.register(state.params, "parameters")
+        mem.register(state.opt_state, "optimizer state")
+        state, _ = step(state, b)
+        mem.reclassify(state.params, "parameters")
+        mem.reclassify(state.opt_state, "optimizer state")
+    est = fs.estimate_memory(params, plan, opt, mesh=mesh, loss=loss, batch=b, blocks="blocks",
+                             batch_spec=P(rows))
+    return {"peak": mem.peak_bytes, "est_peak": est.peak, "est_activations": est.activations,
+            "activations": mem.peak_of(("activations",)), "notes": est.notes}

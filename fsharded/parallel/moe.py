@@ -272,8 +272,9 @@ def expert_mlp(params: Params, h: torch.Tensor) -> torch.Tensor:
 def _per_row(buf: torch.Tensor) -> bool:
     """Whether the experts run one matmul per buffer row (CPU), so that expert parallelism
     keeps the all-to-all's shard-major rows, rather than one batched matmul for all of
-    them, the rows regrouped by expert."""
-    return buf.device.type == "cpu"
+    them, the rows regrouped by expert. Meta tensors (a dry run's stand-ins, e.g.
+    ``estimate_memory``'s) take the CPU's form, as the attention kernels' dispatch does."""
+    return buf.device.type in ("cpu", "meta")
 
 
 def _experts_batched(params: Params, h: torch.Tensor) -> torch.Tensor:
