@@ -294,12 +294,16 @@ def test_expert_parallel_regrouped_by_expert_equals_the_shard_major_form(mesh_sh
     _assert_trees_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shard_major", [True, False], ids=["per-row", "batched"])
 @pytest.mark.parametrize("mesh_shape,tok_axes", [({"expert": 2}, ("expert",)), ({"expert": 4}, ("expert",)),
                                                  ({"data": 2, "expert": 2}, ("data", "expert"))])
-def test_all_to_all_bytes(mesh_shape, tok_axes):
+def test_all_to_all_bytes(mesh_shape, tok_axes, shard_major, monkeypatch):
     # Each shard routes T_l = T / shards tokens into an (E, C, d) buffer with C =
     # capacity(T_l, E, top_k, cf); dispatch and return each send (n - 1)/n of it, n the
-    # expert-axis size: forward bytes = 2 * E * C * d * 4 * (n - 1) / n.
+    # expert-axis size: forward bytes = 2 * E * C * d * 4 * (n - 1) / n. The CPU's
+    # per-row experts keep the shard-major (E, C, d) layout; the batched form regroups
+    # by expert, (E/n, n*C, d), before its return all-to-all.
+    monkeypatch.setattr(moe, "_per_row", lambda buf: shard_major)
     E, top_k, cf = 8, 2, 1.0
     kw = dict(top_k=top_k, capacity_factor=cf, min_capacity=1)
     params, sm = _sharded(mesh_shape, tok_axes, kw)
@@ -309,7 +313,7 @@ def test_all_to_all_bytes(mesh_shape, tok_axes):
     assert C == math.ceil(top_k * T_l * cf / E)
     entries = sm.collectives(params, _tokens())
     assert [(e.op, e.axis) for e in entries] == [("all_to_all", "expert")] * 2
-    assert [e.shape for e in entries] == [(E, C, D), (E // n, n * C, D)]
+    assert [e.shape for e in entries] == [(E, C, D), (E, C, D) if shard_major else (E // n, n * C, D)]
     assert sum(e.bytes_sent for e in entries) == 2 * E * C * D * 4 * (n - 1) // n
 
 

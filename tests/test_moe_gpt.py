@@ -40,8 +40,12 @@ def test_expert_parallel_training_equals_one_device(reference, mesh, kw):
         cfg = M.config()
         E, D = cfg.moe.experts, cfg.d_model
         layers = sum("router" in b["mlp"] for b in gpt.init(cfg, 0)["blocks"])
-        bufs = [c for c in got["collectives"]
-                if c[:3] == ("psum", "tensor", "forward") and len(c[3]) == 3 and (c[3][0], c[3][2]) == (E, D)]
+        tokens = 8 // shards * cfg.seq_len
+        C = moe.capacity(tokens, E, top_k=cfg.moe.top_k, capacity_factor=cfg.moe.capacity_factor,
+                         min_capacity=cfg.moe.min_capacity)
+        # On CPU the experts' buffer stays shard-major after the all-to-all: (n * E/n, C, D)
+        assert (E, C, D) != (8 // shards, cfg.seq_len, D)  # not the attention's psum shape
+        bufs = [c for c in got["collectives"] if c[:4] == ("psum", "tensor", "forward", (E, C, D))]
         assert len(bufs) == layers, got["collectives"]
 
 
