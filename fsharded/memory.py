@@ -325,17 +325,24 @@ class MemoryTracker(TorchDispatchMode):
         else:
             cat = "activations"
         outs = [t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        # A view of an operand (or the operand, written in place) holds no new bytes: with
+        # the operand allocated before tracking began (a weight, the batch), counting it
+        # here would charge the program for memory it did not allocate.
+        operands = {s._cdata for t in optree.tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None}
+        new = [t for t in outs if (s := _storage(t)) is None or s._cdata not in operands]
         if self._axes is not None:
             # An op's result varies along every axis any of its operands does (vmap's
             # batching rules keep batch dims; the collectives re-tag their results).
             axes = frozenset().union(*(self._axes.get(t, frozenset()) for t in
                                        optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)))
             copies = self._copies(axes)
-            for t in outs:
+            for t in outs:  # views too: later ops take their axes from them
                 self._axes[t] = axes
+            for t in new:
                 self._add(t, cat, copies)
         else:
-            for t in outs:
+            for t in new:
                 self._add(t, cat)
         self._update()
         return out

@@ -108,3 +108,19 @@ def test_the_temporaries_of_a_kernels_reference_count():
     scores = 2 * 64 * 64 * 4
     outputs = out.numel() * 4 + lse.numel() * 4
     assert mem.peak_bytes >= outputs + scores
+
+
+def test_views_of_tensors_allocated_before_tracking_are_not_counted():
+    # A weight allocated before (not registered): its rows taken inside the tracked region
+    # are views of it, not allocations; only the product is new.
+    w = torch.randn(256, 256)
+    with fs.memory.track() as mem:
+        rows = [w[i] for i in range(4)] + [w.t(), w.view(-1)]
+        y = rows[0] @ w
+        w.mul_(1.0)  # in place: nothing new either
+    assert mem.peak_bytes == y.numel() * 4 == 1024
+    # A view of what the region allocates is that allocation, counted once.
+    with fs.memory.track() as mem:
+        z = torch.ones(64, 64)
+        parts = [z[i] for i in range(64)]
+    assert mem.peak_bytes == z.numel() * 4 and len(parts) == 64

@@ -290,7 +290,7 @@ class _LoopedMLP(torch.autograd.Function):
     the backward frees each row's as it finishes it and writes every expert's weight and
     bias gradients straight into one tensor per leaf (an ``mm``, then ``addmm``, into its
     slice), where autograd would hold the experts' separate gradients and then stack them;
-    the outputs and the tokens' gradients are written into their rows as well."""
+    the outputs are written into their rows as well."""
 
     @staticmethod
     def forward(ctx, h, w1, w2, b1, b2):
@@ -323,7 +323,9 @@ class _LoopedMLP(torch.autograd.Function):
         dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
         db1 = w1.new_empty(w1.shape[0], w1.shape[2]) if has_b1 else None
         db2 = w2.new_empty(w2.shape[0], w2.shape[2]) if has_b2 else None
-        dh = h.new_empty(h.shape) if ctx.needs_input_grad[0] else None
+        # The tokens' gradient row by row, stacked at the end when the pre-activations (f/d
+        # times its size) are freed: allocated up front it would sit beside all of them.
+        dh = [] if ctx.needs_input_grad[0] else None
         for i in range(h.shape[0]):
             e, a = i % E, pre[i]
             pre[i] = None
@@ -348,8 +350,8 @@ class _LoopedMLP(torch.autograd.Function):
             elif db1 is not None:
                 db1[e] += da.sum(0)
             if dh is not None:
-                torch.mm(da, w1[e].T, out=dh[i])
-        return dh, dw1, dw2, db1, db2
+                dh.append(da @ w1[e].T)
+        return (torch.stack(dh) if dh is not None else None), dw1, dw2, db1, db2
 
 
 def _experts_looped(params: Params, h: torch.Tensor) -> torch.Tensor:
