@@ -17,7 +17,7 @@ def test_bench_seq_quick_runs_without_deepspeed(capsys):
     out = capsys.readouterr().out
     assert out.startswith("## fsharded bench seq")
     for title in ("### step time against no sequence parallelism",
-                  "### peak activation bytes per rank against no sequence parallelism",
+                  "### peak bytes per rank against no sequence parallelism",
                   "### bytes sent per rank per layer (fwd)"):
         assert title in out, out
     for v in ("ulysses", "ring"):

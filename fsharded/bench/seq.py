@@ -3,8 +3,9 @@ against DeepSpeed-Ulysses' ``DistributedAttention`` wrapped around the same loca
 attention, and against no sequence parallelism (the whole sequence on one rank).
 
 One causal attention layer, forward and backward, batch 1, at growing sequence lengths;
-every rank one thread. Reported per rank: median time, peak bytes the layer allocates
-(the memory tracker, the same for both), and bytes sent (fsharded's manifest; DeepSpeed's
+every rank one thread. Reported per rank: median time, peak bytes (the memory tracker, the
+same for both: the rank's inputs q, k, v and the output's gradient, and what the layer
+allocates), and bytes sent (fsharded's manifest; DeepSpeed's
 four all-to-alls computed: q, k, v and the output, ``(P - 1)/P`` of each sent).
 """
 
@@ -51,10 +52,13 @@ def _time(fn, rounds: int) -> list[float]:
     return out
 
 
-def _peak(fn) -> int:
+def _peak(fn, inputs: Sequence[torch.Tensor]) -> int:
+    """Peak bytes of ``fn()`` on this rank: its ``inputs`` (q, k, v and the output's
+    gradient, allocated before: what the rank holds to run the layer) and what it allocates."""
     import fsharded as fs
 
     with fs.memory.track() as mem:
+        mem.register(list(inputs), "activations")
         fn()
     return mem.peak_bytes
 
@@ -67,8 +71,10 @@ def _dry_peak(fn, length: int, n: int) -> int:
     from fsharded.spmd import _manifest
 
     q, k, v = (torch.empty(1, length // n, HEADS, HEAD_DIM, device="meta", requires_grad=True) for _ in range(3))
+    dout = torch.empty(1, length // n, HEADS, HEAD_DIM, device="meta")
     with _manifest.recording(dry=True), fs.memory.track(include_meta=True) as mem:
-        fn(q, k, v).backward(torch.empty(1, length // n, HEADS, HEAD_DIM, device="meta"))
+        mem.register([q, k, v, dout], "activations")  # held by the rank, as _peak counts them
+        fn(q, k, v).backward(dout)
     return mem.peak_bytes
 
 
@@ -169,7 +175,7 @@ def _rank(lengths: Sequence[int], rounds: int, deepspeed: bool, budget: int = 0,
                 rec[name]["t"] += _time(fns[name], 1)                     # them all alike
         for name, fn in fns.items():
             dist.barrier()
-            rec[name]["peak"] = _peak(fn)
+            rec[name]["peak"] = _peak(fn, (q, k, v, grad))
         dist.barrier()
         whole_shape = [torch.empty(1, L, HEADS, HEAD_DIM) for _ in range(3)]  # collectives() takes global values
         for name, sm in variants.items():
@@ -178,7 +184,7 @@ def _rank(lengths: Sequence[int], rounds: int, deepspeed: bool, budget: int = 0,
             rec["deepspeed"]["sent"] = 4 * (q.numel() * 4) * (n - 1) // n  # q, k, v, out: (P-1)/P sent
         if rank == 0:
             whole()
-            rec["none"] = {"t": _time(whole, max(1, rounds // 2)), "peak": _peak(whole)}
+            rec["none"] = {"t": _time(whole, max(1, rounds // 2)), "peak": _peak(whole, (qf, kf, vf, gf))}
         dist.barrier()
         out[L] = rec
     if budget:
@@ -414,7 +420,9 @@ def run(world: int, lengths: Sequence[int], rounds: int, deepspeed: bool, budget
         rows = tuple(Qty(f"{v} vs DeepSpeed-Ulysses", f"{L} tokens", max(r[L][v]["peak"] for r in per_rank),
                          max(r[L]["deepspeed"]["peak"] for r in per_rank), unit="B")
                      for L in lengths for v in variants)
-        report.sections.append(Section("peak bytes the layer allocates per rank", "DeepSpeed-Ulysses", rows))
+        report.sections.append(Section("peak bytes per rank: the layer's inputs and allocations", "DeepSpeed-Ulysses",
+                                       rows, notes=("the rank's q, k, v and output gradient, and everything the "
+                                                    "layer's forward and backward allocate",)))
     rows = tuple(Row(f"{v} vs one rank, whole sequence", f"{L} tokens", slowest(L, v), r0[L]["none"]["t"][0]
                      if len(r0[L]["none"]["t"]) == 1 else statistics.median(r0[L]["none"]["t"]))
                  for L in lengths for v in variants)
@@ -422,12 +430,13 @@ def run(world: int, lengths: Sequence[int], rounds: int, deepspeed: bool, budget
                                    rows, notes=(f"ideal: 1/{world} of the compute, plus the exchange",)))
     rows = tuple(Qty(f"{v} vs one rank, whole sequence", f"{L} tokens", max(r[L][v]["peak"] for r in per_rank),
                      r0[L]["none"]["peak"], unit="B") for L in lengths for v in variants)
-    report.sections.append(Section("peak activation bytes per rank against no sequence parallelism",
+    report.sections.append(Section("peak bytes per rank against no sequence parallelism",
                                    "the whole sequence on one rank", rows,
-                                   notes=(("flash attention keeps no scores, so one layer's allocations are "
-                                           "its exchange buffers, output and gradients, several O(T/P) tensors per "
-                                           "rank against the whole sequence's few O(T) ones; a model's activations "
-                                           f"come to about 1/{world} (--model gpt)",)
+                                   notes=(("inputs and allocations as above; flash attention keeps no scores, so "
+                                           "besides the inputs one layer's allocations are its exchange buffers, "
+                                           "output and gradients, several O(T/P) tensors per rank against the whole "
+                                           f"sequence's few O(T) ones; a model's activations come to about 1/{world} "
+                                           "(--model gpt)",)
                                           if attention == "flash" else
                                           (f"about 1/{world} expected for the linear parts; the causal "
                                            "scores are (T/P) x T per head in every variant",))))
