@@ -317,6 +317,10 @@ class MemoryTracker(TorchDispatchMode):
             # and what it allocates inside (the score matrix of a flash attention) counts.
             with self:
                 return body(*args, **(kwargs or {}))
+        # The operands' storages and their sizes: an output on one of them is a view or an
+        # in-place write, new bytes only where the op grew it (``out=`` resized).
+        operands = {s._cdata: s.nbytes() for t in optree.tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None}
         out = func(*args, **(kwargs or {}))
         if _IN_COLLECTIVE.get():
             cat = "comm buffers"
@@ -327,10 +331,19 @@ class MemoryTracker(TorchDispatchMode):
         outs = [t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         # A view of an operand (or the operand, written in place) holds no new bytes: with
         # the operand allocated before tracking began (a weight, the batch), counting it
-        # here would charge the program for memory it did not allocate.
-        operands = {s._cdata for t in optree.tree_leaves((args, kwargs))
-                    if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None}
-        new = [t for t in outs if (s := _storage(t)) is None or s._cdata not in operands]
+        # here would charge the program for memory it did not allocate. A storage the op
+        # grew was reallocated: its old bytes freed here, its new ones allocated.
+        new = []
+        for t in outs:
+            st = _storage(t)
+            if st is None or st._cdata not in operands:
+                new.append(t)
+            elif st.nbytes() > operands[st._cdata]:
+                serial = self._lookup(st)
+                if serial is not None:
+                    self._dead(serial, st._cdata)
+                operands[st._cdata] = st.nbytes()  # once, if it is output twice
+                new.append(t)
         if self._axes is not None:
             # An op's result varies along every axis any of its operands does (vmap's
             # batching rules keep batch dims; the collectives re-tag their results).

@@ -124,3 +124,19 @@ def test_views_of_tensors_allocated_before_tracking_are_not_counted():
         z = torch.ones(64, 64)
         parts = [z[i] for i in range(64)]
     assert mem.peak_bytes == z.numel() * 4 and len(parts) == 64
+
+
+def test_a_storage_an_op_grows_counts_its_new_size():
+    # out= resizes its target: a reallocation, the new bytes allocated by the program,
+    # whether the target was made before tracking or inside it.
+    x = torch.randn(100, 100)
+    before = torch.empty(0)
+    with fs.memory.track() as mem:
+        torch.mm(x, x, out=before)
+    assert mem.peak_bytes == 100 * 100 * 4
+    with fs.memory.track() as mem:
+        inside = torch.empty(10)
+        torch.mm(x, x, out=inside)
+        del inside
+    assert mem.peak_bytes >= 100 * 100 * 4
+    assert mem.live_bytes()["activations"] == 0

@@ -414,3 +414,20 @@ def test_expert_tensor_parallel_needs_every_hidden_leaf_split():
     sm = fs.shard_map(lambda p, x: moe.moe_layer(p, x, tensor_axis="tensor", axis=None, top_k=2)[0],
                       mesh=fs.Mesh({"tensor": 2}), in_specs=(P(), P()), out_specs=P())
     torch.testing.assert_close(sm(params, _tokens()), moe.moe_layer(params, _tokens(), axis=None, top_k=2)[0])
+
+
+def test_dry_runs_take_the_expert_form_of_the_device_they_stand_for(monkeypatch):
+    # The per-row form (CPU) keeps other activations than the batched one (CUDA): a dry
+    # run on meta tensors (estimate_memory, the step's checks) measures the form the job runs.
+    from fsharded.spmd import _schedule
+
+    buf = torch.empty(4, 8, 16, device="meta")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with _schedule.stand_ins(_schedule.META) as convert:
+        convert({"w": torch.zeros(2)})  # standing for CPU tensors
+        assert _schedule.stands_for() == "cpu" and moe._per_row(buf)
+    with _schedule.stand_ins(_schedule.META) as convert:
+        convert({"w": torch.empty(2, device="meta")})  # a model built on meta: where the job would run
+        assert _schedule.stands_for() == "cuda" and not moe._per_row(buf)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert moe._per_row(buf) and moe._per_row(torch.empty(1))

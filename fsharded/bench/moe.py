@@ -507,7 +507,8 @@ def _report_gpt(cfg: Config, nums: dict, deepspeed: bool, world: int) -> Report:
     report.sections.append(Section(
         "peak activation bytes per rank of a train step", peer, rows("", "peak", "B"), target=target,
         notes=("the memory tracker's activation and comm-buffer categories (parameters, gradients and "
-               "optimizer state are the same on both sides)",)))
+               "optimizer state are the same on both sides); they include the update's temporaries, about "
+               "twice the rank's parameter bytes on both sides, which at small sizes (--quick) set both peaks",)))
     report.sections.append(Section(
         "assignments dropped over capacity, first step (all ranks, both MoE layers)", peer,
         rows("", "drops", "drops"), notes=(

@@ -273,8 +273,14 @@ def _per_row(buf: torch.Tensor) -> bool:
     """Whether the experts run one matmul per buffer row (CPU), so that expert parallelism
     keeps the all-to-all's shard-major rows, rather than one batched matmul for all of
     them, the rows regrouped by expert. Meta tensors (a dry run's stand-ins, e.g.
-    ``estimate_memory``'s) take the CPU's form, as the attention kernels' dispatch does."""
-    return buf.device.type in ("cpu", "meta")
+    ``estimate_memory``'s) take the form of the device they stand for (the two keep
+    different activations)."""
+    dev = buf.device.type
+    if dev == "meta":
+        from fsharded.spmd._schedule import stands_for
+
+        dev = stands_for()
+    return dev == "cpu"
 
 
 def _experts_batched(params: Params, h: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ each one hit (the op and the line) and what to do.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import logging
@@ -242,16 +243,42 @@ def _quiet(name: str) -> Iterator[None]:
         log.setLevel(old)
 
 
+_STANDS_FOR: contextvars.ContextVar[list | None] = contextvars.ContextVar("fsharded_stands_for", default=None)
+
+
+def stands_for() -> str:
+    """The device type a dry run's meta stand-ins stand for, for code whose choice of
+    algorithm depends on the device (its memory differs): the device of the first real
+    tensor the dry run converted; for meta arguments (a model built on meta to be
+    measured) CUDA where it is available, else CPU, as ``fsharded train`` places a job."""
+    box = _STANDS_FOR.get()
+    if box is not None and box[0] is not None:
+        return box[0]
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _noting_device(box: list, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def convert(tree: Any) -> Any:
+        if box[0] is None:
+            box[0] = next((x.device.type for x in optree.tree_leaves(tree)
+                           if isinstance(x, torch.Tensor) and x.device.type != "meta"), None)
+        return fn(tree)
+    return convert
+
+
 @contextlib.contextmanager
 def stand_ins(kind: Kind) -> Iterator[Callable[[Any], Any]]:
     """Enter what ``kind`` runs under and yield ``convert(tree)``: the tree with every
     tensor replaced by a new stand-in of the same shape and dtype (not requiring grad)."""
     if kind.tensors == "meta":
         shield = _Shield(copy=False)
+        box: list = [None]
+        token = _STANDS_FOR.set(box)
         try:
             with shield:
-                yield lambda tree: _map(_meta, tree)
+                yield _noting_device(box, lambda tree: _map(_meta, tree))
         finally:
+            _STANDS_FOR.reset(token)
             shield.restore()
     elif kind.tensors == "real":
         with _Shield(copy=True) as shield:
