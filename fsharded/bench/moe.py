@@ -6,10 +6,13 @@ backward, the experts split over 2 ranks (one thread each), each rank routing it
 tokens. Reported per rank: median step time (slowest rank), bytes sent (ours: the
 manifest recorded over the step; DeepSpeed: its all-to-alls of the ``(E, C, d)`` buffer,
 computed), peak bytes the layer allocates (the memory tracker, the same for both), and how
-many assignments each drops; and how far the two outputs are apart::
+many assignments each drops; and how far the two outputs are apart. ``--model gpt``: an
+MoE GPT's AdamW train step instead (4 blocks, 2 of them MoE), against the same GPT and
+step with DeepSpeed's layer in place of ``moe_layer``, with its losses compared::
 
     fsharded bench moe --quick            # tiny sizes, a smoke run
     python -m fsharded bench moe --markdown
+    python -m fsharded bench moe --model gpt --markdown
 """
 
 from __future__ import annotations
