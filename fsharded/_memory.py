@@ -315,6 +315,8 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
                 mem.register(local, "parameters")
                 with handling(handler):
                     out = loss(optree.tree_unflatten(tdef, local), local_batch)
+                if isinstance(out, tuple):  # (loss, metrics[, stats]), as train_step takes it
+                    out = out[0]
                 grads = torch.autograd.grad(out, local, allow_unused=True)
                 mem.reclassify([g for g in grads if g is not None], "gradients")
             return mem.peak_of(("activations",)), mem.peak_of(("activations", "gradients"))

@@ -108,7 +108,7 @@ def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
                    help="mesh axes (comma-separated) the job does not shard over, declared to replicate")
     p.add_argument("--preset", help="GPT preset: tiny, small, llama_style")
     p.add_argument("--steps", type=int)
-    p.add_argument("--batch", type=int, help="micro-batch size per data shard")
+    p.add_argument("--batch", type=int, help="micro-batch size per batch shard (data, or data x expert with an expert axis)")
     p.add_argument("--accum", type=int, help="gradient accumulation steps")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"])

@@ -380,6 +380,10 @@ def test_overrides_coerce_strings_to_field_types():
     assert out.loss_scale.min_loss_scale == 0.5 and out.policy().reduce_dtype == torch.bfloat16
     assert apply_overrides(cfg, ["seed=7", "data=/tmp/corpus.txt"]).seed == 7
     assert parse_overrides(["a.b = 1"]) == {"a.b": "1"}
+    # model settings have no schema: none / None / null all read as None (dropless MoE)
+    for text in ("none", "None", "null"):
+        out = apply_overrides(cfg, {"model.moe.capacity_factor": text, "model.moe.experts": "8"})
+        assert out.model == {"moe": {"capacity_factor": None, "experts": 8}}, text
 
 
 def test_override_errors_list_every_bad_key():

@@ -113,3 +113,18 @@ def test_moe_expert_parallel_estimate_on_real_ranks():
         _check_moe(r, "2 ranks, expert=2", 0.2)
     for r in run_on_ranks(M.measure_moe, 4, {"data": 2, "expert": 2}, 3):
         _check_moe(r, "4 ranks, data=2 x expert=2, ZeRO-3", 0.2)
+
+
+def test_estimate_memory_takes_a_loss_that_returns_metrics():
+    # train_step takes (loss, metrics) from a loss (fsharded train's MoE GPT reports its
+    # routing so); the estimator measures the same program.
+    params = {"w": torch.randn(64, 64)}
+
+    def loss(p, b):
+        out = (b @ p["w"]).square().mean()
+        return out, {"loss": out.detach()}
+
+    kw = dict(mesh=fs.Mesh({"data": 2}), batch=torch.randn(16, 64))
+    with_metrics = fs.estimate_memory(params, P(), fs.optim.adamw(1e-3), loss=loss, **kw)
+    plain = fs.estimate_memory(params, P(), fs.optim.adamw(1e-3), loss=lambda p, b: loss(p, b)[0], **kw)
+    assert with_metrics.activations == plain.activations > 0

@@ -354,6 +354,9 @@ def test_mistakes_are_named():
         run(params, {"expert": 2})
     with pytest.raises(ValueError, match="method='sorted' is dropless; pass capacity_factor=None"):
         moe.moe_layer(params, x, method="sorted", capacity_factor=1.0)
+    other = moe.init(D, FF + 4, 4)  # w2's hidden size not w1's
+    with pytest.raises(ValueError, match=rf"w1 \(4, {D}, {FF}\) and w2 \(4, {FF + 4}, {D}\) do not fit"):
+        moe.moe_layer({**params, "w2": other["w2"]}, x)
 
 
 def _expert_tp(mesh_shape: dict, tok_axes: tuple, kw: dict):

@@ -175,7 +175,17 @@ def test_moe_config_from_deepspeeds_arguments():
         (8, 2, 1.25, 2.0, 2, 1)
     dropless = gpt.MoEConfig.from_deepspeed(num_experts=4, drop_tokens=False, use_rts=False)
     assert dropless.capacity_factor is None and dropless.eval_capacity_factor is None and dropless.top_k == 1
-    with pytest.raises(NotImplementedError, match=r"use_rts=True(.|\n)*top2_2nd_expert_sampling=True"):
+    with pytest.raises(NotImplementedError, match=r"top2_2nd_expert_sampling=True") as e:
         gpt.MoEConfig.from_deepspeed(num_experts=8, k=2)  # DeepSpeed's defaults route at random
-    with pytest.raises(NotImplementedError, match="noisy_gate_policy='RSample'"):
-        gpt.MoEConfig.from_deepspeed(num_experts=8, use_rts=False, noisy_gate_policy="RSample")
+    assert "use_rts" not in str(e.value)  # only DeepSpeed's top-1 gate reads use_rts
+    with pytest.raises(NotImplementedError, match=r"use_rts=True(.|\n)*noisy_gate_policy='RSample'"):
+        gpt.MoEConfig.from_deepspeed(num_experts=8, noisy_gate_policy="RSample")
+    # dropless top-1: nothing is dropped, so random token selection changes nothing
+    assert gpt.MoEConfig.from_deepspeed(num_experts=4, drop_tokens=False).capacity_factor is None
+    # DeepSpeed's positional arguments and its expert tensor parallelism (a tensor axis here)
+    c = gpt.MoEConfig.from_deepspeed(hidden_size=16, expert=None, num_experts=8, k=2, use_rts=True,
+                                     top2_2nd_expert_sampling=False, enable_expert_tensor_parallelism=True,
+                                     ep_size=4)
+    assert (c.experts, c.top_k) == (8, 2)
+    with pytest.raises(ValueError, match="ep_size=3 does not divide num_experts=8"):
+        gpt.MoEConfig.from_deepspeed(num_experts=8, use_rts=False, ep_size=3)

@@ -377,7 +377,8 @@ class TrainConfig:
     steps: int = 1000
     """Optimizer steps to run."""
     micro_batch_size: int | None = None
-    """Sequences per data shard per micro-step (DeepSpeed's train_micro_batch_size_per_gpu)."""
+    """Sequences per batch shard per micro-step (DeepSpeed's train_micro_batch_size_per_gpu):
+    per data shard, or per data x expert shard with an expert axis."""
     grad_accum_steps: int | None = None
     """Micro-steps whose gradients are averaged into one optimizer step (as DeepSpeed,
     which scales each micro-step's loss by ``1 / gradient_accumulation_steps``)."""
@@ -677,12 +678,13 @@ def _from_string(s: str, tp: Any) -> Any:
 
 
 def _literal(s: str) -> Any:
-    """Schema-less values (model settings, dict entries): JSON if it parses, else the text."""
+    """Schema-less values (model settings, dict entries): JSON if it parses, else the text
+    (``true``/``false``/``none`` in any case: the bool or None, as for typed fields)."""
     try:
         return json.loads(s)
     except json.JSONDecodeError:
         low = s.lower()
-        return True if low == "true" else False if low == "false" else s
+        return {"true": True, "false": False, "none": None}.get(low, s)
 
 
 def _leaf_paths(cls: type, prefix: str = "") -> list[str]:

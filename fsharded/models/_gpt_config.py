@@ -82,23 +82,28 @@ class MoEConfig:
                        eval_capacity_factor: float = 1.0, min_capacity: int = 4, drop_tokens: bool = True,
                        use_rts: bool = True, noisy_gate_policy: str | None = None, use_residual: bool = False,
                        top2_2nd_expert_sampling: bool = True, enable_expert_tensor_parallelism: bool = False,
-                       use_tutel: bool = False, ep_size: int | None = None, **ours: Any) -> MoEConfig:
+                       use_tutel: bool = False, ep_size: int | None = None, hidden_size: int | None = None,
+                       expert: Any = None, **ours: Any) -> MoEConfig:
         """The config of DeepSpeed's ``deepspeed.moe.layer.MoE(hidden_size, expert, ...)``
         arguments (DeepSpeed's JSON config has no MoE keys: its layers are configured in
-        code). ``ep_size`` is the mesh's ``expert`` axis (``--mesh expert=N``), not a
-        routing setting; ``drop_tokens=False`` is dropless; ``ours``: the fields DeepSpeed
-        leaves to the model (``every``, ``d_ff``, ``aux_loss_weight``, ...). What routes
-        differently here is refused by name rather than approximated: random token
-        selection (DeepSpeed's default ``use_rts=True``; ours keeps tokens in order),
-        sampling top-2's second expert (``top2_2nd_expert_sampling=True``, its default),
-        noisy gates, residual MoE and expert tensor parallelism.
+        code). ``hidden_size`` and ``expert`` are the model's (``d_model``, the dense MLP;
+        accepted and not used); ``ep_size`` is the mesh's ``expert`` axis (``--mesh
+        expert=N``), not a routing setting, and must divide ``num_experts``;
+        ``enable_expert_tensor_parallelism`` is a ``tensor`` mesh axis here (``--mesh
+        tensor=T,expert=N``: the GPT's tensor-parallel specs split every expert's hidden
+        units); ``drop_tokens=False`` is dropless; ``ours``: the fields DeepSpeed leaves to the
+        model (``every``, ``d_ff``, ``aux_loss_weight``, ...). What routes differently here
+        is refused by name rather than approximated: random token selection at top-1 with
+        drops (DeepSpeed's default ``use_rts=True``, which only its top-1 gate reads; ours
+        keeps tokens in order), sampling top-2's second expert
+        (``top2_2nd_expert_sampling=True``, its default), noisy gates and residual MoE.
 
         >>> MoEConfig.from_deepspeed(num_experts=8, k=2, capacity_factor=1.25, use_rts=False,
         ...                          top2_2nd_expert_sampling=False).capacity_factor
         1.25
         """
         refused = []
-        if use_rts:
+        if use_rts and k == 1 and drop_tokens:
             refused.append("use_rts=True (random token selection at a full expert; here the earlier tokens "
                            "stay): pass use_rts=False")
         if k == 2 and top2_2nd_expert_sampling:
@@ -108,12 +113,14 @@ class MoEConfig:
             refused.append(f"noisy_gate_policy={noisy_gate_policy!r}: pass None")
         if use_residual:
             refused.append("use_residual=True (residual MoE): pass False")
-        if enable_expert_tensor_parallelism:
-            refused.append("enable_expert_tensor_parallelism=True: expert tensor parallelism is not implemented")
         if refused:
             raise NotImplementedError("MoEConfig.from_deepspeed: not implemented here:\n"
                                       + "\n".join(f"  {r}" for r in refused))
-        del use_tutel, ep_size  # a kernel choice, and the mesh's expert axis
+        if ep_size is not None and (not isinstance(ep_size, int) or ep_size < 1 or num_experts % ep_size):
+            raise ValueError(f"MoEConfig.from_deepspeed: ep_size={ep_size!r} does not divide num_experts="
+                             f"{num_experts}: use a divisor of it (it is the mesh's expert axis, --mesh expert=N)")
+        # a kernel choice, the mesh's tensor and expert axes, the model's width and dense MLP
+        del use_tutel, enable_expert_tensor_parallelism, ep_size, hidden_size, expert
         return cls(experts=num_experts, top_k=k, capacity_factor=capacity_factor if drop_tokens else None,
                    eval_capacity_factor=eval_capacity_factor if drop_tokens else None,
                    min_capacity=min_capacity, **ours)

@@ -367,8 +367,13 @@ def _experts_looped(params: Params, h: torch.Tensor) -> torch.Tensor:
     if h.shape[0] % E or not h.shape[0]:
         raise ValueError(f"expert_mlp: {h.shape[0]} buffer rows for {E} experts (give a positive multiple)")
     leaves = (h, params["w1"], params["w2"], params.get("b1"), params.get("b2"))
+    device = h.device.type
+    if device == "meta":  # a dry run's stand-in: autocast as on the device it stands for
+        from fsharded.spmd._schedule import stands_for
+
+        device = stands_for()
     if (not torch._C._are_functorch_transforms_active() and len({t.dtype for t in leaves if t is not None}) == 1
-            and not torch.is_autocast_enabled(h.device.type)):
+            and not torch.is_autocast_enabled(device)):
         # The typing sees the Function's insides, not its application: the implicit pvary
         # of an input invariant over an axis another varies over (the tokens under expert
         # tensor parallelism: their gradient sums over it) is made here.
@@ -438,8 +443,15 @@ def moe_layer(params: Params, x: torch.Tensor, *, top_k: int = 1, capacity_facto
         raise ValueError(f"moe_layer: x has {x.shape[-1]} features but the router "
                          f"{tuple(params['router'].shape)} expects {d}")
     _check_top_k(top_k, E, "moe_layer")
+    w1, w2 = params["w1"], params["w2"]
+    split = tensor_axis is not None and is_bound(tensor_axis)  # a partial split is named below
+    if not split and (w1.dim() != 3 or w2.dim() != 3 or w1.shape[1] != d or w2.shape[2] != d
+                      or w2.shape[:2] != (w1.shape[0], w1.shape[2])):
+        raise ValueError(f"moe_layer: w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)} do not fit the router "
+                         f"{tuple(params['router'].shape)}: give w1 (experts, {d}, f) and w2 (experts, f, {d}) "
+                         f"with the same experts and f (moe.init makes them)")
     n = axis_size(axis) if axis is not None and is_bound(axis) else 1
-    local = params["w1"].shape[0]
+    local = w1.shape[0]
     if n > 1 and E % n:
         raise ValueError(f"moe_layer: the {E} experts do not divide over axis {axis!r} of size {n}: "
                          f"use a number of experts divisible by {n}, or a smaller {axis!r} axis")
