@@ -16,6 +16,21 @@ def batch(config, rows: int = 4, seq: int = 64) -> dict:
     return {"tokens": torch.randint(0, config.vocab_size, (rows, seq + 1), generator=g)}
 
 
+def tracked_step(step, params, b, mesh):
+    """The tracker over one donated step of ``step`` after a warm-up step, per device (the
+    virtual mesh holds every device's values in this process; on real ranks the mesh
+    changes nothing), the state labelled."""
+    state = step.init(params)
+    state, _ = step(state, b)
+    with fs.memory.track(mesh=mesh) as mem:
+        mem.register(state.params, "parameters")
+        mem.register(state.opt_state, "optimizer state")
+        state, _ = step(state, b)
+        mem.reclassify(state.params, "parameters")
+        mem.reclassify(state.opt_state, "optimizer state")
+    return mem
+
+
 def measure(mesh_axes: dict, size: str, stages=(1, 2, 3)) -> dict:
     """Per stage: the tracked peak of one donated step (after a warm-up step) by category,
     and the estimator's view of the same step, in bytes."""
@@ -28,16 +43,7 @@ def measure(mesh_axes: dict, size: str, stages=(1, 2, 3)) -> dict:
     for stage in stages:
         plan = fs.parallel.zero(stage, min_size=16)(P(), params)
         step = fs.train_step(gpt.loss, opt, mesh=mesh, param_specs=plan, donate=True, blocks="blocks")
-        state = step.init(params)
-        state, _ = step(state, b)
-        # Per device (the virtual mesh holds every device's values in this process; on
-        # real ranks the mesh changes nothing).
-        with fs.memory.track(mesh=mesh) as mem:
-            mem.register(state.params, "parameters")
-            mem.register(state.opt_state, "optimizer state")
-            state, _ = step(state, b)
-            mem.reclassify(state.params, "parameters")
-            mem.reclassify(state.opt_state, "optimizer state")
+        mem = tracked_step(step, params, b, mesh)
         est = fs.estimate_memory(params, plan, opt, mesh=mesh, loss=gpt.loss, batch=b, blocks="blocks")
         out[stage] = {"peak": mem.peak_bytes, "by": mem.peak_by_category,
                       "est_peak": est.peak, "est_model_states": est.model_states,
@@ -45,7 +51,7 @@ def measure(mesh_axes: dict, size: str, stages=(1, 2, 3)) -> dict:
                       "params_peak": mem.peak_of(("parameters",)),
                       "grads_peak": mem.peak_of(("gradients",)), "est_placed_grads": est.placed_grads,
                       "params": gpt.param_count(params)}
-        del state, step
+        del mem, step
     return out
 
 
@@ -106,14 +112,7 @@ def measure_moe(mesh_axes: dict, stage: int) -> dict:
     opt = fs.optim.adamw(1e-3)
     loss = functools.partial(gpt.loss, moe=config.moe)
     step = fs.train_step(loss, opt, mesh=mesh, param_specs=plan, batch_spec=P(rows), donate=True, blocks="blocks")
-    state = step.init(params)
-    state, _ = step(state, b)
-    with fs.memory.track(mesh=mesh) as mem:
-        mem.register(state.params, "parameters")
-        mem.register(state.opt_state, "optimizer state")
-        state, _ = step(state, b)
-        mem.reclassify(state.params, "parameters")
-        mem.reclassify(state.opt_state, "optimizer state")
+    mem = tracked_step(step, params, b, mesh)
     est = fs.estimate_memory(params, plan, opt, mesh=mesh, loss=loss, batch=b, blocks="blocks",
                              batch_spec=P(rows))
     return {"peak": mem.peak_bytes, "est_peak": est.peak, "est_activations": est.activations,

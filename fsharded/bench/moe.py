@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import time
@@ -476,7 +477,6 @@ def run_gpt(cfg: Config, deepspeed: bool, *, world: int = 2) -> tuple[Report, di
 
 
 def _report_gpt(cfg: Config, nums: dict, deepspeed: bool, world: int) -> Report:
-    nan = float("nan")
     target = 1.0 if deepspeed else None
     seq = _gpt_seq(cfg)
     report = _Report("moe", params={
@@ -491,11 +491,7 @@ def _report_gpt(cfg: Config, nums: dict, deepspeed: bool, world: int) -> Report:
             if deepspeed else "DeepSpeed not run (n/a)")
     keys = [key for key in nums if key[1] != "no drops"]
 
-    def rows(label: str, field: str, unit: str, cls=Qty, ours_field: str | None = None) -> tuple:
-        return tuple(cls(f"top-{k}{label}", f"{T} tokens/rank", nums[k, T]["ours"][ours_field or field],
-                         nums[k, T]["deepspeed"][field] if deepspeed else nan,
-                         **({} if cls is Row else {"unit": unit}))
-                     for k, T in keys)
+    rows = functools.partial(_rows, nums, keys, deepspeed)
 
     report.sections.append(Section(
         f"MoE GPT train step on {world} ranks (slowest rank)", peer, rows("", "t", "s", Row), target=target,
@@ -565,8 +561,17 @@ class _Report(Report):
         return [c[:3] + ("n/a", "n/a") if r.peer_s != r.peer_s else c for r, c in zip(s.rows, cells)]
 
 
+def _rows(nums: dict, keys: list, deepspeed: bool, label: str, field: str, unit: str, cls=Qty,
+          ours_field: str | None = None) -> tuple:
+    """One row per (top-k, tokens) of ``keys``: ours' ``ours_field or field`` against
+    DeepSpeed's ``field`` (n/a when it was not run)."""
+    return tuple(cls(f"top-{k}{label}", f"{T} tokens/rank", nums[k, T]["ours"][ours_field or field],
+                     nums[k, T]["deepspeed"][field] if deepspeed else float("nan"),
+                     **({} if cls is Row else {"unit": unit}))
+                 for k, T in keys)
+
+
 def _report(cfg: Config, nums: dict, deepspeed: bool, world: int) -> Report:
-    nan = float("nan")
     target = 1.0 if deepspeed else None
     report = _Report("moe", params={
         "torch": torch.__version__, "ranks": world, "threads per rank": 1,
@@ -579,11 +584,7 @@ def _report(cfg: Config, nums: dict, deepspeed: bool, world: int) -> Report:
             "drop_tokens=True), same weights and tokens" if deepspeed else "DeepSpeed not run (n/a)")
     keys = list(nums)
 
-    def rows(label: str, field: str, unit: str, cls=Qty, ours_field: str | None = None) -> tuple:
-        return tuple(cls(f"top-{k}{label}", f"{T} tokens/rank", nums[k, T]["ours"][ours_field or field],
-                         nums[k, T]["deepspeed"][field] if deepspeed else nan,
-                         **({} if cls is Row else {"unit": unit}))
-                     for k, T in keys)
+    rows = functools.partial(_rows, nums, keys, deepspeed)
 
     report.sections.append(Section(
         f"step time on {world} ranks (fwd + bwd, slowest rank)", peer, rows("", "t", "s", Row), target=target,
