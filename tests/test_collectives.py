@@ -17,6 +17,9 @@ VIRTUAL_MESHES = [
     ({"i": 4}, ["i"]),
     ({"a": 2, "b": 2}, ["a", "b", ("a", "b"), ("b", "a")]),
     ({"a": 2, "b": 2, "c": 2}, [("c", "a"), "b", ("a", "b", "c")]),
+    # an axis of size 1 beside others: each collective over it is the identity
+    ({"a": 1, "b": 2}, ["a", "b", ("a", "b")]),
+    ({"a": 2, "b": 1, "c": 2}, ["b", ("a", "b"), ("b", "c")]),
 ]
 
 

@@ -429,12 +429,16 @@ def _dispatch(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor, *,
     open manifest."""
     if record:
         _manifest.record(prim, params, axes, x)
-    if axes.size == 1:
-        return x
-    if axes.virtual:
+    if axes.virtual and axes.frame.mesh.size > 1:
+        # Also over an axis of size 1 (where the value is unchanged): a value batched at an
+        # axis' vmap level is read as varying over it, so a reduction must leave its result
+        # unbatched there, as at any size, for the types to be those of real ranks. (A
+        # one-device mesh has no levels: there every collective is the identity.)
         if len(axes.names) == 1:
             return Collective.apply(prim, params, axes, x, axes.frame.tokens[axes.names[0]])
         return prim.virtual_multi(params, axes, x)
+    if axes.size == 1:
+        return x
     if (x.requires_grad and torch.is_grad_enabled()) or _F.is_functorch_wrapped_tensor(x):
         return Collective.apply(prim, params, axes, x, None)
     return dist_call(prim, params, axes, x)  # nothing to differentiate: skip the Function
