@@ -152,7 +152,8 @@ def check_resume(cfg: Any, checkpoint: str, allow: Collection[str] = ()) -> int 
                       f"global batch ({JOB_FILE}: saved by step.save, or by an older fsharded train), so "
                       f"they are not checked: the flags given now decide them", stacklevel=2)
         return None
-    start = int(rec.get("step", 0))
+    name = os.path.basename(os.path.abspath(checkpoint))  # an earlier checkpoint's record: this one's step
+    start = int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else int(rec.get("step", 0))
     errors = []
     old, new = rec.get("schedule"), schedule_record(cfg)
     if old is not None and old != new and "schedule" not in allow:

@@ -148,6 +148,23 @@ def test_resuming_on_another_mesh_is_refused_unless_the_global_batch_is_kept(tmp
                   "--resume-changes", "batch"], capsys)[0] == 0
 
 
+def test_a_checkpoint_without_its_record_is_checked_against_its_runs_earlier_one(tmp_path, capsys):
+    """A save killed between the checkpoint and its job.json: the run's record of an earlier
+    checkpoint stands for it; with no record at all (a checkpoint of step.save, or of an
+    older fsharded) the resume is not checked, and says so."""
+    ck = tmp_path / "ck"
+    assert _main([*TINY, "--steps", "6", "--save-every", "3", "--save-dir", str(ck)], capsys)[0] == 0
+    os.remove(ck / "step-00000006" / "job.json")
+    resume = [*TINY, "--steps", "9", "--resume", "latest", "--save-dir", str(ck)]
+    code, _, err = _main(resume, capsys)
+    assert code == 1 and "total_num_steps 6 -> 9" in err and "pass --schedule-steps 6" in err, err[-2000:]
+    assert "from step 7 on" in err
+    os.remove(ck / "step-00000003" / "job.json")
+    with pytest.warns(UserWarning, match="carries no record of its run's schedule and global batch"):
+        code, out, err = _main(resume, capsys)
+    assert code == 0 and "at step 6" in out, err[-2000:]
+
+
 def _torchrun(args, timeout=300):
     from fsharded.testing import free_port
 
