@@ -413,7 +413,8 @@ class TrainConfig:
     data: str = "stdlib"
     """Training text: ``"stdlib"`` (Python's standard library sources) or a file/dir path."""
     metrics_file: str | None = None
-    """JSON-lines file metrics are appended to; ``None`` = no file."""
+    """JSON-lines file of per-step metrics (``fsharded train``: a new run replaces it, a resumed
+    one keeps the records up to the resumed step and appends); ``None`` = no file."""
     log_every: int = 10
     """Print metrics every this many steps."""
 
