@@ -179,6 +179,7 @@ class TrainStep:
                              "that updates the model state")
         self.update_model_state = update_model_state
         self.model_state_specs = PartitionSpec() if model_state_specs is None else model_state_specs
+        _check_optimizer(optimizer)
         self.optimizer = optimizer
         self.mesh = mesh if mesh is not None else Mesh({"data": 1})
         self.param_specs = PartitionSpec() if param_specs is None else param_specs
@@ -262,6 +263,12 @@ class TrainStep:
         """State for global ``params``: master copies laid out by the placement (this
         rank's shards on the distributed backend), optimizer state, loss scale; and the
         global ``model_state`` (with ``update_model_state``), laid out by its specs."""
+        _check_param_leaves(params)
+        return self._init(params, model_state)
+
+    def _init(self, params: Any, model_state: Any = None) -> TrainState:
+        """``init`` of a tree that may be meta tensors: ``load``'s template of a checkpoint's
+        shapes, filled from the checkpoint."""
         ms = self._init_model_state(model_state)
         paths, leaves, _ = _tree.tree_flatten_with_paths(params)
         bad = [f"  {p}: {x.dtype}" for p, x in zip(paths, leaves)
@@ -428,9 +435,10 @@ class TrainStep:
         ms = checkpoint.tree_like(directory, "model_state") \
             if self.update_model_state is not None and (like is None or not isinstance(like, TrainState)) else None
         if like is None:
-            like = self.init(checkpoint.tree_like(directory, "params"), ms)
-        elif not isinstance(like, TrainState):
-            like = self.init(like, ms)
+            like = self._init(checkpoint.tree_like(directory, "params"), ms)
+        elif not isinstance(like, TrainState):  # the parameters as a template: meta tensors will do
+            _check_param_leaves(like, meta_ok=True)
+            like = self._init(like, ms)
         return checkpoint.load(directory, like, self.state_specs(like), self.mesh)
 
     # -- the step ----------------------------------------------------------------------
@@ -595,6 +603,7 @@ class TrainStep:
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         self._check_layout(state)
+        _check_batch_sizes(batch)
         t0 = time.perf_counter()
         sm = self._shard_mapped(state)
         if self.distributed:  # the batch is global (the same on every rank): take our rows
@@ -685,6 +694,61 @@ class TrainStep:
             specs = self.state_specs(state)
             state = _globalize(state, specs, self.mesh)
         return sm.collectives(state, batch)
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """An optimizer is a pure ``(init, update)`` pair (``fsharded.optim``), not a
+    ``torch.optim`` class or instance, which keeps its state inside itself."""
+    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        return
+    is_class = isinstance(optimizer, type)
+    what = f"the class {optimizer.__module__}.{optimizer.__name__}" if is_class \
+        else f"{type(optimizer).__name__} {optimizer!r:.60}"
+    is_torch = isinstance(optimizer, torch.optim.Optimizer) or \
+        (is_class and issubclass(optimizer, torch.optim.Optimizer))
+    hint = ("; torch.optim's optimizers keep their state inside themselves: use fsharded.optim's pure "
+            "(init, update) pairs (fs.optim.adamw, adam, sgd, lion, adagrad, lamb)" if is_torch else "")
+    raise TypeError(f"train_step: optimizer must be a gradient transformation with init(params) and "
+                    f"update(grads, state, params), e.g. fs.optim.adamw(3e-4) or fs.optim.chain(...); got "
+                    f"{what}{hint}")
+
+
+def _check_param_leaves(params: Any, *, meta_ok: bool = False) -> None:
+    """Every leaf of the parameter tree is a tensor with values (differentiated, updated and
+    sharded): not a Python number, None or a meta tensor (``meta_ok``: a template, whose
+    values come from a checkpoint). Lists every leaf that is not."""
+    paths, leaves = optree.tree_flatten_with_path(params, none_is_leaf=True)[:2]
+    if not leaves:
+        raise ValueError("train_step.init: the parameter tree has no tensors: pass a dict (or other "
+                         "pytree) of the model's parameter tensors")
+    not_tensors, meta = [], []
+    for path, x in zip(map(_tree.path_str, paths), leaves):
+        if not isinstance(x, torch.Tensor):
+            not_tensors.append(f"  params.{path}: {type(x).__name__} {x!r:.40}")
+        elif x.device.type == "meta" and not meta_ok:
+            meta.append(f"  params.{path}: a meta tensor {tuple(x.shape)} {x.dtype} (a shape, no values)")
+    if not_tensors:
+        raise TypeError("train_step.init: every leaf of the parameter tree must be a tensor; these are "
+                        "not:\n" + "\n".join(not_tensors[:8]) + ("\n  ..." if len(not_tensors) > 8 else "")
+                        + "\nMake a number a tensor (torch.tensor(1.5)) if it is trained; keep constants and "
+                          "None out of the parameter tree (close over them in the loss)")
+    if meta:
+        raise ValueError("train_step.init: parameters on the meta device have no values to train:\n"
+                         + "\n".join(meta[:8]) + ("\n  ..." if len(meta) > 8 else "")
+                         + "\nInitialise them first (module.to_empty(device='cpu') then reset_parameters(), "
+                           "or load weights); meta tensors are for estimate_memory")
+
+
+def _check_batch_sizes(batch: Any) -> None:
+    """A batch leaf with a dim of size 0 (an empty last batch) has no loss to take: its mean
+    is nan. Refused naming the leaves instead of reported as a diverged step."""
+    paths, leaves, _ = _tree.tree_flatten_with_paths(batch)
+    bad = [f"  batch.{p}: shape {tuple(x.shape)}" for p, x in zip(paths, leaves)
+           if isinstance(x, torch.Tensor) and 0 in x.shape]
+    if bad:
+        raise ValueError("train_step: the batch has leaves with a dim of size 0 (nothing to train on; the "
+                         "loss's mean would be nan):\n" + "\n".join(bad[:8])
+                         + "\nGive every leaf at least one row (an empty last batch: drop it, drop_last=True)")
 
 
 def _check_scale(scale: Any, n: int) -> None:

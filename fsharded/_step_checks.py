@@ -53,6 +53,7 @@ def _check_loss(batch_axes: tuple[str, ...], mesh: Mesh, out: Any, *, with_stats
             f"train_step: loss_fn must return a scalar tensor, or (loss, metrics) with metrics a "
             f"dict of scalar tensors; got {type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))}"
         )
+    _check_loss_dtype(loss)
     bad = [k for k, v in extra.items() if not (isinstance(v, torch.Tensor) and v.dim() == 0)] \
         if isinstance(extra, dict) else None
     if bad is None or bad:
@@ -82,3 +83,14 @@ def _check_loss_type(loss: torch.Tensor, batch_axes: tuple[str, ...], mesh: Mesh
             f"fs.parallel.tensor.plan: call the model through the plan, tp.apply(params, ...) "
             f"or tp.wrap(loss_fn)), add the psum, or keep the parameters replicated over {extra[0]!r}"
         )
+
+
+def _check_loss_dtype(loss: torch.Tensor) -> None:
+    """The loss is a real floating-point number: a complex one has no order to minimise
+    (its real part would be taken silently), an integer one no gradient."""
+    if not loss.is_floating_point():
+        raise TypeError(
+            f"train_step: loss_fn returned a loss of dtype {loss.dtype}; it must be a real floating-point "
+            f"scalar (minimised, differentiated)"
+            + ("; take the quantity to minimise: its .abs(), .real or a squared magnitude"
+               if loss.is_complex() else "; compute it in floating point (e.g. .float())"))

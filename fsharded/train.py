@@ -91,11 +91,40 @@ def check_paths(cfg: Any) -> None:
         raise ValueError(f"--data: {data!r} is not a file (give a text file, a .bin token file, "
                          f"or 'stdlib')")
     if cfg.metrics_file:
+        if os.path.isdir(cfg.metrics_file):
+            raise ValueError(f"--metrics: {cfg.metrics_file!r} is a directory; give the path of a file "
+                             f"(e.g. {os.path.join(cfg.metrics_file, 'metrics.jsonl')})")
+        if os.path.exists(cfg.metrics_file) and not os.access(cfg.metrics_file, os.W_OK):
+            raise ValueError(f"--metrics: cannot write {cfg.metrics_file!r}: the file is not writable")
         parent = os.path.dirname(os.path.abspath(cfg.metrics_file))
         if not os.path.isdir(parent):
             raise ValueError(f"--metrics: the directory {parent} of {cfg.metrics_file!r} does not exist")
         if not os.access(parent, os.W_OK):
             raise ValueError(f"--metrics: cannot write {cfg.metrics_file!r}: {parent} is not writable")
+
+
+def _at_least(n: int, what: str):
+    """An argparse type: an int >= ``n``, refused naming what the flag means."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if v < n:
+            raise argparse.ArgumentTypeError(f"must be an int >= {n} ({what}), got {v}")
+        return v
+    return parse
+
+
+def _resume_changes(text: str) -> tuple[str, ...]:
+    from fsharded._train_resume import RESUME_CHANGES
+
+    out = tuple(w.strip() for w in text.split(",") if w.strip())
+    bad = [w for w in out if w not in RESUME_CHANGES]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(RESUME_CHANGES)}, "
+                                         f"got {text!r}")
+    return out
 
 
 def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
@@ -107,7 +136,13 @@ def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
     p.add_argument("--replicate-over", metavar="AXES", default="",
                    help="mesh axes (comma-separated) the job does not shard over, declared to replicate")
     p.add_argument("--preset", help="GPT preset: tiny, small, llama_style")
-    p.add_argument("--steps", type=int)
+    p.add_argument("--steps", type=_at_least(1, "the step to train up to"),
+                   help="train up to this step (a resumed run continues to it; default 300); also the "
+                        "learning-rate schedule's length unless --schedule-steps gives another")
+    p.add_argument("--schedule-steps", type=_at_least(1, "the learning-rate schedule's length"), metavar="N",
+                   help="the learning-rate schedule's length (WarmupCosineLR/WarmupDecayLR total_num_steps, "
+                        "linear total_steps; the default schedule's warmup is a tenth of it), when it is not "
+                        "--steps: e.g. --steps 10 --schedule-steps 20 runs the first half of a 20-step run")
     p.add_argument("--batch", type=int, help="micro-batch size per batch shard (data, or data x expert with an expert axis)")
     p.add_argument("--accum", type=int, help="gradient accumulation steps")
     p.add_argument("--seq-len", type=int)
@@ -118,10 +153,13 @@ def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, help="max gradient norm (0: off)")
     p.add_argument("--seed", type=int)
     p.add_argument("--data", help="'stdlib' (default), a text file, or a nanoGPT .bin of uint16 tokens")
-    p.add_argument("--metrics", help="write per-step metrics to this JSONL file")
+    p.add_argument("--metrics", help="write per-step metrics to this JSONL file (a new run replaces it; a "
+                                      "resumed one keeps the records up to the step it resumes at and appends)")
     p.add_argument("--save-dir", default="checkpoints", help="where checkpoints go (default: checkpoints)")
-    p.add_argument("--save-every", type=int, help="save a checkpoint every N steps (and at the end)")
-    p.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3, the newest)")
+    p.add_argument("--save-every", type=_at_least(1, "a checkpoint every N steps; leave it out to save none"),
+                   metavar="N", help="save a checkpoint every N steps (and at the end)")
+    p.add_argument("--keep", type=_at_least(1, "the newest checkpoints kept"), default=3,
+                   help="checkpoints kept (default 3, the newest)")
     p.add_argument("--force", action="store_true",
                    help="start even when the memory estimate exceeds the memory available")
     p.add_argument("--peak-tflops", type=float,
@@ -130,7 +168,13 @@ def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
     p.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background while training goes on")
     p.add_argument("--resume", metavar="latest|PATH",
-                   help="continue from the newest checkpoint in --save-dir, or from PATH")
+                   help="continue from the newest checkpoint in --save-dir, or from PATH (with the "
+                        "learning-rate schedule and global batch it was trained with: flags that would change "
+                        "them are refused, see --resume-changes)")
+    p.add_argument("--resume-changes", type=_resume_changes, default=(), metavar="schedule,batch",
+                   help="with --resume: let these differ from the checkpoint's run, deliberately (the schedule "
+                        "as the flags now give it from the resumed step on; the global batch: other rows per "
+                        "step and another data order)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set optimizer.weight_decay=0.01")
     p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
@@ -170,18 +214,38 @@ def make_config(args: argparse.Namespace, world_size: int = 1):
             flags[key] = v
     if args.preset:
         flags["model"] = {**base.model, "preset": args.preset}
+    length = getattr(args, "schedule_steps", None)
     if args.schedule:
-        flags["scheduler"] = {"name": args.schedule, "params": _schedule_defaults(args.schedule, flags.get("steps", base.steps))}
+        flags["scheduler"] = {"name": args.schedule,
+                              "params": _schedule_defaults(args.schedule, length or flags.get("steps", base.steps))}
     cfg = _apply(base, flags)
+    if length is not None:
+        cfg = _with_schedule_length(cfg, length)
     if args.set:
         cfg = C.apply_overrides(cfg, args.set)
-    default_sched = JOB_DEFAULTS["scheduler"]
-    if cfg.scheduler.name == default_sched["name"] and dict(cfg.scheduler.params) == default_sched["params"]:
-        # The default schedule follows the number of steps actually run.
-        cfg = _apply(cfg, {"scheduler": {"name": "WarmupCosineLR", "params": {
-            **JOB_DEFAULTS["scheduler"]["params"], "total_num_steps": cfg.steps,
-            "warmup_num_steps": max(1, cfg.steps // 10)}}})
+    if length is None and _is_default_schedule(cfg):  # the default schedule follows the steps run
+        cfg = _with_schedule_length(cfg, cfg.steps)
     return cfg
+
+
+def _is_default_schedule(cfg) -> bool:
+    default = JOB_DEFAULTS["scheduler"]
+    return cfg.scheduler.name == default["name"] and dict(cfg.scheduler.params) == default["params"]
+
+
+def _with_schedule_length(cfg, n: int):
+    """``cfg`` with its schedule ``n`` steps long (``--schedule-steps``): the default
+    schedule whole (its warmup a tenth), another its length parameter only."""
+    from fsharded._train_resume import LENGTH_PARAM
+
+    if _is_default_schedule(cfg):
+        return _apply(cfg, {"scheduler": {"name": "WarmupCosineLR", "params": {
+            **JOB_DEFAULTS["scheduler"]["params"], "total_num_steps": n, "warmup_num_steps": max(1, n // 10)}}})
+    key = LENGTH_PARAM.get(cfg.scheduler.name)
+    if key is None:
+        raise ValueError(f"--schedule-steps: the {cfg.scheduler.name} schedule has no length (those with one: "
+                         f"{', '.join(LENGTH_PARAM)})")
+    return _apply(cfg, {"scheduler": {"name": cfg.scheduler.name, "params": {**cfg.scheduler.params, key: n}}})
 
 
 def _merge(*ds: dict) -> dict:
@@ -262,21 +326,10 @@ def _schedule_defaults(name: str, steps: int) -> dict:
 def build_optimizer(cfg):
     """The ``fsharded.optim`` optimizer (with its schedule) a TrainConfig describes."""
     from fsharded import optim
+    from fsharded._train_resume import lr_schedule, schedule_record
 
-    o, s = cfg.optimizer, cfg.scheduler
-    params = dict(s.params)
-    name = s.name
-    if name == "constant":
-        lr: Any = optim.constant(o.lr)
-    elif name == "linear":
-        lr = optim.linear(o.lr, params.get("final_lr", 0.0), params.get("total_steps", cfg.steps))
-    elif name == "WarmupCosineLR":
-        lr = optim.WarmupCosineLR(lr=o.lr, **params)
-    elif name in ("WarmupLR", "WarmupDecayLR"):
-        params.setdefault("warmup_max_lr", o.lr)
-        lr = getattr(optim, name)(**params)
-    else:
-        lr = getattr(optim, name)(**params)
+    o = cfg.optimizer
+    lr = lr_schedule(schedule_record(cfg))  # every parameter resolved, as a checkpoint records it
     kw: dict[str, Any] = {}
     if o.betas is not None:
         kw["b1"], kw["b2"] = o.betas
@@ -476,18 +529,41 @@ def _check_fits(cfg, mcfg, mesh, specs_for, dist_on: bool, seq: _SeqJob) -> None
 
 def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_every: int | None = None,
         keep: int | None = 3, resume: str | None = None, async_save: bool = False,
-        force: bool = False, replicate_over: Sequence[str] = (), peak_tflops: float | None = None) -> dict:
+        force: bool = False, replicate_over: Sequence[str] = (), peak_tflops: float | None = None,
+        resume_changes: Sequence[str] = ()) -> dict:
     """Train per ``cfg``; returns the summary dict (also printed on rank 0). With
     ``save_every`` a checkpoint goes to ``save_dir/step-<n>`` every that many steps and at
-    the end (``async_save``: written in the background, the last one waited for); ``resume`` ("latest" or a checkpoint's path) continues a run exactly: its state
-    (parameters, optimizer, loss scale, keys, schedule) and its place in the data."""
+    the end (``async_save``: written in the background, the last one waited for), with a
+    record of the run's schedule and global batch (``job.json``); ``resume`` ("latest" or a
+    checkpoint's path) continues a run exactly: its state (parameters, optimizer, loss
+    scale, keys), its place in the data, and its schedule and global batch: a ``cfg`` that
+    would change those is refused unless ``resume_changes`` names them ("schedule",
+    "batch"). The metrics file of a resumed run keeps the records up to the resumed step."""
     import fsharded as fs
+    from fsharded import _train_resume
     from fsharded.models import gpt
 
     dist_on = fs.distributed.is_initialized()
     main_rank = fs.distributed.rank() == 0
+    for flag, v in (("--save-every", save_every), ("--keep", keep)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{flag}: expected an int >= 1, got {v!r}"
+                             + (" (a checkpoint every N steps; leave it out to save none)" if flag == "--save-every"
+                                else " (the newest checkpoints kept)"))
+    bad = [c for c in resume_changes if c not in _train_resume.RESUME_CHANGES]
+    if bad:
+        raise ValueError(f"--resume-changes: {bad} are not among {', '.join(_train_resume.RESUME_CHANGES)}")
     check_mesh_axes(cfg.mesh, replicate_over)
     check_paths(cfg)
+    # The checkpoint to resume from, and whether these flags keep its run's schedule and
+    # batch, before anything is built.
+    mgr = fs.checkpoint.Manager(save_dir, keep=keep, every=save_every) if (save_every or resume) else None
+    path = (mgr.latest() if resume == "latest" else resume) if resume else None
+    if path is not None and os.path.isdir(path):  # (a missing one: step.load says so)
+        saved_at = _train_resume.check_resume(cfg, path, resume_changes)
+        if saved_at is not None and saved_at > cfg.steps:
+            raise ValueError(f"--steps {cfg.steps}: {path} is at step {saved_at}, past it; give --steps "
+                             f"{saved_at + 1} or more to train on from it")
     mesh = fs.Mesh(cfg.mesh)
     tokens = fs.data.load_tokens(cfg.data)
     mcfg = build_model_config(cfg, tokens.vocab_size)
@@ -533,9 +609,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
                          clip=cfg.grad_clip or None, blocks="blocks", check_memory=not force,
                          update_model_state=gpt.model_state_updater(mcfg.moe) if biased else None)
     state = step.init(params, gpt.init_model_state(params) if biased else None)
-    mgr = fs.checkpoint.Manager(save_dir, keep=keep, every=save_every) if (save_every or resume) else None
     start = 0
-    path = (mgr.latest() if resume == "latest" else resume) if resume else None
     if resume == "latest" and path is None and main_rank:
         # The first start of a job that restarts itself (torchrun --max-restarts): nothing yet.
         print(f"fsharded train: --resume latest: no checkpoint in {save_dir} yet, starting at step 0",
@@ -543,6 +617,9 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     if path is not None:
         state = step.load(path, state)
         start = int(state.step)
+        if start > cfg.steps:
+            raise ValueError(f"--steps {cfg.steps}: {path} is at step {start}, past it; give --steps "
+                             f"{start + 1} or more to train on from it")
         if main_rank:
             print(f"fsharded train: resumed from {path} at step {start}", flush=True)
     n_params = gpt.param_count(params)
@@ -568,7 +645,12 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     devices = mesh.size if dist_on else 1
     peak = peak_tflops if peak_tflops is not None else FL.peak_tflops(cfg.precision)
     # Line-buffered: a killed run keeps every record but the one being written.
-    metrics_f = open(cfg.metrics_file, "w", buffering=1) if (cfg.metrics_file and main_rank) else None  # noqa: SIM115
+    metrics_f = _train_resume.open_metrics(cfg.metrics_file, resumed_at=start if resume else None) \
+        if (cfg.metrics_file and main_rank) else None
+
+    def saved(directory: str | None) -> None:  # a complete checkpoint gets its run's record
+        if directory is not None and main_rank:
+            _train_resume.write_job(directory, _train_resume.job_record(cfg, int(directory.rsplit("-", 1)[1])))
     bar = _Progress(cfg.steps, progress, cfg.log_every, main_rank)
     tok_per_step = global_batch * mcfg.seq_len
     losses: list[float] = []
@@ -579,8 +661,6 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
             t0 = time.perf_counter()
             state, m = step(state, seq.prepare(batches.batch_at(i)))  # the data position is the step count
             dt = time.perf_counter() - t0
-            if mgr is not None and (mgr.due(i + 1) or (save_every and i + 1 == cfg.steps)):
-                mgr.save_state(step, state, blocking=not async_save)
             if i == start + 1:
                 t_steady = time.perf_counter() - dt  # exclude the first (warm-up) step
             rec = {"step": i + 1, **{k: float(v) for k, v in m.items()}, "step_time_s": dt,
@@ -591,10 +671,15 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
                     rec["mfu"] = FL.mfu(step_flops / devices, dt, peak)
             losses.append(rec["loss"])
             bar.update(i + 1, rec)
-            if metrics_f is not None:
+            if metrics_f is not None:  # before the checkpoint: a checkpoint's step has its record
                 metrics_f.write(json.dumps(rec) + "\n")
+            if mgr is not None and (mgr.due(i + 1) or (save_every and i + 1 == cfg.steps)):
+                saved(mgr.wait())  # the save in the background before it, complete
+                out = mgr.save_state(step, state, blocking=not async_save)
+                if not async_save:
+                    saved(out)
         if mgr is not None:
-            mgr.wait()  # a save still in the background
+            saved(mgr.wait())  # a save still in the background
     finally:
         bar.close()
         if metrics_f is not None:
@@ -661,7 +746,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded train") -> 
             run(cfg, progress=args.progress, save_dir=args.save_dir, save_every=args.save_every,
                 keep=args.keep, resume=args.resume, async_save=args.async_save, force=args.force,
                 replicate_over=[a.strip() for a in args.replicate_over.split(",") if a.strip()],
-                peak_tflops=args.peak_tflops)
+                peak_tflops=args.peak_tflops, resume_changes=args.resume_changes)
         except (ValueError, OSError, NotImplementedError, FloatingPointError, MemoryError) as e:
             print(f"fsharded train: {e}", file=sys.stderr)
             return 1

@@ -231,6 +231,11 @@ _REQUIRED_PARAMS = {
     "OneCycle": ("cycle_min_lr", "cycle_max_lr"),
 }
 _SCHEDULER_BY_LOWER = {k.lower(): k for k in SCHEDULERS}
+# Step counts among the schedule parameters, and the least each may be: a schedule of 0
+# steps has no length to decay over (DeepSpeed's warmups take 0: no warmup).
+_STEP_COUNTS = {"total_num_steps": 1, "total_steps": 1, "warmup_num_steps": 0, "cycle_first_step_size": 1,
+                "cycle_second_step_size": 1, "cycle_first_stair_count": 0, "cycle_second_stair_count": 0,
+                "decay_step_size": 0}
 
 
 @dataclass(frozen=True)
@@ -269,6 +274,9 @@ class SchedulerConfig:
                     errors.append(
                         f"  scheduler.params.{k}: expected {_type_name(known[k])}, got {v!r}"
                     )
+                elif k in _STEP_COUNTS and cv is not None and cv < _STEP_COUNTS[k]:
+                    errors.append(f"  scheduler.params.{k}: expected an int >= {_STEP_COUNTS[k]} (steps), "
+                                  f"got {cv!r}")
                 self.params[k] = cv
             for k in _REQUIRED_PARAMS.get(self.name, ()):
                 if k not in self.params:
@@ -405,7 +413,8 @@ class TrainConfig:
     data: str = "stdlib"
     """Training text: ``"stdlib"`` (Python's standard library sources) or a file/dir path."""
     metrics_file: str | None = None
-    """JSON-lines file metrics are appended to; ``None`` = no file."""
+    """JSON-lines file of per-step metrics (``fsharded train``: a new run replaces it, a resumed
+    one keeps the records up to the resumed step and appends); ``None`` = no file."""
     log_every: int = 10
     """Print metrics every this many steps."""
 
