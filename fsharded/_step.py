@@ -28,7 +28,13 @@ import torch.distributed as dist
 from fsharded import _step_parts as P
 from fsharded import _tree, checkpoint, memory, optim
 from fsharded import random as R
-from fsharded._step_checks import _check_grad_types, _check_loss
+from fsharded._step_checks import (
+    _check_grad_types,
+    _check_loss,
+    _check_rates,
+    _nonfinite_state,
+    _shown,
+)
 from fsharded.comm import _trace
 from fsharded.mesh._layout import check_tree, dims, local_slice
 from fsharded.mesh._mesh import Mesh
@@ -120,7 +126,16 @@ def train_step(
     (``on_nonfinite="raise"``), or is skipped with the step count advanced and
     ``metrics["skipped"]`` counting such steps in this process (``"skip"``, as DeepSpeed's
     bf16 optimizer skips). fp16 skips overflowing steps by its loss scale and raises once
-    the scale is at its minimum and the gradients still overflow (DeepSpeed's rule).
+    the scale is at its minimum and the gradients still overflow (DeepSpeed's rule); a step
+    whose gradients are finite but whose loss is not (a term that does not reach the
+    parameters) is no overflow a smaller scale could fix, so fp16 refuses it as fp32 and
+    bf16 do (raise, or skip with ``"skip"``), the loss scale untouched. Before each step the
+    learning rates the optimizer is about to apply (``optim.scheduled_lrs``, read from its
+    state's counters) must be finite and >= 0: a schedule given as a callable that returns
+    nan, inf or a negative rate at step k stops the run there with ``FloatingPointError``
+    naming the rate and the step, before anything runs (``"skip"`` does not skip it: every
+    later step reads the same schedule). A refused step's message also says when the state
+    passed in already held non-finite values (so it is no state to go on from either).
 
     ``check_memory``: ``init`` first estimates the state it is about to allocate
     (``estimate_memory`` of the placement, optimizer and precision; per device on real
@@ -485,7 +500,10 @@ class TrainStep:
             metrics = {"loss": loss, "grad_norm": gnorm}
             # What loss_fn returned beside the loss, averaged over the batch shards.
             metrics.update(pmean(extra, self.batch_axes) if self.batch_axes and extra else extra)
-            if optim.get_lr_schedule(self.optimizer) is not None:
+            rates = optim.scheduled_lrs(self.optimizer, state.opt_state)
+            if len(rates) == 1:  # the rate this update applied, from the optimizer's own counter
+                metrics["lr"] = torch.as_tensor(rates[0][1])
+            elif optim.get_lr_schedule(self.optimizer) is not None:
                 metrics["lr"] = optim.get_lr(self.optimizer, plan.scaling.applied(state.step, state.loss_scale))
             metrics.update(scale_metrics)
         out = TrainState(state.step + 1, new_params, opt_state, new_scale, state.rng, new_ms)
@@ -604,6 +622,8 @@ class TrainStep:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         self._check_layout(state)
         _check_batch_sizes(batch)
+        if self.check_finite:
+            self._check_lr(state)
         t0 = time.perf_counter()
         sm = self._shard_mapped(state)
         if self.distributed:  # the batch is global (the same on every rank): take our rows
@@ -627,12 +647,22 @@ class TrainStep:
             raise RuntimeError(f"train_step: step {int(state.step) + 1} on rank {dist.get_rank()}: {e}") from e
         if self.check_finite:
             loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])
+            finite = math.isfinite(loss) and math.isfinite(gnorm)
             if state.loss_scale is not None:
                 _check_scale(new_state.loss_scale, int(state.step))
-            elif not (math.isfinite(loss) and math.isfinite(gnorm)):
+                # Overflowing gradients are the loss scale's to skip (and it did); a step it
+                # applied must be finite as in fp32 / bf16: a nan loss whose gradients are
+                # finite (a term that does not reach the parameters) is no overflow a smaller
+                # scale could fix, so it is refused, not counted as one.
+                applied = bool((new_state.loss_scale.skipped == state.loss_scale.skipped).all())
+                finite = finite or not applied
+            if not finite:
                 if self.on_nonfinite == "skip":
                     self.skipped_nonfinite += 1
-                    metrics["skipped"] = torch.tensor(self.skipped_nonfinite)
+                    skipped = self.skipped_nonfinite
+                    if state.loss_scale is not None:  # and the overflows the loss scale skipped
+                        skipped += int(state.loss_scale.skipped.max())
+                    metrics["skipped"] = torch.tensor(skipped)
                     return state._replace(step=state.step + 1), metrics
                 self._raise_nonfinite(state, batch, loss, gnorm)
             if gnorm == 0.0 and math.isfinite(loss) and not self._warned_zero_grads:
@@ -651,14 +681,32 @@ class TrainStep:
         where = ""
         if not math.isfinite(gnorm):
             bad = self._nonfinite_leaves(state, batch)
-            shown = ", ".join(f"params.{p}" for p in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-            where = f"; non-finite gradients in {shown}" if bad else ""
+            where = f"; non-finite gradients in {_shown([f'params.{p}' for p in bad])}" if bad else ""
         raise FloatingPointError(
             f"train_step: step {n + 1} has loss {loss} and gradient norm {gnorm}{where}. It was "
-            f"not applied: the state passed in (after {n} step{'' if n == 1 else 's'}) is unchanged"
-            f"{', donated buffers included' if self.donate else ''}. Lower the learning rate, "
+            f"not applied: {self._kept(state)}. Lower the learning rate, "
             f"enable clipping, look for sqrt/log/division at 0 in the loss, or pass "
             f"on_nonfinite='skip' to skip such steps")
+
+    def _kept(self, state: TrainState) -> str:
+        """What a refused step leaves the caller: the state passed in, unchanged — and, if
+        that state already holds inf or nan (it did not come from a checked step: a
+        checkpoint, a transformation whose rates the step cannot read), saying so, since
+        it is no good state to go on from."""
+        n = int(state.step)
+        kept = (f"the state passed in (after {n} step{'' if n == 1 else 's'}) is unchanged"
+                f"{', donated buffers included' if self.donate else ''}")
+        bad = _nonfinite_state(state.params, state.opt_state)
+        if not bad:
+            return kept
+        on = f" on rank {dist.get_rank()}" if self.distributed else ""
+        return (f"{kept}, but it already held non-finite values{on} in {_shown(bad)}, so it is no "
+                f"good state either: go back to a checkpoint saved before they appeared")
+
+    def _check_lr(self, state: TrainState) -> None:
+        """Refuse, before running it, a step whose update would apply a learning rate that
+        is nan, inf or negative (see ``_step_checks._check_rates``)."""
+        _check_rates(self.optimizer, state.opt_state, int(state.step), lambda: self._kept(state))
 
     def _nonfinite_leaves(self, state: TrainState, batch: Any) -> list[str]:
         """The paths of the parameters whose gradient has an inf or nan on any shard: the

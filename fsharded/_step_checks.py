@@ -1,15 +1,17 @@
 """What ``train_step`` checks of what a loss function gives it: the form of its result
 (a scalar, ``(loss, metrics)``, or ``(loss, metrics, stats)`` with a model state), the
-loss's varying axes, and the reduced gradients' types."""
+loss's varying axes, and the reduced gradients' types; and of the optimizer, the learning
+rates its next update applies."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import optree
 import torch
 
-from fsharded import _tree
+from fsharded import _tree, optim
 from fsharded.mesh._mesh import Mesh
 from fsharded.spmd.collectives import varying_axes
 
@@ -94,3 +96,49 @@ def _check_loss_dtype(loss: torch.Tensor) -> None:
             f"scalar (minimised, differentiated)"
             + ("; take the quantity to minimise: its .abs(), .real or a squared magnitude"
                if loss.is_complex() else "; compute it in floating point (e.g. .float())"))
+
+
+def _check_rates(optimizer: Any, opt_state: Any, n: int, kept: Callable[[], str]) -> None:
+    """Refuse step ``n + 1`` before it runs when the update would multiply by a learning
+    rate that is nan, inf or negative (a schedule given as a callable can return one at any
+    step): it would turn every parameter into nan while that step's loss and gradients still
+    look finite. The rates come from the optimizer state's counters (``optim.scheduled_lrs``):
+    a few scalar ops on the host per step, nothing read from the parameters. ``kept``: what
+    the caller is left with, for the message."""
+    rates = optim.scheduled_lrs(optimizer, opt_state)
+    if not rates:
+        return
+    vals = [torch.as_tensor(lr).detach().to("cpu", torch.float64).reshape(-1) for _, lr in rates]
+    bad = [(c, v) for (c, _), v in zip(rates, vals) if not bool((torch.isfinite(v) & (v >= 0)).all())]
+    if not bad:
+        return
+    what = " and ".join(
+        f"{_fmt(v)}{' (negative)' if bool(torch.isfinite(v).all()) else ''} (its schedule's value at update "
+        f"{_fmt(torch.as_tensor(c).reshape(-1))}, counted from 0)" for c, v in bad)
+    raise FloatingPointError(
+        f"train_step: step {n + 1}: the optimizer's learning rate is {what}. The step was not run: "
+        f"{kept()}. A learning rate must be a finite number >= 0: fix the schedule passed "
+        f"as the optimizer's lr (a callable is checked only here, step by step; fsharded.optim's "
+        f"schedules check their arguments when made). on_nonfinite='skip' does not skip this: later "
+        f"steps would read the same schedule")
+
+
+def _fmt(v: torch.Tensor) -> str:
+    vals = v.tolist()
+    return str(vals[0]) if len(vals) == 1 else str(vals)
+
+
+def _shown(paths: list[str]) -> str:
+    return ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+
+
+def _nonfinite_state(params: Any, opt_state: Any) -> list[str]:
+    """Paths of the floating-point leaves of (this rank's part of) a state holding inf or
+    nan: the parameters and the optimizer state (a refused step's diagnosis only)."""
+    out = []
+    for name, tree in (("params", params), ("opt_state", opt_state)):
+        paths, leaves, _ = _tree.tree_flatten_with_paths(tree)
+        out += [f"{name}.{p}" for p, x in zip(paths, leaves)
+                if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type != "meta"
+                and not bool(torch.isfinite(x).all())]
+    return out

@@ -88,10 +88,13 @@ def enabled() -> bool:
 
 @functools.cache
 def _module() -> tuple[Any, str]:
+    """The extension (or None and why), built once per install under a file lock (see
+    ``fsharded.kernels._build``): the first process compiles, the others on this host wait
+    for the lock, untimed, then load its build."""
     from fsharded.kernels.cpu_optim import _compile
 
-    return _compile("fsharded_shm_comm", ("shm_comm.cpp",), extra_cflags=["-O3"],
-                    extra_ldflags=["-lrt"])
+    return _compile("fsharded_shm_comm", ("shm_comm.cpp",), what="the shared-memory transport",
+                    took="~1 min", extra_cflags=["-O3"], extra_ldflags=["-lrt"])
 
 
 def _boot_id() -> str:
@@ -132,8 +135,8 @@ def _setup(g: Any) -> Any:
     if g.size == 1 or dist.get_backend(g.group) != "gloo":
         return None
     grank, on = dist.get_rank(g.group), enabled()
-    if grank == 0 and on:  # one rank builds the extension (first use), then the others load it
-        _module()
+    if on:  # every rank builds or loads the extension before the (timed) barrier: on one host
+        _module()  # the first compiles while the others wait on its file lock, untimed
     dist.barrier(group=g.group)
     mod, why = _module() if on else (None, "")
     me = (socket.gethostname(), _boot_id(), on, mod is not None, why)

@@ -21,6 +21,7 @@ from fsharded.config._train import (
     _POS,
     _REQUIRED_PARAMS,
     _SCHEDULER_BY_LOWER,
+    _SCHEDULER_CHECKS,
     OPTIMIZERS,
     SCHEDULERS,
     ConfigWarning,
@@ -104,7 +105,7 @@ class _Reader:
         if not ok:
             self.errors.append(f"  {path}: expected {_type_name(tp)}, got {v!r} ({type(v).__name__})")
             return default
-        if check is not None and not check[0](cv):
+        if check is not None and cv is not None and not check[0](cv):  # (None: an optional key left unset)
             self.errors.append(f"  {path}: expected {check[1]}, got {cv!r}")
             return default
         return cv
@@ -367,8 +368,8 @@ def _ds_scheduler(r: _Reader, kw: dict) -> None:
             r.errors.append(f"  scheduler.type: expected one of {', '.join(ds_names)}, got {typ!r}")
         else:
             r.get("scheduler.params", dict)
-            params = {k: r.get(f"scheduler.params.{k}", tp) for k, tp in SCHEDULERS[name].items()
-                      if r.has(f"scheduler.params.{k}")}
+            params = {k: r.get(f"scheduler.params.{k}", tp, None, _SCHEDULER_CHECKS.get(k))
+                      for k, tp in SCHEDULERS[name].items() if r.has(f"scheduler.params.{k}")}
             for k in _REQUIRED_PARAMS.get(name, ()):
                 if k not in params:
                     r.errors.append(f"  scheduler.params.{k}: required by {name}")

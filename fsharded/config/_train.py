@@ -231,11 +231,17 @@ _REQUIRED_PARAMS = {
     "OneCycle": ("cycle_min_lr", "cycle_max_lr"),
 }
 _SCHEDULER_BY_LOWER = {k.lower(): k for k in SCHEDULERS}
-# Step counts among the schedule parameters, and the least each may be: a schedule of 0
-# steps has no length to decay over (DeepSpeed's warmups take 0: no warmup).
-_STEP_COUNTS = {"total_num_steps": 1, "total_steps": 1, "warmup_num_steps": 0, "cycle_first_step_size": 1,
-                "cycle_second_step_size": 1, "cycle_first_stair_count": 0, "cycle_second_stair_count": 0,
-                "decay_step_size": 0}
+_SCHEDULER_CHECKS: dict[str, _Check] = {
+    # rates and ratios of a rate: a nan, inf or negative one would reach every parameter
+    **dict.fromkeys(("warmup_min_lr", "warmup_max_lr", "final_lr", "cycle_min_lr", "cycle_max_lr",
+                     "warmup_min_ratio", "cos_min_ratio", "decay_lr_rate"), _NONNEG),
+    # numbers of updates: a schedule of 0 steps has no length to decay over; DeepSpeed's
+    # warmups take 0 (no warmup: it uses max(2, warmup_num_steps))
+    **dict.fromkeys(("total_num_steps", "total_steps", "cycle_first_step_size"), _int_ge(1)),
+    **dict.fromkeys(("warmup_num_steps", "cycle_second_step_size", "cycle_first_stair_count",
+                     "cycle_second_stair_count", "decay_step_size"), _int_ge(0)),
+}
+"""The range of each schedule parameter (by name: a name means the same in every schedule)."""
 
 
 @dataclass(frozen=True)
@@ -274,9 +280,8 @@ class SchedulerConfig:
                     errors.append(
                         f"  scheduler.params.{k}: expected {_type_name(known[k])}, got {v!r}"
                     )
-                elif k in _STEP_COUNTS and cv is not None and cv < _STEP_COUNTS[k]:
-                    errors.append(f"  scheduler.params.{k}: expected an int >= {_STEP_COUNTS[k]} (steps), "
-                                  f"got {cv!r}")
+                elif cv is not None and k in _SCHEDULER_CHECKS and not _SCHEDULER_CHECKS[k][0](cv):
+                    errors.append(f"  scheduler.params.{k}: expected {_SCHEDULER_CHECKS[k][1]}, got {cv!r}")
                 self.params[k] = cv
             for k in _REQUIRED_PARAMS.get(self.name, ()):
                 if k not in self.params:

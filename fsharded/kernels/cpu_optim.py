@@ -27,8 +27,9 @@ across tensor boundaries; results do not depend on the thread count or on ``chec
 extension cannot be built). The C++ functions release the GIL and use
 ``torch.get_num_threads()`` threads; they are optimizer steps outside autograd, not custom
 ops, and do not bump autograd version counters (``fused_optim`` does, around them).
-``load()`` builds the extension on first use (~15 s, cached by torch under
-``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``); ``FSHARDED_CPU_OPTIM_ISA``
+``load()`` builds the extension on first use (~1 min on 2 cores; once per install, cached
+under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions`` by a hash of its sources and
+flags, see ``fsharded.kernels._build``); ``FSHARDED_CPU_OPTIM_ISA``
 (``avx512``, ``avx2``, ``scalar``) forces an instruction set, for tests.
 
 >>> p, g = [torch.ones(5)], [torch.full((5,), 0.5)]
@@ -48,7 +49,6 @@ import functools
 import math
 import numbers
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -83,36 +83,13 @@ TensorList = Sequence[torch.Tensor]
 # -- building ------------------------------------------------------------------------------
 
 
-def _compile(name: str, sources: tuple[str, ...], **kwargs) -> tuple[ModuleType | None, str]:
-    missing = [s for s in sources if not (CSRC / s).is_file()]
-    if missing:
-        return None, (
-            f"the C++ sources {missing} are not under {CSRC} (fsharded was installed "
-            "without its csrc/ folder; use a source checkout)"
-        )
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        return None, (
-            f"no C++ compiler: {cxx!r} is not on PATH (install one, e.g. "
-            "`apt-get install g++`, or point CXX at it)"
-        )
-    from torch.utils import cpp_extension
+def _compile(name: str, sources: tuple[str, ...], *, what: str = "", took: str = "",
+             **kwargs) -> tuple[ModuleType | None, str]:
+    """Build (once per install, see ``fsharded.kernels._build``) or load the extension
+    ``name`` from ``sources`` under ``CSRC``: ``(module, "")`` or ``(None, why)``."""
+    from fsharded.kernels import _build
 
-    try:
-        cpp_extension.verify_ninja_availability()
-    except RuntimeError:
-        return None, "ninja is not installed (`pip install ninja`); torch builds extensions with it"
-    try:
-        mod = cpp_extension.load(
-            name=name,
-            sources=[str(CSRC / s) for s in sources],
-            extra_include_paths=[str(CSRC)],
-            verbose=False,
-            **kwargs,
-        )
-    except Exception as e:  # noqa: BLE001 - any build failure means "not available"
-        return None, f"building {name} failed: {type(e).__name__}: {e}"
-    return mod, ""
+    return _build.build(name, sources, root=CSRC, what=what, took=took, **kwargs)
 
 
 @functools.cache
@@ -120,6 +97,8 @@ def _build_cpu() -> tuple[ModuleType | None, str]:
     return _compile(
         "fsharded_cpu_optim",
         _SOURCES,
+        what="the C++ CPU optimizer",
+        took="~1 min",
         # -ffp-contract=off: only the explicit FMAs are fused, identically in every code path.
         extra_cflags=[
             "-O3",
@@ -158,6 +137,8 @@ def _build_cuda() -> tuple[ModuleType | None, str]:
     return _compile(
         "fsharded_cuda_adam",
         _CUDA_SOURCES,
+        what="the CUDA multi-tensor Adam",
+        took="a few minutes",
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3", "-lineinfo"],
     )

@@ -64,6 +64,7 @@ from fsharded.optim._base import (
     identity,
     scale,
     scale_by_learning_rate,
+    scheduled_lrs,
     state_specs,
 )
 from fsharded.optim._clip import (
@@ -106,6 +107,7 @@ __all__ = [
     "get_lr",
     "get_lr_schedule",
     "as_schedule",
+    "scheduled_lrs",
     "state_specs",
     # fused in-place steps (fsharded.kernels)
     "fused_update_",

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fsharded.optim._base import GradientTransformation, _wrap
+from fsharded.optim._base import GradientTransformation, _wrap, scheduled_lrs
 
 __all__ = ["MultiStepsState", "MultiSteps", "accumulate"]
 
@@ -69,6 +69,9 @@ def MultiSteps(opt: GradientTransformation, every_k: int) -> GradientTransformat
         )
         return out, new_state
 
+    # The rates of the inner optimizer's next applied update (the one this call, or a later
+    # one of the same group, runs at).
+    update.lrs = lambda state: scheduled_lrs(opt, state.inner_state)
     return _wrap(init, update, getattr(opt, "lr", None))
 
 

@@ -127,7 +127,7 @@ def adamw(
     opt = chain(
         scale_by_adam(b1, b2, eps),
         add_decayed_weights(weight_decay, mask),
-        scale_by_learning_rate(lr),
+        scale_by_learning_rate(lr, who="adamw"),
     )
     if mask is None:  # one decay for every leaf: fused_update_ can run it
         opt.fused = FusedForm("adamw", dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay), 0)
@@ -146,7 +146,7 @@ def adam(
     opt = chain(
         add_decayed_weights(weight_decay),
         scale_by_adam(b1, b2, eps),
-        scale_by_learning_rate(lr),
+        scale_by_learning_rate(lr, who="adam"),
     )
     opt.fused = FusedForm("adam", dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay), 1)
     return opt

@@ -34,6 +34,7 @@ __all__ = [
     "scale_by_learning_rate",
     "as_schedule",
     "get_lr",
+    "scheduled_lrs",
     "state_specs",
 ]
 
@@ -138,6 +139,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
+    update.lrs = lambda state: [x for t, s in zip(transforms, state) for x in scheduled_lrs(t, s)]
     return _wrap(init, update, lrs[0] if len(lrs) == 1 else None)
 
 
@@ -224,18 +226,20 @@ def check_hyper(who: str, name: str, value: Any, *, low: float = 0.0, high: floa
                          f"{rng}, got {value!r}")
 
 
-def as_schedule(lr: ScalarOrSchedule) -> Schedule:
-    """A float becomes a constant schedule; a callable is returned as is."""
+def as_schedule(lr: ScalarOrSchedule, *, who: str = "optimizer") -> Schedule:
+    """A float becomes a constant schedule (finite and >= 0, or a ``ValueError`` naming
+    ``who``); a callable is returned as is (``train_step`` checks the rates it returns
+    before applying them, see ``scheduled_lrs``)."""
     if callable(lr):
         return lr
     if isinstance(lr, torch.Tensor):
         raise TypeError(
-            "lr must be a Python float or a schedule (step -> lr tensor), not a tensor: a tensor "
-            "captured here would be frozen into the optimizer. Use fsharded.optim.constant(x)."
+            f"{who}: lr must be a Python float or a schedule (step -> lr tensor), not a tensor: a "
+            "tensor captured here would be frozen into the optimizer. Use fsharded.optim.constant(x)."
         )
     if not isinstance(lr, (int, float)) or isinstance(lr, bool):
-        raise TypeError(f"lr must be a float or a schedule callable, got {type(lr).__name__}")
-    check_hyper("optimizer", "lr", lr)
+        raise TypeError(f"{who}: lr must be a float or a schedule callable, got {type(lr).__name__}")
+    check_hyper(who, "lr", lr)
     return constant(lr)
 
 
@@ -268,12 +272,30 @@ def get_lr(tx_or_lr: Any, step: Any) -> torch.Tensor:
     return as_schedule(tx_or_lr)(step)
 
 
-def scale_by_learning_rate(lr: ScalarOrSchedule, *, flip_sign: bool = True) -> Optimizer:
+def scheduled_lrs(tx: Any, state: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The learning rates the next ``tx.update(updates, state, params)`` multiplies by,
+    read from ``state``'s counters without running the update: one ``(count, lr)`` pair
+    (the schedule's step and its value) per ``scale_by_learning_rate`` inside ``tx``
+    (through ``chain`` and ``MultiSteps``); none for a transformation built otherwise.
+    ``train_step`` checks them before a step, so a rate that is nan, inf or negative is
+    refused instead of turning every parameter into nan.
+
+    >>> from fsharded.optim import adamw
+    >>> opt = adamw(lambda step: 0.1 / (step + 1.0))
+    >>> [(int(c), round(float(lr), 6)) for c, lr in scheduled_lrs(opt, opt.init({"w": torch.ones(2)}))]
+    [(0, 0.1)]
+    """
+    probe = getattr(getattr(tx, "update", None), "lrs", None)
+    return list(probe(state)) if probe is not None else []
+
+
+def scale_by_learning_rate(lr: ScalarOrSchedule, *, flip_sign: bool = True, who: str = "optimizer") -> Optimizer:
     """Multiply updates by ``-lr(count)`` (``+lr`` with ``flip_sign=False``).
 
     ``count`` starts at 0 and counts the updates applied, so ``lr(0)`` scales the first one.
+    ``who`` names the optimizer in the error for a float ``lr`` that is nan, inf or negative.
     """
-    sched = as_schedule(lr)
+    sched = as_schedule(lr, who=who)
     sign = -1.0 if flip_sign else 1.0
 
     def init(params):
@@ -289,6 +311,7 @@ def scale_by_learning_rate(lr: ScalarOrSchedule, *, flip_sign: bool = True) -> O
         new = optree.tree_map(lambda u: u * step_lr.to(u.dtype), updates)
         return new, ScaleByScheduleState(state.count + 1)
 
+    update.lrs = lambda state: [(state.count, sched(state.count))]
     return Optimizer(init, update, sched)
 
 

@@ -79,5 +79,5 @@ def lamb(
         scale_by_adam(b1, b2, eps),
         add_decayed_weights(weight_decay, mask),
         scale_by_trust_ratio(specs=specs),
-        scale_by_learning_rate(lr),
+        scale_by_learning_rate(lr, who="lamb"),
     )

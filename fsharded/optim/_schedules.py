@@ -51,9 +51,37 @@ def _full(value: float, like: torch.Tensor) -> torch.Tensor:
     return torch.full((), value, dtype=_F64, device=like.device)
 
 
+# -- validation: a schedule that can return nan, inf or a negative rate is refused when it
+# is made, naming the parameter (a nan rate would otherwise turn every parameter into nan
+# at the first update while the loss of that step still looks fine).
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_rate(who: str, name: str, value: Any, *, what: str = "a learning rate") -> None:
+    """``value`` must be a finite real number >= 0."""
+    if not (_is_real(value) and math.isfinite(value) and value >= 0):
+        why = ("a negative rate moves the parameters up the gradient" if _is_real(value) and value < 0
+               else "a nan or inf rate turns every parameter into nan at the first update")
+        raise ValueError(f"{who}: {name} must be a finite number >= 0 ({what}), got {value!r}: {why}; "
+                         f"pass a finite float >= 0")
+
+
+def _check_count(who: str, name: str, value: Any, *, low: int) -> None:
+    """``value`` must be an int >= ``low`` (a whole number of updates)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        want = "a positive int" if low == 1 else f"an int >= {low}"
+        raise ValueError(f"{who}: {name} must be {want} (a number of updates), got {value!r}")
+
+
 @dataclass(frozen=True)
 class _Constant:
     value: float
+
+    def __post_init__(self) -> None:
+        _check_rate("constant", "lr", self.value)
 
     def __call__(self, step: Any) -> torch.Tensor:
         # full_like: a vector of steps (for plotting) gives a vector of rates, as elsewhere.
@@ -67,8 +95,9 @@ class _Linear:
     steps: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.steps, int) or self.steps <= 0:
-            raise ValueError(f"linear: steps must be a positive int, got {self.steps!r}")
+        _check_rate("linear", "init", self.init)
+        _check_rate("linear", "end", self.end)
+        _check_count("linear", "steps", self.steps, low=1)
 
     def __call__(self, step: Any) -> torch.Tensor:
         frac = (_step(step).to(_F64) / self.steps).clamp(0.0, 1.0)
@@ -81,6 +110,7 @@ def constant(lr: float) -> _Constant:
     >>> constant(0.1)(7)
     tensor(0.1000, dtype=torch.float64)
     """
+    _check_rate("constant", "lr", lr)
     return _Constant(float(lr))
 
 
@@ -91,6 +121,8 @@ def linear(init: float, end: float, steps: int) -> _Linear:
     >>> float(linear(1.0, 0.0, 4)(1))
     0.75
     """
+    _check_rate("linear", "init", init)
+    _check_rate("linear", "end", end)
     return _Linear(float(init), float(end), steps)
 
 
@@ -100,16 +132,15 @@ _WARMUP_TYPES = ("log", "linear")
 
 
 def _check_warmup(name: str, warmup_num_steps: Any, warmup_type: str) -> None:
-    if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
-        raise ValueError(f"{name}: warmup_num_steps must be a positive int, got {warmup_num_steps!r}")
+    # 0 is DeepSpeed's "no warmup" (it warms up over max(2, warmup_num_steps) as this does)
+    _check_count(name, "warmup_num_steps", warmup_num_steps, low=0)
     if warmup_type not in _WARMUP_TYPES:
         # DeepSpeed falls back to "log" with a warning; a typo here should not change the run.
         raise ValueError(f"{name}: warmup_type must be 'log' or 'linear', got {warmup_type!r}")
 
 
 def _check_total(name: str, total: Any) -> None:
-    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
-        raise ValueError(f"{name}: total_num_steps must be a non-negative int, got {total!r}")
+    _check_count(name, "total_num_steps", total, low=1)
 
 
 def _warmup_gamma(lbi: torch.Tensor, warmup_steps: int, warmup_type: str) -> torch.Tensor:
@@ -141,6 +172,8 @@ class WarmupLR:
     """``"log"``: ``log(i + 1) / log(n)``; ``"linear"``: ``i / n``."""
 
     def __post_init__(self) -> None:
+        _check_rate(type(self).__name__, "warmup_min_lr", self.warmup_min_lr)
+        _check_rate(type(self).__name__, "warmup_max_lr", self.warmup_max_lr)
         _check_warmup(type(self).__name__, self.warmup_num_steps, self.warmup_type)
 
     def __call__(self, step: Any) -> torch.Tensor:
@@ -173,6 +206,8 @@ class WarmupDecayLR:
     """``"log"`` or ``"linear"``, as in ``WarmupLR``."""
 
     def __post_init__(self) -> None:
+        _check_rate("WarmupDecayLR", "warmup_min_lr", self.warmup_min_lr)
+        _check_rate("WarmupDecayLR", "warmup_max_lr", self.warmup_max_lr)
         _check_warmup("WarmupDecayLR", self.warmup_num_steps, self.warmup_type)
         _check_total("WarmupDecayLR", self.total_num_steps)
 
@@ -221,6 +256,9 @@ class WarmupCosineLR:
                 "WarmupCosineLR: pass the base learning rate as lr=... (DeepSpeed scales the "
                 f"optimizer's lr by this schedule's ratio), got lr={self.lr!r}"
             )
+        _check_rate("WarmupCosineLR", "lr", self.lr, what="the base learning rate")
+        _check_rate("WarmupCosineLR", "warmup_min_ratio", self.warmup_min_ratio, what="a ratio of lr")
+        _check_rate("WarmupCosineLR", "cos_min_ratio", self.cos_min_ratio, what="a ratio of lr")
         _check_total("WarmupCosineLR", self.total_num_steps)
 
     def ratio(self, step: Any) -> torch.Tensor:
@@ -270,14 +308,16 @@ class OneCycle:
     """Updates per decay interval after the cycle (0: no decay)."""
 
     def __post_init__(self) -> None:
-        if not self.cycle_first_step_size > 0:
-            raise ValueError(
-                f"OneCycle: cycle_first_step_size must be positive, got {self.cycle_first_step_size!r}"
-            )
-        if self.cycle_second_step_size is not None and self.cycle_second_step_size < 0:
-            raise ValueError(
-                f"OneCycle: cycle_second_step_size must be non-negative, got {self.cycle_second_step_size!r}"
-            )
+        _check_rate("OneCycle", "cycle_min_lr", self.cycle_min_lr)
+        _check_rate("OneCycle", "cycle_max_lr", self.cycle_max_lr)
+        _check_rate("OneCycle", "decay_lr_rate", self.decay_lr_rate, what="a decay rate")
+        _check_count("OneCycle", "cycle_first_step_size", self.cycle_first_step_size, low=1)
+        if self.cycle_second_step_size is not None:
+            _check_count("OneCycle", "cycle_second_step_size", self.cycle_second_step_size, low=0)
+        _check_count("OneCycle", "cycle_first_stair_count", self.cycle_first_stair_count, low=0)
+        if self.cycle_second_stair_count is not None:
+            _check_count("OneCycle", "cycle_second_stair_count", self.cycle_second_stair_count, low=0)
+        _check_count("OneCycle", "decay_step_size", self.decay_step_size, low=0)
 
     def __call__(self, step: Any) -> torch.Tensor:
         first = float(self.cycle_first_step_size)

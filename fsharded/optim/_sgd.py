@@ -75,7 +75,7 @@ def sgd(
     parts = [add_decayed_weights(weight_decay)]
     if momentum != 0.0:
         parts.append(trace(momentum, nesterov=nesterov, dampening=dampening))
-    parts.append(scale_by_learning_rate(lr))
+    parts.append(scale_by_learning_rate(lr, who="sgd"))
     return chain(*parts)
 
 
@@ -124,7 +124,8 @@ def adagrad(
     at ``lr(k) / (1 + k * lr_decay)``, which is what ``get_lr`` reports."""
     if initial_accumulator_value < 0.0:
         raise ValueError(f"adagrad: initial_accumulator_value must be >= 0, got {initial_accumulator_value!r}")
-    sched = as_schedule(lr)
+    check_hyper("adagrad", "lr_decay", lr_decay)  # negative: the rate would grow past inf
+    sched = as_schedule(lr, who="adagrad")
     if lr_decay != 0.0:
         sched = _DecayedLR(sched, lr_decay)
     return chain(
