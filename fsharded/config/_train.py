@@ -235,10 +235,11 @@ _SCHEDULER_CHECKS: dict[str, _Check] = {
     # rates and ratios of a rate: a nan, inf or negative one would reach every parameter
     **dict.fromkeys(("warmup_min_lr", "warmup_max_lr", "final_lr", "cycle_min_lr", "cycle_max_lr",
                      "warmup_min_ratio", "cos_min_ratio", "decay_lr_rate"), _NONNEG),
-    # numbers of updates: a schedule of 0 steps has no length to decay over; DeepSpeed's
-    # warmups take 0 (no warmup: it uses max(2, warmup_num_steps))
-    **dict.fromkeys(("total_num_steps", "total_steps", "cycle_first_step_size"), _int_ge(1)),
-    **dict.fromkeys(("warmup_num_steps", "cycle_second_step_size", "cycle_first_stair_count",
+    # numbers of updates (as the schedules themselves check them): a schedule of 0 steps
+    # has no length to decay over
+    **dict.fromkeys(("total_num_steps", "total_steps", "warmup_num_steps", "cycle_first_step_size"),
+                    _int_ge(1)),
+    **dict.fromkeys(("cycle_second_step_size", "cycle_first_stair_count",
                      "cycle_second_stair_count", "decay_step_size"), _int_ge(0)),
 }
 """The range of each schedule parameter (by name: a name means the same in every schedule)."""

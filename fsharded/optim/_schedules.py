@@ -132,8 +132,7 @@ _WARMUP_TYPES = ("log", "linear")
 
 
 def _check_warmup(name: str, warmup_num_steps: Any, warmup_type: str) -> None:
-    # 0 is DeepSpeed's "no warmup" (it warms up over max(2, warmup_num_steps) as this does)
-    _check_count(name, "warmup_num_steps", warmup_num_steps, low=0)
+    _check_count(name, "warmup_num_steps", warmup_num_steps, low=1)
     if warmup_type not in _WARMUP_TYPES:
         # DeepSpeed falls back to "log" with a warning; a typo here should not change the run.
         raise ValueError(f"{name}: warmup_type must be 'log' or 'linear', got {warmup_type!r}")
