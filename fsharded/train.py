@@ -534,14 +534,17 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
                          update_model_state=gpt.model_state_updater(mcfg.moe) if biased else None)
     state = step.init(params, gpt.init_model_state(params) if biased else None)
     mgr = fs.checkpoint.Manager(save_dir, keep=keep, every=save_every) if (save_every or resume) else None
+    if save_every:
+        mgr.lock()  # one run at a time in save_dir: another one's is named
     start = 0
-    path = (mgr.latest() if resume == "latest" else resume) if resume else None
+    # latest: the newest that loads (a damaged one is passed over with a warning naming it)
+    path, loaded = mgr.restore(step, state) if resume == "latest" else (resume, None)
     if resume == "latest" and path is None and main_rank:
         # The first start of a job that restarts itself (torchrun --max-restarts): nothing yet.
         print(f"fsharded train: --resume latest: no checkpoint in {save_dir} yet, starting at step 0",
               flush=True)
     if path is not None:
-        state = step.load(path, state)
+        state = loaded if loaded is not None else step.load(path, state)
         start = int(state.step)
         if main_rank:
             print(f"fsharded train: resumed from {path} at step {start}", flush=True)
