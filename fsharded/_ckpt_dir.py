@@ -71,7 +71,9 @@ def describe(info: dict | None) -> str:
             f"`{info.get('command')}`")
 
 
-def _release(fd: int, path: str) -> None:
+def _release(fd: int, path: str, pid: int) -> None:
+    if os.getpid() != pid:  # a forked child exiting: the lock is its parent's
+        return
     try:
         if os.path.samestat(os.fstat(fd), os.stat(path)):
             os.unlink(path)  # held while unlinked: a waiting opener finds the file gone
@@ -138,7 +140,7 @@ class DirLock:
                              "started": time.strftime("%Y-%m-%d %H:%M:%S %z")}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, record, 0)
-        self._finalizer = weakref.finalize(self, _release, fd, self.path)
+        self._finalizer = weakref.finalize(self, _release, fd, self.path, os.getpid())
 
     def release(self) -> None:
         if self._finalizer is not None:

@@ -724,15 +724,21 @@ class Manager:
         interrupted between its two renames put back in place first)."""
         if not os.path.isdir(self.root):
             return []
+        return sorted(self._listing())
+
+    def _listing(self) -> dict[int, str]:
+        """{step: its checkpoint's directory} (named ``step-<n>``, however padded)."""
+        if not os.path.isdir(self.root):
+            return {}
         names = os.listdir(self.root)
         if settle_all(self.root, names):
             names = os.listdir(self.root)
-        out = []
-        for name in names:
+        out = {}
+        for name in sorted(names):
             if name.startswith("step-") and name[5:].isdigit() and \
                     os.path.isfile(os.path.join(self.root, name, "manifest.json")):
-                out.append(int(name[5:]))
-        return sorted(out)
+                out.setdefault(int(name[5:]), os.path.join(self.root, name))
+        return out
 
     def incomplete(self) -> list[str]:
         """Leftovers of saves that did not finish (``step-<n>.tmp-*``)."""
@@ -750,13 +756,13 @@ class Manager:
         """The newest checkpoint whose manifest and index are intact, or None; warns naming
         unfinished saves and damaged checkpoints passed over (and why). A data file's
         damage shows only when it is read: ``restore`` loads, passing over those too."""
-        steps = self.steps()  # (first: an interrupted replace completed is no unfinished save)
+        found = self._listing()  # (first: an interrupted replace completed is no unfinished save)
         self._warn_incomplete()
-        for n in reversed(steps):
-            why = damage(self.path(n))
+        for n in sorted(found, reverse=True):
+            why = damage(found[n])
             if why is None:
-                return self.path(n)
-            warnings.warn(f"checkpoint: passing over {self.path(n)}, which is damaged: {why}", stacklevel=2)
+                return found[n]
+            warnings.warn(f"checkpoint: passing over {found[n]}, which is damaged: {why}", stacklevel=2)
         return None
 
     def restore(self, step: Any, like: Any = None) -> tuple[str | None, Any]:
@@ -768,7 +774,8 @@ class Manager:
         raised. On real ranks call it on every rank: they agree, passing over a checkpoint
         that any rank finds damaged. Every checkpoint damaged: ``CorruptCheckpointError``
         naming each."""
-        paths = [self.path(n) for n in reversed(self.steps())]
+        found = self._listing()
+        paths = [found[n] for n in sorted(found, reverse=True)]
         self._warn_incomplete()
         return restore(self.root, paths, lambda p: step.load(p, like), _distributed(step.mesh, None))
 
