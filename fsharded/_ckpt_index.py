@@ -12,6 +12,7 @@ temporary directory; ``settle`` puts the complete one back in place."""
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 import os
@@ -108,9 +109,12 @@ def _read_manifest_file(directory: str) -> dict:
     return manifest
 
 
-def _nonneg_ints(x: Any, n: int | None = None) -> bool:
-    return isinstance(x, list) and (n is None or len(x) == n) and \
-        all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in x)
+_INT = {int}
+
+
+def _nats(x: Any) -> bool:
+    """Whether ``x`` is a list of non-negative ints (bools are not)."""
+    return type(x) is list and set(map(type, x)) <= _INT and (not x or min(x) >= 0)
 
 
 def _check_manifest(m: dict, mpath: str) -> None:
@@ -132,7 +136,7 @@ def _check_manifest(m: dict, mpath: str) -> None:
             raise bad(f"{path!r} is listed twice")
         seen.add(path)
         if "shape" in e:
-            if not _nonneg_ints(e["shape"]):
+            if not _nats(e["shape"]):
                 raise bad(f"the shape of {path!r} is {e['shape']!r}, not a list of non-negative ints")
             if not isinstance(e.get("dtype"), str):
                 raise bad(f"{path!r} has no dtype")
@@ -198,8 +202,9 @@ def _blocks(directory: str, manifest: dict) -> dict[str, list[dict]]:
     writers = int(manifest.get("writers", 1))
     index = manifest.get("index")
     leaves = {e["path"]: e for e in manifest["leaves"] if "shape" in e}
+    sized = {path: (e["shape"], _dtype(e["dtype"]).itemsize) for path, e in leaves.items()}
     by_path: dict[str, list[dict]] = {}
-    sizes: dict[str, int] = {}  # the data files' sizes
+    sizes: dict[str, tuple[str, int]] = {}  # data file name -> (its path, its size)
     for w in range(writers):
         name = f"blocks-{w:05d}.json"
         p = os.path.join(directory, name)
@@ -220,7 +225,7 @@ def _blocks(directory: str, manifest: dict) -> dict[str, list[dict]]:
         if not isinstance(blocks, list):
             raise CorruptCheckpointError(f"checkpoint: {p} is corrupt (not a JSON list): {DAMAGED}")
         for b in blocks:
-            _check_block(b, p, leaves, directory, sizes)
+            _check_block(b, p, sized, directory, sizes)
             b["blocks_file"] = p
             by_path.setdefault(b["path"], []).append(b)
     for path, e in leaves.items():
@@ -228,55 +233,80 @@ def _blocks(directory: str, manifest: dict) -> dict[str, list[dict]]:
     return by_path
 
 
+def _bad_block(p: str, path: str, start: Any, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"checkpoint: {p}: the block of {path!r} at {start} {what}: {DAMAGED}")
+
+
 def _check_block(b: Any, p: str, leaves: dict, directory: str, sizes: dict) -> None:
-    """One block entry of blocks file ``p``: of a leaf of the manifest, its box in the
-    leaf, its bytes its box's, within its data file, with a checksum."""
-    path = b.get("path") if isinstance(b, dict) else None
-    if path not in leaves:
+    """One block entry of blocks file ``p``: of a leaf of the manifest (``leaves``: path ->
+    (shape, item size)), its box in the leaf, its bytes its box's, within its data file
+    (``sizes``: data file name -> (its path, its size)), with a checksum."""
+    path = b.get("path") if type(b) is dict else None
+    leaf = leaves.get(path) if type(path) is str else None
+    if leaf is None:
         raise CorruptCheckpointError(f"checkpoint: {p}: a block of {path!r}, which the manifest does not "
                                      f"list as a tensor: {DAMAGED}")
-    e = leaves[path]
-    shape, start, size = e["shape"], b.get("start"), b.get("shape")
-
-    def bad(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"checkpoint: {p}: the block of {path!r} at {start} {what}: {DAMAGED}")
-
-    if not _nonneg_ints(start, len(shape)) or not _nonneg_ints(size, len(shape)):
+    shape, itemsize = leaf
+    start, size, file, offset, nbytes = b.get("start"), b.get("shape"), b.get("file"), b.get("offset"), b.get("nbytes")
+    bad = functools.partial(_bad_block, p, path, start)
+    if not (_nats(start) and _nats(size) and len(start) == len(shape) == len(size)):
         raise bad(f"has start {start!r} and shape {size!r}, not {len(shape)} non-negative ints each "
                   f"(the leaf is {shape})")
-    if any(s + n > d for s, n, d in zip(start, size, shape)):
-        raise bad(f"of shape {size} reaches outside the leaf's shape {shape}")
-    file, offset, nbytes = b.get("file"), b.get("offset"), b.get("nbytes")
-    if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", ".."):
-        raise bad(f"names the data file {file!r}, not a file of the checkpoint")
-    if not _nonneg_ints([offset, nbytes]):
+    for s, n, d in zip(start, size, shape):
+        if s + n > d:
+            raise bad(f"of shape {size} reaches outside the leaf's shape {shape}")
+    if not _nats([offset, nbytes]):
         raise bad(f"has offset {offset!r} and nbytes {nbytes!r}, not non-negative ints")
-    want = math.prod(size) * _dtype(e["dtype"]).itemsize
+    want = math.prod(size) * itemsize
     if nbytes != want:
-        raise bad(f"holds {nbytes} bytes, but its box {size} of {e['dtype']} is {want} bytes")
-    if not any(isinstance(b.get(k), int) for k in ("crc32c", "crc32")):
+        raise bad(f"holds {nbytes} bytes, but its box {size} at {itemsize} bytes an element is {want} bytes")
+    if type(b.get("crc32c")) is not int and type(b.get("crc32")) is not int:
         raise bad("has no checksum")
-    data = os.path.join(directory, file)
-    if data not in sizes:
+    known = sizes.get(file) if type(file) is str else None
+    if known is None:
+        if type(file) is not str or os.path.basename(file) != file or file in ("", ".", ".."):
+            raise bad(f"names the data file {file!r}, not a file of the checkpoint")
+        data = os.path.join(directory, file)
         try:
-            sizes[data] = os.stat(data).st_size
+            known = sizes[file] = (data, os.stat(data).st_size)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"checkpoint: {data} is missing (it holds {path!r}; {p}): "
                                          f"{DAMAGED}") from None
-    if offset + nbytes > sizes[data]:
+    if offset + nbytes > known[1]:
         raise CorruptCheckpointError(
-            f"checkpoint: {data} is truncated: {path}'s block at byte {offset} ends at byte {offset + nbytes}, "
-            f"the file has {sizes[data]} ({p}): {DAMAGED}")
+            f"checkpoint: {known[0]} is truncated: {path}'s block at byte {offset} ends at byte "
+            f"{offset + nbytes}, the file has {known[1]} ({p}): {DAMAGED}")
+
+
+def _regular_grid(shape: list, blocks: list[dict]) -> bool:
+    """Whether ``blocks`` are the cells of a grid over ``shape`` (what a save makes: each
+    dim cut into contiguous pieces, one block per combination), each once: then they tile
+    it exactly. Otherwise ``_check_tiling`` looks closer."""
+    k = len(blocks)
+    if len({tuple(b["start"]) for b in blocks}) != k:
+        return False
+    cells = 1
+    for d, n in enumerate(shape):
+        pieces = sorted({(b["start"][d], b["shape"][d]) for b in blocks})
+        at = 0
+        for lo, size in pieces:  # contiguous from 0 to n, one piece per start
+            if lo != at or size == 0:
+                return False
+            at = lo + size
+        if at != n:
+            return False
+        cells *= len(pieces)
+    return cells == k
 
 
 def _check_tiling(path: str, e: dict, blocks: list[dict], directory: str) -> None:
     """That the (in-bounds) ``blocks`` of leaf ``path`` cover each of its elements exactly
     once: the blocks' edges cut the leaf into a grid of cells, each block covers a box of
     cells, and each cell must be covered once. A save of fsharded's makes one cell per
-    block (a regular grid), checked without a tensor."""
+    block (``_regular_grid``, checked without a tensor)."""
     shape = e["shape"]
     total = math.prod(shape)
-    if total == 0:
+    if total == 0 or _regular_grid(shape, blocks):
         return
     blocks = [b for b in blocks if math.prod(b["shape"])]
     files = sorted({b["blocks_file"] for b in blocks})
@@ -293,9 +323,6 @@ def _check_tiling(path: str, e: dict, blocks: list[dict], directory: str) -> Non
     cells = math.prod(grid)
     if cells > _MAX_CELLS:
         raise bad(f"cut it into {cells:,} pieces, more than any save makes")
-    if len(blocks) == cells and all(hi - lo == 1 for c in cuts for lo, hi in c) and \
-            len({tuple(lo for lo, _ in c) for c in cuts}) == cells:
-        return  # one cell each, every cell once
     count = torch.zeros(grid, dtype=torch.int32)
     for j, c in enumerate(cuts):
         box = count[tuple(slice(lo, hi) for lo, hi in c)]
