@@ -99,9 +99,13 @@ class DirLock:
     def acquire(self) -> None:
         """Take the lock or raise ``DirectoryInUseError`` naming its holder. Where the file
         system cannot lock, warn and go on unlocked."""
-        import fcntl
-
         if self.held:
+            return
+        try:
+            import fcntl
+        except ImportError:  # not a POSIX system
+            warnings.warn(f"checkpoint: cannot lock {self.root} here (no fcntl): nothing keeps another run "
+                          f"from saving there too", stacklevel=3)
             return
         os.makedirs(self.root, exist_ok=True)
         while True:
@@ -204,6 +208,10 @@ def restore(root: str, paths: list[str], load: Callable[[str], Any], dist: bool)
     naming each."""
     damaged = []
     rank = torch.distributed.get_rank() if dist else 0
+    if dist:  # the candidates as rank 0 lists them: every rank tries the same ones, in step
+        box = [paths]
+        torch.distributed.broadcast_object_list(box, src=0)
+        paths = box[0]
     for path in paths:
         state, err, why = None, None, None
         try:
