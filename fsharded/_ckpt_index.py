@@ -420,7 +420,7 @@ def _leftovers_hint(directory: str) -> str:
     try:
         names = sorted(os.listdir(parent))
     except OSError:
-        return ""
+        return f" ({parent} does not exist either)"
     hints = []
     for n in names:
         src = os.path.join(parent, n)
@@ -430,4 +430,8 @@ def _leftovers_hint(directory: str) -> str:
                          f"{n} in {parent} is an incomplete save (interrupted), not a checkpoint")
         elif n.startswith(base + ".old-") and _complete(src):
             hints.append(f"{n} in {parent} is the checkpoint a save replaced: rename it to {directory} to use it")
-    return "; " + "; ".join(hints) if hints else ""
+    if not hints:
+        found = [n for n in names if "." not in n and os.path.isfile(os.path.join(parent, n, "manifest.json"))]
+        hints.append(f"the checkpoints in {parent} are {', '.join(found[-5:])}" if found else
+                     f"{parent} holds no checkpoint: give the directory of one (it holds a manifest.json)")
+    return "; " + "; ".join(hints)
