@@ -1,11 +1,11 @@
 """What ``fsharded.checkpoint`` and its readers and exporters (DeepSpeed's format, DCP's
-reader of ours, DCP and safetensors exchange) share: the error type, the dotted paths of a
-tree's leaves, whether a mesh runs on real ranks, the blocks' checksums, reading the
-manifest and checksummed blocks, and assembling a box of a leaf from the blocks."""
+reader of ours, DCP and safetensors exchange) share: the error types, the dotted paths of a
+tree's leaves, whether a mesh runs on real ranks, the blocks' checksums, reading
+checksummed blocks, and assembling a box of a leaf from the blocks (``_ckpt_index`` reads
+and checks the manifest and the blocks files first)."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import zlib
@@ -40,6 +40,18 @@ class CheckpointError(ValueError):
     or of a newer format."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint whose files are damaged or incomplete: a checksum that does not match,
+    a truncated or missing file, a manifest or blocks file that was edited, blocks that do
+    not tile their leaf. Another (older) checkpoint may still load: ``Manager.restore``
+    passes over these, not over other errors (a checkpoint of another model)."""
+
+
+# What every error about a damaged checkpoint ends with: what to do.
+DAMAGED = ("the checkpoint is damaged: resume from an older one (Manager.restore and `fsharded train "
+           "--resume latest` pass over damaged ones) or restore its files from a copy")
+
+
 CHUNK = 8 << 20  # bytes read or written (and checksummed) at a time
 
 
@@ -52,7 +64,7 @@ def _verifier(b: dict, path: str) -> tuple[str, Callable[..., int]]:
         return "crc32c", lambda buf, value=0: _crc32c.crc32c(buf, value=value)
     if "crc32" in b:
         return "crc32", zlib.crc32
-    raise CheckpointError(f"checkpoint: {path}: the block of {b.get('path')} has no checksum")
+    raise CorruptCheckpointError(f"checkpoint: {path}: the block of {b.get('path')!r} has no checksum: {DAMAGED}")
 
 
 _PATHS: dict = {}  # (treespec, its string) -> the dotted paths of its leaves (a step saves the same tree often)
@@ -104,49 +116,6 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
-def read_manifest(directory: str | os.PathLike) -> dict:
-    """The manifest of the checkpoint at ``directory`` (checked for completeness and format)."""
-    directory = os.fspath(directory)
-    if not os.path.isdir(directory):
-        parent = os.path.dirname(os.path.abspath(directory)) or "."
-        base = os.path.basename(os.path.abspath(directory))
-        partial = sorted(n for n in os.listdir(parent) if n.startswith(base + ".tmp-")) \
-            if os.path.isdir(parent) else []
-        hint = (f"; {', '.join(partial)} in {parent} is an incomplete save (interrupted), not "
-                f"a checkpoint") if partial else ""
-        raise FileNotFoundError(f"checkpoint: no checkpoint at {directory}{hint}")
-    mpath = os.path.join(directory, "manifest.json")
-    try:
-        with open(mpath) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint: {mpath} is missing: {directory} is not a complete "
-                              f"checkpoint") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint: {mpath} is corrupt ({e})") from None
-    version = manifest.get("format")
-    if not isinstance(version, int) or version > FORMAT:
-        raise CheckpointError(
-            f"checkpoint: {directory} has format {version!r}, this fsharded reads format "
-            f"{FORMAT} and older; load it with a newer fsharded")
-    return manifest
-
-
-def _blocks(directory: str, writers: int) -> dict[str, list[dict]]:
-    by_path: dict[str, list[dict]] = {}
-    for w in range(writers):
-        p = os.path.join(directory, f"blocks-{w:05d}.json")
-        try:
-            with open(p) as f:
-                for b in json.load(f):
-                    by_path.setdefault(b["path"], []).append(b)
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint: {p} is missing (writer {w} of {writers})") from None
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"checkpoint: {p} is corrupt ({e})") from None
-    return by_path
-
-
 class _Reader:
     """Reads blocks from the data files (kept open), verifying each one's checksum."""
 
@@ -160,7 +129,8 @@ class _Reader:
             try:
                 fd = self.files[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except FileNotFoundError:
-                raise CheckpointError(f"checkpoint: {path} is missing (it holds {b['path']})") from None
+                raise CorruptCheckpointError(f"checkpoint: {path} is missing (it holds {b['path']!r}): "
+                                             f"{DAMAGED}") from None
         n, offset = b["nbytes"], b["offset"]
         t = torch.empty(n, dtype=torch.uint8)
         buf = memoryview(t.numpy())
@@ -173,11 +143,12 @@ class _Reader:
             value = crc(buf[got:got + k], value)
             got += k
         if got != n:
-            raise CheckpointError(f"checkpoint: {path} is truncated: {b['path']}'s block at byte "
-                                  f"{offset} has {got} of {n} bytes")
+            raise CorruptCheckpointError(f"checkpoint: {path} is truncated: {b['path']}'s block at byte "
+                                         f"{offset} has {got} of {n} bytes: {DAMAGED}")
         if value != b[kind]:
-            raise CheckpointError(f"checkpoint: checksum mismatch in {path} for {b['path']} (block at "
-                                  f"{b['start']}, bytes {offset}-{offset + n}): the file is corrupt")
+            raise CorruptCheckpointError(
+                f"checkpoint: checksum mismatch in {path} for {b['path']} (block at {b['start']}, bytes "
+                f"{offset}-{offset + n}): the file is corrupt; {DAMAGED}")
         return t.view(dtype).reshape(b["shape"])
 
     def close(self) -> None:
@@ -214,9 +185,8 @@ def _assemble(reader: _Reader, path: str, blocks: Iterable[dict], start: list, s
             dst = dst.narrow(d, l_ - start[d], h - l_)
         dst.copy_(src)
         covered += math.prod(h - l_ for l_, h in zip(lo, hi))
-    if covered != math.prod(size):
-        raise CheckpointError(
-            f"checkpoint: {path}: the blocks found cover {covered} of the {math.prod(size)} "
-            f"elements this device needs (a data or blocks file of the checkpoint is missing "
-            f"entries)")
+    if covered != math.prod(size):  # checked (``_ckpt_index``) before a byte is read: never here
+        raise CorruptCheckpointError(
+            f"checkpoint: {reader.directory}: the blocks of {path!r} cover {covered} of the "
+            f"{math.prod(size)} elements this device needs: {DAMAGED}")
     return t.to(device)

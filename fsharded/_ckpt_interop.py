@@ -20,15 +20,14 @@ import torch
 from fsharded._ckpt_common import (
     CheckpointError,
     _assemble,
-    _blocks,
     _bytes,
     _distributed,
     _dtype,
     _flat_specs,
     _flatten,
     _Reader,
-    read_manifest,
 )
+from fsharded._ckpt_index import _blocks, read_manifest
 from fsharded.mesh import Mesh, PartitionSpec
 from fsharded.mesh._layout import global_shape
 from fsharded.mesh._spec import shard_shape
@@ -170,7 +169,7 @@ def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, *, 
     header["__metadata__"] = {"format": "pt", "exported_by": "fsharded"}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    blocks = _blocks(directory, int(manifest.get("writers", 1)))
+    blocks = _blocks(directory, manifest)
     reader = _Reader(directory)
     tmp = f"{out}.tmp-{secrets.token_hex(4)}"
     try:

@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from fsharded._ckpt_common import _blocks, _dtype, _Reader, read_manifest
+from fsharded._ckpt_common import _dtype, _Reader
+from fsharded._ckpt_index import _blocks, read_manifest
 
 __all__ = ["DCPReader"]
 
@@ -56,7 +57,7 @@ class DCPReader(StorageReader):
 
     def read_metadata(self) -> Metadata:
         manifest = read_manifest(self.directory)
-        by_path = _blocks(self.directory, int(manifest.get("writers", 1)))
+        by_path = _blocks(self.directory, manifest)
         md: dict[str, Any] = {}
         for e in manifest["leaves"]:
             path = e["path"]

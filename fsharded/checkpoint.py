@@ -15,7 +15,8 @@ A checkpoint is a directory:
 
 - ``manifest.json``: the format version, the mesh it was saved from, and for every leaf
   its dotted path with global shape, dtype and the spec it was saved with (non-tensor
-  leaves: their JSON value);
+  leaves: their JSON value); the checksum of each blocks file, and its own checksum (of
+  its JSON text without it), so that any edit of the index is refused naming the file;
 - ``blocks-<writer>.json`` and ``data-<writer>.bin``: each writer's blocks (a leaf's box
   of global indices: start and shape, the byte range in its data file, a CRC-32C, or a
   CRC-32 where the ``crc32c`` package is missing), raw
@@ -24,10 +25,15 @@ A checkpoint is a directory:
 
 Saves go to ``<directory>.tmp-<token>``, every file and the directory fsynced, then renamed
 to ``<directory>``: a crash mid-save leaves no ``<directory>``, and a leftover temporary
-directory is ignored (``load`` refuses it, naming it). Loading reads only the blocks that
-intersect this device's shards, checks each block's checksum and that every element of
-every leaf is covered: a flipped byte, a truncated file or a missing block is an error
-naming the file and the leaf, never a partly loaded state.
+directory is ignored (``load`` refuses it, naming it). A replace (``overwrite=True``)
+renames the old one to ``<directory>.old-<token>`` first; interrupted between the two
+renames, the next ``load`` or ``Manager`` listing puts the complete new one in place (the
+old one is removed only once a complete checkpoint is at ``<directory>``). Loading checks
+the index before reading a byte (the checksums of the manifest and blocks files; that each
+leaf's blocks tile it exactly, within their data files), reads only the blocks that
+intersect this device's shards and checks each block's checksum: a flipped byte, an edited
+index, a truncated file or a missing block is a ``CorruptCheckpointError`` naming the
+file and the leaf, never a partly loaded state.
 """
 
 from __future__ import annotations
@@ -50,16 +56,25 @@ import torch
 
 from fsharded import comm
 from fsharded._ckpt_common import (
+    DAMAGED,
     FORMAT,
     CheckpointError,
+    CorruptCheckpointError,
     _assemble,
-    _blocks,
     _distributed,
     _dtype,
     _flat_specs,
     _flatten,
     _Reader,
+)
+from fsharded._ckpt_dir import DirectoryInUseError, damage, lock_job, restore, settle_all
+from fsharded._ckpt_index import (
+    _blocks,
+    _complete,
+    file_checksum,
+    misfit_message,
     read_manifest,
+    seal,
 )
 from fsharded._ckpt_interop import dcp_state_dict, export_safetensors, load_dcp, save_dcp
 from fsharded._ckpt_write import Arena, _fsync, _write_data, _write_json
@@ -69,7 +84,8 @@ from fsharded.mesh._layout import check_sharded_tree, check_tree, dims, global_s
 
 __all__ = ["save", "save_async", "PendingSave", "Staging", "load", "tree_like", "Manager", "read_deepspeed", "load_deepspeed",
            "DeepSpeedCheckpoint", "save_dcp", "load_dcp", "dcp_state_dict", "export_safetensors", "FORMAT",
-           "CheckpointError", "read_manifest"]  # and DCPReader (imported when asked for)
+           "CheckpointError", "CorruptCheckpointError", "DirectoryInUseError",
+           "read_manifest"]  # and DCPReader (imported when asked for)
 
 # -- specs, dtypes, boxes ---------------------------------------------------------------------
 
@@ -152,9 +168,11 @@ class _Job:
     def publish(self) -> None:
         """Rank 0, once every writer's blocks are in: the manifest, then the rename."""
         directory, tmp = self.directory, self.tmp
+        index = {f"blocks-{w:05d}.json": file_checksum(os.path.join(tmp, f"blocks-{w:05d}.json"))
+                 for w in range(self.writers)}  # a few KB each: any edit of the index is refused
         manifest = {"format": FORMAT, "mesh": dict(self.mesh.shape), "leaves": self.entries,
-                    "writers": self.writers, "token": self.token}
-        _write_json(os.path.join(tmp, "manifest.json"), manifest)
+                    "writers": self.writers, "token": self.token, "index": index}
+        _write_json(os.path.join(tmp, "manifest.json"), seal(manifest))
         _fsync(tmp)
         old = None
         if os.path.exists(directory):
@@ -162,10 +180,13 @@ class _Job:
             os.rename(directory, old)
         try:
             os.rename(tmp, directory)
-        except BaseException:
-            if old is not None:  # the previous checkpoint back in its place
-                os.rename(old, directory)
-            raise
+        except BaseException as e:
+            # A reader that found <directory> missing between the two renames put this
+            # (complete) save in place itself (``_ckpt_index.settle``): a success.
+            if not (isinstance(e, FileNotFoundError) and _token_at(directory) == self.token):
+                if old is not None:  # the previous checkpoint back in its place
+                    os.rename(old, directory)
+                raise
         _fsync(os.path.dirname(os.path.abspath(directory)))
         _remove_replaced(directory)
 
@@ -179,8 +200,11 @@ def _remove_replaced(directory: str) -> None:
     out of the way, complete and no longer anyone's) in a thread, so that a save returns
     without waiting for the unlinks (a third of a save's time on ext4). The interpreter
     waits for the thread at exit; a leftover of a killed process is removed by the next
-    save to ``directory``."""
+    save to ``directory``. Only while a complete checkpoint is at ``directory``: an
+    ``.old-`` copy beside a missing one is what ``settle`` restores."""
     parent, base = os.path.split(os.path.abspath(directory))
+    if not _complete(directory):
+        return
     with contextlib.suppress(OSError):
         for name in os.listdir(parent):
             if name.startswith(base + ".old-"):
@@ -601,25 +625,23 @@ def load(directory: str | os.PathLike, like: Any, specs: Any, mesh: Mesh, *,
     flat_specs = _flat_specs(specs, like, tdef)
     dist = _distributed(mesh, backend)
     coords = mesh.coords(comm.rank()) if dist else None
-    missing, misfit = [], []
+    missing, misfit, here = [], [], {}
     for path, x, spec in zip(paths, leaves, flat_specs):
         e = saved.get(path)
+        if isinstance(x, torch.Tensor):
+            spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()
+            here[path] = shape = list(global_shape(spec, tuple(x.shape), mesh) if dist else x.shape)
         if e is None:
             missing.append(path)
         elif isinstance(x, torch.Tensor):
-            spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()
-            shape = global_shape(spec, tuple(x.shape), mesh) if dist else tuple(x.shape)
             if "shape" not in e:
-                misfit.append(f"{path}: a tensor {list(shape)} here, the value {e.get('value')!r} there")
-            elif list(shape) != e["shape"] or str(x.dtype) != e["dtype"]:
-                misfit.append(f"{path}: {list(shape)} {x.dtype} here, {e['shape']} {e['dtype']} in the checkpoint")
+                misfit.append(f"{path}: a tensor {shape} here, the value {e.get('value')!r} there")
+            elif shape != e["shape"] or str(x.dtype) != e["dtype"]:
+                misfit.append(f"{path}: {shape} {x.dtype} here, {e['shape']} {e['dtype']} in the checkpoint")
     extra = sorted(set(saved) - set(paths))
     if missing or misfit or extra:
-        lines = [f"checkpoint: {directory} does not fit the tree it is loaded into:"]
-        lines += [f"  missing: {p}" for p in missing] + [f"  extra: {p}" for p in extra]
-        lines += [f"  shape/dtype: {m}" for m in misfit]
-        raise CheckpointError("\n".join(lines))
-    blocks = _blocks(directory, int(manifest.get("writers", 1)))
+        raise CheckpointError(misfit_message(directory, saved, here, missing, extra, misfit))
+    blocks = _blocks(directory, manifest)
     reader = _Reader(directory)
     out = []
     try:
@@ -632,7 +654,15 @@ def load(directory: str | os.PathLike, like: Any, specs: Any, mesh: Mesh, *,
             shape = tuple(e["shape"])
             dtype = _dtype(e["dtype"])
             start, size = _box(spec, shape, mesh, coords) if dist else ([0] * len(shape), list(shape))
-            out.append(_assemble(reader, path, blocks.get(path, []), start, size, dtype, x.device))
+            try:
+                out.append(_assemble(reader, path, blocks.get(path, []), start, size, dtype, x.device))
+            except CheckpointError:
+                raise
+            except (RuntimeError, ValueError, TypeError, KeyError, IndexError, OverflowError) as err:
+                # The index is checked before this: a failure here is a checkpoint damaged in
+                # a way no check foresaw, still named as one.
+                raise CorruptCheckpointError(f"checkpoint: {directory}: reading {path!r} failed "
+                                             f"({type(err).__name__}: {err}): {DAMAGED}") from err
     finally:
         reader.close()
     return optree.tree_unflatten(tdef, out)
@@ -643,11 +673,16 @@ def load(directory: str | os.PathLike, like: Any, specs: Any, mesh: Mesh, *,
 
 class Manager:
     """Checkpoints of one run under ``root``, as ``root/step-<n>``: ``save`` every ``every``
-    steps (``due``), the ``keep`` newest kept, ``latest()`` to resume from.
+    steps (``due``), the ``keep`` newest kept, ``restore`` (or ``latest()``) to resume from.
+
+    One run at a time: the first save (or ``lock()``) takes the directory's lock for this
+    run (on real ranks: rank 0, for the job), released by ``unlock()``, when the Manager is
+    collected, or at exit; another run's Manager then raises ``DirectoryInUseError`` naming
+    the holder. A lock left by a killed run is taken over, with a warning.
 
     >>> mgr = fs.checkpoint.Manager("ckpt", keep=3, every=100)
+    >>> path, state = mgr.restore(step, params)          # (None, None) on a first start
     >>> if mgr.due(n): mgr.save_state(step, state)
-    >>> state = step.load(mgr.latest(), params)
     """
 
     def __init__(self, root: str | os.PathLike, *, keep: int | None = 3, every: int | None = None) -> None:
@@ -656,20 +691,54 @@ class Manager:
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"checkpoint.Manager: every must be a positive int or None, got {every!r}")
         self.root, self.keep, self.every = os.fspath(root), keep, every
+        self._locked = False
+        self._lock = None  # the lock held here (rank 0's on real ranks)
+
+    def lock(self, mesh: Mesh | None = None, *, backend: str | None = None) -> None:
+        """Take ``root`` for this run (the first save does): ``DirectoryInUseError`` naming
+        the run that has it. On real ranks (``mesh`` on the distributed backend, or without
+        a mesh a process group of several ranks) call it on every rank: rank 0 holds the
+        lock for the job."""
+        if self._locked:
+            return
+        if mesh is not None:
+            dist = _distributed(mesh, backend)
+        else:
+            dist = torch.distributed.is_available() and torch.distributed.is_initialized() and \
+                torch.distributed.get_world_size() > 1
+        self._lock = lock_job(self.root, dist)
+        self._locked = True
+
+    def unlock(self) -> None:
+        """Let ``root`` go (a save in flight is waited for first)."""
+        self.wait()
+        if self._lock is not None:
+            self._lock.release()
+        self._lock, self._locked = None, False
 
     def path(self, n: int) -> str:
         return os.path.join(self.root, f"step-{int(n):08d}")
 
     def steps(self) -> list[int]:
-        """The steps with a complete checkpoint, oldest first."""
+        """The steps with a complete checkpoint, oldest first (one whose replace was
+        interrupted between its two renames put back in place first)."""
         if not os.path.isdir(self.root):
             return []
-        out = []
-        for name in os.listdir(self.root):
+        return sorted(self._listing())
+
+    def _listing(self) -> dict[int, str]:
+        """{step: its checkpoint's directory} (named ``step-<n>``, however padded)."""
+        if not os.path.isdir(self.root):
+            return {}
+        names = os.listdir(self.root)
+        if settle_all(self.root, names):
+            names = os.listdir(self.root)
+        out = {}
+        for name in sorted(names):
             if name.startswith("step-") and name[5:].isdigit() and \
                     os.path.isfile(os.path.join(self.root, name, "manifest.json")):
-                out.append(int(name[5:]))
-        return sorted(out)
+                out.setdefault(int(name[5:]), os.path.join(self.root, name))
+        return out
 
     def incomplete(self) -> list[str]:
         """Leftovers of saves that did not finish (``step-<n>.tmp-*``)."""
@@ -677,14 +746,38 @@ class Manager:
             return []
         return sorted(os.path.join(self.root, n) for n in os.listdir(self.root) if ".tmp-" in n)
 
-    def latest(self) -> str | None:
-        """The newest complete checkpoint, or None; warns naming unfinished saves."""
+    def _warn_incomplete(self) -> None:
         left = self.incomplete()
         if left:
             warnings.warn(f"checkpoint: ignoring {len(left)} unfinished save(s): {', '.join(left)}",
-                          stacklevel=2)
-        s = self.steps()
-        return self.path(s[-1]) if s else None
+                          stacklevel=3)
+
+    def latest(self) -> str | None:
+        """The newest checkpoint whose manifest and index are intact, or None; warns naming
+        unfinished saves and damaged checkpoints passed over (and why). A data file's
+        damage shows only when it is read: ``restore`` loads, passing over those too."""
+        found = self._listing()  # (first: an interrupted replace completed is no unfinished save)
+        self._warn_incomplete()
+        for n in sorted(found, reverse=True):
+            why = damage(found[n])
+            if why is None:
+                return found[n]
+            warnings.warn(f"checkpoint: passing over {found[n]}, which is damaged: {why}", stacklevel=2)
+        return None
+
+    def restore(self, step: Any, like: Any = None) -> tuple[str | None, Any]:
+        """The newest checkpoint that loads, as ``step.load(path, like)``: (its path, the
+        state), or (None, None) where there is none (a job's first start). One found damaged
+        (``CorruptCheckpointError``: a checksum that does not match, a truncated or missing
+        file, an edited manifest or blocks file) is passed over for the next older, with a
+        warning naming it and why; any other error (a checkpoint of another model) is
+        raised. On real ranks call it on every rank: they agree, passing over a checkpoint
+        that any rank finds damaged. Every checkpoint damaged: ``CorruptCheckpointError``
+        naming each."""
+        found = self._listing()
+        paths = [found[n] for n in sorted(found, reverse=True)]
+        self._warn_incomplete()
+        return restore(self.root, paths, lambda p: step.load(p, like), _distributed(step.mesh, None))
 
     def due(self, n: int) -> bool:
         """Whether step ``n`` (1-based: after ``n`` updates) is one to save at."""
@@ -692,6 +785,7 @@ class Manager:
 
     def save(self, n: int, tree: Any, specs: Any, mesh: Mesh, **kw: Any) -> str:
         """``save`` to ``path(n)`` (replacing it), then drop all but the ``keep`` newest."""
+        self.lock(mesh, backend=kw.get("backend"))
         out = save(self.path(n), tree, specs, mesh, overwrite=True, **kw)
         self._prune(mesh, kw.get("backend"))
         return out
@@ -703,6 +797,7 @@ class Manager:
         waited for first); pruning follows when it is waited for (``wait()``, or the next
         save)."""
         self.wait()
+        self.lock(step.mesh)
         path = self.path(int(state.step))
         if blocking:
             out = step.save(state, path, overwrite=True)
@@ -727,13 +822,14 @@ class Manager:
             return
         for n in self.steps()[:-self.keep]:  # out of sight at once, unlinked in a thread
             path = self.path(n)
-            old = f"{path}.old-{secrets.token_hex(4)}"
+            pruned = f"{path}.pruned-{secrets.token_hex(4)}"
             with contextlib.suppress(OSError):
-                os.rename(path, old)
-                _remove_later(old)
+                os.rename(path, pruned)
+                _remove_later(pruned)
         with contextlib.suppress(OSError):  # a killed process's leftovers
             for name in os.listdir(self.root):
-                if ".old-" in name:
+                if ".pruned-" in name or (".old-" in name and  # replaced: only beside a complete checkpoint
+                                          _complete(os.path.join(self.root, name[:name.index(".old-")]))):
                     _remove_later(os.path.join(self.root, name))
 
 

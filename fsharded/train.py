@@ -558,6 +558,8 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     # The checkpoint to resume from, and whether these flags keep its run's schedule and
     # batch, before anything is built.
     mgr = fs.checkpoint.Manager(save_dir, keep=keep, every=save_every) if (save_every or resume) else None
+    if save_every:
+        mgr.lock()  # one run at a time in save_dir: another one's is named
     path = (mgr.latest() if resume == "latest" else resume) if resume else None
     if path is not None and os.path.isdir(path):  # (a missing one: step.load says so)
         saved_at = _train_resume.check_resume(cfg, path, resume_changes)
@@ -610,12 +612,20 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
                          update_model_state=gpt.model_state_updater(mcfg.moe) if biased else None)
     state = step.init(params, gpt.init_model_state(params) if biased else None)
     start = 0
+    loaded = None
+    if resume == "latest":
+        # The newest checkpoint that loads: a damaged one is passed over with a warning naming
+        # it. One older than the one checked above is checked against these flags too.
+        restored, loaded = mgr.restore(step, state)
+        if restored is not None and restored != path:
+            _train_resume.check_resume(cfg, restored, resume_changes)
+        path = restored
     if resume == "latest" and path is None and main_rank:
         # The first start of a job that restarts itself (torchrun --max-restarts): nothing yet.
         print(f"fsharded train: --resume latest: no checkpoint in {save_dir} yet, starting at step 0",
               flush=True)
     if path is not None:
-        state = step.load(path, state)
+        state = loaded if loaded is not None else step.load(path, state)
         start = int(state.step)
         if start > cfg.steps:
             raise ValueError(f"--steps {cfg.steps}: {path} is at step {start}, past it; give --steps "
