@@ -25,8 +25,8 @@ import optree
 import torch
 import torch.distributed as dist
 
+from fsharded import _step_agree, _tree, checkpoint, memory, optim
 from fsharded import _step_parts as P
-from fsharded import _tree, checkpoint, memory, optim
 from fsharded import random as R
 from fsharded._step_checks import _check_grad_types, _check_loss
 from fsharded.comm import _trace
@@ -404,8 +404,13 @@ class TrainStep:
         """Write ``state`` to ``directory`` (``fsharded.checkpoint``): every leaf under its
         path with its global shape and spec; on real ranks each rank writes its own shards
         (call it on every rank). Returns the directory."""
-        return checkpoint.save(directory, state, self.state_specs(state), self.mesh,
-                               overwrite=overwrite)
+        try:
+            return checkpoint.save(directory, state, self.state_specs(state), self.mesh,
+                                   overwrite=overwrite)
+        except RuntimeError as e:  # torch.distributed's error: which save, which rank, what now
+            if not self.distributed:
+                raise
+            raise _step_agree.save_error("save", int(state.step), directory, e) from e
 
     def save_async(self, state: TrainState, directory: Any, *, overwrite: bool = False,
                    max_staged_bytes: int | None = None) -> checkpoint.PendingSave:
@@ -415,9 +420,14 @@ class TrainStep:
         ``max_staged_bytes`` bounds the copies held at once. The copy goes into host memory
         the step keeps for its next save (``step.staging``: this device's share of the
         state; ``step.staging.release()`` frees it)."""
-        return checkpoint.save_async(directory, state, self.state_specs(state), self.mesh,
-                                     overwrite=overwrite, max_staged_bytes=max_staged_bytes,
-                                     staging=self.staging)
+        try:
+            return checkpoint.save_async(directory, state, self.state_specs(state), self.mesh,
+                                         overwrite=overwrite, max_staged_bytes=max_staged_bytes,
+                                         staging=self.staging)
+        except RuntimeError as e:
+            if not self.distributed:
+                raise
+            raise _step_agree.save_error("save_async", int(state.step), directory, e) from e
 
     def load(self, directory: Any, like: Any = None) -> TrainState:
         """The state saved at ``directory``, laid out for this step's mesh and placement,
@@ -598,6 +608,7 @@ class TrainStep:
         t0 = time.perf_counter()
         sm = self._shard_mapped(state)
         if self.distributed:  # the batch is global (the same on every rank): take our rows
+            _step_agree.agree(self, state, batch)  # the same settings, step count and batch everywhere
             batch = _local_batch(sm, batch)
             key = optree.tree_structure((state, batch)), _shapes((state, batch))
             if self.check_schedule and key not in self._agreed:
