@@ -17,6 +17,7 @@ turns it off with the call-site checks.
 from __future__ import annotations
 
 import functools
+import re
 import types
 import zlib
 from typing import Any
@@ -31,6 +32,9 @@ __all__ = ["agree", "settings", "save_error"]
 
 _SAMPLE = 4096  # elements of each batch leaf that go into its CRC
 _LR_STEPS = (0, 1, 10, 100, 1000, 10_000, 100_000)  # where the learning rate is compared
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _crc(text: str) -> int:
@@ -69,18 +73,29 @@ def _hyper(obj: Any, path: str, out: dict[str, str], seen: set[int], depth: int 
             except ValueError:  # an empty cell
                 continue
             _hyper(value, f"{path}.{name}", out, seen, depth + 1)
-        _hyper(obj.__defaults__, f"{path}.defaults", out, seen, depth + 1)
+        if obj.__defaults__:
+            _hyper(obj.__defaults__, f"{path}.defaults", out, seen, depth + 1)
     elif hasattr(obj, "__dict__") and not callable(getattr(obj, "__self__", None)):
         out[path] = type(obj).__qualname__
         for k, v in sorted(vars(obj).items()):
             _hyper(v, f"{path}.{k}", out, seen, depth + 1)
 
 
+def _name(fn: Any) -> str:
+    """A function by its name (a partial with its plain arguments), not by what it closes
+    over: a loss may read the rank, or a device, that differs between ranks on purpose."""
+    if isinstance(fn, functools.partial):
+        plain = (bool, int, float, str, type(None))
+        args = [repr(a) for a in fn.args if isinstance(a, plain)]
+        args += [f"{k}={v!r}" for k, v in sorted(fn.keywords.items()) if isinstance(v, plain)]
+        return f"partial({_name(fn.func)}{''.join(', ' + a for a in args)})"
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
 def settings(step: Any) -> dict[str, str]:
     """What must be the same on every rank of a step, by name."""
     opt = step.optimizer
     out: dict[str, str] = {
-        "loss_fn": f"{getattr(step.loss_fn, '__module__', '')}.{getattr(step.loss_fn, '__qualname__', repr(step.loss_fn))}",
         "mesh": repr(step.mesh), "precision": repr(step.policy), "accumulation": repr(step.accumulation),
         "clip": repr(step.clip), "check_finite": repr(step.check_finite), "on_nonfinite": repr(step.on_nonfinite),
         "donate": repr(step.donate), "seed": repr(step.seed), "blocks": repr(step.blocks),
@@ -91,10 +106,11 @@ def settings(step: Any) -> dict[str, str]:
         lrs = [float(optim.get_lr(opt, s)) for s in _LR_STEPS]
         out["learning rate"] = repr(lrs[0]) if len(set(lrs)) == 1 else \
             ", ".join(f"{lr!r} at step {s}" for s, lr in zip(_LR_STEPS, lrs))
-    hyper: dict[str, str] = {}
+    hyper: dict[str, str] = {"loss_fn": _name(step.loss_fn)}
     _hyper(opt, "optimizer", hyper, set())
     out.update(hyper)
-    return out
+    # Addresses differ between processes: not part of what must agree.
+    return {k: _ADDRESS.sub("", v) for k, v in out.items()}
 
 
 def _leaf(x: Any) -> tuple[str, int]:
@@ -135,9 +151,10 @@ def agree(step: Any, state: Any, batch: Any) -> None:
     words = torch.tensor([mine[1], count, structure, content], dtype=torch.int64,
                          device="cuda" if comm.default_device_type() == "cuda" else "cpu")
     g = comm.axis_group(step.mesh, step.mesh.axis_names)
-    every = words.new_empty(g.size * words.numel())
-    _shm.all_gather_into(every, words, g)
-    rows = every.view(g.size, -1).tolist()
+    try:
+        rows = _shm.gather_check(words, g).tolist()
+    except RuntimeError as e:  # a rank that died, timed out or ran other collectives: say which step
+        raise RuntimeError(f"train_step: step {count + 1} on rank {dist.get_rank()}: {e}") from e
     if all(r == rows[0] for r in rows):
         return
     # Every rank saw the same rows: all of them are here, to tell each other what differs.

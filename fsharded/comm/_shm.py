@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from fsharded.comm import _groups, _peers, _trace
 
-__all__ = ["all_reduce_", "all_gather_into", "reduce_scatter_into", "all_to_all_into", "check_permute",
+__all__ = ["all_reduce_", "all_gather_into", "reduce_scatter_into", "all_to_all_into", "check_permute", "gather_check",
            "transport_error", "comm_for", "enabled", "in_use",
            "set_observer", "Done"]
 
@@ -604,6 +604,28 @@ def all_to_all_into(out: torch.Tensor, x: torch.Tensor, g: Any) -> None:
         dist.all_to_all_single(_bytes(out), _bytes(x), group=g.group)
     except RuntimeError as e:
         raise transport_error(g, "all_to_all", e, t0) from None
+
+
+def gather_check(words: torch.Tensor, g: Any) -> torch.Tensor:
+    """Every group rank's ``words`` (a small int64 tensor), in group-rank order, as
+    ``all_gather_into`` gathers them (checked the same way) but not recorded: a check of
+    the program's own (``train_step``'s agreement), not a collective of the program's, so
+    it stays out of timelines and byte counts."""
+    every = words.new_empty((g.size, words.numel()))
+    c, site = comm_for(words, g), _site()
+    if c is not None:
+        try:
+            c.all_gather(words, every, site)
+        except RuntimeError as e:
+            raise _shm_error(c, g, "all_gather", words, e) from None
+        return every
+    _agree("all_gather", words, g, site)
+    t0 = time.monotonic()
+    try:
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(every.view(-1), words, group=g.group)
+    except RuntimeError as e:
+        raise transport_error(g, "all_gather", e, t0) from None
+    return every
 
 
 def check_permute(x: torch.Tensor, g: Any, perm: tuple[tuple[int, int], ...]) -> None:
