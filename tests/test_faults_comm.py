@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -41,6 +42,16 @@ def test_same_shape_psums_in_another_order_or_skipped_are_an_error_on_every_rank
         # both ranks' lines of the program, not fsharded's
         assert "rank 0: all_reduce(sum) of shape (4,)" in out and "rank 1: all_reduce(sum) of shape (4,)" in out
         assert len(set(_lines(out))) == 2, out
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_on_4_ranks_a_skipped_psum_is_an_error_on_every_rank(transport, monkeypatch):
+    monkeypatch.setenv("FSHARDED_SHM", TRANSPORTS[transport])
+    monkeypatch.setenv("FSHARDED_SHM_TIMEOUT", "10")
+    for out in run_on_ranks(C.psums_in_order, 4, "skip"):
+        assert isinstance(out, str), f"no error, numbers: {out}"
+        assert "but from different places in the program" in out, out
+        assert all(f"rank {r}: all_reduce(sum) of shape (4,)" in out for r in range(4)), out
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -170,6 +181,32 @@ def test_save_async_wait_names_a_peer_that_died_or_hung_within_the_timeout(who, 
         assert "resume from the last complete checkpoint" in msg, msg
         assert waited < 5.0, msg
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.slow
+def test_save_async_under_torchrun_names_a_peer_that_exited_0(tmp_path):
+    # Before: rank 0's wait() polled for 1,800 s (torchrun waits for the survivor).
+    env = {**os.environ, "CKPT_DIR": str(tmp_path / "ckpt"), "TIMEOUT_S": "60"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             "--master_port", str(_free_port()), CASES, "save_async_writer_exit"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=150)
+    finally:  # torchrun and its workers, also when they hang
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, stderr[-3000:]
+    msg, waited = stdout.strip().splitlines()[-1].rsplit(" | ", 1)
+    assert "CheckpointError: checkpoint.save_async: rank 1 (pid" in msg, msg
+    assert "exited or died before it could write its part" in msg and float(waited) < 5.0, msg
+
+
+def _free_port() -> int:
+    from fsharded.testing._launch import free_port
+
+    return free_port()
 
 
 @pytest.mark.slow

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["me", "gather", "record", "forget", "pid_of", "exited", "exited_among", "label", "poll"]
+__all__ = ["me", "gather", "record", "forget", "pid_of", "exited", "exited_among", "label", "axes_name",
+           "poll"]
 
 # global rank -> (host, boot id, pid), for this process's default process group
 _PROCS: dict[int, tuple[str, str, int]] = {}
@@ -102,7 +103,12 @@ def label(rank: int, axes: tuple[str, ...] = (), ranks: tuple[int, ...] = ()) ->
     along ``axes`` in the group of ``ranks`` (axis order) when given."""
     if not axes or rank not in ranks:
         return f"rank {rank}"
-    return f"rank {rank} ({'x'.join(axes)} index {ranks.index(rank)} of the group ranks {list(ranks)})"
+    return f"rank {rank} ({axes_name(axes)} index {ranks.index(rank)} of the group ranks {list(ranks)})"
+
+
+def axes_name(axes: tuple[str, ...]) -> str:
+    """``data``, or ``(data, tensor)`` for a group over several axes (major first)."""
+    return axes[0] if len(axes) == 1 else f"({', '.join(axes)})"
 
 
 def poll(ready: Callable[[], bool], *, timeout_s: float, peers: Callable[[], Iterable[int]],

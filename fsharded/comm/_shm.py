@@ -145,9 +145,13 @@ def _setup(g: Any) -> Any:
         _module()
     dist.barrier(group=g.group)
     mod, why = _module() if on else (None, "")
-    me = (socket.gethostname(), _boot_id(), on, mod is not None, why, os.getpid())
+    me = (socket.gethostname(), _boot_id(), on, mod is not None, why, os.getpid(), _checks())
     infos: list = [None] * g.size
     dist.all_gather_object(infos, me, group=g.group)
+    if len({i[6] for i in infos}) > 1:  # one rank would gather before each collective, another not
+        raise RuntimeError("fsharded collectives: FSHARDED_CHECK_SITES differs between the ranks ("
+                           + ", ".join(f"rank {dist.get_global_rank(g.group, j)}: {i[6]}" for j, i in enumerate(infos))
+                           + "); set it alike on every rank")
     # Which process each rank is (also where initialize did not record them): a rank waiting
     # on torch.distributed's path can then tell a peer that exited from one that is late.
     _peers.record([dist.get_global_rank(g.group, i) for i in range(g.size)], [(i[0], i[1], i[5]) for i in infos])
@@ -377,7 +381,7 @@ def _mismatch(g: Any, op: str, x: torch.Tensor, mine: tuple[int, int], theirs: t
     else:
         head = (f"fsharded collectives: {me} and {who} both called {_describe(mine[0])}, with different "
                 f"arguments; every rank must pass the same shapes and permutation")
-    return RuntimeError(f"{head}. What each rank called (over {'x'.join(g.axes)}):{lines}\n"
+    return RuntimeError(f"{head}. What each rank called (over {_peers.axes_name(g.axes)}):{lines}\n"
                         "Look for control flow on the rank or on data that differs between ranks "
                         "(FSHARDED_CHECK_SITES=0 turns the call-site check off)")
 
