@@ -408,9 +408,10 @@ class TrainStep:
             return checkpoint.save(directory, state, self.state_specs(state), self.mesh,
                                    overwrite=overwrite)
         except RuntimeError as e:  # torch.distributed's error: which save, which rank, what now
-            if not self.distributed:
+            err = _step_agree.save_error("save", int(state.step), directory, e) if self.distributed else None
+            if err is None:
                 raise
-            raise _step_agree.save_error("save", int(state.step), directory, e) from e
+            raise err from e
 
     def save_async(self, state: TrainState, directory: Any, *, overwrite: bool = False,
                    max_staged_bytes: int | None = None) -> checkpoint.PendingSave:
@@ -425,9 +426,10 @@ class TrainStep:
                                          overwrite=overwrite, max_staged_bytes=max_staged_bytes,
                                          staging=self.staging)
         except RuntimeError as e:
-            if not self.distributed:
+            err = _step_agree.save_error("save_async", int(state.step), directory, e) if self.distributed else None
+            if err is None:
                 raise
-            raise _step_agree.save_error("save_async", int(state.step), directory, e) from e
+            raise err from e
 
     def load(self, directory: Any, like: Any = None) -> TrainState:
         """The state saved at ``directory``, laid out for this step's mesh and placement,

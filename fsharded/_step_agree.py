@@ -192,12 +192,17 @@ def _differences(views: list, where: str) -> str:
               "depend on the rank, or a rank that skipped or repeated a step")
 
 
-def save_error(what: str, step_count: int, directory: Any, e: BaseException) -> RuntimeError:
+def save_error(what: str, step_count: int, directory: Any, e: BaseException) -> RuntimeError | None:
     """A failure of torch.distributed inside ``step.save`` / ``step.save_async``: which save,
-    which ranks exited (found from their processes), and what to do."""
+    which ranks exited (found from their processes), and what to do. None for an error
+    that is not the process group's (raised as it is)."""
+    text = str(e)
+    if not (isinstance(e, getattr(dist, "DistError", ())) or "gloo" in text or "NCCL" in text
+            or "c10d" in text or "timed out" in text.lower()):
+        return None
     me = dist.get_rank()
     gone = _peers.exited_among([r for r in range(dist.get_world_size()) if r != me], settle_s=1.0)
-    cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    cause = text.strip().splitlines()[0] if text.strip() else type(e).__name__
     if gone:
         who = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone)
         why = f"{who} exited or died during the save"
