@@ -305,11 +305,15 @@ def _desc(op: str, x: torch.Tensor) -> int:
     return (_OP_CODES[op] << 56) | (_DTYPE_CODES.get(x.dtype, 255) << 48) | (x.numel() & ((1 << 48) - 1))
 
 
+_ANNOUNCED = 0x80 << 56  # in a shared-memory round's description: not the op, its announcement
+
+
 def _describe(desc: int) -> str:
     ops = {v: k for k, v in _OP_CODES.items()}
     dtypes = {v: k for k, v in _DTYPE_CODES.items()}
-    return (f"{ops.get(desc >> 56, 'an unknown collective')} of {desc & ((1 << 48) - 1)} elements "
-            f"({dtypes.get((desc >> 48) & 0xFF, 'another dtype')})")
+    return (f"{ops.get((desc >> 56) & 0x7F, 'an unknown collective')} of {desc & ((1 << 48) - 1)} elements "
+            f"({dtypes.get((desc >> 48) & 0xFF, 'another dtype')})"
+            + (" (through torch.distributed)" if desc & _ANNOUNCED else ""))
 
 
 # -- naming ranks -------------------------------------------------------------------------------
@@ -402,8 +406,8 @@ def _agree(op: str, x: torch.Tensor, g: Any, site: int, extra: tuple[int, ...] =
     every = torch.empty(k * g.size, dtype=torch.int64, device=x.device)
     c = comm_for(mine, g)
     if c is not None:  # the round's header carries (op, size, site): the shared memory checks those
-        try:
-            c.all_gather(mine, every, site, desc)
+        try:  # (flagged: a rank running the op itself over shared memory does not match it)
+            c.all_gather(mine, every, site, desc | _ANNOUNCED)
         except RuntimeError as e:
             raise _shm_error(c, g, op, x, e, shown) from None
     else:
@@ -447,6 +451,8 @@ def _shm_error(c: Any, g: Any, op: str, x: torch.Tensor, e: RuntimeError, shown:
             "running other collectives (initialize(timeout_s=...) or FSHARDED_SHM_TIMEOUT sets the timeout; "
             "FSHARDED_SHM=0 uses gloo's own transport)")
     elif kind in (_OTHER_OP, _OTHER_SITE):
+        if not (my_desc ^ their_desc) & _ANNOUNCED:  # both announced: nothing to tell apart
+            my_desc, their_desc = my_desc & ~_ANNOUNCED, their_desc & ~_ANNOUNCED
         err = _mismatch(g, op, x, (my_desc, my_site), (their_desc, their_site), _global(g, j), shown)
     else:
         return e
