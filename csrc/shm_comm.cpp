@@ -17,7 +17,9 @@
 // Ctrl-C), watches the process of the rank it waits for (each rank publishes its pid): a
 // rank that exited or died is an error naming it within ~0.1 s, and a rank that is alive but
 // never arrives is an error after the timeout. After an error the segment refuses further
-// use. One collective at a time per segment.
+// use, and `failure()` tells the Python side what happened (kind, peer, its pid, seconds
+// waited, the peer's description and call site), which names the ranks globally and the
+// program's lines in its message. One collective at a time per segment.
 
 #include <torch/extension.h>
 #include <ATen/OpMathType.h>
@@ -78,13 +80,16 @@ bool process_alive(int64_t pid) {
   return !(close != nullptr && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X'));
 }
 
-enum Op : uint64_t { kSum = 1, kMax, kGather, kScatter, kAllToAll, kBarrier };
+enum Op : uint64_t { kSum = 1, kMax, kGather, kScatter, kAllToAll, kBarrier, kPermute };
 
 const char* op_name(uint64_t op) {
   static const char* names[] = {"?", "all_reduce(sum)", "all_reduce(max)", "all_gather",
-                                "reduce_scatter", "all_to_all", "barrier"};
-  return op < 7 ? names[op] : "?";
+                                "reduce_scatter", "all_to_all", "barrier", "ppermute"};
+  return op < 8 ? names[op] : "?";
 }
+
+// Kinds of failure, for `failure()`.
+enum Failure : int64_t { kNone = 0, kOtherOp, kOtherSite, kExited, kTimeout, kInterrupted };
 
 uint64_t describe(uint64_t op, at::ScalarType dtype, int64_t numel) {
   return (op << 56) | (static_cast<uint64_t>(dtype) << 48) |
@@ -171,8 +176,10 @@ class ShmComm {
     }
   }
 
-  // out (world * m) <- every rank's x (m), in rank order.
-  void all_gather(const torch::Tensor& x, torch::Tensor& out, uint64_t site) {
+  // out (world * m) <- every rank's x (m), in rank order. `desc`, when not 0, is what the
+  // round says this rank does instead of "all_gather of m elements" (an announcement of a
+  // collective that runs elsewhere, such as a ppermute over torch.distributed).
+  void all_gather(const torch::Tensor& x, torch::Tensor& out, uint64_t site, uint64_t desc) {
     std::lock_guard<std::mutex> lock(mu_);
     site_ = site;
     check(x, "all_gather");
@@ -188,7 +195,7 @@ class ShmComm {
       const int64_t c = std::min(chunk, m - off);
       char* mine = begin_round();
       std::memcpy(mine, src + off * esize, c * esize);
-      arrive_and_wait(describe(kGather, x.scalar_type(), m));
+      arrive_and_wait(desc != 0 ? desc : describe(kGather, x.scalar_type(), m));
       for (int64_t j = 0; j < world_; ++j) {
         std::memcpy(dst + (j * m + off) * esize, slot(buf_, j), c * esize);
       }
@@ -255,7 +262,29 @@ class ShmComm {
     depart();
   }
 
+  // The last failure: (kind, peer's group rank, its pid, seconds waited, the peer's
+  // description and call site, this rank's description and call site, round, "reach" or
+  // "finish"). Kind 0: none.
+  py::tuple failure() const {
+    return py::make_tuple(fail_kind_, fail_peer_, fail_pid_, fail_waited_, fail_desc_, fail_site_, desc_,
+                          site_, static_cast<int64_t>(round_), fail_what_);
+  }
+
+  bool broken() const { return broken_; }
+
  private:
+  void fail(Failure kind, int64_t j, int64_t pid, double waited, uint64_t desc, uint64_t site,
+            const char* what) {
+    broken_ = true;
+    fail_kind_ = kind;
+    fail_peer_ = j;
+    fail_pid_ = pid;
+    fail_waited_ = waited;
+    fail_desc_ = desc;
+    fail_site_ = site;
+    fail_what_ = what;
+  }
+
   Counter* arrive_at(int64_t j) const { return reinterpret_cast<Counter*>(base_) + j; }
   Counter* depart_at(int64_t j) const { return reinterpret_cast<Counter*>(base_) + kMaxWorld + j; }
   char* slot(int buf, int64_t j) const {
@@ -302,14 +331,14 @@ class ShmComm {
       {
         py::gil_scoped_acquire gil;
         if (PyErr_CheckSignals() != 0) {
-          broken_ = true;
+          fail(kInterrupted, j, 0, waited, 0, 0, what);
           broken_why_ = "interrupted";
           throw py::error_already_set();
         }
       }
       const int64_t pid = arrive_at(j)->pid.load(std::memory_order_acquire);
       if (c->value.load(std::memory_order_acquire) < v && !process_alive(pid)) {
-        broken_ = true;
+        fail(kExited, j, pid, waited, 0, 0, what);
         broken_why_ = "rank " + std::to_string(j) + " exited";
         throw std::runtime_error(
             std::string("fsharded shared-memory collectives: rank ") + std::to_string(j) + " (pid " +
@@ -318,7 +347,7 @@ class ShmComm {
             " of segment " + name_ + ", after " + std::to_string(static_cast<int>(waited)) + " s)");
       }
       if (waited > timeout_s_) {
-        broken_ = true;
+        fail(kTimeout, j, pid, waited, 0, 0, what);
         broken_why_ = "a timeout";
         throw std::runtime_error(
             std::string("fsharded shared-memory collectives: rank ") + std::to_string(rank_) +
@@ -354,7 +383,8 @@ class ShmComm {
       const uint64_t theirs = arrive_at(j)->desc[round_ % 2].load(std::memory_order_relaxed);
       if (theirs != desc) {
         depart();  // let the others reach their own check
-        broken_ = true;
+        fail(kOtherOp, j, 0, 0.0, theirs, arrive_at(j)->site[round_ % 2].load(std::memory_order_relaxed),
+             "reach");
         broken_why_ = "the ranks called different collectives";
         throw std::runtime_error(
             std::string("fsharded shared-memory collectives: rank ") + std::to_string(rank_) +
@@ -368,7 +398,7 @@ class ShmComm {
       const uint64_t where = arrive_at(j)->site[round_ % 2].load(std::memory_order_relaxed);
       if (where != site_) {
         depart();
-        broken_ = true;
+        fail(kOtherSite, j, 0, 0.0, theirs, where, "reach");
         broken_why_ = "the ranks called collectives from different places";
         throw std::runtime_error(
             std::string("fsharded shared-memory collectives: rank ") + std::to_string(rank_) +
@@ -440,6 +470,10 @@ class ShmComm {
   int buf_ = 0;
   bool broken_ = false;
   std::string broken_why_;
+  int64_t fail_kind_ = kNone, fail_peer_ = -1, fail_pid_ = 0;
+  double fail_waited_ = 0.0;
+  uint64_t fail_desc_ = 0, fail_site_ = 0;
+  const char* fail_what_ = "";
   std::mutex mu_;
 };
 
@@ -457,10 +491,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("divisor") = 1.0, py::arg("site") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def("all_gather", &ShmComm::all_gather, py::arg("input"), py::arg("output"),
-           py::arg("site") = 0, py::call_guard<py::gil_scoped_release>())
+           py::arg("site") = 0, py::arg("desc") = 0, py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter", &ShmComm::reduce_scatter, py::arg("input"), py::arg("output"),
            py::arg("site") = 0, py::call_guard<py::gil_scoped_release>())
       .def("all_to_all", &ShmComm::all_to_all, py::arg("input"), py::arg("output"),
            py::arg("site") = 0, py::call_guard<py::gil_scoped_release>())
-      .def("barrier", &ShmComm::barrier, py::call_guard<py::gil_scoped_release>());
+      .def("barrier", &ShmComm::barrier, py::call_guard<py::gil_scoped_release>())
+      .def("failure", &ShmComm::failure)
+      .def("broken", &ShmComm::broken);
 }

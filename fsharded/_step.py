@@ -25,8 +25,8 @@ import optree
 import torch
 import torch.distributed as dist
 
+from fsharded import _step_agree, _tree, checkpoint, memory, optim
 from fsharded import _step_parts as P
-from fsharded import _tree, checkpoint, memory, optim
 from fsharded import random as R
 from fsharded._step_checks import (
     _check_grad_types,
@@ -426,8 +426,14 @@ class TrainStep:
         """Write ``state`` to ``directory`` (``fsharded.checkpoint``): every leaf under its
         path with its global shape and spec; on real ranks each rank writes its own shards
         (call it on every rank). Returns the directory."""
-        return checkpoint.save(directory, state, self.state_specs(state), self.mesh,
-                               overwrite=overwrite)
+        try:
+            return checkpoint.save(directory, state, self.state_specs(state), self.mesh,
+                                   overwrite=overwrite)
+        except RuntimeError as e:  # torch.distributed's error: which save, which rank, what now
+            err = _step_agree.save_error("save", int(state.step), directory, e) if self.distributed else None
+            if err is None:
+                raise
+            raise err from e
 
     def save_async(self, state: TrainState, directory: Any, *, overwrite: bool = False,
                    max_staged_bytes: int | None = None) -> checkpoint.PendingSave:
@@ -437,9 +443,15 @@ class TrainStep:
         ``max_staged_bytes`` bounds the copies held at once. The copy goes into host memory
         the step keeps for its next save (``step.staging``: this device's share of the
         state; ``step.staging.release()`` frees it)."""
-        return checkpoint.save_async(directory, state, self.state_specs(state), self.mesh,
-                                     overwrite=overwrite, max_staged_bytes=max_staged_bytes,
-                                     staging=self.staging)
+        try:
+            return checkpoint.save_async(directory, state, self.state_specs(state), self.mesh,
+                                         overwrite=overwrite, max_staged_bytes=max_staged_bytes,
+                                         staging=self.staging)
+        except RuntimeError as e:
+            err = _step_agree.save_error("save_async", int(state.step), directory, e) if self.distributed else None
+            if err is None:
+                raise
+            raise err from e
 
     def load(self, directory: Any, like: Any = None) -> TrainState:
         """The state saved at ``directory``, laid out for this step's mesh and placement,
@@ -627,6 +639,7 @@ class TrainStep:
         t0 = time.perf_counter()
         sm = self._shard_mapped(state)
         if self.distributed:  # the batch is global (the same on every rank): take our rows
+            _step_agree.agree(self, state, batch)  # the same settings, step count and batch everywhere
             batch = _local_batch(sm, batch)
             key = optree.tree_structure((state, batch)), _shapes((state, batch))
             if self.check_schedule and key not in self._agreed:

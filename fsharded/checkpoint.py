@@ -397,8 +397,8 @@ class PendingSave:
             raise self._error
         job = self._job
         if job.dist and job.rank != 0:  # complete when rank 0 has renamed it into place
-            _poll(lambda: _token_at(job.directory) == job.token or bool(_failed_markers(job.tmp)), self._timeout,
-                  f"checkpoint.save_async: rank 0 did not publish {job.directory}")
+            _wait_for_ranks(lambda: _token_at(job.directory) == job.token or bool(_failed_markers(job.tmp)),
+                            self._timeout, job, lambda: [0], "publish")
             if _token_at(job.directory) != job.token:
                 raise CheckpointError(f"checkpoint.save_async: {job.directory} was not saved: "
                                       f"another rank failed (see {job.tmp})")
@@ -470,8 +470,9 @@ class PendingSave:
             if job.rank == 0:
                 if job.dist:
                     names = [os.path.join(job.tmp, f"blocks-{w:05d}.json") for w in range(job.writers)]
-                    _poll(lambda: _failed_markers(job.tmp) or all(os.path.exists(n) for n in names),
-                          self._timeout, f"checkpoint.save_async: not every rank wrote its part of {job.directory}")
+                    _wait_for_ranks(lambda: bool(_failed_markers(job.tmp)) or all(os.path.exists(n) for n in names),
+                                    self._timeout, job,
+                                    lambda: [w for w, n in enumerate(names) if not os.path.exists(n)], "write")
                     if _failed_markers(job.tmp):
                         raise CheckpointError(f"checkpoint.save_async: {job.directory} was not saved: "
                                               f"{', '.join(_failed_markers(job.tmp))} in {job.tmp}")
@@ -508,7 +509,7 @@ class PendingSave:
 def save_async(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, *,
                backend: str | None = None, overwrite: bool = False,
                max_staged_bytes: int | None = None, staging: Staging | None = None,
-               timeout_s: float = 1800.0) -> PendingSave:
+               timeout_s: float | None = None) -> PendingSave:
     """``save`` in the background: returns once every block this device writes is copied
     (the caller may then change ``tree`` — a donated step may overwrite it), while a
     thread writes the copies, checksums and publishes the checkpoint as ``save`` does.
@@ -520,7 +521,10 @@ def save_async(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, 
     ``Staging``) keeps that buffer for the next save, so that later copies reuse warm
     memory. ``max_staged_bytes``: at most that many bytes of copies held at once (at least
     one block): the call then returns once all but that much is written. Collectives run
-    only in this call, none in the thread.
+    only in this call, none in the thread. ``.wait()`` waits for the other ranks' parts
+    (rank 0) or for rank 0's publication (the others) at most ``timeout_s`` (default:
+    ``initialize(timeout_s=...)``'s), and names a rank whose process exited or died before
+    doing its part as soon as it has (on this host).
 
     >>> staging = fs.checkpoint.Staging()
     >>> pending = fs.checkpoint.save_async("ckpt/step-200", state, specs, mesh, staging=staging)
@@ -538,7 +542,7 @@ def save_async(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, 
     arena = None
     if max_staged_bytes is None or max_staged_bytes >= total:
         arena = staging._take(total) if staging is not None else Arena(total)
-    pending = PendingSave(job, timeout_s, arena, staging)
+    pending = PendingSave(job, comm.timeout_s() if timeout_s is None else timeout_s, arena, staging)
     if arena is None:  # the writer frees copies as it goes, so that staging can go on
         pending._thread.start()
         pending._stage(max_staged_bytes)
@@ -565,6 +569,30 @@ def _token_at(directory: str) -> str | None:
             return json.load(f).get("token")
     except (OSError, ValueError):
         return None
+
+
+def _wait_for_ranks(ready: Any, timeout_s: float, job: _Job, missing: Any, doing: str) -> None:
+    """Wait until ``ready()``; the ranks ``missing()`` are those it waits for (to ``doing``:
+    "write" their part, or "publish" the checkpoint). An error naming them as soon as one
+    has exited or died without doing it, or after ``timeout_s``."""
+    part = ("publish it (rank 0 renames the complete checkpoint into place)" if doing == "publish"
+            else "write its part of it")
+    after = (f"The checkpoint was not saved (the unfinished one stays in {job.tmp}; the earlier ones are "
+             "untouched): restart the ranks and resume from the last complete checkpoint")
+
+    def exited(gone: list, waited: float) -> BaseException:
+        who = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone)
+        return CheckpointError(f"checkpoint.save_async: {who} exited or died before it could {part}; rank "
+                               f"{job.rank} waited {waited:.1f} s for {job.directory}. {after}")
+
+    def late(waited: float) -> BaseException:
+        who = ", ".join(f"rank {r}" for r in missing()) or "another rank"
+        return TimeoutError(f"checkpoint.save_async: rank {job.rank} waited {waited:.0f} s (the timeout: "
+                            f"initialize(timeout_s=...), or save_async(timeout_s=...)) for {who} to {part} "
+                            f"({job.directory}); it is alive but did not: stuck, or not saving (every rank must "
+                            f"call save_async and wait()). {after}")
+
+    comm._peers.poll(ready, timeout_s=timeout_s, peers=missing, on_exit=exited, on_timeout=late)
 
 
 def _poll(ready: Any, timeout_s: float, what: str) -> None:

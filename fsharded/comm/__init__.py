@@ -5,7 +5,7 @@ and traceable c10d calls (``_c10d``) and the same-host shared-memory transport f
 CPU ranks (``_shm``). Nothing here knows about shard_map, specs or varying axes.
 """
 
-from fsharded.comm import _c10d, _groups, _shm  # noqa: F401 - the transport modules, by name
+from fsharded.comm import _c10d, _groups, _peers, _shm  # noqa: F401 - the transport modules, by name
 from fsharded.comm._c10d import (
     all_gather_dim,
     all_reduce,

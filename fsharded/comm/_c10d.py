@@ -7,6 +7,7 @@ torch.distributed's own calls. Every function returns a new tensor.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,13 +79,19 @@ class Pending:
     """The requests of a started exchange; ``wait()`` once before the received buffer is
     read (and before the sent tensor is written)."""
 
-    def __init__(self, reqs: list, keep: torch.Tensor | None = None) -> None:
-        self._reqs, self._keep = reqs, keep
+    def __init__(self, reqs: list, keep: torch.Tensor | None = None, g: Any = None) -> None:
+        self._reqs, self._keep, self._g = reqs, keep, g
+        self._t0 = time.monotonic()
 
     def wait(self) -> None:
         reqs, self._reqs, self._keep = self._reqs, [], None
-        for req in reqs:
-            req.wait()
+        try:
+            for req in reqs:
+                req.wait()
+        except RuntimeError as e:  # a peer that exited, or the timeout: named
+            if self._g is None:
+                raise
+            raise _shm.transport_error(self._g, "ppermute", e, self._t0) from None
 
 
 @_trace.traced("send_recv", 0, 1, started=True)
@@ -93,6 +100,8 @@ def send_recv_start(x: torch.Tensor, g: Any, perm: tuple[tuple[int, int], ...]) 
     nothing comes; its contents are undefined until ``wait()``) and the ``Pending``
     requests. The transfer proceeds in the transport's own threads meanwhile."""
     xs = x.contiguous()
+    if not tracing():  # every rank at this ppermute, with this shape and perm
+        _shm.check_permute(xs, g, perm)
     out = torch.zeros_like(xs)
     ops = []
     for s, d in perm:
@@ -100,7 +109,7 @@ def send_recv_start(x: torch.Tensor, g: Any, perm: tuple[tuple[int, int], ...]) 
             ops.append(dist.P2POp(dist.isend, xs, g.ranks[d], group=g.group))
         if d == g.index:
             ops.append(dist.P2POp(dist.irecv, out, g.ranks[s], group=g.group))
-    return out, Pending(dist.batch_isend_irecv(ops) if ops else [], xs)
+    return out, Pending(dist.batch_isend_irecv(ops) if ops else [], xs, g)
 
 
 def _inverse(order: Sequence[int]) -> list[int]:

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from fsharded.comm import _peers
+
 __all__ = ["initialize", "is_initialized", "rank", "world_size", "device_mesh", "axis_group",
            "AxisGroup", "check_world", "remember_device_mesh", "default_device_type", "timeout_s", "forget"]
 
@@ -76,12 +78,16 @@ def initialize(backend: str | None = None, *, timeout_s: float = 300.0) -> None:
     else:
         dist.init_process_group(backend, timeout=timeout)
     _TIMEOUT["s"] = float(timeout_s)
+    # Every rank's process (host, pid), so that a rank waiting for another (a collective,
+    # a checkpoint's publication) can say that it exited instead of waiting out the timeout.
+    _peers.gather()
 
 
 def forget() -> None:
     """Drop every axis group and device mesh made so far (``comm.shutdown``)."""
     _GROUPS.clear()
     _DEVICE_MESHES.clear()
+    _peers.forget()
 
 
 def rank() -> int:
