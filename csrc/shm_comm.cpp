@@ -88,6 +88,26 @@ const char* op_name(uint64_t op) {
   return op < 8 ? names[op] : "?";
 }
 
+// A dtype code of a round's description, named as Python names it ("torch.float32").
+std::string dtype_name(uint64_t code) {
+  if (code > static_cast<uint64_t>(at::ScalarType::NumOptions)) return "an unknown dtype";
+  switch (static_cast<at::ScalarType>(code)) {
+    case at::kByte: return "torch.uint8";
+    case at::kChar: return "torch.int8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kHalf: return "torch.float16";
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    case at::kBool: return "torch.bool";
+    case at::kBFloat16: return "torch.bfloat16";
+    default: return std::string("torch.") + c10::toString(static_cast<at::ScalarType>(code));
+  }
+}
+
 // Kinds of failure, for `failure()`.
 enum Failure : int64_t { kNone = 0, kOtherOp, kOtherSite, kExited, kTimeout, kInterrupted };
 
@@ -389,10 +409,10 @@ class ShmComm {
         throw std::runtime_error(
             std::string("fsharded shared-memory collectives: rank ") + std::to_string(rank_) +
             " called " + op_name(desc >> 56) + " of " + std::to_string(desc & ((uint64_t{1} << 48) - 1)) +
-            " elements (dtype " + std::to_string((desc >> 48) & 0xff) + ") while rank " +
+            " elements (" + dtype_name((desc >> 48) & 0xff) + ") while rank " +
             std::to_string(j) + " called " + op_name(theirs >> 56) + " of " +
-            std::to_string(theirs & ((uint64_t{1} << 48) - 1)) + " elements (dtype " +
-            std::to_string((theirs >> 48) & 0xff) + "); every rank of a group must issue the "
+            std::to_string(theirs & ((uint64_t{1} << 48) - 1)) + " elements (" +
+            dtype_name((theirs >> 48) & 0xff) + "); every rank of a group must issue the "
             "same collectives in the same order");
       }
       const uint64_t where = arrive_at(j)->site[round_ % 2].load(std::memory_order_relaxed);

@@ -54,6 +54,14 @@ def psums_in_order(case: str):
     return _error(lambda: f(a, b).tolist())
 
 
+def psum_in_another_dtype():
+    """The same psum from the same line, in float32 on rank 0 and float64 on rank 1."""
+    mesh = fs.Mesh({"data": dist.get_world_size()})
+    dtype = torch.float32 if dist.get_rank() == 0 else torch.float64
+    f = fs.shard_map(lambda a: fs.psum(a, "data"), mesh=mesh, in_specs=(P("data"),), out_specs=P())
+    return _error(lambda: f(torch.ones(4 * dist.get_world_size(), dtype=dtype)).tolist())
+
+
 # -- train steps that differ between ranks -----------------------------------------------------
 
 

@@ -45,6 +45,17 @@ def test_same_shape_psums_in_another_order_or_skipped_are_an_error_on_every_rank
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_psum_in_another_dtype_names_both_dtypes(transport, monkeypatch):
+    # The shared-memory transport's message printed dtypes as codes ("dtype 6").
+    monkeypatch.setenv("FSHARDED_SHM", TRANSPORTS[transport])
+    monkeypatch.setenv("FSHARDED_SHM_TIMEOUT", "10")
+    for out in run_on_ranks(C.psum_in_another_dtype, 2):
+        assert isinstance(out, str), f"no error, numbers: {out}"
+        assert "torch.float32" in out and "torch.float64" in out, out
+        assert not re.search(r"dtype \d", out), out
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_on_4_ranks_a_skipped_psum_is_an_error_on_every_rank(transport, monkeypatch):
     monkeypatch.setenv("FSHARDED_SHM", TRANSPORTS[transport])
     monkeypatch.setenv("FSHARDED_SHM_TIMEOUT", "10")
