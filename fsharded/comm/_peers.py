@@ -24,7 +24,8 @@ __all__ = ["me", "gather", "record", "forget", "pid_of", "exited", "exited_among
 _PROCS: dict[int, tuple[str, str, int]] = {}
 
 
-def _boot_id() -> str:
+def boot_id() -> str:
+    """This boot of this host (ranks on one host share its memory)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
@@ -34,7 +35,7 @@ def _boot_id() -> str:
 
 def me() -> tuple[str, str, int]:
     """This process: (host name, boot id, pid)."""
-    return socket.gethostname(), _boot_id(), os.getpid()
+    return socket.gethostname(), boot_id(), os.getpid()
 
 
 def gather() -> None:

@@ -106,14 +106,6 @@ def _module() -> tuple[Any, str]:
                     took="~1 min", extra_cflags=["-O3"], extra_ldflags=["-lrt"])
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 def _timeout(g: Any) -> float:
     """Seconds a rank waits for the others: FSHARDED_SHM_TIMEOUT, else the group's own."""
     if os.environ.get("FSHARDED_SHM_TIMEOUT"):
@@ -148,7 +140,7 @@ def _setup(g: Any) -> Any:
         _module()  # the first compiles while the others wait on its file lock, untimed
     dist.barrier(group=g.group)
     mod, why = _module() if on else (None, "")
-    me = (socket.gethostname(), _boot_id(), on, mod is not None, why, os.getpid(), _checks())
+    me = (socket.gethostname(), _peers.boot_id(), on, mod is not None, why, os.getpid(), _checks())
     infos: list = [None] * g.size
     dist.all_gather_object(infos, me, group=g.group)
     if len({i[6] for i in infos}) > 1:  # one rank would gather before each collective, another not
