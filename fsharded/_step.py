@@ -287,14 +287,16 @@ class TrainStep:
         ms = self._init_model_state(model_state)
         paths, leaves, _ = _tree.tree_flatten_with_paths(params)
         bad = [f"  {p}: {x.dtype}" for p, x in zip(paths, leaves)
-               if isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex())]
+               if isinstance(x, torch.Tensor) and not x.is_floating_point()]
         if bad:
             raise ValueError(
-                "train_step.init: parameters must be floating-point tensors (they are "
+                "train_step.init: parameters must be real floating-point tensors (they are "
                 "differentiated and updated); these are not:\n" + "\n".join(bad[:8])
                 + ("\n  ..." if len(bad) > 8 else "")
                 + "\nKeep integer tensors (ids, masks, counters) out of the parameter tree: pass "
-                  "them in the batch or close over them in the loss")
+                  "them in the batch or close over them in the loss. A complex parameter is not "
+                  "updated correctly (its gradient's imaginary part would be dropped): store it as "
+                  "real pairs (torch.view_as_real) and make it complex in the loss (view_as_complex)")
         pl = self.placement(params)
         if self.check_memory:
             self._check_memory(params, pl)
@@ -429,7 +431,7 @@ class TrainStep:
         try:
             return checkpoint.save(directory, state, self.state_specs(state), self.mesh,
                                    overwrite=overwrite)
-        except RuntimeError as e:  # torch.distributed's error: which save, which rank, what now
+        except (RuntimeError, checkpoint.CheckpointError) as e:  # a failed collective: which save, which rank, what now
             err = _step_agree.save_error("save", int(state.step), directory, e) if self.distributed else None
             if err is None:
                 raise
@@ -447,7 +449,7 @@ class TrainStep:
             return checkpoint.save_async(directory, state, self.state_specs(state), self.mesh,
                                          overwrite=overwrite, max_staged_bytes=max_staged_bytes,
                                          staging=self.staging)
-        except RuntimeError as e:
+        except (RuntimeError, checkpoint.CheckpointError) as e:
             err = _step_agree.save_error("save_async", int(state.step), directory, e) if self.distributed else None
             if err is None:
                 raise
@@ -763,10 +765,14 @@ def _check_optimizer(optimizer: Any) -> None:
     if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
         return
     is_class = isinstance(optimizer, type)
-    what = f"the class {optimizer.__module__}.{optimizer.__name__}" if is_class \
-        else f"{type(optimizer).__name__} {optimizer!r:.60}"
     is_torch = isinstance(optimizer, torch.optim.Optimizer) or \
         (is_class and issubclass(optimizer, torch.optim.Optimizer))
+    if is_class:
+        what = f"the class {optimizer.__module__}.{optimizer.__name__}"
+    elif is_torch:
+        what = f"a {type(optimizer).__module__}.{type(optimizer).__name__} instance"
+    else:
+        what = f"{type(optimizer).__name__} " + " ".join(repr(optimizer).split())[:60]
     hint = ("; torch.optim's optimizers keep their state inside themselves: use fsharded.optim's pure "
             "(init, update) pairs (fs.optim.adamw, adam, sgd, lion, adagrad, lamb)" if is_torch else "")
     raise TypeError(f"train_step: optimizer must be a gradient transformation with init(params) and "

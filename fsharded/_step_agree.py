@@ -196,25 +196,16 @@ def save_error(what: str, step_count: int, directory: Any, e: BaseException) -> 
     """A failure of torch.distributed inside ``step.save`` / ``step.save_async``: which save,
     which ranks exited (found from their processes), and what to do. None for an error
     that is not the process group's (raised as it is)."""
-    text = str(e)
-    if not (isinstance(e, getattr(dist, "DistError", ())) or "gloo" in text or "NCCL" in text
-            or "c10d" in text or "timed out" in text.lower()):
+    if not isinstance(e, RuntimeError):  # the checkpoint's own account of a failed collective
+        e = e.__cause__
+        if e is None:
+            return None
+    why = _peers.why_failed(e, f"train_step.{what}")
+    if why is None:
         return None
     me = dist.get_rank()
-    gone = _peers.exited_among([r for r in range(dist.get_world_size()) if r != me], settle_s=1.0)
-    cause = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-    if gone:
-        who = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone)
-        why = f"{who} exited or died during the save"
-    elif "timed out" in cause.lower() or "timeout" in cause.lower():
-        others = [r for r in range(dist.get_world_size()) if r != me]
-        who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
-        why = (f"{who} did not reach the save's collectives within the timeout (initialize(timeout_s=...)): "
-               f"stuck, or not saving at this step (every rank must call {what})")
-    else:
-        why = "a collective failed"
     return RuntimeError(
-        f"train_step.{what}: saving the state after step {step_count} to {directory} failed on rank {me}: {why} "
-        f"(torch.distributed: {cause}). This checkpoint was not written (an unfinished {directory}.tmp-* "
+        f"train_step.{what}: saving the state after step {step_count} to {directory} failed on rank {me}: {why}. "
+        f"This checkpoint was not written (an unfinished {directory}.tmp-* "
         "directory may remain; it is never loaded) and the earlier ones are untouched: restart every rank and "
         "resume from the last complete checkpoint")

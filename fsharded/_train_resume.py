@@ -17,8 +17,11 @@ import inspect
 import json
 import os
 import warnings
+import zlib
 from collections.abc import Collection
 from typing import IO, Any
+
+import torch
 
 JOB_FILE = "job.json"
 RESUME_CHANGES = ("schedule", "batch")
@@ -91,6 +94,11 @@ def job_record(cfg: Any, step: int) -> dict:
             "mesh": dict(cfg.mesh)}
 
 
+def _crc(record: dict) -> int:
+    """A checksum of a job record (of its canonical JSON), kept in the file beside it."""
+    return zlib.crc32(json.dumps(record, sort_keys=True).encode())
+
+
 def write_job(checkpoint: str, record: dict) -> None:
     """``checkpoint/job.json``, whole or not at all (a temporary file renamed over it). A
     checkpoint pruned meanwhile is skipped."""
@@ -100,7 +108,7 @@ def write_job(checkpoint: str, record: dict) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w") as f:
-            json.dump(record, f, indent=1)
+            json.dump({**record, "crc32": _crc(record)}, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -123,7 +131,14 @@ def read_job(checkpoint: str) -> dict | None:
         except (OSError, ValueError) as e:
             raise ValueError(f"--resume: {os.path.join(d, JOB_FILE)} cannot be read ({e}); it records "
                              f"the run's schedule and batch: remove it to resume without that check") from None
-        return rec if isinstance(rec, dict) else None
+        if not isinstance(rec, dict):
+            return None
+        crc = rec.pop("crc32", None)
+        if crc is not None and crc != _crc(rec):
+            raise ValueError(f"--resume: {os.path.join(d, JOB_FILE)} does not match its checksum: it was "
+                             f"edited or damaged. It records the run's schedule and global batch: restore "
+                             f"it, or remove it to resume without that check (the flags given then decide)")
+        return rec
 
     own = load(checkpoint)
     if own is not None:
@@ -138,6 +153,22 @@ def read_job(checkpoint: str) -> dict | None:
         if rec is not None:
             return rec
     return None
+
+
+def _same_rates(old: dict, new: dict, start: int, steps: int) -> bool:
+    """Whether two schedules give the same learning rate to every update the resumed run
+    makes (updates ``start`` to ``steps - 1``): parameters that differ only where the run
+    has passed (a warmup already over) change nothing."""
+    from fsharded import optim
+
+    if steps <= start:
+        return True
+    try:
+        at = torch.arange(start, steps)
+        a, b = (optim.get_lr(lr_schedule(r), at) for r in (old, new))
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    except Exception:  # noqa: BLE001 - a schedule that cannot be compared counts as changed
+        return False
 
 
 def check_resume(cfg: Any, checkpoint: str, allow: Collection[str] = ()) -> int | None:
@@ -156,7 +187,7 @@ def check_resume(cfg: Any, checkpoint: str, allow: Collection[str] = ()) -> int 
     start = int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else int(rec.get("step", 0))
     errors = []
     old, new = rec.get("schedule"), schedule_record(cfg)
-    if old is not None and old != new and "schedule" not in allow:
+    if old is not None and old != new and "schedule" not in allow and not _same_rates(old, new, start, cfg.steps):
         changed = ", ".join(f"{k} {old['params'].get(k)!r} -> {new['params'].get(k)!r}"
                             for k in sorted(set(old["params"]) | set(new["params"]))
                             if old["params"].get(k) != new["params"].get(k)) if old["name"] == new["name"] \

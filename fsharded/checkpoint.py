@@ -79,6 +79,7 @@ from fsharded._ckpt_index import (
 from fsharded._ckpt_interop import dcp_state_dict, export_safetensors, load_dcp, save_dcp
 from fsharded._ckpt_write import Arena, _fsync, _write_data, _write_json
 from fsharded._ds_checkpoint import DeepSpeedCheckpoint, load_deepspeed, read_deepspeed
+from fsharded.comm import _peers
 from fsharded.mesh import Mesh, PartitionSpec
 from fsharded.mesh._layout import check_sharded_tree, check_tree, dims, global_shape, local_slice
 
@@ -160,7 +161,16 @@ class _Job:
             raise FileExistsError(f"checkpoint.save: {directory} exists; pass overwrite=True to replace it")
         token = [secrets.token_hex(4)]
         if self.dist:
-            torch.distributed.broadcast_object_list(token, src=0)
+            try:
+                torch.distributed.broadcast_object_list(token, src=0)
+            except Exception as e:
+                why = _peers.why_failed(e, "checkpoint.save")
+                if why is None:
+                    raise
+                raise CheckpointError(
+                    f"checkpoint.save: {directory} was not saved (rank {self.rank}): {why}. The earlier "
+                    "checkpoints are untouched: restart every rank and resume from the last complete one"
+                ) from e
         self.token = token[0]
         self.tmp = f"{directory}.tmp-{self.token}"
         os.makedirs(self.tmp, exist_ok=self.dist)  # a fresh name: on real ranks, whoever is first

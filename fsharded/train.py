@@ -14,6 +14,8 @@ prints a summary: losses, throughput, parameters, mesh and per-step collective b
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import functools
 import json
 import math
@@ -67,7 +69,6 @@ def parse_mesh(text: str) -> dict[str, int]:
 def check_mesh_axes(mesh: dict[str, int], replicated: Sequence[str] = ()) -> None:
     """Every axis must be one the job shards over (a typo would silently replicate), or
     one declared ``replicated`` (``--replicate-over``: the job runs on it, replicated)."""
-    import difflib
 
     for name in replicated:
         if name in TRAIN_AXES:
@@ -220,7 +221,9 @@ def make_config(args: argparse.Namespace, world_size: int = 1):
                               "params": _schedule_defaults(args.schedule, length or flags.get("steps", base.steps))}
     cfg = _apply(base, flags)
     if length is not None:
-        cfg = _with_schedule_length(cfg, length)
+        # (--schedule's defaults were derived from the length above: a warmup-only schedule
+        # such as WarmupLR takes its warmup from it and has no length of its own to set)
+        cfg = _with_schedule_length(cfg, length, derived=bool(args.schedule))
     if args.set:
         cfg = C.apply_overrides(cfg, args.set)
     if length is None and _is_default_schedule(cfg):  # the default schedule follows the steps run
@@ -233,15 +236,18 @@ def _is_default_schedule(cfg) -> bool:
     return cfg.scheduler.name == default["name"] and dict(cfg.scheduler.params) == default["params"]
 
 
-def _with_schedule_length(cfg, n: int):
+def _with_schedule_length(cfg, n: int, *, derived: bool = False):
     """``cfg`` with its schedule ``n`` steps long (``--schedule-steps``): the default
-    schedule whole (its warmup a tenth), another its length parameter only."""
+    schedule whole (its warmup a tenth), another its length parameter only; ``derived``:
+    the schedule's defaults were made for ``n`` steps already (``--schedule``)."""
     from fsharded._train_resume import LENGTH_PARAM
 
     if _is_default_schedule(cfg):
         return _apply(cfg, {"scheduler": {"name": "WarmupCosineLR", "params": {
             **JOB_DEFAULTS["scheduler"]["params"], "total_num_steps": n, "warmup_num_steps": max(1, n // 10)}}})
     key = LENGTH_PARAM.get(cfg.scheduler.name)
+    if key is None and derived:
+        return cfg
     if key is None:
         raise ValueError(f"--schedule-steps: the {cfg.scheduler.name} schedule has no length (those with one: "
                          f"{', '.join(LENGTH_PARAM)})")
@@ -357,6 +363,13 @@ def build_model_config(cfg, data_vocab: int | None = None):
     if make is None or preset.startswith("_"):
         raise ValueError(f"model.preset: unknown GPT preset {preset!r}; known: tiny, small, llama_style")
     m.setdefault("seq_len", cfg.seq_len)
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = [k for k in m if k not in fields]
+    if unknown:
+        hints = [f"  model.{k}" + (f" (did you mean model.{close[0]}?)" if (close := difflib.get_close_matches(
+            k, sorted(fields), n=1)) else "") for k in unknown]
+        raise ValueError("unknown model settings:\n" + "\n".join(hints)
+                         + f"\nThe GPT's settings are: {', '.join(sorted(fields))}")
     return make(**m)
 
 

@@ -138,8 +138,9 @@ def ppermutes(case: str, timeout_s: float = 5.0):
 #   mesh2x2_HOW        4 ranks, mesh data=2 x tensor=2: a psum over data, then global rank 3
 #                      exits ("exit"), is SIGKILLed ("kill") or sleeps ("hang"); the others
 #                      psum over data again (ranks 0 and 2 together, rank 1 waits for 3)
-#   save_async_WHO_HOW 2 ranks: save_async; rank 1 does not write its part ("writer"), or
-#                      rank 0 does not publish the checkpoint ("publisher"), by HOW
+#   save_async_WHO_HOW 2 ranks: save_async; rank 1 does not write its part ("writer") or
+#                      never calls save_async ("absent"), or rank 0 does not publish the
+#                      checkpoint ("publisher"), by HOW
 #   step_save_HOW      2 ranks: a train step, then step.save; rank 1 leaves before saving
 #
 # Every surviving rank prints "<message> | <seconds waited>" ("ok" when it saw no error).
@@ -188,7 +189,9 @@ def main(scenario: str) -> None:
     if scenario.startswith("save_async_"):
         mesh = fs.Mesh({"data": 2})
         directory = os.environ["CKPT_DIR"]
-        victim = 1 if "_writer_" in scenario else 0
+        victim = 0 if "_publisher_" in scenario else 1
+        if rank == victim and "_absent_" in scenario:  # gone before it calls save_async
+            _fault(how)
         if rank == victim:
             if victim == 1:
                 checkpoint._write_data = lambda *a, **k: _fault(how)

@@ -195,6 +195,24 @@ def test_save_async_wait_names_a_peer_that_died_or_hung_within_the_timeout(who, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("how", ["kill", "exit", "hang"])
+def test_save_async_names_a_peer_gone_before_it_called_it(how, tmp_path):
+    # Before: the save's first collective (its token's broadcast) raised gloo's own error
+    # ("Connection reset by peer", or its timeout) naming no rank.
+    timeout = 6.0
+    res = _ranks(f"save_async_absent_{how}", 2, timeout, {"CKPT_DIR": str(tmp_path / "ckpt")}, wait_for=(0,))
+    msg, waited = _said(res[0])
+    assert msg.startswith("CheckpointError: checkpoint.save:") and "was not saved (rank 0)" in msg, msg
+    if how == "hang":
+        assert "rank 1 did not reach checkpoint.save's collectives within the timeout" in msg, msg
+        assert waited < timeout + 5.0, msg
+    else:
+        assert "rank 1 (pid" in msg and "exited or died during checkpoint.save" in msg, msg
+        assert waited < 5.0, msg
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.slow
 def test_save_async_under_torchrun_names_a_peer_that_exited_0(tmp_path):
     # Before: rank 0's wait() polled for 1,800 s (torchrun waits for the survivor).
     env = {**os.environ, "CKPT_DIR": str(tmp_path / "ckpt"), "TIMEOUT_S": "60"}
@@ -234,7 +252,7 @@ def test_a_peer_failing_during_step_save_is_named_with_the_save(how, transport, 
     assert msg.startswith(f"RuntimeError: train_step.save: saving the state after step 1 to {ckpt} failed on "
                           "rank 0: "), msg
     if how == "exit":
-        assert "rank 1 (pid" in msg and "exited or died during the save" in msg, msg
+        assert "rank 1 (pid" in msg and "exited or died during train_step.save" in msg, msg
     else:
         assert "within the timeout" in msg, msg
     assert "resume from the last complete checkpoint" in msg, msg

@@ -171,3 +171,19 @@ def test_a_refused_step_says_when_the_state_passed_in_was_already_not_finite():
         step(poisoned, {"bias": torch.tensor(0.0)})
     with pytest.raises(FloatingPointError, match=r"is unchanged\. Lower the learning rate"):  # a good state: no such note
         step(state, {"bias": torch.tensor(NAN)})
+
+
+def test_a_schedule_returning_python_floats_runs_and_its_nan_is_refused():
+    # Before: any callable lr returning a Python float failed with AttributeError: 'float'
+    # object has no attribute 'to', so its nan never reached the check.
+    import fsharded as fs
+
+    sched = lambda s: float("nan") if int(s) == 3 else 1e-2  # noqa: E731
+    step = fs.train_step(lambda p, b: ((b @ p) ** 2).mean(), fs.optim.adamw(sched), mesh=fs.Mesh({"data": 2}))
+    state = step.init(torch.ones(4, 2))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        state, m = step(state, torch.randn(8, 4, generator=g))
+        assert m["lr"] == pytest.approx(1e-2)
+    with pytest.raises(FloatingPointError, match="learning rate is nan"):
+        step(state, torch.randn(8, 4, generator=g))

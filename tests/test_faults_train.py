@@ -293,3 +293,60 @@ def test_a_metrics_path_that_is_a_directory_is_named(tmp_path, capsys):
     code, out, err = _main([*TINY, "--steps", "1", "--metrics", str(tmp_path)], capsys)
     assert code == 1 and f"--metrics: '{tmp_path}' is a directory; give the path of a file" in err, err
     assert "GPT" not in out  # refused before anything was built
+
+
+def test_an_edited_job_record_is_refused(tmp_path, capsys):
+    """job.json carries its own checksum: an edited learning rate in it is refused instead of
+    becoming what the resume is checked against."""
+    ck = tmp_path / "ck"
+    assert _main([*TINY, "--steps", "4", "--save-every", "4", "--save-dir", str(ck)], capsys)[0] == 0
+    path = ck / "step-00000004" / "job.json"
+    text = path.read_text()
+    assert '"lr": 0.003' in text or '"lr": 0.0003' in text, text
+    path.write_text(text.replace('"lr": 0.0003', '"lr": 0.0004').replace('"lr": 0.003', '"lr": 0.004'))
+    code, _, err = _main([*TINY, "--steps", "6", "--schedule-steps", "4", "--resume", "latest",
+                          "--save-dir", str(ck)], capsys)
+    assert code == 1 and "job.json does not match its checksum" in err, err[-2000:]
+
+
+def test_a_warmup_only_schedule_resumes_when_no_remaining_rate_changes(tmp_path, capsys):
+    """WarmupLR's warmup follows --steps (a tenth): --steps 10, then --steps 20 --resume
+    latest changes warmup_num_steps 1 -> 2, which no update after step 10 sees: accepted.
+    With --schedule-steps 10 (the flag the refusals name) the schedule is the checkpoint's."""
+    ck = tmp_path / "ck"
+    run = [*TINY, "--schedule", "WarmupLR", "--save-dir", str(ck)]
+    assert _main([*run, "--steps", "10", "--save-every", "10"], capsys)[0] == 0
+    code, out, err = _main([*run, "--steps", "12", "--resume", "latest"], capsys)
+    assert code == 0 and "resumed from" in out, err[-2000:]
+    code, out, err = _main([*run, "--steps", "12", "--schedule-steps", "10", "--resume", "latest"], capsys)
+    assert code == 0 and "resumed from" in out, err[-2000:]
+
+
+def test_an_unknown_model_setting_is_named_with_the_near_one(tmp_path, capsys):
+    # Before: TypeError: GPTConfig.__init__() got an unexpected keyword argument 'n_layer'.
+    code, _, err = _main([*TINY, "--steps", "1", "--set", "model.n_layer=3"], capsys)
+    assert code == 1 and "model.n_layer (did you mean model.n_layers?)" in err, err[-2000:]
+
+
+def test_complex_parameters_are_refused_by_path():
+    # Before: accepted with a torch warning, and the update dropped the imaginary part of
+    # the gradient ((1+1j) became 0.9899+0.9999j after one adamw step).
+    import torch
+
+    import fsharded as fs
+
+    step = fs.train_step(lambda p, b: (b.to(p["z"].dtype) @ p["z"]).abs().mean(), fs.optim.adamw(1e-2),
+                         mesh=fs.Mesh({"data": 2}))
+    with pytest.raises(ValueError, match=r"(?s)real floating-point.*z: torch.complex64.*view_as_real"):
+        step.init({"z": torch.ones(4, 2, dtype=torch.complex64)})
+
+
+def test_a_torch_optimizer_is_refused_in_one_readable_line():
+    import torch
+
+    import fsharded as fs
+
+    opt = torch.optim.AdamW([torch.zeros(2, requires_grad=True)])
+    with pytest.raises(TypeError) as e:
+        fs.train_step(lambda p, b: p.sum(), opt, mesh=fs.Mesh({"data": 1}))
+    assert "got a torch.optim.adamw.AdamW instance" in str(e.value) and "\n" not in str(e.value)

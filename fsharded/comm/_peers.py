@@ -131,3 +131,26 @@ def poll(ready: Callable[[], bool], *, timeout_s: float, peers: Callable[[], Ite
             raise on_timeout(waited)
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
+
+
+def why_failed(e: BaseException, what: str) -> str | None:
+    """Why a torch.distributed call of ``what`` failed on this rank, naming the ranks whose
+    processes exited (found from their pids) or that did not arrive in time; None for an
+    error that is not the process group's (the caller raises it as it is)."""
+    text = str(e)
+    if not (isinstance(e, getattr(dist, "DistError", ())) or "gloo" in text or "NCCL" in text
+            or "c10d" in text or "timed out" in text.lower()):
+        return None
+    me = dist.get_rank()
+    others = [r for r in range(dist.get_world_size()) if r != me]
+    gone = exited_among(others, settle_s=1.0)
+    cause = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    if gone:
+        why = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone) + f" exited or died during {what}"
+    elif "timed out" in cause.lower() or "timeout" in cause.lower():
+        who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
+        why = (f"{who} did not reach {what}'s collectives within the timeout (initialize(timeout_s=...)): "
+               f"stuck, or not calling it (every rank must call {what})")
+    else:
+        why = "a collective failed"
+    return f"{why} (torch.distributed: {cause})"

@@ -716,7 +716,7 @@ def apply_overrides(cfg: TrainConfig, overrides: Mapping[str, Any] | Iterable[st
     """``cfg`` with dotted-key overrides applied, e.g. from the command line.
 
     Keys are field paths (``"optimizer.lr"``, ``"loss_scale.hysteresis"``) or entries of
-    dict fields (``"mesh.data"``, ``"model.n_layer"``, ``"scheduler.params.warmup_num_steps"``).
+    dict fields (``"mesh.data"``, ``"model.n_layers"``, ``"scheduler.params.warmup_num_steps"``).
     String values are converted to the field's type (``"1e-3"`` -> float, ``"true"`` ->
     bool, ``"0.9,0.95"`` -> betas, ``"none"`` -> None); dict entries parse as JSON when
     they can. Unknown keys and values that do not convert are errors listing every one.

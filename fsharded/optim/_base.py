@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -231,7 +232,7 @@ def as_schedule(lr: ScalarOrSchedule, *, who: str = "optimizer") -> Schedule:
     ``who``); a callable is returned as is (``train_step`` checks the rates it returns
     before applying them, see ``scheduled_lrs``)."""
     if callable(lr):
-        return lr
+        return _tensor_valued(lr)
     if isinstance(lr, torch.Tensor):
         raise TypeError(
             f"{who}: lr must be a Python float or a schedule (step -> lr tensor), not a tensor: a "
@@ -241,6 +242,21 @@ def as_schedule(lr: ScalarOrSchedule, *, who: str = "optimizer") -> Schedule:
         raise TypeError(f"{who}: lr must be a float or a schedule callable, got {type(lr).__name__}")
     check_hyper(who, "lr", lr)
     return constant(lr)
+
+
+def _tensor_valued(fn: Callable[[Any], Any]) -> Schedule:
+    """A schedule callable whose values may be Python numbers (``lambda step: 1e-3``):
+    theirs as float64 tensors, as the package's schedules give (tensors pass through)."""
+    if getattr(fn, "_tensor_valued", False):
+        return fn
+
+    @functools.wraps(fn)
+    def sched(count: Any) -> torch.Tensor:
+        v = fn(count)
+        return v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64)
+
+    sched._tensor_valued = True
+    return sched
 
 
 def get_lr_schedule(tx: Any) -> Callable[[Any], torch.Tensor] | None:
