@@ -54,6 +54,30 @@ def psums_in_order(case: str):
     return _error(lambda: f(a, b).tolist())
 
 
+def _reduce(x):
+    return fs.psum(x, "data")
+
+
+def psums_through_a_helper():
+    """Both ranks psum through one helper, called from different lines in another order:
+    the helper's line is the same, its callers' lines differ."""
+    mesh = fs.Mesh({"data": dist.get_world_size()})
+    rank = dist.get_rank()
+
+    def body(a, b):
+        if rank == 1:
+            sb = _reduce(b)
+            sa = _reduce(a)
+        else:
+            sa = _reduce(a)
+            sb = _reduce(b)
+        return torch.stack([sa, sb])
+
+    f = fs.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P())
+    a = torch.arange(1.0, 4.0 * dist.get_world_size() + 1)
+    return _error(lambda: f(a, a * 1000).tolist())
+
+
 def psum_in_another_dtype():
     """The same psum from the same line, in float32 on rank 0 and float64 on rank 1."""
     mesh = fs.Mesh({"data": dist.get_world_size()})

@@ -24,8 +24,9 @@ CASES = os.path.join(os.path.dirname(__file__), "faults_comm_cases.py")
 
 
 def _lines(msg: str) -> list[str]:
-    """The program lines an error names (file:line of faults_comm_cases.py)."""
-    return re.findall(r"faults_comm_cases\.py:(\d+)", msg)
+    """The program lines an error names as each collective's own (the "at file:line" of
+    faults_comm_cases.py; the callers named after them are left out)."""
+    return re.findall(r" at \S*faults_comm_cases\.py:(\d+)", msg)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -42,6 +43,18 @@ def test_same_shape_psums_in_another_order_or_skipped_are_an_error_on_every_rank
         # both ranks' lines of the program, not fsharded's
         assert "rank 0: all_reduce(sum) of shape (4,)" in out and "rank 1: all_reduce(sum) of shape (4,)" in out
         assert len(set(_lines(out))) == 2, out
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_collectives_through_one_helper_name_the_lines_that_called_it(transport, monkeypatch):
+    # The helper's own line is the same on both ranks: the callers' lines tell them apart.
+    monkeypatch.setenv("FSHARDED_SHM", TRANSPORTS[transport])
+    monkeypatch.setenv("FSHARDED_SHM_TIMEOUT", "10")
+    for out in run_on_ranks(C.psums_through_a_helper, 2):
+        assert isinstance(out, str), f"no error, numbers: {out}"
+        assert "but from different places in the program" in out, out
+        callers = re.findall(r"\(_reduce\), called from \S*faults_comm_cases\.py:(\d+) \(body\)", out)
+        assert len(callers) == 2 and callers[0] != callers[1], out
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -274,17 +274,19 @@ def _site() -> int:
 
 
 def _caller() -> str:
-    """The program's line that led to this collective (the first frame outside torch,
-    optree, fsharded and the standard library), as file:line (function)."""
+    """The program's lines that led to this collective (the first two frames outside
+    torch, optree, fsharded and the standard library, which the fingerprint covers), as
+    file:line (function), the innermost first."""
     f = sys._getframe(1)
-    while f is not None:
+    found = []
+    while f is not None and len(found) < 2:
         entry = _CODES.get(id(f.f_code))
         if entry is None or entry[0] is not f.f_code:
             entry = _code_entry(f.f_code)
         if entry[1]:
-            return f"{f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})"
+            found.append(f"{f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})")
         f = f.f_back
-    return "a line inside fsharded"
+    return ", called from ".join(found) if found else "a line inside fsharded"
 
 
 # Operation codes, as csrc/shm_comm.cpp numbers them; dtypes as c10's ScalarType does (the
