@@ -120,7 +120,7 @@ def test_a_loss_that_does_not_depend_on_the_parameters_warns_once():
 
 def test_integer_parameters_are_refused_with_their_paths():
     step = fs.train_step(lambda p, b: p["w"].sum(), fs.optim.sgd(0.1), mesh=fs.Mesh({"data": 1}))
-    with pytest.raises(ValueError, match=r"(?s)must be floating-point tensors.*  ids: torch.int64.*in the batch"):
+    with pytest.raises(ValueError, match=r"(?s)must be real floating-point tensors.*  ids: torch.int64.*in the batch"):
         step.init({"w": torch.ones(2), "ids": torch.arange(3)})
 
 
