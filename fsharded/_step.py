@@ -29,12 +29,17 @@ from fsharded import _step_agree, _tree, checkpoint, memory, optim
 from fsharded import _step_parts as P
 from fsharded import random as R
 from fsharded._step_checks import (
+    _check_batch_sizes,
     _check_grad_types,
     _check_loss,
+    _check_optimizer,
+    _check_param_leaves,
     _check_rates,
+    _check_scale,
     _nonfinite_state,
     _shown,
 )
+from fsharded._step_parts import _batch_axes, _count_tokens
 from fsharded.comm import _trace
 from fsharded.mesh._layout import check_tree, dims, local_slice
 from fsharded.mesh._mesh import Mesh
@@ -428,14 +433,9 @@ class TrainStep:
         """Write ``state`` to ``directory`` (``fsharded.checkpoint``): every leaf under its
         path with its global shape and spec; on real ranks each rank writes its own shards
         (call it on every rank). Returns the directory."""
-        try:
+        with _step_agree.saving("save", int(state.step), directory, self.distributed):
             return checkpoint.save(directory, state, self.state_specs(state), self.mesh,
                                    overwrite=overwrite)
-        except (RuntimeError, checkpoint.CheckpointError) as e:  # a failed collective: which save, which rank, what now
-            err = _step_agree.save_error("save", int(state.step), directory, e) if self.distributed else None
-            if err is None:
-                raise
-            raise err from e
 
     def save_async(self, state: TrainState, directory: Any, *, overwrite: bool = False,
                    max_staged_bytes: int | None = None) -> checkpoint.PendingSave:
@@ -445,15 +445,10 @@ class TrainStep:
         ``max_staged_bytes`` bounds the copies held at once. The copy goes into host memory
         the step keeps for its next save (``step.staging``: this device's share of the
         state; ``step.staging.release()`` frees it)."""
-        try:
+        with _step_agree.saving("save_async", int(state.step), directory, self.distributed):
             return checkpoint.save_async(directory, state, self.state_specs(state), self.mesh,
                                          overwrite=overwrite, max_staged_bytes=max_staged_bytes,
                                          staging=self.staging)
-        except (RuntimeError, checkpoint.CheckpointError) as e:
-            err = _step_agree.save_error("save_async", int(state.step), directory, e) if self.distributed else None
-            if err is None:
-                raise
-            raise err from e
 
     def load(self, directory: Any, like: Any = None) -> TrainState:
         """The state saved at ``directory``, laid out for this step's mesh and placement,
@@ -759,76 +754,6 @@ class TrainStep:
         return sm.collectives(state, batch)
 
 
-def _check_optimizer(optimizer: Any) -> None:
-    """An optimizer is a pure ``(init, update)`` pair (``fsharded.optim``), not a
-    ``torch.optim`` class or instance, which keeps its state inside itself."""
-    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
-        return
-    is_class = isinstance(optimizer, type)
-    is_torch = isinstance(optimizer, torch.optim.Optimizer) or \
-        (is_class and issubclass(optimizer, torch.optim.Optimizer))
-    if is_class:
-        what = f"the class {optimizer.__module__}.{optimizer.__name__}"
-    elif is_torch:
-        what = f"a {type(optimizer).__module__}.{type(optimizer).__name__} instance"
-    else:
-        what = f"{type(optimizer).__name__} " + " ".join(repr(optimizer).split())[:60]
-    hint = ("; torch.optim's optimizers keep their state inside themselves: use fsharded.optim's pure "
-            "(init, update) pairs (fs.optim.adamw, adam, sgd, lion, adagrad, lamb)" if is_torch else "")
-    raise TypeError(f"train_step: optimizer must be a gradient transformation with init(params) and "
-                    f"update(grads, state, params), e.g. fs.optim.adamw(3e-4) or fs.optim.chain(...); got "
-                    f"{what}{hint}")
-
-
-def _check_param_leaves(params: Any, *, meta_ok: bool = False) -> None:
-    """Every leaf of the parameter tree is a tensor with values (differentiated, updated and
-    sharded): not a Python number, None or a meta tensor (``meta_ok``: a template, whose
-    values come from a checkpoint). Lists every leaf that is not."""
-    paths, leaves = optree.tree_flatten_with_path(params, none_is_leaf=True)[:2]
-    if not leaves:
-        raise ValueError("train_step.init: the parameter tree has no tensors: pass a dict (or other "
-                         "pytree) of the model's parameter tensors")
-    not_tensors, meta = [], []
-    for path, x in zip(map(_tree.path_str, paths), leaves):
-        if not isinstance(x, torch.Tensor):
-            not_tensors.append(f"  params.{path}: {type(x).__name__} {x!r:.40}")
-        elif x.device.type == "meta" and not meta_ok:
-            meta.append(f"  params.{path}: a meta tensor {tuple(x.shape)} {x.dtype} (a shape, no values)")
-    if not_tensors:
-        raise TypeError("train_step.init: every leaf of the parameter tree must be a tensor; these are "
-                        "not:\n" + "\n".join(not_tensors[:8]) + ("\n  ..." if len(not_tensors) > 8 else "")
-                        + "\nMake a number a tensor (torch.tensor(1.5)) if it is trained; keep constants and "
-                          "None out of the parameter tree (close over them in the loss)")
-    if meta:
-        raise ValueError("train_step.init: parameters on the meta device have no values to train:\n"
-                         + "\n".join(meta[:8]) + ("\n  ..." if len(meta) > 8 else "")
-                         + "\nInitialise them first (module.to_empty(device='cpu') then reset_parameters(), "
-                           "or load weights); meta tensors are for estimate_memory")
-
-
-def _check_batch_sizes(batch: Any) -> None:
-    """A batch leaf with a dim of size 0 (an empty last batch) has no loss to take: its mean
-    is nan. Refused naming the leaves instead of reported as a diverged step."""
-    paths, leaves, _ = _tree.tree_flatten_with_paths(batch)
-    bad = [f"  batch.{p}: shape {tuple(x.shape)}" for p, x in zip(paths, leaves)
-           if isinstance(x, torch.Tensor) and 0 in x.shape]
-    if bad:
-        raise ValueError("train_step: the batch has leaves with a dim of size 0 (nothing to train on; the "
-                         "loss's mean would be nan):\n" + "\n".join(bad[:8])
-                         + "\nGive every leaf at least one row (an empty last batch: drop it, drop_last=True)")
-
-
-def _check_scale(scale: Any, n: int) -> None:
-    """fp16: a step that overflowed with the scale already at its minimum has diverged."""
-    if int(scale.overflows_at_min.max()):
-        raise FloatingPointError(
-            f"train_step: step {n + 1}: the gradients overflow with the loss scale at its "
-            f"minimum ({float(scale.scale.min())}), after {int(scale.skipped.max())} skipped "
-            f"step(s) in all: the run has diverged (DeepSpeed stops here too). The state passed "
-            f"in (after {n} step{'' if n == 1 else 's'}) is unchanged. Lower the learning rate, check the data for "
-            f"inf/nan, or use bf16")
-
-
 def _shapes(tree: Any) -> tuple:
     return tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in optree.tree_leaves(tree))
 
@@ -848,26 +773,6 @@ def _local_batch(sm: Any, batch: Any) -> Any:
     out = [local_slice(x, s, mesh, coords) if isinstance(x, torch.Tensor) else x
            for x, s in zip(leaves, specs)]
     return optree.tree_unflatten(tdef, out)
-
-
-def _count_tokens(batch: Any) -> int | None:
-    """Tokens a language-model batch trains on: ``targets``, or ``tokens`` minus the shift."""
-    if isinstance(batch, dict):
-        if isinstance(batch.get("targets"), torch.Tensor):
-            return batch["targets"].numel()
-        t = batch.get("tokens")
-        if isinstance(t, torch.Tensor) and t.dim() == 2:
-            return t.shape[0] * (t.shape[1] - 1)
-    return None
-
-
-def _batch_axes(batch_spec: Any, mesh: Mesh) -> tuple[str, ...]:
-    named = set()
-    for s in optree.tree_leaves(batch_spec, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None,
-                                none_is_leaf=True):
-        if isinstance(s, PartitionSpec):
-            named |= set(s.axes)
-    return tuple(a for a in mesh.axis_names if a in named)
 
 
 def _full_specs(specs: Any, tree: Any) -> Any:

@@ -16,10 +16,12 @@ turns it off with the call-site checks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import types
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -190,6 +192,19 @@ def _differences(views: list, where: str) -> str:
             + "\nEvery rank must build the step alike (loss, optimizer and learning rate, precision, clipping, "
               "specs) and call it with the same global batch at the same step: look for settings or data that "
               "depend on the rank, or a rank that skipped or repeated a step")
+
+
+@contextlib.contextmanager
+def saving(what: str, step_count: int, directory: Any, distributed: bool) -> Iterator[None]:
+    """Around ``step.save`` / ``step.save_async``: a failed collective of the save (on real
+    ranks) raised as ``save_error`` says it, anything else as it is."""
+    try:
+        yield
+    except (RuntimeError, ValueError) as e:  # ValueError: the checkpoint's CheckpointError
+        err = save_error(what, step_count, directory, e) if distributed else None
+        if err is None:
+            raise
+        raise err from e
 
 
 def save_error(what: str, step_count: int, directory: Any, e: BaseException) -> RuntimeError | None:

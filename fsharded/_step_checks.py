@@ -142,3 +142,73 @@ def _nonfinite_state(params: Any, opt_state: Any) -> list[str]:
                 if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type != "meta"
                 and not bool(torch.isfinite(x).all())]
     return out
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """An optimizer is a pure ``(init, update)`` pair (``fsharded.optim``), not a
+    ``torch.optim`` class or instance, which keeps its state inside itself."""
+    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        return
+    is_class = isinstance(optimizer, type)
+    is_torch = isinstance(optimizer, torch.optim.Optimizer) or \
+        (is_class and issubclass(optimizer, torch.optim.Optimizer))
+    if is_class:
+        what = f"the class {optimizer.__module__}.{optimizer.__name__}"
+    elif is_torch:
+        what = f"a {type(optimizer).__module__}.{type(optimizer).__name__} instance"
+    else:
+        what = f"{type(optimizer).__name__} " + " ".join(repr(optimizer).split())[:60]
+    hint = ("; torch.optim's optimizers keep their state inside themselves: use fsharded.optim's pure "
+            "(init, update) pairs (fs.optim.adamw, adam, sgd, lion, adagrad, lamb)" if is_torch else "")
+    raise TypeError(f"train_step: optimizer must be a gradient transformation with init(params) and "
+                    f"update(grads, state, params), e.g. fs.optim.adamw(3e-4) or fs.optim.chain(...); got "
+                    f"{what}{hint}")
+
+
+def _check_param_leaves(params: Any, *, meta_ok: bool = False) -> None:
+    """Every leaf of the parameter tree is a tensor with values (differentiated, updated and
+    sharded): not a Python number, None or a meta tensor (``meta_ok``: a template, whose
+    values come from a checkpoint). Lists every leaf that is not."""
+    paths, leaves = optree.tree_flatten_with_path(params, none_is_leaf=True)[:2]
+    if not leaves:
+        raise ValueError("train_step.init: the parameter tree has no tensors: pass a dict (or other "
+                         "pytree) of the model's parameter tensors")
+    not_tensors, meta = [], []
+    for path, x in zip(map(_tree.path_str, paths), leaves):
+        if not isinstance(x, torch.Tensor):
+            not_tensors.append(f"  params.{path}: {type(x).__name__} {x!r:.40}")
+        elif x.device.type == "meta" and not meta_ok:
+            meta.append(f"  params.{path}: a meta tensor {tuple(x.shape)} {x.dtype} (a shape, no values)")
+    if not_tensors:
+        raise TypeError("train_step.init: every leaf of the parameter tree must be a tensor; these are "
+                        "not:\n" + "\n".join(not_tensors[:8]) + ("\n  ..." if len(not_tensors) > 8 else "")
+                        + "\nMake a number a tensor (torch.tensor(1.5)) if it is trained; keep constants and "
+                          "None out of the parameter tree (close over them in the loss)")
+    if meta:
+        raise ValueError("train_step.init: parameters on the meta device have no values to train:\n"
+                         + "\n".join(meta[:8]) + ("\n  ..." if len(meta) > 8 else "")
+                         + "\nInitialise them first (module.to_empty(device='cpu') then reset_parameters(), "
+                           "or load weights); meta tensors are for estimate_memory")
+
+
+def _check_batch_sizes(batch: Any) -> None:
+    """A batch leaf with a dim of size 0 (an empty last batch) has no loss to take: its mean
+    is nan. Refused naming the leaves instead of reported as a diverged step."""
+    paths, leaves, _ = _tree.tree_flatten_with_paths(batch)
+    bad = [f"  batch.{p}: shape {tuple(x.shape)}" for p, x in zip(paths, leaves)
+           if isinstance(x, torch.Tensor) and 0 in x.shape]
+    if bad:
+        raise ValueError("train_step: the batch has leaves with a dim of size 0 (nothing to train on; the "
+                         "loss's mean would be nan):\n" + "\n".join(bad[:8])
+                         + "\nGive every leaf at least one row (an empty last batch: drop it, drop_last=True)")
+
+
+def _check_scale(scale: Any, n: int) -> None:
+    """fp16: a step that overflowed with the scale already at its minimum has diverged."""
+    if int(scale.overflows_at_min.max()):
+        raise FloatingPointError(
+            f"train_step: step {n + 1}: the gradients overflow with the loss scale at its "
+            f"minimum ({float(scale.scale.min())}), after {int(scale.skipped.max())} skipped "
+            f"step(s) in all: the run has diverged (DeepSpeed stops here too). The state passed "
+            f"in (after {n} step{'' if n == 1 else 's'}) is unchanged. Lower the learning rate, check the data for "
+            f"inf/nan, or use bf16")
