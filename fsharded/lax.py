@@ -53,16 +53,25 @@ def pvary(x: Any, axis_name: Any) -> Any:
 
 
 def pcast(x: Any, axis_name: Any, *, to: str) -> Any:
-    """``to="varying"``: ``pvary``. Other targets are not types fsharded has."""
+    """``to="varying"``: ``pvary``. JAX's other targets (``"reduced"``, ``"unreduced"``) are
+    not types fsharded has (a ``NotImplementedError``); any other value is a ``ValueError``
+    as in JAX."""
+    if to in ("reduced", "unreduced"):
+        raise NotImplementedError(
+            f"fsharded.lax.pcast: to={to!r}: fsharded types values as varying or invariant over an "
+            f"axis and has no {to!r} type; only to='varying' is supported")
     if to != "varying":
-        raise NotImplementedError(f"fsharded.lax.pcast: to={to!r}; only to='varying' is supported")
+        raise ValueError(f"fsharded.lax.pcast: to={to!r}; allowed values are "
+                         f"['unreduced', 'reduced', 'varying'] (as in JAX)")
     return _c.pvary(x, axis_name)
 
 
 def all_gather(x: Any, axis_name: Any, *, axis_index_groups: Any = None, axis: int = 0,
-               tiled: bool = False) -> Any:
+               tiled: bool = False, to: str = "varying") -> Any:
+    """JAX's ``all_gather``: untiled by default; ``to="varying"`` (default) or
+    ``"invarying"`` (as ``all_gather_invariant``); ``"reduced"`` is not supported."""
     _no_groups("all_gather", axis_index_groups)
-    return _c.all_gather(x, axis_name, dim=axis, tiled=tiled)
+    return _c.all_gather(x, axis_name, dim=axis, tiled=tiled, to=to)
 
 
 def all_gather_invariant(x: Any, axis_name: Any, *, axis_index_groups: Any = None, axis: int = 0,

@@ -174,6 +174,7 @@ def all_cases(n: int) -> dict:
         "scalars": scalars_and_errors(n),
         "sharded": sharded_values(n),
         "shapes": shapes_and_dims(n),
+        "ported": ported_surface(n),
     }
 
 
@@ -241,4 +242,55 @@ def shapes_and_dims(n: int) -> dict:
     z = Z.clone().requires_grad_()
     sm(lambda v: fs.psum(v, "i"), o=P())(z).sum().backward()
     out["zero_grad"] = z.grad
+    return out
+
+
+def _raised(fn) -> str:
+    try:
+        fn()
+    except (ValueError, TypeError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def ported_surface(n: int) -> dict:
+    """What code ported from recent JAX writes: ``shard_map`` as a decorator factory
+    (``f`` omitted), Python numbers through the body, ``all_gather(..., to=...)``."""
+    mesh = fs.Mesh({"i": n})
+    out: dict = {}
+
+    @fs.shard_map(mesh=mesh, in_specs=P("i"), out_specs=P())
+    def total(x):
+        return fs.psum(x.sum(), "i")
+
+    out["decorated"] = total(_x(n))
+    out["decorated_name"] = total.__name__
+
+    def ident(v):
+        return fs.shard_map(lambda x: x, mesh=mesh, in_specs=P(), out_specs=P())(v)
+
+    for name, v in (("float", 3.0), ("int", 3), ("bool", True)):
+        got = ident(v)
+        out[f"number_{name}"] = (type(got).__name__, str(got.dtype), tuple(got.shape), got.item())
+    out["number_out"] = fs.shard_map(lambda x: 2.0, mesh=mesh, in_specs=P("i"), out_specs=P())(_x(n))
+    out["number_psum"] = fs.shard_map(lambda x: fs.psum(1.0, "i"), mesh=mesh, in_specs=P("i"),
+                                      out_specs=P())(_x(n))
+
+    for to, spec in (("invarying", P()), ("varying", P("i"))):
+        x = _x(n).requires_grad_()
+        y = fs.shard_map(lambda x, to=to: fs.lax.all_gather(x, "i", to=to, tiled=True), mesh=mesh,
+                         in_specs=P("i"), out_specs=spec)(x)
+        (y * _c(n, n)[: y.numel()]).sum().backward()
+        out[f"gather_{to}"] = {"value": y.detach(), "grad": x.grad}
+    out["gather_varying_as_P()"] = _raised(lambda: fs.shard_map(
+        lambda x: fs.lax.all_gather(x, "i", to="varying"), mesh=mesh, in_specs=P("i"), out_specs=P())(_x(n)))
+    out["gather_untiled_invarying"] = fs.shard_map(lambda x: fs.lax.all_gather(x, "i", to="invarying"),
+                                                   mesh=mesh, in_specs=P("i"), out_specs=P())(_x(n))
+    out["native_invarying"] = fs.shard_map(lambda x: fs.all_gather(x, "i", to="invarying"), mesh=mesh,
+                                           in_specs=P("i"), out_specs=P())(_x(n))
+    for to in ("reduced", "sideways"):
+        out[f"gather_{to}"] = _raised(lambda to=to: fs.shard_map(
+            lambda x: fs.lax.all_gather(x, "i", to=to), mesh=mesh, in_specs=P("i"), out_specs=P("i"))(_x(n)))
+    out["pcast_sideways"] = _raised(lambda: fs.shard_map(
+        lambda x: fs.lax.pcast(x, "i", to="sideways"), mesh=mesh, in_specs=P(), out_specs=P("i"))(_x(n)))
     return out

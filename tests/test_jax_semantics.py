@@ -140,7 +140,35 @@ def check_shapes(res: dict, n: int) -> None:
     _close(res["zero_global"], np.zeros(3))
 
 
-CHECKS = {"sharded": check_sharded, "fan_out": check_fan_out, "dtypes": check_dtypes, "inside": check_inside,
+def check_ported(res: dict, n: int) -> None:
+    x = np.arange(1.0, n + 1)
+    _close(res["decorated"], x.sum())
+    assert res["decorated_name"] == "total"  # the decorated def keeps its name, as in JAX
+    # JAX returns a 0-d array for a Python number: float32 (weak), int32 (without x64),
+    # bool. Torch's dtypes for numbers stand in for JAX's: int is int64 here.
+    assert res["number_float"] == ("Tensor", "torch.float32", (), 3.0)
+    assert res["number_int"] == ("Tensor", "torch.int64", (), 3)
+    assert res["number_bool"] == ("Tensor", "torch.bool", (), True)
+    assert res["number_out"].shape == () and res["number_out"].item() == 2.0
+    assert res["number_psum"].item() == float(n)
+    c = 10.0 ** np.arange(n * n)
+    # to="invarying": every shard holds the whole gather (out_specs P() is legal); its
+    # transpose is a dynamic slice, so shard k's gradient is block k of the cotangent.
+    _close(res["gather_invarying"]["value"], x)
+    _close(res["gather_invarying"]["grad"], c[:n])
+    # to="varying" (JAX's default): its transpose is a psum_scatter of the shards' cotangents.
+    _close(res["gather_varying"]["value"], np.tile(x, n))
+    _close(res["gather_varying"]["grad"], c.reshape(n, n).sum(0))
+    if n > 1:
+        assert res["gather_varying_as_P()"].startswith("ValueError: shard_map: out_specs must name")
+    _close(res["gather_untiled_invarying"], x.reshape(n, 1))  # lax's default: untiled
+    _close(res["native_invarying"], x)
+    assert res["gather_reduced"].startswith("NotImplementedError") and "to='invarying'" in res["gather_reduced"]
+    assert res["gather_sideways"].startswith("ValueError") and "'reduced'" in res["gather_sideways"]
+    assert res["pcast_sideways"].startswith("ValueError") and "'unreduced'" in res["pcast_sideways"]
+
+
+CHECKS = {"ported": check_ported, "sharded": check_sharded, "fan_out": check_fan_out, "dtypes": check_dtypes, "inside": check_inside,
           "vma": check_vma, "transforms": check_transforms, "scalars": check_scalars,
           "shapes": check_shapes}
 
@@ -151,7 +179,7 @@ def test_virtual_matches_jax(group, n):
     CHECKS[group](getattr(J, {"sharded": "sharded_values", "fan_out": "fan_out_grads", "dtypes": "bool_and_int_reductions",
                               "inside": "grads_inside", "vma": "vma_errors",
                               "transforms": "transforms", "scalars": "scalars_and_errors",
-                              "shapes": "shapes_and_dims"}[group])(n), n)
+                              "shapes": "shapes_and_dims", "ported": "ported_surface"}[group])(n), n)
 
 
 def _same(a, b, where):

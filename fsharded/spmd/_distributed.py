@@ -105,7 +105,7 @@ def call(sm: Any, args: tuple, *, local: bool = False) -> Any:
             out = sm.f(*optree.tree_unflatten(treedef, shards))
             o_leaves, o_specs, o_def, _ = sm._flat_out(out)
         if local:
-            return out
+            return optree.tree_unflatten(o_def, o_leaves)
         return optree.tree_unflatten(o_def, [_Assemble.apply(y, s, mesh, coords)
                                              for y, s in zip(o_leaves, o_specs)])
     mode = _vma.VmaMode(mesh.axis_names, _prims.implicit_pvary(frame))

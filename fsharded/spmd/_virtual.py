@@ -82,9 +82,8 @@ def _single(sm: Any, args: tuple) -> Any:
     leaves, specs, treedef, _ = sm._flat_in(args)
     zeros = {a: torch.zeros((), dtype=torch.int64) for a in sm.mesh.axis_names}
     with _env.enter(_env.AxisFrame(sm.mesh, "virtual", tokens=zeros)):
-        out = sm.f(*optree.tree_unflatten(treedef, leaves))
-        sm._flat_out(out)
-    return out
+        o_leaves, _, o_def, _ = sm._flat_out(sm.f(*optree.tree_unflatten(treedef, leaves)))
+    return optree.tree_unflatten(o_def, o_leaves)
 
 
 def _typed_frame(frame: _env.AxisFrame, levels: dict) -> tuple[_env.AxisFrame, _vma.VmaMode]:

@@ -217,16 +217,36 @@ def _gather_dim(x: torch.Tensor, dim: int, tiled: bool, op: str) -> int:
 
 
 @_treewise
-def all_gather(x: torch.Tensor, axis: AxisName, *, dim: int = 0, tiled: bool = True) -> torch.Tensor:
+def all_gather(x: torch.Tensor, axis: AxisName, *, dim: int = 0, tiled: bool = True,
+               to: str = "varying") -> torch.Tensor:
     """Gather every shard of ``x`` along ``axis``. Dual: ``psum_scatter``.
 
     ``tiled=True`` concatenates along ``dim`` (size ``n * x.shape[dim]``); ``tiled=False``
     stacks in a new dim at ``dim``. Shards are ordered by axis index, major axis first.
-    As in JAX the result still varies over ``axis`` (its transpose is a psum_scatter); for
-    a result typed invariant, so that ``out_specs`` may leave the axis out, use
-    ``all_gather_invariant``. (``fsharded.lax.all_gather`` has JAX's defaults.)
+    As in JAX the result still varies over ``axis`` (``to="varying"``, the default; its
+    transpose is a psum_scatter); ``to="invarying"`` types it invariant, so that
+    ``out_specs`` may leave the axis out, as ``all_gather_invariant`` does (its transpose
+    takes this shard's slice). JAX's third target, ``"reduced"``, is a type fsharded does
+    not have (a ``NotImplementedError``). (``fsharded.lax.all_gather`` has JAX's defaults.)
     """
-    return _all_gather(ALL_GATHER, "all_gather", x, axis, dim, tiled)
+    prim, op = _gather_target(to)
+    return _all_gather(prim, op, x, axis, dim, tiled)
+
+
+_GATHER_TARGETS = ("varying", "invarying", "reduced")
+
+
+def _gather_target(to: str) -> tuple[Any, str]:
+    if to == "varying":
+        return ALL_GATHER, "all_gather"
+    if to == "invarying":
+        return ALL_GATHER_INVARIANT, "all_gather_invariant"
+    if to == "reduced":
+        raise NotImplementedError(
+            "all_gather(to='reduced'): fsharded types values as varying or invariant over an "
+            "axis and has no 'reduced' type; to='invarying' gives the same values (every shard "
+            "holds the whole gather), with the gradient of this shard's slice")
+    raise ValueError(f"all_gather: to={to!r}; allowed values are {list(_GATHER_TARGETS)} (as in JAX)")
 
 
 @_treewise

@@ -26,7 +26,7 @@ __all__ = ["shard_map", "ShardMapped"]
 
 
 def shard_map(
-    f: Callable,
+    f: Callable | None = None,
     /,
     *,
     mesh: Mesh,
@@ -57,7 +57,23 @@ def shard_map(
     one process) or ``"distributed"`` (one rank per device, under ``torchrun``). By
     default, distributed when a process group is initialised. ``randomness`` is passed to
     vmap (``"error" | "different" | "same"``).
+
+    Without ``f`` (as ``jax.shard_map`` allows) it returns a decorator:
+    ``@shard_map(mesh=mesh, in_specs=P("i"), out_specs=P())`` over a ``def``.
+
+    An output that is a Python number (``bool``, ``int``, ``float``, ``complex``) or a
+    numpy value comes back as a tensor (0-d for a number), as JAX returns an array:
+    ``shard_map(lambda x: x, mesh=m, in_specs=P(), out_specs=P())(3.0)`` is
+    ``tensor(3.)``. Its dtype is torch's for the number (``float`` -> the default dtype,
+    ``int`` -> int64, where JAX without x64 gives int32). Arguments that are numbers
+    reach ``f`` unchanged (they are not split; usable as sizes or flags).
     """
+    if f is None:
+        return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                 check_vma=check_vma, check_rep=check_rep, backend=backend,
+                                 randomness=randomness)
+    if not callable(f):
+        raise TypeError(f"shard_map: f must be a function, got {type(f).__name__}")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"shard_map: mesh must be a fsharded.Mesh, got {type(mesh).__name__}")
     if check_rep is not None:
@@ -129,6 +145,7 @@ class ShardMapped:
 
     def _flat_out(self, out: Any) -> tuple[list, list, Any, list[str]]:
         leaves, treedef = optree.tree_flatten(out)
+        leaves = [_as_tensor(x) for x in leaves]
         key = ("out", treedef, _signature(leaves))
         hit = self._cache.get(key)
         if hit is not None:
@@ -199,6 +216,18 @@ class ShardMapped:
 
         _, entries = _schedule.first_run(attempt, what="collectives()")
         return _manifest.Manifest(entries)
+
+
+def _as_tensor(x: Any) -> Any:
+    """A number or numpy value a body returned, as the tensor JAX's array would be."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (bool, int, float, complex)) or type(x).__module__ == "numpy":
+        try:
+            return torch.as_tensor(x, device=torch.get_default_device())
+        except (TypeError, RuntimeError):
+            return x  # a numpy object array: refused below as not a tensor
+    return x
 
 
 def _signature(leaves: list) -> tuple:
