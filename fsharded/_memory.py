@@ -105,7 +105,8 @@ class MemoryEstimate:
 def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any = "fp32",
                     mesh: Mesh, loss: Any = None, batch: Any = None, batch_spec: Any = None,
                     activation_bytes: int | None = None,
-                    bucket_elems: int = 500_000_000, blocks: str | None = "blocks") -> MemoryEstimate:
+                    bucket_elems: int = 500_000_000, blocks: str | None = "blocks",
+                    trainable: Any = None) -> MemoryEstimate:
     """Per-device bytes of training ``params`` laid out by ``specs`` (a spec tree, a ZeRO
     plan or a ``Placement``) with ``optimizer`` under ``precision`` on ``mesh``.
 
@@ -126,7 +127,13 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     (``.item()``, ``if mask.all():``) runs on copies of the shards' values on CPU: one real
     forward and backward of compute (``fsharded.spmd._schedule``; the notes say which
     ran). Or pass ``activation_bytes`` yourself.
+
+    ``trainable``: which leaves train, as ``train_step`` takes it (by default the leaves'
+    own flags: see ``fsharded._step_trainable.resolve``; a ``Placement`` from a step carries
+    its own). A frozen leaf counts as stored in its own dtype, with no gradient, no master
+    copy and no optimizer state.
     """
+    from fsharded import _step_trainable as T
     from fsharded.parallel.zero import Placement, ZeroPlan
     from fsharded.precision import as_policy
 
@@ -138,6 +145,9 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     else:
         full = optree.tree_unflatten(optree.tree_structure(params), _tree.broadcast_prefix(specs, params))
         pl = Placement.replicated(full)
+    if pl.trainable is None or trainable is not None:
+        pl = pl.freeze(T.resolve(trainable, params))
+    mask = list(pl.trainable) if pl.trainable is not None else None
     paths, leaves, tdef = _tree.tree_flatten_with_paths(params)
     flat = lambda t: optree.tree_leaves(t, is_leaf=lambda x: isinstance(x, PartitionSpec))  # noqa: E731
     use, grads, master = flat(pl.use), flat(pl.grads), flat(pl.master)
@@ -148,6 +158,14 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     use_n = [_local_numel(s, u, mesh) for s, u in zip(shapes, use)]
     grad_n = [_local_numel(s, g, mesh) for s, g in zip(shapes, grads)]
     notes = []
+    frozen_bytes = 0
+    if mask is not None:  # frozen leaves: stored as given, no gradient or master copy
+        frozen_bytes = sum(n * _itemsize(x.dtype) for n, x, t in zip(master_n, leaves, mask) if not t)
+        master_n, grad_n = T.pick(master_n, mask), T.pick(grad_n, mask)
+        notes.append(f"{mask.count(False)} of {len(mask)} parameter leaves frozen: no gradient, no "
+                     f"optimizer state, stored in their own dtype ({frozen_bytes / 2**20:,.2f} MiB)")
+    trained_n = T.pick(use_n, mask)
+    S_t = sum(trained_n)
     # ``blocks``: where the block list is (train_step's blocks=; the bundled GPT's by default,
     # ignored when params have no list there). What the step holds, on real ranks:
     pb = _itemsize(policy.param_dtype)
@@ -159,44 +177,53 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
             per_block[j] = per_block.get(j, 0) + n
     largest = max(per_block.values(), default=0)
     outside = sum(n for n, j in zip(use_n, block_of) if j is None)
+    # Gradients exist for the trained leaves only: a block's, the rest's.
+    per_block_t: dict[int, int] = {}
+    for j, n in zip(T.pick(block_of, mask), trained_n):
+        if j is not None:
+            per_block_t[j] = per_block_t.get(j, 0) + n
+    largest_t = max(per_block_t.values(), default=0)
+    outside_t = sum(n for n, j in zip(trained_n, T.pick(block_of, mask)) if j is None)
     placed = sum(grad_n) * rb
-    biggest_leaf = max(use_n, default=0)
+    biggest_leaf = max(trained_n, default=0)
     compute, buffers, gather = 0, 0, 0
     if pl.stage == 3 and per_block and pl.reshard_after_forward:
         # Block shards cast to the param dtype, the rest gathered for the whole step; two
         # blocks' full weights at a time (one computing, the next one's gather in flight:
         # its buffer is one of the two). The peak is where backward starts, all activations
         # alive and the last block's gradient being made (measured on 2 gloo ranks).
-        shards = sum(m for m, j in zip(master_n, block_of) if j is not None)
+        shards = sum(m for m, j in zip(master_n, T.pick(block_of, mask)) if j is not None)
         held = (shards * pb if policy.param_dtype != policy.master_dtype else 0) + outside * pb
         compute = 2 * largest * pb
-        grad_peak, in_backward = placed, largest * rb + outside * rb
+        grad_peak, in_backward = placed, largest_t * rb + outside_t * rb
         notes.append(f"ZeRO-3: full weights of at most 2 blocks alive ({largest:,d} elements per block)")
     elif pl.stage == 3:  # every parameter gathered up front, its gradient reduce-scattered by the transpose
         held = S * pb
-        grad_peak, in_backward = placed, S * (pb + rb)
+        grad_peak, in_backward = placed, S * pb + S_t * rb
     else:
         # Stages 0-2 hold the full parameters (gathered from the master shards at 1-2, in the
         # master dtype, then cast). The gradients are reduced bucket by bucket as backward
         # makes them: at stages 0-1 the buckets are the full averaged gradient (stage 1 then
         # keeps its block), at stage 2 one bucket at a time is unreduced beside the shards.
-        held = S * pb if (pl.stage or policy.param_dtype != policy.master_dtype) else 0
+        # (Frozen leaves are stored for use as they are: counted with the master weights.)
+        held = S_t * pb if (pl.stage or policy.param_dtype != policy.master_dtype) else 0
         if pl.stage and policy.param_dtype != policy.master_dtype:
-            compute = S * mb
-        bucket = min(S, bucket_elems) * rb  # the first bucket is made as backward begins
+            compute = S_t * mb
+        bucket = min(S_t, bucket_elems) * rb  # the first bucket is made as backward begins
         if pl.stage:  # a bucket of master shards, gathered (n of them), copied out per leaf
             n = mesh.shape[pl.axis]
-            gather = min(S, bucket_elems) * mb
+            gather = min(S_t, bucket_elems) * mb
             gather += gather // n
         in_backward = bucket + biggest_leaf * pb
         if pl.stage == 2:  # the last bucket beside the shards reduced out of it
             grad_peak = placed + bucket
         else:  # the averaged buckets, and at stage 1 this rank's block taken out of them
-            grad_peak = S * rb + (sum(master_n) * rb if pl.stage == 1 else 0)
+            grad_peak = S_t * rb + (sum(master_n) * rb if pl.stage == 1 else 0)
     meta = optree.tree_unflatten(tdef, [
         torch.empty(shard_shape(m, s, mesh), dtype=policy.master_dtype, device="meta")
         for s, m in zip(shapes, master)
     ])
+    meta = T.view(meta, mask)  # the optimizer holds state for the trained leaves only
     opt_bytes = sum(x.numel() * x.element_size() for x in optree.tree_leaves(optimizer.init(meta))
                     if isinstance(x, torch.Tensor))
     if activation_bytes is not None:
@@ -217,7 +244,7 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     else:
         activations = 0
     return MemoryEstimate(
-        master=sum(master_n) * mb, compute_params=compute, grads=grad_peak, optimizer=opt_bytes,
+        master=sum(master_n) * mb + frozen_bytes, compute_params=compute, grads=grad_peak, optimizer=opt_bytes,
         activations=activations, buffers=buffers, placed_grads=placed, notes=tuple(notes),
         params=held, update_copy=sum(master_n) * mb + opt_bytes, backward_grads=in_backward,
         gather_transient=gather,

@@ -25,8 +25,9 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fsharded import _step_agree, _tree, checkpoint, memory, optim
+from fsharded import _step_agree, _step_memory, _tree, checkpoint, memory, optim
 from fsharded import _step_parts as P
+from fsharded import _step_trainable as T
 from fsharded import random as R
 from fsharded._step_checks import (
     _check_batch_sizes,
@@ -63,6 +64,9 @@ class TrainState(NamedTuple):
     loss_scale: Any  # precision.LossScaleState, or None without loss scaling
     rng: Any = None  # fs.random key (int64 (2,)) random ops in the loss draw from, or None
     model_state: Any = None  # state the model reads but does not differentiate (update_model_state)
+    # None: every parameter leaf trains; else a bool tensor, one entry per leaf (flatten
+    # order), False for the frozen ones (train_step's trainable=).
+    trainable: Any = None
 
 
 def train_step(
@@ -85,6 +89,7 @@ def train_step(
     check_memory: bool = True,
     update_model_state: Callable[[Any, Any], Any] | None = None,
     model_state_specs: Any = None,
+    trainable: Any = None,
 ) -> TrainStep:
     """Build a training step for ``loss_fn(params, batch) -> scalar``.
 
@@ -163,13 +168,26 @@ def train_step(
     an axis its spec does not name (``model_state_specs``, default replicated) is an error
     naming the leaf, as is one whose structure, shapes or dtypes changed. It is saved and
     loaded with the rest of the state.
+
+    ``trainable``: which parameter leaves train (fine-tuning a part of a model: a frozen
+    backbone, LoRA adapters). By default the leaves' own flags: an ``nn.Parameter`` with
+    ``requires_grad=False``, or a leaf of ``fs.nn.functional(module).params`` whose
+    parameter has it, is frozen (``fm.trainable`` is that choice as a tree of bools, to pass
+    explicitly when the tree was transformed, e.g. cast, since a copy of a detached leaf
+    loses the mark). Or a tree of bools (a prefix of the parameters), a list of
+    ``(pattern, bool)`` rules on dotted paths (first match wins), or ``fn(path, leaf) ->
+    bool``. A frozen leaf gets no gradient computation, no optimizer state, no gradient
+    communication and no update: it is kept as given (its dtype, bit for bit); ZeRO-1/2
+    partition only the trained state, ZeRO-3 shards frozen leaves too and gathers them for
+    use. ``TrainState.trainable`` records the choice (saved with the state).
     """
     return TrainStep(loss_fn, optimizer, mesh=mesh, param_specs=param_specs,
                      batch_spec=batch_spec, precision=precision, accumulation=accumulation,
                      clip=clip, check_finite=check_finite, donate=donate, backend=backend,
                      check_schedule=check_schedule, blocks=blocks, seed=seed,
                      on_nonfinite=on_nonfinite, check_memory=check_memory,
-                     update_model_state=update_model_state, model_state_specs=model_state_specs)
+                     update_model_state=update_model_state, model_state_specs=model_state_specs,
+                     trainable=trainable)
 
 
 class _Plan(NamedTuple):
@@ -189,8 +207,9 @@ class TrainStep:
     def __init__(self, loss_fn, optimizer, *, mesh, param_specs, batch_spec, precision,
                  accumulation, clip, check_finite, donate, backend, check_schedule=True,
                  blocks=None, seed=0, on_nonfinite="raise", check_memory=True,
-                 update_model_state=None, model_state_specs=None):
+                 update_model_state=None, model_state_specs=None, trainable=None):
         self.loss_fn = loss_fn
+        self.trainable = trainable
         if update_model_state is not None and not callable(update_model_state):
             raise TypeError(f"train_step: update_model_state must be a function (model_state, stats) -> "
                             f"model_state, got {update_model_state!r}")
@@ -263,9 +282,11 @@ class TrainStep:
     def distributed(self) -> bool:
         return backend_for(self.mesh, self.backend) == "distributed"
 
-    def placement(self, params: Any):
-        """The ``Placement`` this step uses for ``params`` (specs, ZeRO plan, or placement)."""
-        key = optree.tree_structure(params)
+    def placement(self, params: Any, mask: list[bool] | None = None):
+        """The ``Placement`` this step uses for ``params`` (specs, ZeRO plan, or placement),
+        with the leaves ``mask`` marks False frozen (None: all train)."""
+        mask = None if mask is None or all(mask) else tuple(mask)
+        key = optree.tree_structure(params), mask
         hit = self._placements.get(key)
         if hit is not None:
             return hit
@@ -276,8 +297,13 @@ class TrainStep:
             pl = raw.resolve(self.mesh)
         else:
             pl = Placement.replicated(_full_specs(raw, params))
+        pl = pl.freeze(list(mask) if mask is not None else None)
         self._placements[key] = pl
         return pl
+
+    def _mask(self, state: TrainState) -> list[bool] | None:
+        """Which parameter leaves ``state`` trains (None: all)."""
+        return T.from_tensor(state.trainable, optree.tree_structure(state.params).num_leaves)
 
     def init(self, params: Any, model_state: Any = None) -> TrainState:
         """State for global ``params``: master copies laid out by the placement (this
@@ -286,9 +312,9 @@ class TrainStep:
         _check_param_leaves(params)
         return self._init(params, model_state)
 
-    def _init(self, params: Any, model_state: Any = None) -> TrainState:
+    def _init(self, params: Any, model_state: Any = None, mask: list[bool] | None = None) -> TrainState:
         """``init`` of a tree that may be meta tensors: ``load``'s template of a checkpoint's
-        shapes, filled from the checkpoint."""
+        shapes, filled from the checkpoint (``mask``: its record of the trained leaves)."""
         ms = self._init_model_state(model_state)
         paths, leaves, _ = _tree.tree_flatten_with_paths(params)
         bad = [f"  {p}: {x.dtype}" for p, x in zip(paths, leaves)
@@ -302,20 +328,25 @@ class TrainStep:
                   "them in the batch or close over them in the loss. A complex parameter is not "
                   "updated correctly (its gradient's imaginary part would be dropped): store it as "
                   "real pairs (torch.view_as_real) and make it complex in the loss (view_as_complex)")
-        pl = self.placement(params)
+        if mask is None:
+            mask = T.resolve(self.trainable, params)
+        pl = self.placement(params, mask)
         if self.check_memory:
-            self._check_memory(params, pl)
-        master = cast_tree(optree.tree_map(lambda x: x.detach().clone(), params), self.policy.master_dtype)
+            _step_memory.check_init_memory(self, params, pl)
+        # Master copies of the trained leaves; a frozen leaf is kept as given (its dtype).
+        master = optree.tree_map(lambda x: x.detach().clone(), params)
+        master = T.merge(cast_tree(T.view(master, mask), self.policy.master_dtype), master, mask)
         if self.distributed:
             master = local_shards(master, pl.master, self.mesh)
         else:  # validates every leaf against the mesh
             shard_map(lambda p: p, mesh=self.mesh, in_specs=(pl.master,),
                       out_specs=pl.master)._flat_in((master,))
-        opt_state = self.optimizer.init(master)
+        opt_state = self.optimizer.init(T.view(master, mask))  # for the trained leaves only
         scale = self._scaler.init() if self._scaler is not None else None
         self._local_shapes[optree.tree_structure(master)] = [tuple(x.shape) for x in optree.tree_leaves(master)]
         rng = R.key(self.seed) if self.seed is not None else None
-        return TrainState(torch.zeros((), dtype=torch.int64), master, opt_state, scale, rng, ms)
+        return TrainState(torch.zeros((), dtype=torch.int64), master, opt_state, scale, rng, ms,
+                          T.as_tensor(mask))
 
     def _init_model_state(self, model_state: Any) -> Any:
         if self.update_model_state is None:
@@ -340,72 +371,10 @@ class TrainStep:
         shard_map(lambda m: m, mesh=self.mesh, in_specs=(specs,), out_specs=specs)._flat_in((ms,))
         return ms
 
-    def _check_memory(self, params: Any, pl: Any) -> None:
-        """Refuse a state that cannot fit before allocating it (see ``check_memory``)."""
-        import os
-
-        from fsharded import _memory
-
-        meta = optree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta")
-                               if isinstance(x, torch.Tensor) else x, params)
-        on_device = next((x.device.type for x in optree.tree_leaves(params)
-                          if isinstance(x, torch.Tensor) and x.device.type != "meta"), "cpu")
-        device = "cuda" if on_device == "cuda" else "cpu"
-
-        def need(specs: Any, mesh: Mesh) -> int:
-            return _memory.estimate_memory(meta, specs, self.optimizer, precision=self.policy, mesh=mesh,
-                                           activation_bytes=0, blocks=self.blocks).total
-
-        if self.distributed:
-            here = need(pl, self.mesh)
-            processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device == "cpu" else 1
-            what = f"the training state at ZeRO-{pl.stage} on {self.mesh!r}, per rank,"
-        else:  # the virtual mesh holds every device's shards in this process: the whole state
-            here = need(PartitionSpec(), Mesh({a: 1 for a in self.mesh.axis_names}))
-            processes, what = 1, "the training state (the virtual mesh holds all of it in this process)"
-        avail, _ = _memory.available_memory(device)
-        if here * processes <= avail:
-            return
-        hints = []
-        data = self.mesh.shape.get(pl.axis, 1) if getattr(pl, "axis", None) else self.mesh.shape.get("data", 1)
-        if self.distributed and pl.stage < 3 and data > 1:
-            from fsharded.parallel.zero import zero
-
-            z3 = need(zero(3, axis=pl.axis or "data")(PartitionSpec(), meta), self.mesh)
-            hints.append(f"ZeRO-3 over {pl.axis or 'data'} ({z3 / 2**30:,.2f} GiB per rank)")
-        if not self.distributed:
-            hints.append(f"real ranks (torchrun), each holding its shards: at ZeRO-3 about "
-                         f"{here / max(data, 1) / 2**30:,.2f} GiB per rank on {max(data, 1)} ranks")
-        _memory.check_fits(here, who="train_step.init", what=what, device=device, processes=processes,
-                           hints=tuple(hints))
-
-    def _check_step_memory(self, most: int, state: TrainState, batch: Any) -> None:
-        """Refuse a first step whose forward, backward and update (measured on the schedule
-        check's dry run: activations, gradients, buffers, the new state) cannot fit beside
-        the state already allocated, before any of it is (see ``check_memory``)."""
-        import os
-
-        from fsharded import _memory
-
-        device = next((x.device.type for x in optree.tree_leaves(state.params)
-                       if isinstance(x, torch.Tensor)), "cpu")
-        device = "cuda" if device == "cuda" else "cpu"
-        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device == "cpu" else 1
-        rows = next((x.shape[0] for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor) and x.dim()), None)
-        hints = [f"a smaller batch (this rank's share is {rows} rows)" if rows else "a smaller batch"]
-        hints.append("recomputing each block in backward (fs.parallel.remat.checkpoint around it): "
-                     "only block inputs kept")
-        data = self.mesh.shape.get("data", 1)
-        hints.append(f"the same global batch over more data ranks (now {data})")
-        _memory.check_fits(most, who=f"train_step: step {int(state.step) + 1}",
-                           what=(f"its forward, backward and update on rank {dist.get_rank()} (measured on "
-                                 "a dry run, beyond the state already allocated)"),
-                           device=device, processes=processes, hints=tuple(hints), lead="To need less")
-
     def params(self, state: TrainState) -> Any:
         """Full (global) master parameters, on every rank."""
         if self.distributed:
-            return unshard(state.params, self.placement(state.params).master, self.mesh)
+            return unshard(state.params, self.placement(state.params, self._mask(state)).master, self.mesh)
         return state.params
 
     def model_state(self, state: TrainState) -> Any:
@@ -417,14 +386,16 @@ class TrainStep:
     def state_specs(self, state: TrainState) -> TrainState:
         """The spec of every leaf of ``state``: master weights and optimizer-state subtrees
         shaped like them take the master placement; counters and scalars are replicated."""
-        pspecs = self.placement(state.params).master
+        mask = self._mask(state)
+        pspecs = self.placement(state.params, mask).master
         return TrainState(
             PartitionSpec(),
             pspecs,
-            optim.state_specs(state.opt_state, state.params, pspecs),
+            optim.state_specs(state.opt_state, T.view(state.params, mask), T.view(pspecs, mask)),
             optree.tree_map(lambda _: PartitionSpec(), state.loss_scale) if state.loss_scale is not None else None,
             PartitionSpec() if state.rng is not None else None,
             _full_specs(self.model_state_specs, state.model_state) if state.model_state is not None else None,
+            PartitionSpec() if state.trainable is not None else None,
         )
 
     # -- checkpoints ---------------------------------------------------------------------
@@ -458,11 +429,21 @@ class TrainStep:
         checkpoint's manifest (dicts and lists, ``checkpoint.tree_like``)."""
         ms = checkpoint.tree_like(directory, "model_state") \
             if self.update_model_state is not None and (like is None or not isinstance(like, TrainState)) else None
-        if like is None:
-            like = self._init(checkpoint.tree_like(directory, "params"), ms)
+        was = T.saved(directory)  # the leaves it trained
+        if like is None:  # without another say (trainable=), the checkpoint's own record
+            like = self._init(checkpoint.tree_like(directory, "params"), ms,
+                              mask=was if self.trainable is None and was is not None else None)
         elif not isinstance(like, TrainState):  # the parameters as a template: meta tensors will do
             _check_param_leaves(like, meta_ok=True)
             like = self._init(like, ms)
+        bad = T.disagree(_tree.tree_flatten_with_paths(like.params)[0], self._mask(like), was)
+        if bad:
+            raise ValueError(
+                f"train_step.load: {directory} was saved training other parameters than this step "
+                f"trains:\n" + "\n".join(bad[:8]) + ("\n  ..." if len(bad) > 8 else "")
+                + "\nGive the step the checkpoint's choice (train_step(..., trainable=...), or "
+                  "the module's requires_grad flags), or start the optimizer anew: "
+                  "step.init(fs.checkpoint.load of the params alone)")
         return checkpoint.load(directory, like, self.state_specs(like), self.mesh)
 
     # -- the step ----------------------------------------------------------------------
@@ -479,7 +460,10 @@ class TrainStep:
             mem.register(state.params, "parameters")
             mem.register(state.opt_state, "optimizer state")
             mem.backward_category = "activations"
-        params = state.params  # master weights, in the master placement
+        mask = plan.layout.trainable
+        # Master weights, in the master placement: the trained leaves (a view of the tree
+        # with None at the frozen ones, which pass through untouched).
+        params = T.view(state.params, mask)
         g_leaves, loss, (extra, stats) = self._gradients(plan, state, batch)
         new_ms = self._new_model_state(state.model_state, stats) if state.model_state is not None else None
         grads = optree.tree_unflatten(optree.tree_structure(params), g_leaves)
@@ -488,8 +472,8 @@ class TrainStep:
         # parameters, optimizer moments): check that the gradients are typed so (reduced
         # over every axis their parameter is not sharded on), then run the per-leaf
         # update untyped (hundreds of small ops) and type the new state by its specs.
-        master = plan.layout.master
-        _check_grad_types(g_leaves, master, self.mesh, plan.layout.paths)
+        master = plan.layout.t_master
+        _check_grad_types(g_leaves, master, self.mesh, plan.layout.t_paths)
         vma = _env.current().vma
         with vma.paused() if vma is not None else contextlib.nullcontext():
             loss = pmean(loss, self.batch_axes) if self.batch_axes else loss
@@ -501,6 +485,8 @@ class TrainStep:
             # verdict; an in-place update is skipped on it (the pure one is dropped after).
             ok = torch.isfinite(gnorm) & torch.isfinite(loss) if self.check_finite and finite is None else None
             new_params, opt_state = plan.update(grads, gnorm, state.opt_state, params, ok=ok)
+            new_params = T.merge(new_params, state.params, mask)
+            params = state.params
             P.label(new_params, "parameters")
             P.label(opt_state, "optimizer state")
             (new_params, opt_state, new_ms), new_scale, scale_metrics = plan.scaling.select(
@@ -515,7 +501,7 @@ class TrainStep:
             elif optim.get_lr_schedule(self.optimizer) is not None:
                 metrics["lr"] = optim.get_lr(self.optimizer, plan.scaling.applied(state.step, state.loss_scale))
             metrics.update(scale_metrics)
-        out = TrainState(state.step + 1, new_params, opt_state, new_scale, state.rng, new_ms)
+        out = TrainState(state.step + 1, new_params, opt_state, new_scale, state.rng, new_ms, state.trainable)
         if vma is not None:
             for t, spec in zip(optree.tree_leaves(out), plan.state_specs):
                 if isinstance(t, torch.Tensor):
@@ -569,7 +555,7 @@ class TrainStep:
     def _plan(self, state: TrainState, eager: bool) -> _Plan:
         """The step's pieces for this state layout and backend, chosen once. ``eager``: one
         process per device, or a one-device mesh (nothing vmapped)."""
-        pl = self.placement(state.params)
+        pl = self.placement(state.params, self._mask(state))
         layout = P.Layout(pl, state.params, self.blocks, self.mesh)
         if pl.stage == 3 and self.blocks is None and not self._warned_blocks \
                 and self.mesh.shape.get(pl.axis, 1) > 1:
@@ -588,12 +574,12 @@ class TrainStep:
                                 check_loss=functools.partial(_check_loss, self.batch_axes, self.mesh,
                                                              with_stats=self.update_model_state is not None))
         update = P.choose_update(self.optimizer, clip=self.clip, donate=self.donate, eager=eager,
-                                 params=state.params)
+                                 params=T.view(state.params, layout.trainable))
         specs = _tree.broadcast_prefix(self.state_specs(state), state)
         return _Plan(layout, gradients, scaling, update, eager, specs)
 
     def _shard_mapped(self, state: TrainState):
-        key = optree.tree_structure(state)
+        key = optree.tree_structure(state), _mask_key(self._mask(state))
         if key not in self._compiled:
             # Both backends' plans (cheap: no tensors are held), so no state is kept alive.
             plans = {eager: self._plan(state, eager) for eager in (False, True)}
@@ -645,7 +631,7 @@ class TrainStep:
                         if self.check_memory else (_schedule.dry_run(sm.local, state, batch), 0)
                 _schedule.agree(schedule, "train_step")
                 if self.check_memory:  # the same dry run measured what the step allocates
-                    self._check_step_memory(most, state, batch)
+                    _step_memory.check_step_memory(self, most, state, batch)
                 self._agreed.add(key)
         try:
             with torch.no_grad(), _trace.span("step"):
@@ -721,7 +707,7 @@ class TrainStep:
     def _nonfinite_leaves(self, state: TrainState, batch: Any) -> list[str]:
         """The paths of the parameters whose gradient has an inf or nan on any shard: the
         gradients of ``batch`` again (a stop's diagnosis, on every rank together)."""
-        key = ("nonfinite", optree.tree_structure(state))
+        key = ("nonfinite", optree.tree_structure(state), _mask_key(self._mask(state)))
         if key not in self._compiled:
             plans = {eager: self._plan(state, eager) for eager in (False, True)}
 
@@ -742,7 +728,7 @@ class TrainStep:
             batch = _local_batch(sm, batch)
         with torch.no_grad():
             flags = sm.local(state, batch)
-        paths = _tree.tree_flatten_with_paths(state.params)[0]
+        paths = T.pick(_tree.tree_flatten_with_paths(state.params)[0], self._mask(state))
         return [p for p, f in zip(paths, flags.tolist()) if f]
 
     def collectives(self, state: TrainState, batch: Any):
@@ -752,6 +738,10 @@ class TrainStep:
             specs = self.state_specs(state)
             state = _globalize(state, specs, self.mesh)
         return sm.collectives(state, batch)
+
+
+def _mask_key(mask: list[bool] | None) -> tuple | None:
+    return tuple(mask) if mask is not None else None
 
 
 def _shapes(tree: Any) -> tuple:

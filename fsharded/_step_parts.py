@@ -22,6 +22,7 @@ from typing import Any
 import optree
 import torch
 
+from fsharded import _step_trainable as T
 from fsharded import _tree, memory, optim
 from fsharded.comm import _trace
 from fsharded.mesh._mesh import Mesh
@@ -52,6 +53,13 @@ class Layout:
         self.block_mask = block_mask(params, blocks)
         self.paths = _tree.tree_flatten_with_paths(params)[0]
         self.mesh = mesh
+        # Which leaves train (None: all). The gradient side (``t_*``: reductions, clipping,
+        # the update) sees only those; the loss sees every leaf.
+        self.trainable = list(pl.trainable) if pl.trainable is not None else None
+        self.frozen = [not t for t in self.trainable] if self.trainable is not None else None
+        self.t_use, self.t_grads, self.t_master = (T.pick(x, self.trainable)
+                                                   for x in (self.use, self.grads, self.master))
+        self.t_paths = T.pick(self.paths, self.trainable)
 
 
 def block_mask(params: Any, path: str | None) -> list[bool] | None:
@@ -142,19 +150,21 @@ class Gradients:
         lay = self.layout
         if lay.axis is None:
             return list(leaves)
-        return B.gather_leaves(list(leaves), lay.master, to, lay.axis, lay.mesh, self.cap)
+        return B.gather_leaves(list(leaves), lay.master, to, lay.axis, lay.mesh, self.cap, frozen=lay.frozen)
 
     def _handler(self, p: Any) -> Any:
         """The run_block handler of a per-block ZeRO-3 step (prefetching on real ranks)."""
         lay = self.layout
         leaves = optree.tree_leaves(p)
         specs_of = {id(x): (m, u) for x, m, u, b in zip(leaves, lay.master, lay.use, lay.block_mask) if b}
+        frozen = {id(x) for x, f in zip(leaves, lay.frozen or ()) if f}
         blocks = _tree.get_path(p, lay.blocks)
         prefetch = zero3.Prefetch(blocks, specs_of, lay.axis, lay.mesh) \
             if self.distributed and not _manifest.dry() else None
         # The last block's backward follows its forward at once: keep its weights.
         kept = {id(t) for t in optree.tree_leaves(blocks[-1])}
-        return zero3.block_handler(specs_of, lay.axis, lay.mesh, self.cap, prefetch, lay.reshard, kept)
+        return zero3.block_handler(specs_of, lay.axis, lay.mesh, self.cap, prefetch, lay.reshard, kept,
+                                   frozen=frozen)
 
     def _local_loss(self, p: Any, micro: Any, scale: Any, model_state: Any = None):
         lay = self.layout
@@ -191,6 +201,14 @@ class Gradients:
             # psum, one collective per leaf (JAX's rule).
             x0 = mark(x0, varying)
         loss_fn = functools.partial(self._local_loss, scale=scale, model_state=model_state)
+        if lay.trainable is not None:
+            # Only the trainable leaves are differentiated (a list of them); the frozen ones
+            # reach the loss as constants, so no gradient of theirs is ever computed.
+            x_leaves, x_def = optree.tree_flatten(x0)
+            kept = [None if t else x for x, t in zip(x_leaves, lay.trainable)]  # the frozen ones
+            whole = functools.partial(_whole, kept, x_def, lay.trainable)
+            loss_fn = functools.partial(_on_trainable, loss_fn, whole)
+            x0 = T.pick(x_leaves, lay.trainable)
         real = self.distributed and self.eager and not _manifest.dry()
         reducer = self._in_backward(x0) if real else None
         if self.eager:
@@ -230,13 +248,13 @@ class Gradients:
             return None
         frame = _env.current()
         shapes = [tuple(x.shape) for x in optree.tree_leaves(x0)]
-        return B.InBackward.plan(shapes, lay.use, lay.grads, self.batch_axes, lay.mesh, self.cap,
+        return B.InBackward.plan(shapes, lay.t_use, lay.t_grads, self.batch_axes, lay.mesh, self.cap,
                                  self.policy.reduce_dtype, frame.vma if frame is not None else None)
 
     def _place(self, g: list) -> list:
         lay = self.layout
         if lay.axis is not None:  # ZeRO-1: this rank's block of the gradient (as _reduce)
-            g = B.slice_leaves(g, lay.grads, lay.master, lay.axis, lay.mesh)
+            g = B.slice_leaves(g, lay.t_grads, lay.t_master, lay.axis, lay.mesh)
         return g
 
     def _reduce(self, g: list) -> list:
@@ -244,11 +262,21 @@ class Gradients:
         (DeepSpeed's reduce buckets) rather than one collective per leaf."""
         lay = self.layout
         if self.inside:
-            return B.reduce_leaves(g, lay.master, lay.master, self.batch_axes, lay.mesh, self.cap)
-        g = B.reduce_leaves(g, lay.use, lay.grads, self.batch_axes, lay.mesh, self.cap)
+            return B.reduce_leaves(g, lay.t_master, lay.t_master, self.batch_axes, lay.mesh, self.cap)
+        g = B.reduce_leaves(g, lay.t_use, lay.t_grads, self.batch_axes, lay.mesh, self.cap)
         if lay.axis is not None:  # ZeRO-1: each rank keeps its block of the full gradient
-            g = B.slice_leaves(g, lay.grads, lay.master, lay.axis, lay.mesh)
+            g = B.slice_leaves(g, lay.t_grads, lay.t_master, lay.axis, lay.mesh)
         return g
+
+
+def _whole(leaves: list, tdef: Any, mask: list[bool], trained: list) -> Any:
+    """The parameter tree of ``leaves`` with its trainable ones replaced by ``trained``."""
+    it = iter(trained)
+    return optree.tree_unflatten(tdef, [next(it) if t else x for x, t in zip(leaves, mask)])
+
+
+def _on_trainable(loss_fn: Callable, whole: Callable, trained: list, micro: Any) -> Any:
+    return loss_fn(whole(trained), micro)
 
 
 def _micro(x: Any, i: int, k: int) -> Any:

@@ -57,13 +57,15 @@ def find_blocks(module: nn.Module, blocks: str | bool | None) -> tuple[str | Non
         return blocks, f"given: {_describe(blocks, m)}"
     if blocks is not None:
         raise TypeError(f"fs.nn.functional: blocks must be a dotted path, None (find it) or False, got {blocks!r}")
+    # By the modules' own names (a wrapper such as peft's PeftModel forwards attribute
+    # access to the model inside it, so get_submodule would find a path its parameters do
+    # not have): the layout's path, or the same under a wrapper's prefix.
+    real = dict(module.named_modules())
     for path, who in KNOWN_LAYOUTS.items():
-        try:
-            m = module.get_submodule(path)
-        except AttributeError:
-            continue
-        if _uniform(m):
-            return path, f"found: the {who} layout ({_describe(path, m)})"
+        hits = sorted((n for n in real if n == path or n.endswith("." + path)), key=len)
+        for n in hits:
+            if _uniform(real[n]):
+                return n, f"found: the {who} layout ({_describe(n, real[n])})"
     best, size = None, 0
     for name, m in module.named_modules():
         if name and _uniform(m):

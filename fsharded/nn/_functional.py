@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fsharded import _tree
+from fsharded._step_trainable import FROZEN_MARK
 from fsharded.nn._blocks import find_blocks
 from fsharded.nn._names import collect
 from fsharded.parallel import blocks as _blocks
@@ -49,7 +50,10 @@ class FunctionalModule:
     """A module's parameters as a pytree and its forward as a function of them.
 
     ``params``: nested dicts by submodule name, lists for ``ModuleList`` / ``Sequential``
-    children; a leaf's dotted path is its name in ``named_parameters()``. Tied weights
+    children; a leaf's dotted path is its name in ``named_parameters()``. ``trainable``:
+    the same tree of the parameters' ``requires_grad`` flags (a frozen backbone, a LoRA
+    model's base weights: False); ``train_step`` reads them from ``params`` by default and
+    takes the tree as ``trainable=`` for a copy of ``params`` (cast, moved), which loses them. Tied weights
     (nanoGPT's ``lm_head.weight is transformer.wte.weight``) are one leaf at the first
     name, ``tied`` maps the other names to it, and ``apply`` passes the leaf under every
     name, so the gradient of the leaf is the sum over its uses. The leaves are the
@@ -82,7 +86,14 @@ class FunctionalModule:
         named = collect(module, "parameters")
         self.params = named.tree
         self.tied: dict[str, str] = dict(named.aliases)
-        self._param_paths, _, self._param_def = _tree.tree_flatten_with_paths(self.params)
+        self._param_paths, leaves, self._param_def = _tree.tree_flatten_with_paths(self.params)
+        # The module's requires_grad flags: a frozen parameter's leaf is marked, so that
+        # train_step (trainable= by default) neither differentiates nor updates it.
+        flags = [bool(named.tensors[p].requires_grad) for p in self._param_paths]
+        for x, f in zip(leaves, flags):
+            if not f:
+                setattr(x, FROZEN_MARK, True)
+        self.trainable = optree.tree_unflatten(self._param_def, flags)
         bufs = collect(module, "buffers")
         self.buffers = bufs.tree
         self._buffer_paths = _tree.tree_flatten_with_paths(self.buffers)[0]

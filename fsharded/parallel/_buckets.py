@@ -69,10 +69,11 @@ def _rows(x: torch.Tensor, d: int, n: int) -> torch.Tensor:
 
 
 def gather_leaves(leaves: list, from_specs: list, to_specs: list, axis: str, mesh: Mesh,
-                  cap: int) -> list:
+                  cap: int, *, frozen: list[bool] | None = None) -> list:
     """All-gather over ``axis`` every leaf that ``from_specs`` shards on it and ``to_specs``
     does not, in buckets of at most ``cap`` elements. Differentiable (transpose:
-    reduce-scatter)."""
+    reduce-scatter). Leaves ``frozen`` marks (not trained) go in buckets of their own, so
+    the transpose reduce-scatters no gradient of theirs."""
     out = list(leaves)
     n = mesh.shape[axis]
     todo = []
@@ -86,7 +87,8 @@ def gather_leaves(leaves: list, from_specs: list, to_specs: list, axis: str, mes
     # leaves that vary over different axes would make every piece vary over all of them.
     groups: dict[tuple, list[tuple[int, int]]] = {}
     for i, d in todo:
-        groups.setdefault((leaves[i].dtype, frozenset(from_specs[i].axes)), []).append((i, d))
+        cold = bool(frozen[i]) if frozen is not None else False
+        groups.setdefault((leaves[i].dtype, frozenset(from_specs[i].axes), cold), []).append((i, d))
     for items in groups.values():
         dims = dict(items)
         for b in buckets([i for i, _ in items], [leaves[i].numel() for i, _ in items], cap):

@@ -55,11 +55,29 @@ class Placement(NamedTuple):
     # ZeRO-3: drop a block's gathered weights after its forward and gather them again in
     # backward (True), or keep them until backward (False: fewer bytes, more memory).
     reshard_after_forward: bool = True
+    # One bool per parameter leaf (flatten order): which leaves train; None: all of them.
+    trainable: tuple[bool, ...] | None = None
 
     @classmethod
     def replicated(cls, specs: Any) -> Placement:
         """Stage 0: everything laid out as ``specs``."""
         return cls(specs, specs, specs, specs, 0, None)
+
+    def freeze(self, mask: list[bool] | None) -> Placement:
+        """This placement with the leaves ``mask`` marks False frozen: no gradient, no
+        optimizer state. ZeRO-1/2 partition only those (gradients, optimizer state), so a
+        frozen leaf keeps its use layout there; ZeRO-3 shards it like any parameter and
+        gathers it for use (its gradient placement is never used)."""
+        if mask is None or all(mask):
+            return self._replace(trainable=None)
+        spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+        use, tdef = optree.tree_flatten(self.use, is_leaf=spec)
+        if self.stage == 3:
+            return self._replace(trainable=tuple(mask))
+        kept = [optree.tree_unflatten(tdef, [u if not t else x for u, x, t in
+                                             zip(use, optree.tree_leaves(tree, is_leaf=spec), mask)])
+                for tree in (self.params, self.grads, self.master)]
+        return self._replace(params=kept[0], grads=kept[1], master=kept[2], trainable=tuple(mask))
 
 
 def shard_leaf_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, axis: str,

@@ -122,7 +122,7 @@ class _Gathered(torch.autograd.Function):
     """Shards -> full weights (from a prefetch, or gathered here); backward: reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, info, pending, cache, *shards):
+    def forward(ctx, info, pending, cache, frozen, *shards):
         m_specs, u_specs, axis, mesh, cap = info
         ctx.info, ctx.cache = info, cache
         if pending is not None:
@@ -133,6 +133,9 @@ class _Gathered(torch.autograd.Function):
         # block may use them like any parameter.
         out = tuple(f if (f._base is None and f is not s) else f.clone() for f, s in zip(fulls, shards))
         memory.label(list(out), "parameters")  # the block's full weights, while it runs
+        if frozen is not None:  # no gradient is made for what is not trained
+            ctx.set_materialize_grads(False)
+            ctx.mark_non_differentiable(*(o for o, f in zip(out, frozen) if f))
         return out
 
     @staticmethod
@@ -168,17 +171,17 @@ class _Gathered(torch.autograd.Function):
                 moved[0] //= n
                 out[i] = piece.reshape(moved).movedim(0, dims[i])
             memory.label(mine, "gradients")
-        return (None, None, None, *out)
+        return (None, None, None, None, *out)
 
 
 def run_regathered(block, p_tree_def, shards: list, args: tuple, kw: dict, m_specs: list, u_specs: list,
                    axis: str, mesh: Mesh, cap: int, pending: Any, *, regather: bool = True,
-                   fetch: Any = None) -> Any:
+                   fetch: Any = None, frozen: list[bool] | None = None) -> Any:
     """Forward of one block on gathered weights whose saved copies are dropped and gathered
     again in backward (``regather``: by ``fetch()``, a prefetching gatherer, or here), or
     kept by autograd until backward."""
     cache: dict[int, torch.Tensor] = {}
-    fulls = _Gathered.apply((m_specs, u_specs, axis, mesh, cap), pending, cache, *shards)
+    fulls = _Gathered.apply((m_specs, u_specs, axis, mesh, cap), pending, cache, frozen, *shards)
     if not regather:
         return block(optree.tree_unflatten(p_tree_def, list(fulls)), *args, **kw)
     ptrs = {f.untyped_storage().data_ptr(): i for i, f in enumerate(fulls)}
@@ -269,8 +272,10 @@ class Prefetch:
 
 
 def block_handler(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: Prefetch | None,
-                  reshard: bool, kept: set) -> Callable[..., Any]:
+                  reshard: bool, kept: set, *, frozen: set | frozenset = frozenset()) -> Callable[..., Any]:
     """The ``run_block`` handler of a ZeRO-3 step: run each block on its gathered weights.
+    ``frozen``: ids of the leaves that are not trained (gathered for use; no gradient of
+    theirs is computed or reduce-scattered).
 
     With ``reshard`` the full weights live only while the block runs and are gathered
     again in backward (except for the leaves in ``kept``: the last block, whose backward
@@ -290,10 +295,11 @@ def block_handler(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: Pre
                 "the params the loss was given, unchanged"
             ) from None
         m_specs, u_specs = [m for m, _ in specs], [u for _, u in specs]
+        cold = [id(t) in frozen for t in leaves] if frozen else None
         if prefetch is not None:
             out = run_regathered(block, bdef, leaves, args, kw, m_specs, u_specs, axis, mesh, cap,
                                  prefetch.take_pending(leaves), regather=again,
-                                 fetch=prefetch.regather(leaves) if again else None)
+                                 fetch=prefetch.regather(leaves) if again else None, frozen=cold)
             first = optree.tree_leaves(out)[0] if optree.tree_leaves(out) else None
             if regather_any and isinstance(first, torch.Tensor) and first.requires_grad:
                 first.register_hook(prefetch.on_backward(leaves))
@@ -306,7 +312,7 @@ def block_handler(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: Pre
 
         def run(*tensors: torch.Tensor) -> Any:
             shards, ts = list(tensors[:n]), iter(tensors[n:])
-            full = gather_leaves(shards, m_specs, u_specs, axis, mesh, cap)
+            full = gather_leaves(shards, m_specs, u_specs, axis, mesh, cap, frozen=cold)
             memory.label(full, "parameters")  # the block's full weights, while it runs
             a, k = optree.tree_unflatten(edef, [next(ts) if t else e for e, t in zip(extra, is_t)])
             return block(optree.tree_unflatten(bdef, full), *a, **k)
