@@ -132,7 +132,12 @@ def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML or JSON file of TrainConfig fields")
-    p.add_argument("--deepspeed-config", help="a DeepSpeed JSON config to read settings from")
+    p.add_argument("--deepspeed-config", help="a DeepSpeed JSON config to read settings from (its "
+                   "steps_per_print is log_every; flags and --set override what it gives)")
+    p.add_argument("--allow-ignored", action="store_true",
+                   help="train even when the DeepSpeed config turns on what fsharded does not support yet "
+                        "(offload_optimizer/offload_param, activation_checkpointing, flops_profiler...), "
+                        "which is then ignored with a warning naming it (default: an error)")
     p.add_argument("--mesh", help="mesh axes, e.g. data=2,tensor=2 (default data=2; world size under torchrun)")
     p.add_argument("--replicate-over", metavar="AXES", default="",
                    help="mesh axes (comma-separated) the job does not shard over, declared to replicate")
@@ -184,7 +189,8 @@ def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
 
 
 def make_config(args: argparse.Namespace, world_size: int = 1):
-    """Layer: job defaults < --config / --deepspeed-config < flags < --set."""
+    """Layer: job defaults < --config < --deepspeed-config < flags < --set (a DeepSpeed
+    config's steps_per_print and seed count only when it gives them)."""
     from fsharded import config as C
 
     base = C.TrainConfig.from_dict(_merge({}, JOB_DEFAULTS, {"mesh": {"data": world_size}} if world_size > 1 else {}))
@@ -201,8 +207,11 @@ def make_config(args: argparse.Namespace, world_size: int = 1):
                 raise ValueError(f"--deepspeed-config: sequence_parallel_size {sp} does not divide the "
                                  f"{base.mesh.get('data', 1)} ranks")
             mesh = {**base.mesh, "data": base.mesh.get("data", 1) // sp}
-        ds = C.from_deepspeed(args.deepspeed_config, data_parallel_size=mesh.get("data", 1))
-        base = _layer_deepspeed(base, ds)
+        from fsharded.config._deepspeed import given
+
+        ds = C.from_deepspeed(args.deepspeed_config, data_parallel_size=mesh.get("data", 1),
+                              allow_ignored=getattr(args, "allow_ignored", False))
+        base = _layer_deepspeed(base, ds, given(args.deepspeed_config))
     flags: dict[str, Any] = {}
     if args.mesh is not None:
         flags["mesh"] = parse_mesh(args.mesh)
@@ -295,16 +304,17 @@ def _layer_file(base, path: str):
     return C.TrainConfig.from_dict(d)
 
 
-# What a DeepSpeed config decides; the model, mesh, data and run length stay ours.
+# What a DeepSpeed config decides (and, when it gives them, log_every and seed); the model,
+# mesh, data and run length stay ours.
 _DS_SECTIONS = ("optimizer", "scheduler", "precision", "loss_scale", "reduce_dtype", "grad_clip",
                 "zero_stage", "micro_batch_size", "grad_accum_steps", "train_batch_size")
 
 
-def _layer_deepspeed(base, ds):
+def _layer_deepspeed(base, ds, given: Sequence[str] = ()):
     from fsharded import config as C
 
     d, dd = base.to_dict(), ds.to_dict()
-    for k in _DS_SECTIONS:
+    for k in (*_DS_SECTIONS, *given):
         d[k] = dd[k]
     d["mesh"] = {**d["mesh"], **dd["mesh"]}  # the data parallel size the batch sizes were read with
     if dd["mesh"].get("seq", 1) > 1:  # sequence_parallel_size: Ulysses over 'seq', as DeepSpeed runs it

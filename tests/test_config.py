@@ -88,8 +88,10 @@ def test_fp16_zero2_config():
 
 
 def test_bf16_zero3_config():
+    with pytest.raises(ValueError, match=r"zero_optimization\.offload_optimizer\.device = 'cpu'"):
+        from_deepspeed(DS_BF16_ZERO3, data_parallel_size=2)  # offload: not supported yet
     with pytest.warns(ConfigWarning, match=r"zero_optimization\.offload_optimizer") as rec:
-        cfg = from_deepspeed(DS_BF16_ZERO3, data_parallel_size=2)
+        cfg = from_deepspeed(DS_BF16_ZERO3, data_parallel_size=2, allow_ignored=True)
     assert "stage3_max_live_parameters" not in str(rec[0].message)  # tuning knobs: quiet
     assert (cfg.train_batch_size, cfg.micro_batch_size, cfg.grad_accum_steps) == (32, 2, 8)
     assert cfg.precision == "bf16" and cfg.loss_scaler() is None and cfg.zero_stage == 3
@@ -125,9 +127,11 @@ def test_omitted_optimizer_settings_take_deepspeeds_defaults():
     lamb = {"train_batch_size": 1, "optimizer": {"type": "Lamb", "params": {"max_coeff": 10.0,
                                                                          "min_coeff": 0.01}}}
     assert _quiet(from_deepspeed, lamb).optimizer.eps == 1e-8  # FusedLamb's, not 1e-6
-    lamb["optimizer"]["params"]["max_coeff"] = 0.3  # not modelled: only the default is quiet
-    with pytest.warns(ConfigWarning, match=r"optimizer\.params\.max_coeff = 0\.3"):
+    lamb["optimizer"]["params"]["max_coeff"] = 0.3  # not modelled: only the default is accepted
+    with pytest.raises(ValueError, match=r"optimizer\.params\.max_coeff = 0\.3: fsharded has it only at"):
         from_deepspeed(lamb)
+    with pytest.warns(ConfigWarning, match=r"optimizer\.params\.max_coeff = 0\.3"):
+        from_deepspeed(lamb, allow_ignored=True)
 
 
 def test_scheduler_defaults_follow_deepspeed():

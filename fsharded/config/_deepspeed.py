@@ -3,7 +3,10 @@
 DeepSpeed's own rules apply: any two of ``train_batch_size`` /
 ``train_micro_batch_size_per_gpu`` / ``gradient_accumulation_steps`` give the third;
 ``"Adam"`` means AdamW unless ``adam_w_mode`` is false; ``loss_scale: 0`` means dynamic loss
-scaling. Keys fsharded does not use are named in one ``ConfigWarning``.
+scaling. A feature fsharded does not have yet, turned on (``offload_optimizer.device:
+"cpu"``, ``flops_profiler.enabled: true``: ``_deepspeed_unsupported.FEATURES``), is an error
+unless ``allow_ignored=True``; keys fsharded does not use are named in one ``ConfigWarning``,
+printed as its message alone.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fsharded.config._deepspeed_unsupported import CHECKS, FEATURES, HOW_TO_RUN
 from fsharded.config._train import (
     _DTYPES,
     _NONNEG,
@@ -76,6 +80,7 @@ class _Reader:
         self.errors: list[str] = []
         self.auto: list[str] = []
         self.notes: list[str] = []
+        self.unsupported: list[tuple[str, str]] = []  # (path = value, what it asks for)
         for path in _DS_QUIET:
             if self.has(path):
                 self.used.add(path)
@@ -111,9 +116,23 @@ class _Reader:
         return cv
 
     def default_only(self, path: str, default: Any) -> None:
-        """A setting fsharded only has at its default: listed as ignored otherwise."""
-        if self.get(path, type(default), default) != default:
-            self.used.discard(path)
+        """A setting fsharded only has at its default: not supported at another value."""
+        v = self.get(path, type(default), default)
+        if v != default:
+            self.unsupported.append((f"{path} = {v!r}", f"fsharded has it only at DeepSpeed's default, "
+                                                        f"{default!r}"))
+
+    def use_block(self, path: str) -> None:
+        """Every key under ``path`` read (quietly)."""
+        node, last = self._node(path)
+        if not isinstance(node, Mapping) or last not in node:
+            return
+        todo = [(path, node[last])]
+        while todo:
+            prefix, v = todo.pop()
+            self.used.add(prefix)
+            if isinstance(v, Mapping):
+                todo += [(f"{prefix}.{k}", x) for k, x in v.items()]
 
     def misspelt(self) -> list[str]:
         """Unread keys inside blocks fsharded reads that look like a key it reads there
@@ -177,7 +196,8 @@ def _load_deepspeed(ds_config: Mapping | str | Path) -> dict:
 
 
 def from_deepspeed(
-    ds_config: Mapping | str | Path, *, data_parallel_size: int | None = None, **overrides: Any
+    ds_config: Mapping | str | Path, *, data_parallel_size: int | None = None,
+    allow_ignored: bool = False, **overrides: Any
 ) -> TrainConfig:
     """A ``TrainConfig`` from a DeepSpeed config (dict, JSON text or path to a JSON file).
 
@@ -187,9 +207,19 @@ def from_deepspeed(
     (``Adam`` is AdamW unless ``params.adam_w_mode`` is false, as in DeepSpeed; omitted
     hyperparameters take the defaults of the optimizer DeepSpeed would build),
     ``scheduler``, ``gradient_clipping``, ``zero_optimization.stage``, ``steps_per_print``
-    and ``seed``. Keys with the wrong type are a ``ValueError`` listing each path; keys
-    fsharded does not use are named in a ``ConfigWarning``; ``"auto"`` (Hugging Face
-    Trainer placeholders) counts as unset, with a warning.
+    (``log_every``) and ``seed``. Keys with the wrong type are a ``ValueError`` listing
+    each path; ``"auto"`` (Hugging Face Trainer placeholders) counts as unset, with a
+    warning.
+
+    A feature fsharded does not have yet, turned on — ``zero_optimization.offload_optimizer``
+    or ``offload_param`` with a ``device`` other than ``"none"``, an ``activation_checkpointing``
+    setting, ``flops_profiler.enabled``, Apex ``amp``, ZeRO++ quantization, elasticity,
+    curriculum learning and the rest of ``_deepspeed_unsupported.FEATURES``, or a setting
+    fsharded has only at DeepSpeed's default (``optimizer.params.amsgrad: true``) — is a
+    ``ValueError`` naming each key, unless ``allow_ignored=True`` (``fsharded train
+    --allow-ignored``): then the config is read without them and a ``ConfigWarning``
+    names them. At their off values these keys are read without a word. Other keys
+    fsharded does not use are named in a ``ConfigWarning`` (printed as its message alone).
 
     The data-parallel size is ``data_parallel_size``, else ``mesh['data']`` from
     ``overrides``, else — when all three batch sizes are given — the one they imply,
@@ -229,6 +259,7 @@ def from_deepspeed(
     kw["log_every"] = r.get("steps_per_print", int, 10, _int_ge(1))
     if r.has("seed"):
         kw["seed"] = r.get("seed", int, 0)
+    _ds_unsupported(r)
 
     if not r.errors:
         try:
@@ -241,8 +272,16 @@ def from_deepspeed(
     if r.errors and r.auto:
         r.errors.append(f"  (\"auto\" in {', '.join(r.auto)}: a Hugging Face Trainer placeholder, read "
                         f"as unset; give a number instead)")
-    if r.errors:
-        raise ValueError("invalid DeepSpeed config:\n" + "\n".join(r.errors))
+    refused = [] if allow_ignored else _unsupported_lines(r)
+    if r.errors or refused:
+        head = ["invalid DeepSpeed config:", *r.errors] if r.errors else []
+        if refused:
+            head += [("" if r.errors else "DeepSpeed config: ") + "settings fsharded does not support yet:",
+                     *(f"  {line}" for line in refused), HOW_TO_RUN]
+        raise ValueError("\n".join(head))
+    if r.unsupported:
+        r.notes.append("settings fsharded does not support yet, ignored (allow_ignored):\n    "
+                       + "\n    ".join(_unsupported_lines(r)))
     if r.auto:
         r.notes.append("\"auto\" values (Hugging Face Trainer placeholders) treated as unset: "
                        + ", ".join(r.auto))
@@ -250,9 +289,53 @@ def from_deepspeed(
     if unused:
         r.notes.append("keys fsharded does not use (ignored):\n    " + "\n    ".join(unused))
     if r.notes:
-        warnings.warn("DeepSpeed config:\n  " + "\n  ".join(r.notes), ConfigWarning, stacklevel=2)
+        _warn("DeepSpeed config:\n  " + "\n  ".join(r.notes), stacklevel=2)
     cfg = TrainConfig(**kw)
     return cfg.replace(**overrides) if overrides else cfg
+
+
+def _message_only(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  line: str | None = None) -> str:
+    return f"{message}\n"
+
+
+def _warn(message: str, *, stacklevel: int) -> None:
+    """``warnings.warn(message, ConfigWarning)``, printed as the message alone: the file and
+    line Python would print are fsharded's own (``fsharded train``'s call), which tell a
+    user nothing. Only how this one warning prints changes, for the duration of the call:
+    filters, ``-W error`` and ``pytest.warns`` (which record warnings, not print them) see
+    an ordinary ``ConfigWarning``."""
+    shown = warnings.formatwarning
+    warnings.formatwarning = _message_only
+    try:
+        warnings.warn(message, ConfigWarning, stacklevel=stacklevel + 1)
+    finally:
+        warnings.formatwarning = shown
+
+
+def _ds_unsupported(r: _Reader) -> None:
+    """Record each feature of ``FEATURES`` the config turns on; read its block's other keys."""
+    for f in FEATURES:
+        block = f.key.rpartition(".")[0]
+        node, last = r._node(block)
+        if isinstance(node, Mapping) and last in node and node[last] is None:  # "offload_param": null
+            r.used.add(block)
+        v = r.get(f.key, f.tp, None, CHECKS.get(f.key))
+        for k in f.with_it:
+            if k == "*":
+                r.use_block(block)
+            elif r.has(f"{block}.{k}"):
+                r.used.add(f"{block}.{k}")
+        if v is not None and not f.off(v):
+            r.unsupported.append((f"{f.key} = {v!r}", f.what))
+
+
+def _unsupported_lines(r: _Reader) -> list[str]:
+    """One line per reason: the settings asking for it, then what it is."""
+    by_what: dict[str, list[str]] = {}
+    for setting, what in r.unsupported:
+        by_what.setdefault(what, []).append(setting)
+    return [f"{', '.join(settings)}: {what}" for what, settings in by_what.items()]
 
 
 def sequence_parallel_size(ds_config: Mapping | str | Path) -> int:
@@ -260,6 +343,17 @@ def sequence_parallel_size(ds_config: Mapping | str | Path) -> int:
     job are data x sequence parallel, as DeepSpeed counts them."""
     v = _load_deepspeed(ds_config).get("sequence_parallel_size", 1)
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else 1
+
+
+_DS_KEY_OF = {"log_every": "steps_per_print", "seed": "seed"}
+
+
+def given(ds_config: Mapping | str | Path, fields: tuple[str, ...] = tuple(_DS_KEY_OF)) -> tuple[str, ...]:
+    """Which of the ``TrainConfig`` fields ``log_every`` (``steps_per_print``) and ``seed`` a
+    DeepSpeed config gives (``"auto"`` gives nothing): ``fsharded train`` takes these from
+    the config only when it gives them, and keeps its own otherwise."""
+    ds = _load_deepspeed(ds_config)
+    return tuple(f for f in fields if ds.get(_DS_KEY_OF[f], "auto") != "auto")
 
 
 def _ds_data_parallel(r: _Reader, train: int | None, micro: int | None, accum: int | None,

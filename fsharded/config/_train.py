@@ -19,7 +19,9 @@ path, the value and what was expected — all failing fields at once::
 DeepSpeed configs (``from_deepspeed``) are read with DeepSpeed's own rules: any two of
 ``train_batch_size`` / ``train_micro_batch_size_per_gpu`` / ``gradient_accumulation_steps``
 give the third; ``"Adam"`` means AdamW unless ``adam_w_mode`` is false; ``loss_scale: 0``
-means dynamic loss scaling. Keys fsharded does not use are named in one ``ConfigWarning``.
+means dynamic loss scaling. A feature it does not have yet, turned on (CPU/NVMe offload,
+activation checkpointing...), is an error unless ``allow_ignored=True``; keys fsharded does
+not use are named in one ``ConfigWarning``.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ __all__ = [
 
 
 class ConfigWarning(UserWarning):
-    """Config keys that were read but have no effect in fsharded (filterable)."""
+    """Config keys that were read but have no effect in fsharded (filterable; a DeepSpeed
+    config's is printed as its message alone)."""
 
 
 # -- validation machinery -------------------------------------------------------------------
@@ -422,7 +425,7 @@ class TrainConfig:
     """JSON-lines file of per-step metrics (``fsharded train``: a new run replaces it, a resumed
     one keeps the records up to the resumed step and appends); ``None`` = no file."""
     log_every: int = 10
-    """Print metrics every this many steps."""
+    """Print metrics every this many steps (DeepSpeed's ``steps_per_print``)."""
 
     def __post_init__(self) -> None:
         errors: list[str] = []
