@@ -27,6 +27,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from fsharded import _tree
 from fsharded._step_trainable import FROZEN_MARK
 from fsharded.nn._blocks import find_blocks
+from fsharded.nn._hf_attention import hf_attention
 from fsharded.nn._names import collect
 from fsharded.parallel import blocks as _blocks
 
@@ -77,6 +78,13 @@ class FunctionalModule:
     ``apply`` runs, the block modules'
     ``forward`` is replaced (restored on exit): do not run the same module from
     another thread meanwhile.
+
+    A Hugging Face model with its default SDPA attention runs it, while ``apply`` runs
+    (and when a ZeRO-3 remat re-runs a block), as fsharded's flash attention registered
+    with ``AttentionInterface`` (``fsharded/nn/_hf_attention.py``): SDPA's numbers without
+    torch's per-sample fallback under vmap; padding masks, attention dropout (drawing from
+    the step's keys) and ``output_attentions`` are handled. Its config reads ``"sdpa"``
+    again on exit: the module itself is not changed.
     """
 
     def __init__(self, module: nn.Module, *, blocks: str | bool | None = None) -> None:
@@ -100,6 +108,7 @@ class FunctionalModule:
         self._buffer_aliases = dict(bufs.aliases)
         self._moved: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.blocks, self.blocks_origin = find_blocks(module, blocks)
+        self._attention = hf_attention(module)
         self._block_info = self._plan_blocks() if self.blocks is not None else []
 
     # -- blocks --------------------------------------------------------------------------
@@ -144,8 +153,13 @@ class FunctionalModule:
             return False
         return True
 
+    def _attending(self, name: str | None) -> contextlib.AbstractContextManager:
+        """A Hugging Face model's SDPA layers run as ``name`` (fsharded's attention, or
+        eager for attention weights) while entered; other modules are untouched."""
+        return self._attention.uses(name) if self._attention is not None else contextlib.nullcontext()
+
     @contextlib.contextmanager
-    def _routing(self, params: Any, buffers: dict[str, torch.Tensor]) -> Iterator[None]:
+    def _routing(self, params: Any, buffers: dict[str, torch.Tensor], attention: str | None) -> Iterator[None]:
         if self.blocks is None:
             yield
             return
@@ -156,7 +170,7 @@ class FunctionalModule:
                 mod = info["module"]
                 saved.append((mod, mod.__dict__.get("forward", _NOTHING)))
                 # An instance attribute shadows the class's forward for nn.Module.__call__.
-                mod.__dict__["forward"] = self._routed(info, mod.forward, sub, buffers)
+                mod.__dict__["forward"] = self._routed(info, mod.forward, sub, buffers, attention)
             yield
         finally:
             for mod, old in reversed(saved):
@@ -165,10 +179,11 @@ class FunctionalModule:
                 else:
                     mod.__dict__["forward"] = old
 
-    def _routed(self, info: dict, forward: Callable, sub: Any,
-                buffers: dict[str, torch.Tensor]) -> Callable:
+    def _routed(self, info: dict, forward: Callable, sub: Any, buffers: dict[str, torch.Tensor],
+                attention: str | None) -> Callable:
         """A block's forward for the duration of one ``apply``: through ``run_block`` with
-        ``sub``, its subtree of the parameters ``apply`` was given."""
+        ``sub``, its subtree of the parameters ``apply`` was given, and with the attention
+        ``apply`` chose (a remat runs it again in backward, after ``apply`` has returned)."""
         prefix = info["prefix"]
         local_buffers = {n[len(prefix):]: buffers[n] for n in info["buffers"]}
 
@@ -191,7 +206,7 @@ class FunctionalModule:
                 local = dict(zip(info["paths"], leaves))
                 local.update((a_, local[c]) for a_, c in info["aliases"].items())
                 local.update(local_buffers)
-                with _reparametrize_module(info["module"], local):
+                with _reparametrize_module(info["module"], local), self._attending(attention):
                     out = forward(h, *a, **fixed, **kw)
                 if type(out) is tuple and out and isinstance(out[0], torch.Tensor):
                     if not tail:  # a recomputation in backward gives the same rest
@@ -217,7 +232,8 @@ class FunctionalModule:
         device = leaves[0].device if leaves else None
         buffers = self._buffers_on(device)
         flat.update(buffers)
-        with self._routing(params, buffers), _meta_autocast(device):
+        attention = self._attention.choose(kwargs) if self._attention is not None else None
+        with self._attending(attention), self._routing(params, buffers, attention), _meta_autocast(device):
             return torch.func.functional_call(self.module, flat, args, kwargs, tie_weights=False)
 
     def _buffers_on(self, device: torch.device | None) -> dict[str, torch.Tensor]:

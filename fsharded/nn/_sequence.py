@@ -56,6 +56,7 @@ from torch import nn
 from fsharded.kernels.attention import flash_attention
 from fsharded.mesh import Mesh, P
 from fsharded.nn._functional import FunctionalModule, functional
+from fsharded.nn._hf_attention import switch
 from fsharded.parallel import sequence
 from fsharded.parallel.ring import ring_attention
 from fsharded.parallel.ulysses import ulysses_attention
@@ -300,7 +301,7 @@ class SequenceParallel:
                             f"fs.nn.functional(model), got {type(model).__name__}")
         self.module = self.functional.module
         self.attn_implementation = sequence_attention(self.strategy, axis=self.axis, layout=self.layout)
-        _switch(self.module, self.attn_implementation)
+        switch(self.module, self.attn_implementation)
 
     @property
     def params(self) -> Any:
@@ -402,27 +403,6 @@ class SequenceParallel:
         return (f"SequenceParallel({type(self.module).__name__}: strategy={self.strategy!r}, axis={self.axis!r}, "
                 f"layout={self.layout!r}, attn_implementation={self.attn_implementation!r}, "
                 f"blocks={self.blocks!r})")
-
-
-def _switch(module: nn.Module, name: str) -> None:
-    """Point ``module``'s attention at ``name``, or say why it cannot be."""
-    config = getattr(module, "config", None)
-    if config is None or not hasattr(config, "_attn_implementation"):
-        raise NotImplementedError(
-            f"fs.nn.sequence_parallel: {type(module).__name__} is not a Hugging Face model (no "
-            f"config._attn_implementation): its attention must dispatch through transformers' "
-            f"AttentionInterface. For the bundled GPT use fsharded.models.gpt.loss(seq_axis=..., "
-            f"seq_parallel=...)")
-    setter = getattr(module, "set_attn_implementation", None)
-    if setter is not None:
-        setter(name)
-    else:
-        config._attn_implementation = name
-    if config._attn_implementation != name:
-        raise NotImplementedError(
-            f"fs.nn.sequence_parallel: {type(module).__name__} kept attn_implementation "
-            f"{config._attn_implementation!r}: it does not dispatch its attention through transformers' "
-            f"AttentionInterface, so the sequence-parallel attention cannot be plugged in")
 
 
 def sequence_parallel(model: nn.Module | FunctionalModule, *, axis: Any = "seq", strategy: str = "ulysses",
