@@ -1,6 +1,7 @@
 """A checkpoint's manifest and blocks files (its index), read and checked before a byte of
 data is: the manifest's own checksum and each blocks file's (which the manifest records),
-so that any edit of them is refused naming the file; the entries' types; and that each
+so that any edit of them is refused naming the file; the entries' types; that the tree
+structure recorded (``_ckpt_structure``) holds exactly the leaves listed; and that each
 leaf's blocks tile it exactly — in bounds, not overlapping, covering every element — each
 block's bytes its box's volume times the item size, within its data file. (Checkpoints
 written before the index was checksummed still get the second check.)
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from fsharded import _ckpt_common
+from fsharded import _ckpt_common, _ckpt_structure
 from fsharded._ckpt_common import (
     DAMAGED,
     FORMAT,
@@ -147,6 +148,10 @@ def _check_manifest(m: dict, mpath: str) -> None:
     index = m.get("index")
     if index is not None and not isinstance(index, dict):
         raise bad("'index' is not an object")
+    if "structure" in m:  # a tree that does not hold exactly the leaves listed would load as another
+        why = _ckpt_structure.check(m["structure"], [e["path"] for e in leaves])
+        if why is not None:
+            raise bad(why)
 
 
 def describe_leaves(shapes: dict[str, list[int]]) -> str:

@@ -4,6 +4,7 @@ leaves out), their offsets and bytes in the data file; checked against the specs
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Any
 
@@ -73,13 +74,19 @@ class _Layout:
 
 
 def _check_specs(paths: list, leaves: list, flat_specs: list, mesh: Mesh, dist: bool) -> None:
-    """Every leaf storable and its spec fitting it (a global value on one process, this
-    rank's shard on real ranks): otherwise the blocks would not cover the leaf, and a save
-    would succeed that no load can read. One error listing every failing leaf."""
+    """Every leaf storable, at a path of its own, and its spec fitting it (a global value on
+    one process, this rank's shard on real ranks): otherwise the blocks would not cover the
+    leaf, and a save would succeed that no load can read. One error listing every failing
+    leaf."""
     for path, x in zip(paths, leaves):
         if not isinstance(x, (torch.Tensor, int, float, bool, str)) and x is not None:
             raise TypeError(f"checkpoint.save: {path} is a {type(x).__name__}; leaves must "
                             f"be tensors or JSON values (int, float, bool, str)")
+    twice = sorted(p for p, n in collections.Counter(paths).items() if n > 1)
+    if twice:  # a checkpoint addresses its leaves by path: one would overwrite the other
+        raise ValueError(f"checkpoint.save: several leaves have the dotted path {', '.join(map(repr, twice[:5]))} "
+                         f"(a key with dots spelling the path of another leaf, or 1 and '1' as keys of one dict); "
+                         f"rename one of the keys")
     if dist:
         check_sharded_tree(leaves, flat_specs, paths, mesh, "distributed", what="checkpoint.save")
     else:

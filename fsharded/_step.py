@@ -25,7 +25,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fsharded import _step_agree, _step_memory, _tree, checkpoint, memory, optim
+from fsharded import _ckpt_structure, _step_agree, _step_memory, _tree, checkpoint, memory, optim
 from fsharded import _step_parts as P
 from fsharded import _step_trainable as T
 from fsharded import random as R
@@ -425,14 +425,16 @@ class TrainStep:
         """The state saved at ``directory``, laid out for this step's mesh and placement,
         whatever mesh and placement it was saved from (optimizer moments, step, loss scale
         and key as saved). ``like``: a state of this step (``step.init(params)``), or the
-        global params to make one from; by default the parameter tree is rebuilt from the
-        checkpoint's manifest (dicts and lists, ``checkpoint.tree_like``)."""
+        global params to make one from; by default the parameter tree as it was saved
+        (``checkpoint.tree_like``: a flat dict of dotted names stays one)."""
         ms = checkpoint.tree_like(directory, "model_state") \
             if self.update_model_state is not None and (like is None or not isinstance(like, TrainState)) else None
         was = T.saved(directory)  # the leaves it trained
         if like is None:  # without another say (trainable=), the checkpoint's own record
-            like = self._init(checkpoint.tree_like(directory, "params"), ms,
-                              mask=was if self.trainable is None and was is not None else None)
+            mask = was if self.trainable is None and was is not None else None
+            like = _ckpt_structure.template(checkpoint.read_manifest(directory), directory, "params",
+                                            lambda p: self._init(p, ms, mask=mask),
+                                            "step.load(directory, like=params)")
         elif not isinstance(like, TrainState):  # the parameters as a template: meta tensors will do
             _check_param_leaves(like, meta_ok=True)
             like = self._init(like, ms)

@@ -3,6 +3,7 @@ and read back into any mesh and placement.
 
 >>> fs.checkpoint.save("ckpt/step-100", state, specs, mesh)
 >>> state = fs.checkpoint.load("ckpt/step-100", like, specs, mesh)   # any mesh, any specs
+>>> state = fs.checkpoint.load("ckpt/step-100", None, specs, mesh)   # the tree as saved
 
 The values are what ``shard_map`` takes on the backend the mesh runs on: global tensors on
 the virtual mesh (and on one device), this rank's shards on real ranks. ``load`` lays each
@@ -15,8 +16,11 @@ A checkpoint is a directory:
 
 - ``manifest.json``: the format version, the mesh it was saved from, and for every leaf
   its dotted path with global shape, dtype and the spec it was saved with (non-tensor
-  leaves: their JSON value); the checksum of each blocks file, and its own checksum (of
-  its JSON text without it), so that any edit of the index is refused naming the file;
+  leaves: their JSON value); the tree's structure (its containers, keys and order, as
+  JSON: ``_ckpt_structure``), from which ``tree_like`` and a load without a template
+  rebuild the tree as it was saved; the checksum of each blocks file, and its own
+  checksum (of its JSON text without it), so that any edit of the index is refused
+  naming the file;
 - ``blocks-<writer>.json`` and ``data-<writer>.bin``: each writer's blocks (a leaf's box
   of global indices: start and shape, the byte range in its data file, a CRC-32C, or a
   CRC-32 where the ``crc32c`` package is missing), raw
@@ -53,7 +57,7 @@ from typing import Any
 import optree
 import torch
 
-from fsharded import comm
+from fsharded import _ckpt_structure, comm
 from fsharded._ckpt_common import (
     DAMAGED,
     FORMAT,
@@ -81,7 +85,7 @@ from fsharded._ckpt_write import Arena, _fsync, _write_data, _write_json
 from fsharded._ds_checkpoint import DeepSpeedCheckpoint, load_deepspeed, read_deepspeed
 from fsharded.comm import _peers
 from fsharded.mesh import Mesh, PartitionSpec
-from fsharded.mesh._layout import global_shape
+from fsharded.mesh._layout import check_tree, global_shape
 
 __all__ = ["save", "save_async", "PendingSave", "Staging", "load", "tree_like", "Manager", "read_deepspeed", "load_deepspeed",
            "DeepSpeedCheckpoint", "save_dcp", "load_dcp", "dcp_state_dict", "export_safetensors", "FORMAT",
@@ -131,6 +135,7 @@ class _Job:
         self.writers = comm.world_size() if self.dist else 1
         self.layout, self.entries, self.pieces = _layout(paths, leaves, flat_specs, mesh, self.dist,
                                                          self.rank, tdef)
+        self.tdef = tdef  # its structure is described by rank 0 as it publishes (in save_async's thread)
         if os.path.exists(directory) and not overwrite:
             raise FileExistsError(f"checkpoint.save: {directory} exists; pass overwrite=True to replace it")
         token = [secrets.token_hex(4)]
@@ -155,7 +160,8 @@ class _Job:
         index = {f"blocks-{w:05d}.json": file_checksum(os.path.join(tmp, f"blocks-{w:05d}.json"))
                  for w in range(self.writers)}  # a few KB each: any edit of the index is refused
         manifest = {"format": FORMAT, "mesh": dict(self.mesh.shape), "leaves": self.entries,
-                    "writers": self.writers, "token": self.token, "index": index}
+                    "structure": _ckpt_structure.describe(self.tdef), "writers": self.writers,
+                    "token": self.token, "index": index}
         _write_json(os.path.join(tmp, "manifest.json"), seal(manifest))
         _fsync(tmp)
         old = None
@@ -515,36 +521,18 @@ def _poll(ready: Any, timeout_s: float, what: str) -> None:
 
 
 def tree_like(directory: str | os.PathLike, prefix: str = "") -> Any:
-    """The tree of the leaves saved under ``prefix`` (e.g. ``"params"``), rebuilt from the
-    manifest: meta tensors of the saved global shapes and dtypes (non-tensor leaves as
-    their values), in dicts, and lists where the keys are 0, 1, ... Only what holds a leaf
-    is recorded: NamedTuples and other nodes come back as dicts, and containers without
-    leaves (an ``nn.Sequential``'s activation) are absent, so a list with a gap comes back
-    a dict; give the parameters as a template to ``load`` for such trees."""
-    manifest = read_manifest(directory)
-    root: dict = {}
-    pre = prefix + "." if prefix else ""
-    for e in manifest["leaves"]:
-        if not e["path"].startswith(pre):
-            continue
-        keys = e["path"][len(pre):].split(".")
-        leaf = torch.empty(e["shape"], dtype=_dtype(e["dtype"]), device="meta") if "shape" in e \
-            else e.get("value")
-        node = root
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node[keys[-1]] = leaf
-    if not root:
-        raise CheckpointError(f"checkpoint: {directory} holds no leaves under {prefix!r}")
-
-    def build(node: Any) -> Any:
-        if not isinstance(node, dict):
-            return node
-        if node and all(k.isdigit() for k in node) and sorted(map(int, node)) == list(range(len(node))):
-            return [build(node[str(i)]) for i in range(len(node))]
-        return {k: build(v) for k, v in node.items()}
-
-    return build(root)
+    """The tree saved at ``directory`` (or its subtree at dotted path ``prefix``, e.g.
+    ``"params"``) as it was saved: the same containers (dicts, OrderedDicts, lists,
+    tuples, NamedTuples, None), keys (keys with dots included) and order, its tensors meta
+    tensors of their global shapes and dtypes, its other leaves their values: a template
+    for ``load``. A NamedTuple class that cannot be imported here (one of a script's
+    ``__main__``) is rebuilt as an equivalent ``collections.namedtuple``, with a warning;
+    other node types (registered with optree) need a template: an error says so.
+    Checkpoints of an fsharded that did not record the structure: dicts nested from the
+    dotted paths, lists where the keys are 0, 1, ...; give them a template
+    (``like=``)."""
+    directory = os.fspath(directory)
+    return _ckpt_structure.tree_like(read_manifest(directory), directory, prefix)
 
 
 def load(directory: str | os.PathLike, like: Any, specs: Any, mesh: Mesh, *,
@@ -552,14 +540,28 @@ def load(directory: str | os.PathLike, like: Any, specs: Any, mesh: Mesh, *,
     """The checkpoint at ``directory`` as a tree shaped like ``like``, laid out by ``specs``
     on ``mesh`` (on real ranks: this rank's shards, read from only the blocks that hold
     them). ``like`` gives the structure, shapes and dtypes (tensors of any device, meta
-    included); the checkpoint must hold exactly its leaves."""
+    included; on real ranks this rank's shards); the checkpoint must hold exactly its
+    leaves. ``like=None``: the tree as it was saved (``tree_like(directory)``)."""
     directory = os.fspath(directory)
     manifest = read_manifest(directory)
     saved = {e["path"]: e for e in manifest["leaves"]}
+    rebuilt = like is None
+    if rebuilt:
+        like = _ckpt_structure.tree_like(manifest, directory)
     paths, leaves, tdef = _flatten(like)
-    flat_specs = _flat_specs(specs, like, tdef)
+    try:
+        flat_specs = _flat_specs(specs, like, tdef)
+    except ValueError as e:
+        if not rebuilt:
+            raise
+        raise CheckpointError(f"checkpoint.load: {directory}: {e}\n" + _ckpt_structure.template_hint(
+            manifest, "fs.checkpoint.load(directory, like, specs, mesh)")) from e
     dist = _distributed(mesh, backend)
     coords = mesh.coords(comm.rank()) if dist else None
+    if rebuilt and dist:  # the global shapes saved -> those of this rank's shards
+        check_tree(leaves, flat_specs, paths, mesh, "checkpoint.load")
+        leaves = [torch.empty(_box(s, tuple(x.shape), mesh, coords)[1], dtype=x.dtype, device="meta")
+                  if isinstance(x, torch.Tensor) else x for x, s in zip(leaves, flat_specs)]
     missing, misfit, here = [], [], {}
     for path, x, spec in zip(paths, leaves, flat_specs):
         e = saved.get(path)
