@@ -116,24 +116,24 @@ def all_cases(data: int) -> dict:
 
 
 def lora_model(cfg_kind: str = "llama"):
-    """A peft LoRA model on a small Hugging Face model built from a config."""
+    """A peft LoRA model on a small Hugging Face model built from a config (its default
+    attention)."""
     import peft
     import transformers
 
     torch.manual_seed(0)
     if cfg_kind == "llama":
         cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                       attn_implementation="eager")
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
         base = transformers.LlamaForCausalLM(cfg)
         targets = ["q_proj", "v_proj"]
     else:
         cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
-                                      attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
-                                      attn_implementation="eager")
+                                      attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
         base = transformers.GPT2LMHeadModel(cfg)
         targets = ["c_attn"]
     lcfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+                           fan_in_fan_out=cfg_kind == "gpt2",  # GPT-2's Conv1D stores weights transposed
                            init_lora_weights=False)  # nonzero B: the adapters change the output
     return peft.get_peft_model(base, lcfg)
 
