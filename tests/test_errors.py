@@ -115,7 +115,9 @@ def test_out_specs_errors():
     with pytest.raises(ValueError, match=r"(?s)output: spec .* 'nope' is not in the mesh"):
         sm((P(),), out_specs=P("nope"))(torch.zeros(2))
     with pytest.raises(ValueError, match="outputs must be tensors"):
-        sm((P(),), f=lambda x: 3)(torch.zeros(2))
+        sm((P(),), f=lambda x: "three")(torch.zeros(2))
+    # A Python number is returned as JAX returns it: an array (here a 0-d tensor).
+    assert torch.equal(sm((P(),), f=lambda x: 3)(torch.zeros(2)), torch.tensor(3))
 
 
 def test_bad_collective_arguments():
