@@ -23,6 +23,19 @@ except ImportError:  # pragma: no cover
 _CACHE: dict[int, list] = {}
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests: tiny models on 2 shared cores only contend
+    with more (20 plain steps of a tiny nanoGPT took 11.8 s with 2 threads on a loaded
+    machine, 0.18 s with 1)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def gloo_results():
     """``gloo_results(world)``: every rank's results of ``spmd_cases.all_for_world`` (one

@@ -37,13 +37,7 @@ MESHES = [(0, {"data": 2}), (3, {"data": 2})]  # ZeRO-3 with blocks=fm.blocks
 KINDS = ["gpt2", "llama"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models on 2 shared cores: intra-op threads only contend.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
 
 
 def build(kind: str, seed: int = 0, dropout: float = 0.0, **overrides) -> torch.nn.Module:

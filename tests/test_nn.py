@@ -30,14 +30,7 @@ TOL = dict(rtol=0, atol=1e-5)
 KINDS = ["nanogpt", "llama", "hf_llama"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models on 2 shared cores: intra-op threads only contend (20 plain steps of the
-    # nanoGPT model took 11.8 s with 2 threads on a loaded machine, 0.18 s with 1).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
 
 
 def _needs(kind: str) -> None:

@@ -18,13 +18,7 @@ from fsharded import P
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models on 2 shared cores: intra-op threads only contend.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest
 
 
 _REF: dict = {}
