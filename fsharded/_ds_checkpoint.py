@@ -288,7 +288,10 @@ def load_deepspeed(directory: str | os.PathLike, step: Any, params: Any, *, tag:
     parameter tree (shapes and structure; ``step.init`` lays it out). ``names``: a function
     or a dict from a parameter path of ``params`` to its DeepSpeed name (the module's
     parameter name; by default the same path, as ``fs.nn.functional`` names them). On real ranks each rank
-    assembles the leaves one at a time and keeps its shards."""
+    assembles the leaves one at a time and keeps its shards. Frozen leaves (the step's
+    ``trainable=``) have no moments; one the checkpoint does not hold (DeepSpeed keeps
+    parameters that do not train out of its optimizer's groups) keeps its value from
+    ``params``, which a frozen weight never leaves."""
     from fsharded import _tree, comm
     from fsharded.mesh._layout import global_shape, local_slice
     from fsharded.mesh._spec import PartitionSpec
@@ -308,7 +311,12 @@ def load_deepspeed(directory: str | os.PathLike, step: Any, params: Any, *, tag:
                                                    tuple(x.shape), mesh) if dist else tuple(x.shape))
             for p, x, s in zip(paths, leaves, specs) if p.startswith("params.")}
     want = {p: rename(p) for p in ours}
-    problems = [f"  {p}: no {n!r} in the checkpoint" for p, n in want.items() if n not in ck.shapes]
+    from fsharded import _step_trainable as T
+
+    frozen = {p for p, t in zip(_tree.tree_flatten_with_paths(like.params)[0],
+                                T.from_tensor(like.trainable, len(ours)) or [True] * len(ours)) if not t}
+    kept = {p for p in frozen if want[p] not in ck.shapes}  # frozen, and not in DeepSpeed's groups
+    problems = [f"  {p}: no {n!r} in the checkpoint" for p, n in want.items() if n not in ck.shapes and p not in kept]
     problems += [f"  {p}: {ours[p]} here, {ck.shapes[n]} in the checkpoint"
                  for p, n in want.items() if n in ck.shapes and ours[p] != tuple(ck.shapes[n])]
     problems += [f"  {n}: in the checkpoint, not in params" for n in sorted(set(ck.names) - set(want.values()))]
@@ -323,6 +331,9 @@ def load_deepspeed(directory: str | os.PathLike, step: Any, params: Any, *, tag:
     for path, x, spec in zip(paths, leaves, specs):
         spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()
         m = moment.fullmatch(path)
+        if path.startswith("params.") and path[len("params."):] in kept:
+            out.append(x)  # as step.init laid it out from params
+            continue
         if path.startswith("params."):
             full = ck.tensor(want[path[len("params."):]], "param")
         elif m is not None and m.group(2) in want:
@@ -333,8 +344,10 @@ def load_deepspeed(directory: str | os.PathLike, step: Any, params: Any, *, tag:
             full = torch.tensor(ck.adam_step if is_adam else ck.step, dtype=x.dtype)
         elif path == "step":
             full = torch.tensor(ck.step, dtype=x.dtype)
-        elif path == "rng" or path.startswith("loss_scale"):
-            out.append(x)  # a new key and loss scale: DeepSpeed keeps neither in this form
+        elif path == "rng" or path.startswith("loss_scale") or path == "trainable":
+            # A new key and loss scale (DeepSpeed keeps neither in this form); the step's own
+            # choice of what trains.
+            out.append(x)
             continue
         else:
             raise NotImplementedError(

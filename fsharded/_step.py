@@ -262,6 +262,7 @@ class TrainStep:
         self._scaler = self.policy.loss_scaler()
         self.check_schedule = check_schedule
         self._agreed: set = set()
+        self._trainable_checked: set = set()  # states whose trained leaves match trainable=
         self.staging = checkpoint.Staging()  # save_async's host buffer, reused between saves
 
     @property
@@ -372,10 +373,12 @@ class TrainStep:
         return ms
 
     def params(self, state: TrainState) -> Any:
-        """Full (global) master parameters, on every rank."""
+        """Full (global) master parameters, on every rank; the frozen leaves marked as
+        ``fs.nn.functional`` marks them (``step.init`` of them trains the same leaves)."""
+        mask = self._mask(state)
         if self.distributed:
-            return unshard(state.params, self.placement(state.params, self._mask(state)).master, self.mesh)
-        return state.params
+            return T.mark(unshard(state.params, self.placement(state.params, mask).master, self.mesh), mask)
+        return T.mark(state.params, mask)
 
     def model_state(self, state: TrainState) -> Any:
         """The full (global) model state (``update_model_state``), on every rank."""
@@ -444,8 +447,9 @@ class TrainStep:
                 f"train_step.load: {directory} was saved training other parameters than this step "
                 f"trains:\n" + "\n".join(bad[:8]) + ("\n  ..." if len(bad) > 8 else "")
                 + "\nGive the step the checkpoint's choice (train_step(..., trainable=...), or "
-                  "the module's requires_grad flags), or start the optimizer anew: "
-                  "step.init(fs.checkpoint.load of the params alone)")
+                  "the module's requires_grad flags), or start the optimizer anew from its weights: "
+                  "state = train_step(...).load(directory) (its own record of what trained), then "
+                  "train_step(..., trainable=<what trains now>).init(that_step.params(state))")
         return checkpoint.load(directory, like, self.state_specs(like), self.mesh)
 
     # -- the step ----------------------------------------------------------------------
@@ -618,6 +622,7 @@ class TrainStep:
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         self._check_layout(state)
+        T.check_state(self.trainable, state, self._mask(state), self._trainable_checked)
         _check_batch_sizes(batch)
         if self.check_finite:
             self._check_lr(state)

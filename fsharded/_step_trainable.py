@@ -26,7 +26,7 @@ import torch
 
 from fsharded import _tree
 
-__all__ = ["resolve", "view", "merge", "as_tensor", "from_tensor", "FROZEN_MARK"]
+__all__ = ["resolve", "view", "merge", "mark", "as_tensor", "from_tensor", "FROZEN_MARK"]
 
 # Set (True) on the tensors of ``fs.nn.functional(m).params`` whose module parameter has
 # requires_grad=False: those leaves are detached (plain tensors), so the flag travels here.
@@ -100,8 +100,7 @@ def resolve(trainable: Any, params: Any) -> list[bool]:
         mask = [_flag(x) for x in leaves]
     elif callable(trainable):
         mask = [bool(trainable(p, x)) for p, x in zip(paths, leaves)]
-    elif isinstance(trainable, list) and (not trainable or isinstance(trainable[0], (tuple, list))) \
-            and not isinstance(params, list):
+    elif _is_rules(trainable, params):
         mask = _rules(trainable, paths)
     else:
         flat = _bool_prefix(trainable, params)
@@ -110,6 +109,15 @@ def resolve(trainable: Any, params: Any) -> list[bool]:
         raise ValueError("train_step: every parameter is frozen (trainable= and the parameters' "
                          "requires_grad flags leave nothing to train); train at least one leaf")
     return mask
+
+
+def _is_rules(trainable: Any, params: Any) -> bool:
+    """A rule table: a list or tuple of (pattern, ...) pairs (a tree of bools never holds
+    a pattern, whatever the parameters' container), or an empty list for a dict of them."""
+    if isinstance(trainable, (list, tuple)) and trainable:
+        return all(isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], (str, re.Pattern))
+                   for r in trainable)
+    return isinstance(trainable, list) and not isinstance(params, (list, tuple))
 
 
 def _bool_prefix(tree: Any, params: Any) -> list:
@@ -132,7 +140,12 @@ def _bool_prefix(tree: Any, params: Any) -> list:
     from fsharded.mesh._spec import PartitionSpec
 
     as_specs = optree.tree_map(lambda b: PartitionSpec("t") if b else PartitionSpec(), tree)
-    flat = _tree.broadcast_prefix(as_specs, params, what="trainable")
+    try:
+        flat = _tree.broadcast_prefix(as_specs, params, what="trainable")
+    except ValueError as e:  # its lines name the mismatched nodes; the lead speaks of specs
+        where = str(e).split("\n", 1)[-1].replace(" trainable have ", " trainable has ")
+        raise ValueError("train_step(trainable=...): the tree of bools is not a prefix of the parameter "
+                         "tree (a bool stands for every leaf below it):\n" + where) from None
     return [bool(s.axes) for s in flat]
 
 
@@ -152,6 +165,17 @@ def merge(trained: Any, full: Any, mask: list[bool] | None) -> Any:
     new = iter(optree.tree_leaves(trained, is_leaf=_is_spec))
     leaves, tdef = optree.tree_flatten(full, is_leaf=_is_spec)
     return optree.tree_unflatten(tdef, [next(new) if t else x for x, t in zip(leaves, mask)])
+
+
+def mark(tree: Any, mask: list[bool] | None) -> Any:
+    """``tree`` with its frozen leaves marked as ``fs.nn.functional`` marks them, so that
+    ``step.init(step.params(state))`` (resharding, a new optimizer) trains what the state
+    trained instead of every leaf; an explicit ``trainable=`` still decides."""
+    if mask is not None:
+        for x, t in zip(optree.tree_leaves(tree), mask):
+            if not t and isinstance(x, torch.Tensor):
+                setattr(x, FROZEN_MARK, True)
+    return tree
 
 
 def pick(items: list, mask: list[bool] | None) -> list:
@@ -200,11 +224,34 @@ def saved(directory: Any) -> list[bool] | None:
     return [bool(b) for b in t.reshape(-1).tolist()]
 
 
-def disagree(paths: list[str], have: list[bool] | None, saved_: list[bool] | None) -> list[str]:
-    """The leaves whose training ``have`` and ``saved_`` decide differently."""
+def disagree(paths: list[str], have: list[bool] | None, saved_: list[bool] | None,
+             where: str = "the checkpoint") -> list[str]:
+    """The leaves whose training ``have`` and ``saved_`` (``where``'s record) decide differently."""
     a = have or [True] * len(paths)
     b = saved_ or [True] * len(paths)
     if len(b) != len(a):
-        return [f"  the checkpoint records {len(b)} parameter leaves, this step has {len(a)}"]
-    return [f"  params.{p}: {'trained' if y else 'frozen'} in the checkpoint, "
+        return [f"  {where} records {len(b)} parameter leaves, this step has {len(a)}"]
+    return [f"  params.{p}: {'trained' if y else 'frozen'} in {where}, "
             f"{'trained' if x else 'frozen'} here" for p, x, y in zip(paths, a, b) if x != y]
+
+
+def check_state(trainable: Any, state: Any, have: list[bool] | None, seen: set) -> None:
+    """A state made for other trained leaves than a step's explicit ``trainable=`` says is
+    an error, not trained as the state says: its optimizer holds state for the leaves it
+    trains only, so another choice needs a new state. ``seen``: the (structure, mask)
+    pairs already checked."""
+    if trainable is None:  # the leaves' own flags: the state's record is the step's choice
+        return
+    key = optree.tree_structure(state.params), None if have is None else tuple(have)
+    if key in seen:
+        return
+    paths = _tree.tree_flatten_with_paths(state.params)[0]
+    bad = disagree(paths, resolve(trainable, state.params), have, "the state")
+    if bad:
+        raise ValueError(
+            "train_step: the state was made training other parameters than this step's trainable= "
+            "says:\n" + "\n".join(bad[:8]) + ("\n  ..." if len(bad) > 8 else "")
+            + "\nIts optimizer state covers the leaves it trains only. To train these instead, start a "
+              "new state from its weights: state = step.init(old_step.params(state)) (the optimizer "
+              "starts anew); or give this step the state's choice")
+    seen.add(key)

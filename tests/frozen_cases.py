@@ -140,3 +140,27 @@ def lora_model(cfg_kind: str = "llama"):
 
 def lora_copy(m):
     return copy.deepcopy(m)
+
+
+def reshard(data: int) -> dict:
+    """A stage-0 state's weights made into a ZeRO-3 state with ``step.init(step.params(state))``
+    (the reshard recipe), then trained on: which leaves each state trains, and the weights."""
+    m = model()
+    fm = fs.nn.functional(m)
+
+    def make(stage):
+        return fs.train_step(lambda p, b: fm.apply(p, b["idx"], b["y"]), fs.optim.adamw(LR, weight_decay=0.01),
+                             mesh=fs.Mesh({"data": data}), blocks=fm.blocks,
+                             param_specs=fs.parallel.zero(stage, min_size=1)(P(), fm.params))
+
+    first = make(0)
+    state = first.init(fm.params)
+    bs = batches()
+    state, _ = first(state, bs[0])
+    second = make(3)
+    again = second.init(first.params(state))
+    for b in bs[1:]:
+        again, _ = second(again, b)
+    full = second.params(again)
+    return {"first": state.trainable, "second": again.trainable,
+            "params": dict(zip(fs.tree_flatten_with_paths(full)[0], optree.tree_leaves(full)))}
