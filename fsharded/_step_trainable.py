@@ -240,7 +240,9 @@ def check_state(trainable: Any, state: Any, have: list[bool] | None, seen: set) 
     an error, not trained as the state says: its optimizer holds state for the leaves it
     trains only, so another choice needs a new state. ``seen``: the (structure, mask)
     pairs already checked."""
-    if trainable is None:  # the leaves' own flags: the state's record is the step's choice
+    if trainable is None or callable(trainable):
+        # The leaves' own flags (the state's record is the step's choice), or a function of
+        # the leaves, which a state holds as shards (on real ranks) and may not re-decide on.
         return
     key = optree.tree_structure(state.params), None if have is None else tuple(have)
     if key in seen:

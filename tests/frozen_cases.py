@@ -164,3 +164,16 @@ def reshard(data: int) -> dict:
     full = second.params(again)
     return {"first": state.trainable, "second": again.trainable,
             "params": dict(zip(fs.tree_flatten_with_paths(full)[0], optree.tree_leaves(full)))}
+
+
+def by_size(data: int) -> list:
+    """ZeRO-3 with trainable= a function of the leaves' sizes (global ones at init; a step
+    holds shards): which leaves the state trains after a step."""
+    m = model()
+    fm = fs.nn.functional(m)
+    step = fs.train_step(lambda p, b: fm.apply(p, b["idx"], b["y"]), fs.optim.adamw(LR), mesh=fs.Mesh({"data": data}),
+                         param_specs=fs.parallel.zero(3, min_size=1)(P(), fm.params), blocks=fm.blocks,
+                         trainable=lambda path, x: x.numel() > 600)
+    state = step.init(fm.params)
+    state, _ = step(state, batches(1)[0])
+    return state.trainable.tolist()

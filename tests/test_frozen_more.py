@@ -134,3 +134,15 @@ def test_frozen_leaves_through_a_tensor_parallel_plan_train_as_pytorch():
             torch.testing.assert_close(got[k], p.detach(), rtol=1e-4, atol=1e-4, msg=k)
         else:
             assert torch.equal(got[k], dict(m.named_parameters())[k]), k
+
+
+@pytest.mark.multiprocess
+def test_a_trainable_function_of_the_leaves_is_decided_once_on_gloo_ranks():
+    # At ZeRO-3 a rank holds half of each leaf: the function must not be asked again of
+    # the shards (1,024-element weights would become 512 and read as another choice).
+    from fsharded.testing import run_on_ranks
+
+    want = [x.numel() > 600 for x in optree.tree_leaves(fs.nn.functional(C.model()).params)]
+    assert any(want) and not all(want)
+    for got in run_on_ranks(C.by_size, 2, 2):
+        assert got == want
