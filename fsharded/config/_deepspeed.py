@@ -462,8 +462,13 @@ def _ds_scheduler(r: _Reader, kw: dict) -> None:
             r.errors.append(f"  scheduler.type: expected one of {', '.join(ds_names)}, got {typ!r}")
         else:
             r.get("scheduler.params", dict)
-            params = {k: r.get(f"scheduler.params.{k}", tp, None, _SCHEDULER_CHECKS.get(k))
-                      for k, tp in SCHEDULERS[name].items() if r.has(f"scheduler.params.{k}")}
+            params = {}
+            for k, tp in SCHEDULERS[name].items():
+                path = f"scheduler.params.{k}"
+                if r.has(path):
+                    v = r.get(path, tp, None, _SCHEDULER_CHECKS.get(k))
+                    if path not in r.auto:  # "auto" is unset: DeepSpeed's default (WarmupLR's: below)
+                        params[k] = v
             for k in _REQUIRED_PARAMS.get(name, ()):
                 if k not in params:
                     r.errors.append(f"  scheduler.params.{k}: required by {name}")
