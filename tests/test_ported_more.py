@@ -109,3 +109,51 @@ def test_a_zero_plan_given_as_specs_is_named_briefly(tmp_path):
     assert len(str(e.value)) < 600  # not the parameters' values
     specs = plan.resolve(fs.Mesh({"data": 2})).params
     fs.checkpoint.save(tmp_path / "ck", params, specs, fs.Mesh({"data": 2}))
+
+
+HF_TRAINER_ZERO3 = {  # Hugging Face's documented ZeRO-3 config, as users copy it
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none", "pin_memory": True},
+                          "offload_param": {"device": "none", "pin_memory": True}, "overlap_comm": True,
+                          "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+                          "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                          "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                          "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+
+
+def test_hf_trainers_config_with_auto_batch_sizes_reads_and_takes_the_batch_given():
+    """All three batch sizes "auto": HF Trainer fills them from its arguments; here they
+    are TrainConfig's default micro batch, or the one given (micro_batch_size=, fsharded
+    train --batch). It was an error ("either train_batch_size or ... must be given")
+    whatever --batch said."""
+    with pytest.warns(ConfigWarning, match="auto"):
+        cfg = from_deepspeed(HF_TRAINER_ZERO3, data_parallel_size=2)
+    assert (cfg.train_batch_size, cfg.micro_batch_size, cfg.grad_accum_steps, cfg.zero_stage) == (2, 1, 1, 3)
+    with pytest.warns(ConfigWarning):
+        cfg = from_deepspeed(HF_TRAINER_ZERO3, data_parallel_size=2, micro_batch_size=4, grad_accum_steps=2)
+    assert (cfg.train_batch_size, cfg.micro_batch_size, cfg.grad_accum_steps) == (16, 4, 2)
+    # No batch size at all, "auto" or given, is still DeepSpeed's error.
+    with pytest.raises(ValueError, match="either train_batch_size or train_micro_batch_size_per_gpu"):
+        from_deepspeed({"optimizer": {"type": "AdamW"}})
+
+
+def test_fsharded_train_reads_hf_trainers_config_with_its_batch_flag(tmp_path):
+    import json
+
+    from fsharded import train
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(HF_TRAINER_ZERO3))
+    args = train.build_parser().parse_args(["--preset", "tiny", "--batch", "4", "--accum", "2", "--steps", "3",
+                                            "--mesh", "data=2", "--deepspeed-config", str(path)])
+    with pytest.warns(ConfigWarning):
+        cfg = train.make_config(args)
+    assert (cfg.micro_batch_size, cfg.grad_accum_steps, cfg.train_batch_size, cfg.zero_stage) == (4, 2, 16, 3)
