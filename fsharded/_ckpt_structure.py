@@ -193,10 +193,12 @@ def tree_like(manifest: dict, directory: str, prefix: str = "") -> Any:
             found.append((node, start, stop))
 
     _walk(manifest["structure"], visit)
+    if not prefix:  # the root, visited last (a key "" has the path "" too)
+        found = found[-1:]
     if len(found) > 1:
         raise CheckpointError(f"checkpoint: {directory}: {len(found)} subtrees have the path {prefix!r} (keys with "
                               f"dots spell the path of another); load it with a template (like=)")
-    if not found or found[0][1] == found[0][2]:
+    if not found or (found[0][1] == found[0][2] and found[0][0] is None):  # an empty container is rebuilt
         under = [e["path"] for e in entries if e["path"].startswith(prefix + ".")] if prefix else []
         if under and not found:
             raise CheckpointError(f"checkpoint: {directory} has no subtree at {prefix!r}: the leaves "

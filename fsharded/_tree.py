@@ -66,9 +66,12 @@ def broadcast_prefix(
         try:
             s_kids, _, s_keys, _ = optree.tree_flatten_one_level(spec, none_is_leaf=True)
         except ValueError:
+            hint = (" (a plan of fs.parallel.zero: train_step takes it as param_specs; elsewhere pass "
+                    "plan.resolve(mesh).params, the specs the parameters are kept in)"
+                    if callable(getattr(spec, "resolve", None)) else "")
             errors.append(
                 f"  {name(path_str(path))}: expected a PartitionSpec or a subtree, got "
-                f"{type(spec).__name__} {spec!r}"
+                f"{type(spec).__name__} {_short(repr(spec))}{hint}"
             )
             out.extend([PartitionSpec()] * optree.tree_structure(sub).num_leaves)
             return
@@ -94,6 +97,10 @@ def broadcast_prefix(
             + "\n".join(errors)
         )
     return out
+
+
+def _short(text: str, n: int = 200) -> str:
+    return text if len(text) <= n else text[: n - 5] + "[...]"
 
 
 def rules(

@@ -209,7 +209,9 @@ def from_deepspeed(
     ``scheduler``, ``gradient_clipping``, ``zero_optimization.stage``, ``steps_per_print``
     (``log_every``) and ``seed``. Keys with the wrong type are a ``ValueError`` listing
     each path; ``"auto"`` (Hugging Face Trainer placeholders) counts as unset, with a
-    warning.
+    warning (batch sizes all "auto" or absent: a micro batch of 1, as ``TrainConfig``'s
+    default, which ``micro_batch_size=`` / ``fsharded train --batch`` set, as HF Trainer
+    fills them from its arguments).
 
     A feature fsharded does not have yet, turned on — ``zero_optimization.offload_optimizer``
     or ``offload_param`` with a ``device`` other than ``"none"``, an ``activation_checkpointing``
@@ -262,10 +264,13 @@ def from_deepspeed(
     _ds_unsupported(r)
 
     if not r.errors:
+        # Batch sizes left to HF Trainer ("auto") are TrainConfig's default micro batch (1),
+        # as HF fills them from its arguments: micro_batch_size= (fsharded train --batch) sets them.
+        auto_batch = any(k in r.auto for k in _DS_BATCH[:2])
         try:
             kw["train_batch_size"], kw["micro_batch_size"], kw["grad_accum_steps"] = _resolve_batch(
-                train, micro, accum, dp, names=(*_DS_BATCH, "data parallel size"), default_micro=None
-            )
+                train, micro, accum, dp, names=(*_DS_BATCH, "data parallel size"),
+                default_micro=1 if auto_batch else None)
         except ValueError as e:
             r.errors.append(f"  {', '.join(_DS_BATCH)}: {e}")
     r.errors += r.misspelt()
@@ -462,8 +467,13 @@ def _ds_scheduler(r: _Reader, kw: dict) -> None:
             r.errors.append(f"  scheduler.type: expected one of {', '.join(ds_names)}, got {typ!r}")
         else:
             r.get("scheduler.params", dict)
-            params = {k: r.get(f"scheduler.params.{k}", tp, None, _SCHEDULER_CHECKS.get(k))
-                      for k, tp in SCHEDULERS[name].items() if r.has(f"scheduler.params.{k}")}
+            params = {}
+            for k, tp in SCHEDULERS[name].items():
+                path = f"scheduler.params.{k}"
+                if r.has(path):
+                    v = r.get(path, tp, None, _SCHEDULER_CHECKS.get(k))
+                    if path not in r.auto:  # "auto" is unset: DeepSpeed's default (WarmupLR's: below)
+                        params[k] = v
             for k in _REQUIRED_PARAMS.get(name, ()):
                 if k not in params:
                     r.errors.append(f"  scheduler.params.{k}: required by {name}")

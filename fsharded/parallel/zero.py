@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import optree
@@ -105,7 +105,7 @@ class ZeroPlan:
     stage: int
     axis: str
     specs: Any
-    params: Any
+    params: Any = field(repr=False)  # (tensors: a repr would print their values)
     min_size: int
     reshard_after_forward: bool = True
 

@@ -66,7 +66,9 @@ def shard_map(
     ``shard_map(lambda x: x, mesh=m, in_specs=P(), out_specs=P())(3.0)`` is
     ``tensor(3.)``. Its dtype is torch's for the number (``float`` -> the default dtype,
     ``int`` -> int64, where JAX without x64 gives int32). Arguments that are numbers
-    reach ``f`` unchanged (they are not split; usable as sizes or flags).
+    reach ``f`` unchanged (they are not split; usable as sizes or flags), as do numpy
+    scalars; a numpy array argument is a tensor (``torch.as_tensor``, its dtype kept), split
+    by its spec like any other.
     """
     if f is None:
         return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
@@ -103,6 +105,7 @@ class ShardMapped:
 
     def _flat_in(self, args: tuple, *, local: bool = False) -> tuple[list, list, Any, list[str]]:
         leaves, treedef = optree.tree_flatten(args)
+        leaves = [_array_in(x) for x in leaves]
         sharded = [isinstance(x, Sharded) for x in leaves]
         if any(sharded):  # values from fsharded.shard stand for their global values
             paths = [_argpath(p) for p in _tree.tree_flatten_with_paths(args)[0]]
@@ -227,6 +230,17 @@ def _as_tensor(x: Any) -> Any:
             return torch.as_tensor(x, device=torch.get_default_device())
         except (TypeError, RuntimeError):
             return x  # a numpy object array: refused below as not a tensor
+    return x
+
+
+def _array_in(x: Any) -> Any:
+    """A numpy array argument as a tensor (sharing its memory), as JAX takes one as an
+    array: split by its spec, batched by vmap. Numbers and numpy scalars stay as they are."""
+    if type(x).__module__ == "numpy" and type(x).__name__ == "ndarray":
+        try:
+            return torch.as_tensor(x, device=torch.get_default_device())
+        except (TypeError, RuntimeError):
+            return x  # an object or string array: named below as not a tensor
     return x
 
 
