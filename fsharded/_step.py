@@ -25,7 +25,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fsharded import _ckpt_structure, _step_agree, _step_memory, _tree, checkpoint, memory, optim
+from fsharded import _step_agree, _step_memory, _tree, checkpoint, memory, optim
 from fsharded import _step_parts as P
 from fsharded import _step_trainable as T
 from fsharded import random as R
@@ -41,6 +41,7 @@ from fsharded._step_checks import (
     _shown,
 )
 from fsharded._step_parts import _batch_axes, _count_tokens
+from fsharded.checkpoint import _structure as _ckpt_structure
 from fsharded.comm import _trace
 from fsharded.mesh._layout import check_tree, dims, local_slice
 from fsharded.mesh._mesh import Mesh

@@ -207,8 +207,8 @@ def from_tensor(t: torch.Tensor | None, n: int) -> list[bool] | None:
 def saved(directory: Any) -> list[bool] | None:
     """The trained leaves a checkpoint of a ``TrainState`` records (``trainable``): None
     when it has no record (every leaf trained)."""
-    from fsharded._ckpt_common import _assemble, _dtype, _Reader
-    from fsharded._ckpt_index import _blocks, read_manifest
+    from fsharded.checkpoint._common import _assemble, _dtype, _Reader
+    from fsharded.checkpoint._index import _blocks, read_manifest
 
     manifest = read_manifest(directory)
     entry = next((e for e in manifest["leaves"] if e["path"] == "trainable"), None)

@@ -194,6 +194,7 @@ def _report(fn) -> None:
 
 def main(scenario: str) -> None:
     from fsharded import checkpoint, distributed
+    from fsharded.checkpoint import _api as ckpt_api
 
     timeout = float(os.environ.get("TIMEOUT_S", "60"))
     os.environ.setdefault("FSHARDED_SHM_TIMEOUT", str(timeout))
@@ -218,9 +219,9 @@ def main(scenario: str) -> None:
             _fault(how)
         if rank == victim:
             if victim == 1:
-                checkpoint._write_data = lambda *a, **k: _fault(how)
+                ckpt_api._write_data = lambda *a, **k: _fault(how)
             else:
-                checkpoint._Job.publish = lambda self: _fault(how)
+                ckpt_api._Job.publish = lambda self: _fault(how)
         tree = {"w": torch.arange(2.0) + 2 * rank}
         _report(lambda: checkpoint.save_async(directory, tree, {"w": P("data")}, mesh).wait())
     if scenario.startswith("step_save_"):

@@ -97,11 +97,11 @@ def test_any_tree_and_specs(tmp_path):
     tree["w"] = tree["w"] * 2
     fs.checkpoint.save(tmp_path / "a", tree, specs, mesh, overwrite=True)
     assert torch.equal(fs.checkpoint.load(tmp_path / "a", tree, specs, mesh)["w"], tree["w"])
-    fs.checkpoint._wait_removals()  # the replaced checkpoint is unlinked in a thread
+    fs.checkpoint._api._wait_removals()  # the replaced checkpoint is unlinked in a thread
     assert sorted(os.listdir(tmp_path)) == ["a"]  # no temporary or old directory left
     os.makedirs(tmp_path / "a.old-0badf00d")  # a killed process's: the next save removes it
     fs.checkpoint.save(tmp_path / "a", tree, specs, mesh, overwrite=True)
-    fs.checkpoint._wait_removals()
+    fs.checkpoint._api._wait_removals()
     assert sorted(os.listdir(tmp_path)) == ["a"]
 
 
@@ -167,7 +167,7 @@ def _crc32c_reference(data: bytes) -> int:
 
 
 def test_block_checksums_crc32c_and_crc32(tmp_path, monkeypatch):
-    from fsharded import _ckpt_common
+    from fsharded.checkpoint import _common as _ckpt_common
 
     step, params, state = _saved(tmp_path)
     blocks = json.loads((tmp_path / "ck" / "blocks-00000.json").read_text())
@@ -410,7 +410,7 @@ def test_manager_keeps_the_newest_and_finds_the_latest(tmp_path):
         if mgr.due(int(state.step)):
             mgr.save_state(step, state)
     assert mgr.steps() == [4, 6]
-    fs.checkpoint._wait_removals()  # pruned ones are renamed away at once, unlinked in a thread
+    fs.checkpoint._api._wait_removals()  # pruned ones are renamed away at once, unlinked in a thread
     assert sorted(os.listdir(tmp_path / "run")) == [".fsharded-lock", "step-00000004", "step-00000006"]  # the run's lock
     os.makedirs(tmp_path / "run" / "step-00000008.tmp-deadbeef")
     with pytest.warns(UserWarning, match=r"unfinished save\(s\): .*step-00000008.tmp-deadbeef"):
@@ -424,7 +424,7 @@ def test_manager_keeps_the_newest_and_finds_the_latest(tmp_path):
 def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     import errno
 
-    from fsharded import _ckpt_write as ck
+    from fsharded.checkpoint import _write as ck
 
     step, params, state = _saved(tmp_path)
     before = C.global_state(step, state)
@@ -452,7 +452,7 @@ def test_direct_and_buffered_writes_give_the_same_files(tmp_path, monkeypatch, c
     # writes the file from its staging arena (padded to the alignment, then cut): the same
     # bytes every way. Small chunks put block boundaries inside chunks and chunks inside
     # blocks; the strided leaf and the odd-sized ones put blocks at unaligned offsets.
-    from fsharded import _ckpt_write as ck
+    from fsharded.checkpoint import _write as ck
 
     if chunk is not None:
         monkeypatch.setattr(ck, "CHUNK", chunk)
@@ -570,7 +570,7 @@ def test_dcp_both_ways_on_gloo_ranks(tmp_path):
         assert tensors and C.leaves_equal(r["plain_dcp"], tensors)
         assert C.leaves_equal(r["dcp_reads_ours"], tensors)  # dcp.load of our own format
         # FSDP2's checkpoint, keys = the module's names = the fs.nn params paths.
-        paths, leaves, _ = fs.checkpoint._flatten(r["fsdp2"])
+        paths, leaves, _ = fs.checkpoint._common._flatten(r["fsdp2"])
         assert C.leaves_equal(dict(zip(paths, leaves)), r["fsdp2_ref"])
 
 
@@ -585,7 +585,7 @@ def test_export_safetensors_streams_the_full_params(tmp_path):
     names = fs.checkpoint.export_safetensors(tmp_path / "ck", tmp_path / "p.safetensors")
     got = safetensors.load_file(str(tmp_path / "p.safetensors"))
     full = step.params(state)
-    paths, leaves, _ = fs.checkpoint._flatten(full)
+    paths, leaves, _ = fs.checkpoint._common._flatten(full)
     assert sorted(names) == sorted(paths) and all(torch.equal(got[p], x) for p, x in zip(paths, leaves))
     fs.checkpoint.export_safetensors(tmp_path / "ck", tmp_path / "b.safetensors", dtype=torch.bfloat16,
                                      rename={"w_in": "embed.weight"})
@@ -671,7 +671,7 @@ def test_async_save_snapshots_the_state_and_bounds_its_copies(tmp_path):
 def test_async_save_failure_is_raised_at_wait_and_keeps_the_previous(tmp_path, monkeypatch):
     import errno
 
-    from fsharded import _ckpt_write as ck
+    from fsharded.checkpoint import _write as ck
 
     step, params, state = _saved(tmp_path)
     before = C.global_state(step, state)
@@ -699,7 +699,7 @@ def test_async_save_failing_while_writing_from_its_arena_keeps_the_previous(tmp_
     # and the arena goes back to the step for the next save, which succeeds.
     import errno
 
-    from fsharded import _ckpt_write as ck
+    from fsharded.checkpoint import _write as ck
 
     step, params, state = _saved(tmp_path)
     before = C.global_state(step, state)
@@ -770,7 +770,7 @@ def test_load_without_a_template_rebuilds_the_tree_from_the_manifest(tmp_path):
 def test_waiting_ranks_read_a_renamed_temporary_directory_as_not_failed(tmp_path):
     # A rank polling for rank 0's rename may look at the temporary directory just as it is
     # renamed into place: that is not a failure (it raised FileNotFoundError once).
-    from fsharded import checkpoint as ck
+    from fsharded.checkpoint import _api as ck
 
     assert ck._failed_markers(str(tmp_path / "gone.tmp-0000")) == []
     (tmp_path / "ck.tmp-1").mkdir()

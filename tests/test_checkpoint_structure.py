@@ -19,8 +19,8 @@ import torch
 
 import fsharded as fs
 from fsharded import P
-from fsharded._ckpt_index import seal
 from fsharded.checkpoint import CheckpointError, CorruptCheckpointError
+from fsharded.checkpoint._index import seal
 
 KINDS = ["flat", "nested", "list", "tuple", "namedtuple", "mix"]
 
@@ -256,7 +256,7 @@ def test_a_damaged_structure_record_is_refused(tmp_path):
         _edit_manifest(d, edit)
         with pytest.raises(CorruptCheckpointError, match=what):
             fs.checkpoint.tree_like(d)
-        assert re.search(what, fs._ckpt_dir.damage(d))
+        assert re.search(what, fs.checkpoint._dir.damage(d))
     # Manager.restore passes over it to the older checkpoint.
     step, _ = S.module_step({"data": 2}, 1)
     mgr = fs.checkpoint.Manager(tmp_path / "runs")

@@ -342,7 +342,7 @@ def test_a_manager_lists_and_keeps_an_interrupted_overwrite(interrupted, tmp_pat
         assert mgr.latest() == mgr.path(2)
     _save_w = mgr.save(4, {"w": torch.full((4, 4), 4.0)}, P("data"), fs.Mesh({"data": 2}))
     assert _save_w == mgr.path(4) and mgr.steps() == [2, 4]
-    fs.checkpoint._wait_removals()
+    fs.checkpoint._api._wait_removals()
     assert torch.equal(_w(mgr.path(2)), torch.full((4, 4), 2.0))
     mgr.unlock()
     assert sorted(os.listdir(root)) == ["step-00000002", "step-00000004"]  # the replaced one removed
@@ -356,7 +356,7 @@ def test_the_next_save_after_an_interrupted_overwrite_keeps_a_copy(interrupted, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         mgr.save(4, {"w": torch.full((4, 4), 4.0)}, P("data"), fs.Mesh({"data": 2}))
-        fs.checkpoint._wait_removals()
+        fs.checkpoint._api._wait_removals()
         assert torch.equal(_w(mgr.path(2)), torch.full((4, 4), 2.0))
     mgr.unlock()
 
@@ -376,7 +376,7 @@ def test_an_interrupted_swap_without_a_complete_new_save_rolls_back(tmp_path):
 def test_a_save_whose_swap_another_process_completed_succeeds(tmp_path, monkeypatch):
     """A reader completing the swap (between the saver's renames) leaves the saver's own
     rename nothing to move: the save is still a success."""
-    from fsharded import checkpoint as ck
+    from fsharded.checkpoint import _api as ck
 
     root = tmp_path / "ck"
     fs.checkpoint.save(root, {"w": torch.full((4, 4), 1.0)}, P(), fs.Mesh({"data": 1}))

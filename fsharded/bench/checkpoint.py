@@ -138,7 +138,7 @@ def rank_worker(job: Job) -> dict:
         # Each call starts on a clean page cache: no replaced checkpoint still being removed,
         # no dirty pages of an earlier call (another writer's, left for the kernel to flush
         # later) written back while this one runs.
-        fs.checkpoint._wait_removals()
+        fs.checkpoint._api._wait_removals()
         _cold(job.root)
         dist.barrier()
         t0 = time.perf_counter()
@@ -250,7 +250,7 @@ def steps_worker(job: Job) -> dict:
     times["steps_async"], times["steps_plain"] = [], []
     for rd in range(max(job.rounds, job.step_rounds)):
         for with_save in ((True, False) if rd % 2 == 0 else (False, True)):
-            fs.checkpoint._wait_removals()
+            fs.checkpoint._api._wait_removals()
             os.sync()
             dist.barrier()
             t0 = time.perf_counter()

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fsharded._ckpt_common import CHUNK, _bytes, checksummer
+from fsharded.checkpoint._common import CHUNK, _bytes, checksummer
 
 
 def _fsync(path: str) -> None:
@@ -218,7 +218,7 @@ class Arena:
 
     def copy_in(self, layout: Any, tensors: list[torch.Tensor]) -> list[memoryview]:
         """Copy each of ``tensors`` (any device, any strides) to its block of ``layout``
-        (``_ckpt_layout._Layout``: the blocks' offsets and bytes, back to back from the
+        (``checkpoint._layout._Layout``: the blocks' offsets and bytes, back to back from the
         start, as C-order bytes); those bytes here, one memoryview per block. The tensors
         over the blocks are kept for the next copy of the same layout (a step saves the
         same state again)."""

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from fsharded._ckpt_common import _dtype, _Reader
-from fsharded._ckpt_index import _blocks, read_manifest
+from fsharded.checkpoint._common import _dtype, _Reader
+from fsharded.checkpoint._index import _blocks, read_manifest
 
 __all__ = ["DCPReader"]
 

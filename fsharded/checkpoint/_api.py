@@ -1,44 +1,5 @@
-"""Checkpoints of spec-addressed pytrees: every device's shards written once, in parallel,
-and read back into any mesh and placement.
-
->>> fs.checkpoint.save("ckpt/step-100", state, specs, mesh)
->>> state = fs.checkpoint.load("ckpt/step-100", like, specs, mesh)   # any mesh, any specs
->>> state = fs.checkpoint.load("ckpt/step-100", None, specs, mesh)   # the tree as saved
-
-The values are what ``shard_map`` takes on the backend the mesh runs on: global tensors on
-the virtual mesh (and on one device), this rank's shards on real ranks. ``load`` lays each
-leaf out by the ``specs`` it is given, whatever mesh and specs the checkpoint was saved
-with: a ZeRO-3 state saved on 4 ranks loads at ZeRO-1 on 2, on the virtual mesh or on one
-device, optimizer moments included (each leaf is walked by its path; NamedTuples and
-other nodes are not pickled).
-
-A checkpoint is a directory:
-
-- ``manifest.json``: the format version, the mesh it was saved from, and for every leaf
-  its dotted path with global shape, dtype and the spec it was saved with (non-tensor
-  leaves: their JSON value); the tree's structure (its containers, keys and order, as
-  JSON: ``_ckpt_structure``), from which ``tree_like`` and a load without a template
-  rebuild the tree as it was saved; the checksum of each blocks file, and its own
-  checksum (of its JSON text without it), so that any edit of the index is refused
-  naming the file;
-- ``blocks-<writer>.json`` and ``data-<writer>.bin``: each writer's blocks (a leaf's box
-  of global indices: start and shape, the byte range in its data file, a CRC-32C, or a
-  CRC-32 where the ``crc32c`` package is missing), raw
-  C-order bytes back to back. A block held by several devices (replicated along an axis)
-  is written by one of them only (coordinate 0 along the axes its spec does not name).
-
-Saves go to ``<directory>.tmp-<token>``, every file and the directory fsynced, then renamed
-to ``<directory>``: a crash mid-save leaves no ``<directory>``, and a leftover temporary
-directory is ignored (``load`` refuses it, naming it). A replace (``overwrite=True``)
-renames the old one to ``<directory>.old-<token>`` first; interrupted between the two
-renames, the next ``load`` or ``Manager`` listing puts the complete new one in place (the
-old one is removed only once a complete checkpoint is at ``<directory>``). Loading checks
-the index before reading a byte (the checksums of the manifest and blocks files; that each
-leaf's blocks tile it exactly, within their data files), reads only the blocks that
-intersect this device's shards and checks each block's checksum: a flipped byte, an edited
-index, a truncated file or a missing block is a ``CorruptCheckpointError`` naming the
-file and the leaf, never a partly loaded state.
-"""
+"""``fsharded.checkpoint``'s save, load and ``Manager`` (the package docstring describes the
+format); the index, the blocks, the structure record and the interop live beside it."""
 
 from __future__ import annotations
 
@@ -57,8 +18,9 @@ from typing import Any
 import optree
 import torch
 
-from fsharded import _ckpt_structure, comm
-from fsharded._ckpt_common import (
+from fsharded import comm
+from fsharded.checkpoint import _structure as _ckpt_structure
+from fsharded.checkpoint._common import (
     DAMAGED,
     FORMAT,
     CheckpointError,
@@ -70,8 +32,9 @@ from fsharded._ckpt_common import (
     _flatten,
     _Reader,
 )
-from fsharded._ckpt_dir import DirectoryInUseError, damage, lock_job, restore, settle_all
-from fsharded._ckpt_index import (
+from fsharded.checkpoint._deepspeed import DeepSpeedCheckpoint, load_deepspeed, read_deepspeed
+from fsharded.checkpoint._dir import DirectoryInUseError, damage, lock_job, restore, settle_all
+from fsharded.checkpoint._index import (
     _blocks,
     _complete,
     file_checksum,
@@ -79,10 +42,9 @@ from fsharded._ckpt_index import (
     read_manifest,
     seal,
 )
-from fsharded._ckpt_interop import dcp_state_dict, export_safetensors, load_dcp, save_dcp
-from fsharded._ckpt_layout import _box, _layout
-from fsharded._ckpt_write import Arena, _fsync, _write_data, _write_json
-from fsharded._ds_checkpoint import DeepSpeedCheckpoint, load_deepspeed, read_deepspeed
+from fsharded.checkpoint._interop import dcp_state_dict, export_safetensors, load_dcp, save_dcp
+from fsharded.checkpoint._layout import _box, _layout
+from fsharded.checkpoint._write import Arena, _fsync, _write_data, _write_json
 from fsharded.comm import _peers
 from fsharded.mesh import Mesh, PartitionSpec
 from fsharded.mesh._layout import check_tree, global_shape
@@ -172,7 +134,7 @@ class _Job:
             os.rename(tmp, directory)
         except BaseException as e:
             # A reader that found <directory> missing between the two renames put this
-            # (complete) save in place itself (``_ckpt_index.settle``): a success.
+            # (complete) save in place itself (``checkpoint._index.settle``): a success.
             if not (isinstance(e, FileNotFoundError) and _token_at(directory) == self.token):
                 if old is not None:  # the previous checkpoint back in its place
                     os.rename(old, directory)
@@ -241,7 +203,7 @@ class Staging:
     """Host memory kept from one background save to the next (``save_async(staging=)``; a
     train step keeps one for its ``save_async``). A save copies the blocks this device
     writes into one page-aligned buffer laid out as its data file and writes the file from
-    it (``_ckpt_write.Arena``); the next save reuses that buffer instead of allocating and
+    it (``checkpoint._write.Arena``); the next save reuses that buffer instead of allocating and
     faulting in new pages, so the copy that blocks the caller runs at memory speed (about
     5x faster here), as DCP's cached staging does. It holds this device's share of the
     largest state saved so far (``nbytes``) until ``release()``."""
@@ -768,11 +730,3 @@ class Manager:
                 if ".pruned-" in name or (".old-" in name and  # replaced: only beside a complete checkpoint
                                           _complete(os.path.join(self.root, name[:name.index(".old-")]))):
                     _remove_later(os.path.join(self.root, name))
-
-
-def __getattr__(name: str) -> Any:
-    if name == "DCPReader":  # imports torch.distributed.checkpoint: only when asked for
-        from fsharded._dcp_reader import DCPReader
-
-        return DCPReader
-    raise AttributeError(f"module 'fsharded.checkpoint' has no attribute {name!r}")

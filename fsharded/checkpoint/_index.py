@@ -1,7 +1,7 @@
 """A checkpoint's manifest and blocks files (its index), read and checked before a byte of
 data is: the manifest's own checksum and each blocks file's (which the manifest records),
 so that any edit of them is refused naming the file; the entries' types; that the tree
-structure recorded (``_ckpt_structure``) holds exactly the leaves listed; and that each
+structure recorded (``checkpoint._structure``) holds exactly the leaves listed; and that each
 leaf's blocks tile it exactly — in bounds, not overlapping, covering every element — each
 block's bytes its box's volume times the item size, within its data file. (Checkpoints
 written before the index was checksummed still get the second check.)
@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from fsharded import _ckpt_common, _ckpt_structure
-from fsharded._ckpt_common import (
+from fsharded.checkpoint import _common as _ckpt_common
+from fsharded.checkpoint import _structure as _ckpt_structure
+from fsharded.checkpoint._common import (
     DAMAGED,
     FORMAT,
     CheckpointError,

@@ -17,7 +17,7 @@ from typing import Any
 import optree
 import torch
 
-from fsharded._ckpt_common import (
+from fsharded.checkpoint._common import (
     CheckpointError,
     _assemble,
     _bytes,
@@ -27,7 +27,7 @@ from fsharded._ckpt_common import (
     _flatten,
     _Reader,
 )
-from fsharded._ckpt_index import _blocks, read_manifest
+from fsharded.checkpoint._index import _blocks, read_manifest
 from fsharded.mesh import Mesh, PartitionSpec
 from fsharded.mesh._layout import global_shape
 from fsharded.mesh._spec import shard_shape

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from fsharded._ckpt_common import CheckpointError, _distributed, _flatten
+from fsharded.checkpoint._common import CheckpointError, _distributed, _flatten
 
 __all__ = ["DeepSpeedCheckpoint", "read_deepspeed", "load_deepspeed"]
 

@@ -45,7 +45,7 @@ from typing import Any
 import optree
 import torch
 
-from fsharded._ckpt_common import CheckpointError, CorruptCheckpointError, _dtype
+from fsharded.checkpoint._common import CheckpointError, CorruptCheckpointError, _dtype
 
 LEAF = "*"
 _K = optree.PyTreeKind

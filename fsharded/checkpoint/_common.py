@@ -1,7 +1,7 @@
 """What ``fsharded.checkpoint`` and its readers and exporters (DeepSpeed's format, DCP's
 reader of ours, DCP and safetensors exchange) share: the error types, the dotted paths of a
 tree's leaves, whether a mesh runs on real ranks, the blocks' checksums, reading
-checksummed blocks, and assembling a box of a leaf from the blocks (``_ckpt_index`` reads
+checksummed blocks, and assembling a box of a leaf from the blocks (``checkpoint._index`` reads
 and checks the manifest and the blocks files first)."""
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def _assemble(reader: _Reader, path: str, blocks: Iterable[dict], start: list, s
             dst = dst.narrow(d, l_ - start[d], h - l_)
         dst.copy_(src)
         covered += math.prod(h - l_ for l_, h in zip(lo, hi))
-    if covered != math.prod(size):  # checked (``_ckpt_index``) before a byte is read: never here
+    if covered != math.prod(size):  # checked (``checkpoint._index``) before a byte is read: never here
         raise CorruptCheckpointError(
             f"checkpoint: {reader.directory}: the blocks of {path!r} cover {covered} of the "
             f"{math.prod(size)} elements this device needs: {DAMAGED}")

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from fsharded._ckpt_common import CheckpointError, CorruptCheckpointError
-from fsharded._ckpt_index import _blocks, _read_manifest_file, settle
+from fsharded.checkpoint._common import CheckpointError, CorruptCheckpointError
+from fsharded.checkpoint._index import _blocks, _read_manifest_file, settle
 
 NAME = ".fsharded-lock"
 
