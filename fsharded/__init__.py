@@ -31,7 +31,6 @@ from fsharded._memory import (
     available_memory,
     estimate_memory,
 )
-from fsharded._step import TrainState, TrainStep, train_step
 from fsharded._tree import rules, tree_flatten_with_paths, tree_map_with_path
 from fsharded.mesh import Mesh, NamedSharding, P, PartitionSpec
 from fsharded.spmd import (
@@ -60,6 +59,7 @@ from fsharded.spmd import (
     unshard,
     varying_axes,
 )
+from fsharded.step._builder import TrainState, TrainStep, train_step
 from fsharded.visualize import visualize_sharding
 
 __version__ = "0.1.0"

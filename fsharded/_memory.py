@@ -129,13 +129,13 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     ran). Or pass ``activation_bytes`` yourself.
 
     ``trainable``: which leaves train, as ``train_step`` takes it (by default the leaves'
-    own flags: see ``fsharded._step_trainable.resolve``; a ``Placement`` from a step carries
+    own flags: see ``fsharded.step._trainable.resolve``; a ``Placement`` from a step carries
     its own). A frozen leaf counts as stored in its own dtype, with no gradient, no master
     copy and no optimizer state.
     """
-    from fsharded import _step_trainable as T
     from fsharded.parallel.zero import Placement, ZeroPlan
     from fsharded.precision import as_policy
+    from fsharded.step import _trainable as T
 
     policy = as_policy(precision)
     if isinstance(specs, ZeroPlan):

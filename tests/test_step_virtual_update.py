@@ -1,5 +1,5 @@
 """The virtual mesh's donated update: the fused kernel on the tensors beneath the vmap
-levels (``_step_parts.StackedFusedUpdate``) against the pure update, leaf layouts that
+levels (``step._update.StackedFusedUpdate``) against the pure update, leaf layouts that
 need its copies and alignments, and the state consumed in place as on real ranks."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 
 import fsharded as fs
 from fsharded import P
-from fsharded._step_parts import StackedFusedUpdate
 from fsharded.models import gpt
+from fsharded.step._update import StackedFusedUpdate
 
 
 def _batch(config, seed=0):

@@ -311,7 +311,7 @@ def load_deepspeed(directory: str | os.PathLike, step: Any, params: Any, *, tag:
                                                    tuple(x.shape), mesh) if dist else tuple(x.shape))
             for p, x, s in zip(paths, leaves, specs) if p.startswith("params.")}
     want = {p: rename(p) for p in ours}
-    from fsharded import _step_trainable as T
+    from fsharded.step import _trainable as T
 
     frozen = {p for p, t in zip(_tree.tree_flatten_with_paths(like.params)[0],
                                 T.from_tensor(like.trainable, len(ours)) or [True] * len(ours)) if not t}

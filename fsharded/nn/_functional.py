@@ -25,11 +25,11 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fsharded import _tree
-from fsharded._step_trainable import FROZEN_MARK
 from fsharded.nn._blocks import find_blocks
 from fsharded.nn._hf_attention import hf_attention
 from fsharded.nn._names import collect
 from fsharded.parallel import blocks as _blocks
+from fsharded.step._trainable import FROZEN_MARK
 
 __all__ = ["FunctionalModule", "functional"]
 

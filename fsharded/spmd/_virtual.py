@@ -103,7 +103,7 @@ def beneath(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     Inside a virtual-mesh body each value is every device's shard at once: beneath the
     levels it is one tensor holding all of them (for a shard_map input, a view of the
     global value's storage). An elementwise in-place update written there updates every
-    device's shard, as each device would its own (``_step_parts.StackedFusedUpdate``)."""
+    device's shard, as each device would its own (``step._update.StackedFusedUpdate``)."""
     chain = []  # (level, bdim), innermost (highest) level first
     while _F.is_batchedtensor(t):
         chain.append((_F.maybe_get_level(t), _F.maybe_get_bdim(t)))

@@ -25,22 +25,8 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fsharded import _step_agree, _step_memory, _tree, checkpoint, memory, optim
-from fsharded import _step_parts as P
-from fsharded import _step_trainable as T
+from fsharded import _tree, checkpoint, memory, optim
 from fsharded import random as R
-from fsharded._step_checks import (
-    _check_batch_sizes,
-    _check_grad_types,
-    _check_loss,
-    _check_optimizer,
-    _check_param_leaves,
-    _check_rates,
-    _check_scale,
-    _nonfinite_state,
-    _shown,
-)
-from fsharded._step_parts import _batch_axes, _count_tokens
 from fsharded.checkpoint import _structure as _ckpt_structure
 from fsharded.comm import _trace
 from fsharded.mesh._layout import check_tree, dims, local_slice
@@ -52,6 +38,24 @@ from fsharded.spmd import _env, _schedule
 from fsharded.spmd._transfer import backend_for, local_shards, unshard
 from fsharded.spmd.collectives import mark_varying, pmax, pmean, varying_axes
 from fsharded.spmd.shard_map import shard_map
+from fsharded.step import _agree as _step_agree
+from fsharded.step import _memory_guard as _step_memory
+from fsharded.step import _trainable as T
+from fsharded.step._batch import _batch_axes, _count_tokens
+from fsharded.step._checks import (
+    _check_batch_sizes,
+    _check_grad_types,
+    _check_loss,
+    _check_optimizer,
+    _check_param_leaves,
+    _check_rates,
+    _check_scale,
+    _nonfinite_state,
+    _shown,
+)
+from fsharded.step._gradients import Gradients, Layout, label
+from fsharded.step._scaling import DynamicScaling, NoScaling
+from fsharded.step._update import PureUpdate, choose_update
 
 __all__ = ["TrainState", "TrainStep", "train_step"]
 
@@ -192,12 +196,12 @@ def train_step(
 
 
 class _Plan(NamedTuple):
-    """The pieces of one state layout's step (see ``fsharded._step_parts``)."""
+    """The pieces of one state layout's step (``_gradients``, ``_scaling``, ``_update``)."""
 
-    layout: P.Layout
-    gradients: P.Gradients
-    scaling: Any  # P.NoScaling | P.DynamicScaling
-    update: P.PureUpdate
+    layout: Layout
+    gradients: Gradients
+    scaling: Any  # NoScaling | DynamicScaling
+    update: PureUpdate
     eager: bool  # nothing vmapped: one process per device, or a one-device mesh
     state_specs: list  # one spec per leaf of the state, to type the new state by
 
@@ -474,7 +478,7 @@ class TrainStep:
         g_leaves, loss, (extra, stats) = self._gradients(plan, state, batch)
         new_ms = self._new_model_state(state.model_state, stats) if state.model_state is not None else None
         grads = optree.tree_unflatten(optree.tree_structure(params), g_leaves)
-        P.label(grads, "gradients")
+        label(grads, "gradients")
         # From here on every value is a shard of a leaf laid out by its spec (gradients,
         # parameters, optimizer moments): check that the gradients are typed so (reduced
         # over every axis their parameter is not sharded on), then run the per-leaf
@@ -494,8 +498,8 @@ class TrainStep:
             new_params, opt_state = plan.update(grads, gnorm, state.opt_state, params, ok=ok)
             new_params = T.merge(new_params, state.params, mask)
             params = state.params
-            P.label(new_params, "parameters")
-            P.label(opt_state, "optimizer state")
+            label(new_params, "parameters")
+            label(opt_state, "optimizer state")
             (new_params, opt_state, new_ms), new_scale, scale_metrics = plan.scaling.select(
                 finite, (new_params, opt_state, new_ms), (params, state.opt_state, state.model_state),
                 state.loss_scale)
@@ -563,7 +567,7 @@ class TrainStep:
         """The step's pieces for this state layout and backend, chosen once. ``eager``: one
         process per device, or a one-device mesh (nothing vmapped)."""
         pl = self.placement(state.params, self._mask(state))
-        layout = P.Layout(pl, state.params, self.blocks, self.mesh)
+        layout = Layout(pl, state.params, self.blocks, self.mesh)
         if pl.stage == 3 and self.blocks is None and not self._warned_blocks \
                 and self.mesh.shape.get(pl.axis, 1) > 1:
             self._warned_blocks = True
@@ -574,13 +578,13 @@ class TrainStep:
                 "blocks='<path of the block list>') (the bundled GPT: blocks='blocks'; an "
                 "nn.Module: fs.nn.functional(module).blocks) to gather one block at a time",
                 stacklevel=4)
-        scaling = P.DynamicScaling(self._scaler) if self._scaler is not None else P.NoScaling()
-        gradients = P.Gradients(layout, self.loss_fn, policy=self.policy, scaling=scaling,
+        scaling = DynamicScaling(self._scaler) if self._scaler is not None else NoScaling()
+        gradients = Gradients(layout, self.loss_fn, policy=self.policy, scaling=scaling,
                                 batch_axes=self.batch_axes, accumulation=self.accumulation,
                                 eager=eager, distributed=self.distributed and eager, cap=self.bucket_elems,
                                 check_loss=functools.partial(_check_loss, self.batch_axes, self.mesh,
                                                              with_stats=self.update_model_state is not None))
-        update = P.choose_update(self.optimizer, clip=self.clip, donate=self.donate, eager=eager,
+        update = choose_update(self.optimizer, clip=self.clip, donate=self.donate, eager=eager,
                                  params=T.view(state.params, layout.trainable))
         specs = _tree.broadcast_prefix(self.state_specs(state), state)
         return _Plan(layout, gradients, scaling, update, eager, specs)
@@ -709,7 +713,7 @@ class TrainStep:
 
     def _check_lr(self, state: TrainState) -> None:
         """Refuse, before running it, a step whose update would apply a learning rate that
-        is nan, inf or negative (see ``_step_checks._check_rates``)."""
+        is nan, inf or negative (see ``step._checks._check_rates``)."""
         _check_rates(self.optimizer, state.opt_state, int(state.step), lambda: self._kept(state))
 
     def _nonfinite_leaves(self, state: TrainState, batch: Any) -> list[str]:

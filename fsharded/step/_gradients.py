@@ -1,14 +1,9 @@
-"""The pieces a training step is composed of, each chosen once when the step is built.
-
-``train_step`` composes, per shard: how the loss sees the parameters and how their
-gradients are computed (``Gradients``: plain, ZeRO-3 gathered inside the differentiated
-function, or per block through ``fsharded.parallel.run_block``; accumulated over
-micro-batches), how the gradients are reduced into their placement (part of the same
-piece: it follows the gathers), loss scaling (``NoScaling`` or ``DynamicScaling``: unscale,
-the finite check every shard agrees on, skip-or-apply), and the update (``PureUpdate``,
-``DonatedUpdate`` or ``FusedUpdate``, the in-place multi-tensor kernel), with clipping by
-the mesh-aware global norm inside it. None of them asks which backend runs it: the step
-knows (``eager``: one process per device, or a one-device mesh; otherwise the virtual
+"""How a step computes and reduces its gradients: ``Layout`` (one state layout's specs,
+flat, and where its blocks are) and ``Gradients`` (how the loss sees the parameters:
+plain, ZeRO-3 gathered inside the differentiated function, or per block through
+``fsharded.parallel.run_block``; accumulated over micro-batches; reduced into the
+gradient placement, following the gathers). It does not ask which backend runs it: the
+step says (``eager``: one process per device, or a one-device mesh; otherwise the virtual
 mesh's vmap levels, where only torch.func transforms apply).
 """
 
@@ -22,21 +17,18 @@ from typing import Any
 import optree
 import torch
 
-from fsharded import _step_trainable as T
-from fsharded import _tree, memory, optim
+from fsharded import _tree, memory
 from fsharded.comm import _trace
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
 from fsharded.parallel import _buckets as B
 from fsharded.parallel import zero3
 from fsharded.parallel.blocks import handling
-from fsharded.precision import all_finite, cast_tree, tree_where, unscale
+from fsharded.precision import cast_tree
 from fsharded.spmd import _env, _manifest
-from fsharded.spmd._virtual import beneath
-from fsharded.spmd.collectives import is_bound
+from fsharded.step import _trainable as T
 
-__all__ = ["Layout", "Gradients", "NoScaling", "DynamicScaling", "PureUpdate", "DonatedUpdate",
-           "FusedUpdate", "StackedFusedUpdate", "choose_update"]
+__all__ = ["Layout", "Gradients", "block_mask", "label"]
 
 
 class Layout:
@@ -291,230 +283,7 @@ def _micro(x: Any, i: int, k: int) -> Any:
     return x[i * m:(i + 1) * m]
 
 
-# -- loss scaling ------------------------------------------------------------------------
-
-
-class NoScaling:
-    """fp32 / bf16: the loss is differentiated as is and every step is applied."""
-
-    def scale(self, loss: torch.Tensor, state: Any) -> torch.Tensor:
-        return loss
-
-    def unscale(self, grads: Any, state: Any) -> Any:
-        return grads
-
-    def finite(self, grads: Any, axes: tuple[str, ...]) -> Any:
-        return None
-
-    def select(self, finite: Any, new: tuple, old: tuple, state: Any) -> tuple[tuple, Any, dict]:
-        return new, None, {"loss_scale": torch.ones(()), "skipped": torch.zeros((), dtype=torch.int64)}
-
-    def applied(self, step: torch.Tensor, state: Any) -> torch.Tensor:
-        return step
-
-
-class DynamicScaling:
-    """fp16: the loss is multiplied by the scale, gradients divided by it; a step whose
-    gradients overflowed on any shard is skipped by every shard (the old parameters and
-    optimizer state are kept, as in DeepSpeed), and the scale adapts (``scaler.update``)."""
-
-    def __init__(self, scaler: Any) -> None:
-        self.scaler = scaler
-
-    def scale(self, loss: torch.Tensor, state: Any) -> torch.Tensor:
-        return loss * state.scale
-
-    def unscale(self, grads: Any, state: Any) -> Any:
-        return unscale(grads, state, dtype=None)
-
-    def finite(self, grads: Any, axes: tuple[str, ...]) -> torch.Tensor:
-        return all_finite(grads, axis=tuple(a for a in axes if is_bound(a)))
-
-    def select(self, finite: torch.Tensor, new: tuple, old: tuple, state: Any) -> tuple[tuple, Any, dict]:
-        kept = tuple(tree_where(finite, n, o) for n, o in zip(new, old))
-        new_state = self.scaler.update(state, finite)
-        return kept, new_state, {"loss_scale": state.scale, "skipped": new_state.skipped}
-
-    def applied(self, step: torch.Tensor, state: Any) -> torch.Tensor:
-        # Skipped (overflowed) steps do not advance the schedule, as in DeepSpeed.
-        return step - state.skipped
-
-
-# -- the update --------------------------------------------------------------------------
-
-
-class PureUpdate:
-    """``optimizer.update`` + ``apply_updates`` on gradients clipped to ``clip`` (the
-    mesh-aware global norm, as ``torch.nn.utils.clip_grad_norm_``): new tensors, the old
-    state stays valid."""
-
-    def __init__(self, optimizer: Any, clip: float | None, eager: bool) -> None:
-        self.optimizer, self.clip, self.eager = optimizer, clip, eager
-
-    def _clip(self, grads: Any, gnorm: torch.Tensor) -> Any:
-        if self.clip is None:
-            return grads
-        factor = torch.clamp(self.clip / (gnorm + 1e-6), max=1.0)
-        if not self.eager:  # per leaf: foreach kernels have no batching rule
-            return optree.tree_map(lambda t: t * factor.to(t.dtype), grads)
-        leaves, tdef = optree.tree_flatten(grads)
-        return optree.tree_unflatten(tdef, torch._foreach_mul(leaves, factor))
-
-    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any, *,
-                 ok: torch.Tensor | None = None) -> tuple[Any, Any]:
-        """``ok``: the step's finite verdict (the same on every shard), for the in-place
-        forms to skip on; the pure form's result is dropped by the caller instead."""
-        updates, opt_state = self.optimizer.update(self._clip(grads, gnorm), opt_state, params)
-        return optim.apply_updates(params, updates), opt_state
-
-
-def _skip(ok: torch.Tensor | None) -> bool:
-    """Whether an in-place update must not run: a non-finite step (a host read of a 0-d
-    flag; the fused kernels read the clipping factor on the host anyway)."""
-    if ok is None or _manifest.dry():
-        return False
-    return not bool(beneath(ok)[0].reshape(-1)[0])  # every device's copy is the same verdict
-
-
-class DonatedUpdate(PureUpdate):
-    """The pure update allowed to overwrite the parameters and moments in place (the state
-    passed in is consumed, like JAX's donated buffers): for optimizers without a fused form."""
-
-    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any, *,
-                 ok: torch.Tensor | None = None) -> tuple[Any, Any]:
-        if _skip(ok):  # the state stays the last good one
-            return params, opt_state
-        with optim.donating():
-            return super().__call__(grads, gnorm, opt_state, params)
-
-
-class FusedUpdate(PureUpdate):
-    """Donated fp32 state with adamw / adam / lion: one fused in-place multi-tensor kernel
-    (Triton on CUDA, C++ on CPU) with the clipping factor applied as the gradients load.
-    A dry run takes the pure form, which communicates the same."""
-
-    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any, *,
-                 ok: torch.Tensor | None = None) -> tuple[Any, Any]:
-        if _manifest.dry():
-            return super().__call__(grads, gnorm, opt_state, params)
-        if _skip(ok):
-            return params, opt_state
-        factor = torch.clamp(self.clip / (gnorm + 1e-6), max=1.0) if self.clip is not None else 1.0
-        # No inf/nan check in the kernel: the pure form does not skip non-finite steps
-        # either, and donation is refused with fp16 loss scaling (which would need it).
-        opt_state, _ = optim.fused_update_(self.optimizer, grads, opt_state, params,
-                                           inv_scale=factor, check_finite=False)
-        return params, opt_state
-
-
-class StackedFusedUpdate(FusedUpdate):
-    """``FusedUpdate`` on the virtual mesh: the same in-place kernel on the tensors beneath
-    the vmap levels (``_virtual.beneath``), each holding every device's shard of a leaf,
-    so one call updates all devices' shards as each device updates its own (the update is
-    elementwise). The state passed in is consumed, as on real ranks, and the step holds
-    what a device holds instead of the old and new state side by side.
-
-    A leaf whose gradient is laid out otherwise than its parameter takes the parameter's
-    levels: a gradient copy per device that the typing says is invariant is read once; one
-    invariant where the parameter varies is broadcast. Moments laid out otherwise than
-    their parameter (not made by this step's init) take the pure form."""
-
-    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any, *,
-                 ok: torch.Tensor | None = None) -> tuple[Any, Any]:
-        if _manifest.dry():
-            return PureUpdate.__call__(self, grads, gnorm, opt_state, params)
-        if _skip(ok):
-            return params, opt_state
-        p_leaves, p_def = optree.tree_flatten(params)
-        s_leaves, s_def = optree.tree_flatten(opt_state)
-        p_base = [beneath(x) for x in p_leaves]
-        g_base = [_aligned(beneath(g), b) for g, b in zip(optree.tree_leaves(grads), p_base)]
-        s_base = [beneath(x) if isinstance(x, torch.Tensor) else (x, ()) for x in s_leaves]
-        of = {id(x): b for x, b in zip(s_leaves, s_base)}
-        moments = opt_state[self.optimizer.fused.moments]
-        fields = [moments.mu] + ([moments.nu] if hasattr(moments, "nu") else [])
-        for tree in fields:
-            for m, (b, lv) in zip(optree.tree_leaves(tree), p_base):
-                mb, m_lv = of[id(m)]
-                if m_lv != lv or mb.shape != b.shape:
-                    return PureUpdate.__call__(self, grads, gnorm, opt_state, params)
-        # The kernel wants contiguous tensors: a strided view (a leaf sharded on an inner
-        # dim) is updated in a contiguous copy and written back.
-        back: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-        def dense(b: torch.Tensor) -> torch.Tensor:
-            if b.is_contiguous():
-                return b
-            c = b.contiguous()
-            back.append((b, c))
-            return c
-
-        plain_p = [dense(b) for b, _ in p_base]
-        plain_s = [dense(b) if isinstance(b, torch.Tensor) and b.dim() > 0 else b for b, _ in s_base]
-        factor = 1.0
-        if self.clip is not None:  # invariant: every device's copy is the same number
-            norm = beneath(gnorm)[0].reshape(-1)[0]
-            factor = float(torch.clamp(self.clip / (norm + 1e-6), max=1.0))
-        new_s, _ = optim.fused_update_(
-            self.optimizer, optree.tree_unflatten(p_def, g_base), optree.tree_unflatten(s_def, plain_s),
-            optree.tree_unflatten(p_def, plain_p), inv_scale=factor, check_finite=False)
-        for b, c in back:
-            b.copy_(c)
-        # Hand back the wrappers of what was updated in place, and the new counters.
-        ids = {id(c): w for c, w in zip(plain_s, s_leaves)}
-        out = [ids.get(id(x), x) for x in optree.tree_leaves(new_s)]
-        return params, optree.tree_unflatten(optree.tree_structure(new_s), out)
-
-
-def _aligned(g: tuple[torch.Tensor, tuple[int, ...]], p: tuple[torch.Tensor, tuple[int, ...]]) -> torch.Tensor:
-    """The gradient beneath its levels, with its parameter's levels (a view: the fused
-    update copies strided gradients a group at a time)."""
-    (gb, g_lv), (pb, p_lv) = g, p
-    for i in reversed(range(len(g_lv))):
-        if g_lv[i] not in p_lv:  # copies of an invariant gradient: one of them
-            gb = gb.select(i, 0)
-    kept = [lv for lv in g_lv if lv in p_lv]
-    for i, lv in enumerate(p_lv):
-        if lv not in kept:  # invariant where the parameter varies: the same for every shard
-            gb = gb.unsqueeze(i)
-            kept.insert(i, lv)
-    return gb.expand(pb.shape)
-
-
-def choose_update(optimizer: Any, *, clip: float | None, donate: bool, eager: bool,
-                  params: Any) -> PureUpdate:
-    """The update a step runs: fused where the state is donated, plain fp32 tensors and
-    the optimizer has a fused form (beneath the vmap levels on the virtual mesh); in place
-    where donated; else pure."""
-    if donate and optim.has_fused(optimizer) and \
-            all(t.dtype == torch.float32 for t in optree.tree_leaves(params)):
-        return FusedUpdate(optimizer, clip, eager) if eager else StackedFusedUpdate(optimizer, clip, eager)
-    if donate and eager:
-        return DonatedUpdate(optimizer, clip, eager)
-    return PureUpdate(optimizer, clip, eager)
-
-
 def label(tree: Any, category: str) -> None:
     """Name ``tree``'s storages in an active memory tracker (vmap-batched values on the
     virtual mesh by the tensors beneath them; see ``memory.label``)."""
     memory.label(tree, category)
-
-
-def _count_tokens(batch: Any) -> int | None:
-    """Tokens a language-model batch trains on: ``targets``, or ``tokens`` minus the shift."""
-    if isinstance(batch, dict):
-        if isinstance(batch.get("targets"), torch.Tensor):
-            return batch["targets"].numel()
-        t = batch.get("tokens")
-        if isinstance(t, torch.Tensor) and t.dim() == 2:
-            return t.shape[0] * (t.shape[1] - 1)
-    return None
-
-
-def _batch_axes(batch_spec: Any, mesh: Mesh) -> tuple[str, ...]:
-    named = set()
-    for s in optree.tree_leaves(batch_spec, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None,
-                                none_is_leaf=True):
-        if isinstance(s, PartitionSpec):
-            named |= set(s.axes)
-    return tuple(a for a in mesh.axis_names if a in named)
