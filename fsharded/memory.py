@@ -33,7 +33,6 @@ device holds, as on real ranks (on a symmetric program: every device the same).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -44,22 +43,18 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
+# The hooks the core calls live below the tracker; they are part of this module's API too.
+from fsharded._memory_hooks import (
+    CURRENT,
+    current,
+    in_collective,
+    label,
+)
+
 __all__ = ["MemoryTracker", "track", "current", "label", "CATEGORIES"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "comm buffers")
 
-_CURRENT: contextvars.ContextVar[MemoryTracker | None] = contextvars.ContextVar("fsharded_memory", default=None)
-_IN_COLLECTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("fsharded_in_collective", default=False)
-
-
-@contextlib.contextmanager
-def collective_scope() -> Iterator[None]:
-    """Mark allocations as communication buffers (used by the collectives)."""
-    tok = _IN_COLLECTIVE.set(True)
-    try:
-        yield
-    finally:
-        _IN_COLLECTIVE.reset(tok)
 
 
 def _preserved() -> bool:
@@ -322,7 +317,7 @@ class MemoryTracker(TorchDispatchMode):
         operands = {s._cdata: s.nbytes() for t in optree.tree_leaves((args, kwargs))
                     if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None}
         out = func(*args, **(kwargs or {}))
-        if _IN_COLLECTIVE.get():
+        if in_collective():
             cat = "comm buffers"
         elif torch._C._current_autograd_node() is not None:
             cat = self.backward_category
@@ -376,48 +371,10 @@ def track(*, include_meta: bool = False, mesh: Any = None) -> Iterator[MemoryTra
     (see "Per device" in the module doc); on real ranks each process is one device and
     ``mesh`` changes nothing."""
     mode = MemoryTracker(include_meta=include_meta, mesh=mesh)
-    tok = _CURRENT.set(mode)
+    tok = CURRENT.set(mode)
     try:
         with mode:
             yield mode
     finally:
-        _CURRENT.reset(tok)
+        CURRENT.reset(tok)
     mode._update()
-
-
-def tag(t: Any, axes: Any, *, since: int | None = None, layout: bool = False) -> None:
-    """``MemoryTracker.tag`` on the active per-device tracker (no-op when none)."""
-    mem = _CURRENT.get()
-    if mem is not None and mem._axes is not None:
-        mem.tag(t, axes, since=since, layout=layout)
-
-
-def per_device() -> MemoryTracker | None:
-    """The active tracker if it counts per device on a mesh, else None."""
-    mem = _CURRENT.get()
-    return mem if mem is not None and mem._axes is not None else None
-
-
-def current() -> MemoryTracker | None:
-    """The tracker of the innermost ``track()`` block, if any (step functions label their
-    gradients and new state with it)."""
-    return _CURRENT.get()
-
-
-def label(tree: Any, category: str) -> None:
-    """Reclassify ``tree``'s storages in the active tracker (no-op when none). A value
-    batched by vmap (the virtual mesh) is found by the tensor beneath its levels, which
-    the tracker sees; other torch.func wrappers are skipped."""
-    mem = _CURRENT.get()
-    if mem is None:
-        return
-    F = torch._C._functorch
-    plain = []
-    for t in optree.tree_leaves(tree):
-        if not isinstance(t, torch.Tensor):
-            continue
-        while F.is_batchedtensor(t):
-            t = F.get_unwrapped(t)
-        if not F.is_functorch_wrapped_tensor(t):
-            plain.append(t)
-    mem.reclassify(plain, category)

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from fsharded import comm, memory
+from fsharded import _memory_hooks as memory
+from fsharded import comm
 from fsharded.comm import _shm
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, _entry_axes

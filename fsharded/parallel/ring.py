@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from fsharded import comm, memory
+from fsharded import _memory_hooks as memory
+from fsharded import comm
 from fsharded.kernels.attention import (
     flash_attention_backward,
     flash_attention_with_lse,

@@ -20,7 +20,8 @@ from typing import Any
 import optree
 import torch
 
-from fsharded import comm, memory
+from fsharded import _memory_hooks as memory
+from fsharded import comm
 from fsharded.comm import _shm
 from fsharded.mesh._mesh import Mesh
 from fsharded.parallel._buckets import InFlight, gather_leaves, issue, split_dim

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from fsharded import comm, memory
+from fsharded import _memory_hooks as memory
+from fsharded import comm
 from fsharded.spmd import _manifest
 from fsharded.spmd._env import Axes
 

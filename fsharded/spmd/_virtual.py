@@ -14,7 +14,7 @@ from typing import Any
 import optree
 import torch
 
-from fsharded import memory
+from fsharded import _memory_hooks as memory
 from fsharded.mesh._layout import from_stacked, to_stacked
 from fsharded.spmd import _env, _prims, _vma
 from fsharded.spmd._env import Axes

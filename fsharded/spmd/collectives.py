@@ -19,7 +19,8 @@ from typing import Any
 import optree
 import torch
 
-from fsharded import comm, memory
+from fsharded import _memory_hooks as memory
+from fsharded import comm
 from fsharded.comm import _shm
 from fsharded.spmd import _env, _manifest, _prims
 from fsharded.spmd._env import Axes

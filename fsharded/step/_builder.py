@@ -25,7 +25,8 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fsharded import _tree, checkpoint, memory, optim
+from fsharded import _memory_hooks as memory
+from fsharded import _tree, checkpoint, optim
 from fsharded import random as R
 from fsharded.checkpoint import _structure as _ckpt_structure
 from fsharded.comm import _trace

@@ -17,7 +17,8 @@ from typing import Any
 import optree
 import torch
 
-from fsharded import _tree, memory
+from fsharded import _memory_hooks as memory
+from fsharded import _tree
 from fsharded.comm import _trace
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
