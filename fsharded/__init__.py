@@ -25,12 +25,6 @@ from fsharded import (
     spmd,
     timeline,
 )
-from fsharded._memory import (
-    InsufficientMemoryError,
-    MemoryEstimate,
-    available_memory,
-    estimate_memory,
-)
 from fsharded._tree import rules, tree_flatten_with_paths, tree_map_with_path
 from fsharded.mesh import Mesh, NamedSharding, P, PartitionSpec
 from fsharded.spmd import (
@@ -60,6 +54,12 @@ from fsharded.spmd import (
     varying_axes,
 )
 from fsharded.step._builder import TrainState, TrainStep, train_step
+from fsharded.step._estimate import (
+    InsufficientMemoryError,
+    MemoryEstimate,
+    available_memory,
+    estimate_memory,
+)
 from fsharded.visualize import visualize_sharding
 
 __version__ = "0.1.0"

@@ -506,8 +506,8 @@ def _check_fits(cfg, mcfg, mesh, specs_for, dist_on: bool, seq: _SeqJob) -> None
     of the loss), against the memory available: per rank times the ranks on this host, or
     everything on the virtual mesh, which holds every device's part in one process."""
     import fsharded as fs
-    from fsharded import _memory
     from fsharded.models import gpt
+    from fsharded.step import _estimate as _memory
 
     with torch.device("meta"):
         meta = gpt.init(mcfg, cfg.seed)

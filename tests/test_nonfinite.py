@@ -127,8 +127,8 @@ def test_integer_parameters_are_refused_with_their_paths():
 def _gloo_memory_check() -> str:
     import os
 
-    from fsharded import _memory
     from fsharded.models import gpt
+    from fsharded.step import _estimate as _memory
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     config = gpt.GPTConfig.small(d_model=64, n_layers=2)
@@ -147,8 +147,8 @@ def _gloo_memory_check() -> str:
 
 
 def test_a_state_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch):
-    from fsharded import _memory
     from fsharded.models import gpt
+    from fsharded.step import _estimate as _memory
     from fsharded.testing import run_on_ranks
 
     config = gpt.GPTConfig.small(d_model=64, n_layers=2)
@@ -171,8 +171,8 @@ def test_a_state_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch):
 def _gloo_step_memory_check() -> list:
     import os
 
-    from fsharded import _memory
     from fsharded.models import gpt
+    from fsharded.step import _estimate as _memory
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     config = gpt.GPTConfig.small(d_model=64, n_layers=2)

@@ -226,7 +226,8 @@ def test_experts_over_an_expert_axis_train_as_over_a_data_axis(capsys, tmp_path)
 
 
 def test_activations_that_cannot_fit_are_refused_before_the_model_is_built(capsys, monkeypatch):
-    from fsharded import _memory, train
+    from fsharded import train
+    from fsharded.step import _estimate as _memory
 
     # 64 MiB: the tiny model's state (~0.2 MB) and a step on 2 rows fit; 512 rows a data
     # shard (1024 rows on the virtual mesh's 2 devices, in this process) do not.

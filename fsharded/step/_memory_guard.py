@@ -11,9 +11,10 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fsharded import _memory, _tree
+from fsharded import _tree
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
+from fsharded.step import _estimate as _memory
 
 
 def check_init_memory(step: Any, params: Any, pl: Any) -> None:
