@@ -260,7 +260,7 @@ def cross_entropy(
     V = logits.shape[-1]
     local_targets = targets
     if axis is not None:
-        from fsharded import collectives as C
+        from fsharded.spmd import collectives as C
 
         if not C.is_bound(axis):
             raise ValueError(
@@ -302,7 +302,7 @@ def cross_entropy_reference(
     """
     _check(logits, targets, ignore_index, reduction)
     if axis is not None:
-        from fsharded import collectives as C
+        from fsharded.spmd import collectives as C
 
         logits = C.all_gather_invariant(logits, axis, dim=-1)  # every shard: the whole row
     x = logits.to(_stat_dtype(logits.dtype))

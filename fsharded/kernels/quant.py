@@ -290,7 +290,7 @@ def quantized_all_gather(
     ``invariant=True``: the result is typed invariant over ``axis``, as
     ``all_gather_invariant``'s (every shard dequantizes the same bytes).
     """
-    from fsharded import collectives as C
+    from fsharded.spmd import collectives as C
 
     op = "quantized_all_gather"
     _check_float(x, op)
@@ -327,7 +327,7 @@ def quantized_psum_scatter(
     of the exact result, plus fp32 rounding of the sum and of the cast to ``x``'s dtype.
     Not differentiable.
     """
-    from fsharded import collectives as C
+    from fsharded.spmd import collectives as C
 
     op = "quantized_psum_scatter"
     _check_float(x, op)

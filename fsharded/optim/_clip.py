@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fsharded import collectives
 from fsharded._tree import broadcast_prefix
 from fsharded.optim._base import GradientTransformation, plain
+from fsharded.spmd import collectives
 
 __all__ = ["leaf_sq_norms", "global_norm", "ClipByGlobalNormState", "clip_by_global_norm"]
 
