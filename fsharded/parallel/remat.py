@@ -83,8 +83,12 @@ class _Remat(torch.autograd.Function):
 
 
 def _mode():
+    """The body's varying-axes table, or None where nothing is typed (outside shard_map,
+    or a stretch run under ``VmaMode.assuming``: no implicit pvary arises there, in the
+    forward or in its recomputation)."""
     frame = _env.current()
-    return frame.vma if frame is not None else None
+    mode = frame.vma if frame is not None else None
+    return mode if mode is not None and mode.assumed is None else None
 
 
 def _typed(fn: Callable, args: tuple, types: list | None) -> torch.Tensor:

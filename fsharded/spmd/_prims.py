@@ -455,6 +455,8 @@ def run(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor, *,
     mode = axes.frame.vma
     if mode is None or mode.dispatching:
         return call(prim, params, axes, x)
+    if mode.assumed is not None:
+        return _run_assumed(mode, call, prim, params, axes, x)
     x_in = x
     have = mode.get(like if like is not None else x)
     missing = mode.ordered(set(axes.names) - have)
@@ -495,6 +497,32 @@ def run(prim: _Prim, params: tuple, axes: Axes, x: torch.Tensor, *,
         mode.dispatching -= 1
     mode.last = frozenset(have - set(axes.names) if prim.reduces else have | set(axes.names))
     mode.set(y, mode.last)
+    return y
+
+
+def _run_assumed(mode: Any, call: Any, prim: _Prim, params: tuple, axes: Axes,
+                 x: torch.Tensor) -> torch.Tensor:
+    """``run`` under ``VmaMode.assuming``: a differentiated operand varies over every axis
+    of size > 1, so no implicit pvary is due, and the collective runs untyped unless it
+    would make a differentiated value invariant over such an axis (then the caller runs
+    the stretch again typed). An operand that is not differentiated is left untyped: the
+    numbers do not depend on its type, and a later question about it stops the stretch."""
+    differentiated = x.requires_grad and torch.is_grad_enabled()
+    if differentiated and prim.reduces and mode.assumed.intersection(axes.names):
+        mode.stop_assuming()
+    if prim is PVARY:  # over axes it already varies over (or of size 1): the identity
+        _manifest.record(prim, params, axes, x)
+        return x.view_as(x)
+    mode.dispatching += 1
+    try:
+        with torch._C.DisableTorchFunction():
+            y = call(prim, params, axes, x)
+            if y is x:
+                y = x.view_as(x)
+    finally:
+        mode.dispatching -= 1
+    if differentiated:
+        mode.set(y, mode.assumed | set(axes.names))
     return y
 
 
@@ -585,7 +613,7 @@ def start_ppermute(params: tuple, axes: Axes, x: torch.Tensor) -> tuple[torch.Te
 def finish_ppermute(buf: torch.Tensor, ex: _Exchange) -> torch.Tensor:
     """Wait for the exchange ``start_ppermute`` posted; its result, typed as the buffer."""
     mode = ex.axes.frame.vma
-    if mode is None or mode.dispatching:
+    if mode is None or mode.dispatching or mode.assumed is not None:
         return _FinishPermute.apply(buf, ex)
     typ = mode.get(buf)
     mode.dispatching += 1

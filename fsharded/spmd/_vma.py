@@ -29,6 +29,15 @@ each value's axes are kept by object identity. Values whose history the mode did
 (created inside a ``torch.func`` transform and unwrapped at its exit) are typed by looking
 through the functorch wrappers, and on the virtual mesh also by the vmap levels they are
 batched at (a value batched at an axis' level certainly varies over it).
+
+Typing by assumption (``VmaMode.assuming``): where every differentiated input of a stretch
+of the body varies over every axis of size > 1 (a data-parallel or ZeRO step: the
+parameters are marked varying over the batch axes before differentiating), no implicit
+``pvary`` can arise in it until a collective makes a differentiated value invariant over
+such an axis. The stretch then runs with the mode off torch's stack (no per-op cost):
+differentiated values are known to vary over every axis, and a reduction of one, or a
+question about a value whose type that does not settle, stops the stretch
+(``NeedsTyping``) so that the caller runs it again typed.
 """
 
 from __future__ import annotations
@@ -43,7 +52,13 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["VmaMode"]
+__all__ = ["VmaMode", "NeedsTyping"]
+
+
+class NeedsTyping(BaseException):
+    """A stretch run under ``VmaMode.assuming`` met what the assumption does not settle; run
+    it again typed. (A BaseException: a loss function's ``except Exception`` must not
+    swallow it; ``VmaMode.assume_failed`` records it besides.)"""
 
 _F = torch._C._functorch
 _NONE: frozenset = frozenset()
@@ -74,6 +89,10 @@ class VmaMode(TorchFunctionMode):
         # Tensors whose type an in-place write widened (directly or through a view): their
         # views, made before or after the write, share the storage and so the type.
         self._widened: dict[int, weakref.ref] = {}
+        # Under ``assuming``: the axes every differentiated value varies over (else None),
+        # and whether the assumption met something it does not settle.
+        self.assumed: frozenset | None = None
+        self.assume_failed = False
 
     # -- the table ------------------------------------------------------------------------
 
@@ -112,6 +131,8 @@ class VmaMode(TorchFunctionMode):
 
     def get(self, t: torch.Tensor) -> frozenset:
         """The axes ``t`` varies over."""
+        if self.assumed is not None and not self.dispatching:
+            return self._assumed_type(t)
         if self._widened and t._base is not None:
             inherited = self._base_type(t)
             if inherited:
@@ -138,6 +159,44 @@ class VmaMode(TorchFunctionMode):
             if found is not None:
                 return found  # typed by the rules: the batching above it adds nothing
         return frozenset(axes)
+
+    def _assumed_type(self, t: torch.Tensor) -> frozenset:
+        if self.known(t):
+            return self._get(t)
+        if t.requires_grad:  # differentiated: from inputs that vary over every axis
+            return self.assumed
+        self.stop_assuming()
+
+    def stop_assuming(self) -> None:
+        """The assumption does not settle what the caller asks: stop the stretch."""
+        self.assume_failed = True
+        raise NeedsTyping
+
+    @contextlib.contextmanager
+    def assuming(self, axes: frozenset) -> Iterator[None]:
+        """Run the block untyped, every differentiated value taken to vary over ``axes``
+        (every mesh axis of size > 1): the caller has checked that every differentiated
+        input does. The mode leaves torch's stack for the block (modes above it stay); a
+        collective that would make a differentiated value invariant over one of ``axes``,
+        or a question about the type of a value the assumption does not cover, raises
+        ``NeedsTyping``."""
+        stack = torch.overrides._get_current_function_mode_stack()
+        if not any(m is self for m in stack):
+            raise RuntimeError("VmaMode.assuming: the mode is not entered")
+        above = []
+        while (m := torch.overrides._pop_mode()) is not self:
+            above.append(m)
+        for m in reversed(above):
+            torch.overrides._push_mode(m)
+        self.assumed, self.assume_failed = frozenset(axes), False
+        try:
+            yield
+        finally:
+            self.assumed = None
+            back = [torch.overrides._pop_mode() for _ in above]
+            torch.overrides._push_mode(self)
+            for m in reversed(back):
+                torch.overrides._push_mode(m)
 
     def set(self, t: torch.Tensor, axes: frozenset) -> None:
         """Record that ``t`` varies over ``axes``. The value inside a grad-tracking or a

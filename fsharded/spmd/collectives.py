@@ -77,7 +77,7 @@ def _typed_call(fn: Callable, x: Any, args: tuple, kwargs: dict) -> Any:
     reshaped or cast) gets that type."""
     frame = _env.current()
     mode = frame.vma if frame is not None else None
-    if mode is None or mode.dispatching:
+    if mode is None or mode.dispatching or mode.assumed is not None:
         with torch._C.DisableTorchFunction():
             return fn(x, *args, **kwargs)
     mode.last = None
@@ -131,7 +131,7 @@ def pmean_owned(x: torch.Tensor, axis: AxisName) -> torch.Tensor:
     if (axes.virtual or axes.size == 1 or not x.is_floating_point() or not x.is_contiguous()
             or (torch.is_grad_enabled() and x.requires_grad) or comm.tracing()
             or torch._C._functorch.is_functorch_wrapped_tensor(x) or _manifest.dry()
-            or (mode is not None and mode.dispatching)):
+            or (mode is not None and (mode.dispatching or mode.assumed is not None))):
         y = run(PSUM, (), axes, x)
         # The sum is a new buffer (or, on one device, the caller's own): divide it in place
         # unless it is differentiated.

@@ -35,7 +35,7 @@ from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
 from fsharded.parallel.zero import Placement, ZeroPlan
 from fsharded.precision import as_policy, cast_tree
-from fsharded.spmd import _env, _schedule
+from fsharded.spmd import _env, _schedule, _vma
 from fsharded.spmd._transfer import backend_for, local_shards, unshard
 from fsharded.spmd.collectives import mark_varying, pmax, pmean, varying_axes
 from fsharded.spmd.shard_map import shard_map
@@ -554,15 +554,20 @@ class TrainStep:
         return optree.tree_unflatten(new_def, [t.detach() for t in new_leaves])
 
     def _gradients(self, plan: _Plan, state: TrainState, batch: Any) -> tuple[list, torch.Tensor, dict]:
-        """This shard's gradient leaves, loss and the loss function's metrics, under this step's and this batch shard's
-        key (random ops in the loss draw from it; derived at the first draw, so a loss
-        without random ops pays nothing for it)."""
+        """This shard's gradient leaves, loss and the loss function's metrics, under this
+        step's and this batch shard's key (random ops in the loss draw from it; derived at
+        the first draw, so a loss without random ops pays nothing for it)."""
         varying = tuple(a for a in self.batch_axes if self.mesh.shape[a] > 1)
-        keys = R.scope(functools.partial(_step_key, state.rng, state.step, self.batch_axes)) \
-            if state.rng is not None else contextlib.nullcontext()
-        with keys:
-            return plan.gradients(state.params, batch, state.loss_scale, varying, mark_varying,
-                                  model_state=state.model_state)
+
+        def once():
+            with R.scope(functools.partial(_step_key, state.rng, state.step, self.batch_axes)) \
+                    if state.rng is not None else contextlib.nullcontext():
+                return plan.gradients(state.params, batch, state.loss_scale, varying, mark_varying,
+                                      model_state=state.model_state)
+        try:
+            return once()
+        except _vma.NeedsTyping:  # the loss needs the varying-axes typing: again, typed (the same keys)
+            return once()
 
     def _plan(self, state: TrainState, eager: bool) -> _Plan:
         """The step's pieces for this state layout and backend, chosen once. ``eager``: one
@@ -785,13 +790,11 @@ def _full_specs(specs: Any, tree: Any) -> Any:
 
 def _globalize(tree: Any, specs: Any, mesh: Mesh) -> Any:
     """Meta tensors of the global shapes of a tree of local shards."""
+    def full(x, s):
+        if not isinstance(x, torch.Tensor):
+            return x
+        shape = [n * math.prod(mesh.shape[a] for a in ax) for n, ax in zip(x.shape, dims(s, x.dim()))]
+        return torch.empty(shape, dtype=x.dtype, device="meta")
+
     leaves, tdef = optree.tree_flatten(tree)
-    flat_specs = _tree.broadcast_prefix(specs, tree)
-    out = []
-    for x, s in zip(leaves, flat_specs):
-        if isinstance(x, torch.Tensor):
-            shape = [n * math.prod(mesh.shape[a] for a in ax) for n, ax in zip(x.shape, dims(s, x.dim()))]
-            out.append(torch.empty(shape, dtype=x.dtype, device="meta"))
-        else:
-            out.append(x)
-    return optree.tree_unflatten(tdef, out)
+    return optree.tree_unflatten(tdef, [full(x, s) for x, s in zip(leaves, _tree.broadcast_prefix(specs, tree))])

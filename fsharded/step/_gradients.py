@@ -26,7 +26,7 @@ from fsharded.parallel import _buckets as B
 from fsharded.parallel import zero3
 from fsharded.parallel.blocks import handling
 from fsharded.precision import cast_tree
-from fsharded.spmd import _env, _manifest
+from fsharded.spmd import _env, _manifest, _vma
 from fsharded.step import _trainable as T
 
 __all__ = ["Layout", "Gradients", "block_mask", "label"]
@@ -74,7 +74,25 @@ def block_mask(params: Any, path: str | None) -> list[bool] | None:
 # -- gradients ---------------------------------------------------------------------------
 
 
-def _autograd_grad_and_value(f, p, batch, *, backward_ctx=contextlib.nullcontext, reducer=None):
+def _untyped(mode: Any) -> Any:
+    """Around a backward pass run under ``VmaMode.assuming``: its ops are autograd's, not
+    the program's, so they are not typed (as the typed mode's ``torch.autograd.grad`` rule
+    does)."""
+    if mode is None or mode.assumed is None:
+        return contextlib.nullcontext()
+    return _dispatching(mode)
+
+
+@contextlib.contextmanager
+def _dispatching(mode: Any):
+    mode.dispatching += 1
+    try:
+        yield
+    finally:
+        mode.dispatching -= 1
+
+
+def _autograd_grad_and_value(f, p, batch, *, backward_ctx=contextlib.nullcontext, reducer=None, mode=None):
     """``torch.func.grad_and_value(f, has_aux=True)(p, batch)`` with plain autograd, which
     skips functorch's wrapping (~8%) where nothing is transformed. ``backward_ctx``: around
     the backward pass (ZeRO-3's overlapped reduce-scatters complete on its exit).
@@ -87,7 +105,7 @@ def _autograd_grad_and_value(f, p, batch, *, backward_ctx=contextlib.nullcontext
             reducer.watch(req)
         with _trace.span("forward"):
             out, aux = f(optree.tree_unflatten(tdef, req), batch)
-        with _trace.span("backward"), backward_ctx():
+        with _trace.span("backward"), backward_ctx(), _untyped(mode):
             grads = torch.autograd.grad(out, req, allow_unused=True)
     if reducer is not None:
         del grads  # stride-0 stand-ins: the values are in the reducer's buckets
@@ -98,7 +116,7 @@ def _autograd_grad_and_value(f, p, batch, *, backward_ctx=contextlib.nullcontext
     return optree.tree_unflatten(tdef, grads), optree.tree_map(torch.Tensor.detach, (out, aux))
 
 
-def _func_grad_and_value(f, p, batch, *, remat: bool = False):
+def _func_grad_and_value(f, p, batch, *, remat: bool = False, mode=None):
     """``torch.func.grad_and_value(f, has_aux=True)(p, batch)`` (the virtual mesh's vmap
     levels need torch.func) with a backward that builds no graph of itself.
     ``grad_and_value`` differentiates with ``create_graph=True`` (for transforms stacked
@@ -111,7 +129,8 @@ def _func_grad_and_value(f, p, batch, *, remat: bool = False):
     if not remat:
         try:
             out, vjp_fn, aux = torch.func.vjp(lambda q: f(q, batch), p, has_aux=True)
-            (grads,) = vjp_fn(torch.ones_like(out), retain_graph=False, create_graph=False)
+            with _untyped(mode):
+                (grads,) = vjp_fn(torch.ones_like(out), retain_graph=False, create_graph=False)
             return grads, (out, aux)
         except RuntimeError as e:
             if "INTERNAL ASSERT" not in str(e):
@@ -138,6 +157,8 @@ class Gradients:
         self.cap, self.check_loss = cap, check_loss
         self.inside = layout.stage == 3
         self.per_block = self.inside and layout.block_mask is not None
+        self.assume = _assumable(layout, self.inside, batch_axes)
+        self._prefetch = None
 
     def _gather(self, leaves: list, to: list) -> list:
         lay = self.layout
@@ -154,6 +175,7 @@ class Gradients:
         blocks = _tree.get_path(p, lay.blocks)
         prefetch = zero3.Prefetch(blocks, specs_of, lay.axis, lay.mesh) \
             if self.distributed and not _manifest.dry() else None
+        self._prefetch = prefetch
         # The last block's backward follows its forward at once: keep its weights.
         kept = {id(t) for t in optree.tree_leaves(blocks[-1])}
         return zero3.block_handler(specs_of, lay.axis, lay.mesh, self.cap, prefetch, lay.reshard, kept,
@@ -204,12 +226,16 @@ class Gradients:
             x0 = T.pick(x_leaves, lay.trainable)
         real = self.distributed and self.eager and not _manifest.dry()
         reducer = self._in_backward(x0) if real else None
+        frame = _env.current()
+        mode = frame.vma if self.assume is not None and frame is not None and not _manifest.dry() else None
         if self.eager:
             grad_fn = functools.partial(_autograd_grad_and_value, loss_fn,
                                         backward_ctx=zero3.overlapped_backward if self.per_block and real
-                                        else contextlib.nullcontext, reducer=reducer)
+                                        else contextlib.nullcontext, reducer=reducer, mode=mode)
         else:
-            grad_fn = functools.partial(_func_grad_and_value, loss_fn)
+            grad_fn = functools.partial(_func_grad_and_value, loss_fn, mode=mode)
+        if mode is not None:
+            grad_fn = functools.partial(self._assuming, mode, grad_fn)
         if reducer is not None:  # reduced into the gradient placement during backward
             g, (_, (loss, extra)) = grad_fn(x0, batch)
             return self._place(optree.tree_leaves(g)), loss, extra
@@ -230,6 +256,36 @@ class Gradients:
         # gathered for the loss are not needed during it.
         del g, grads, x0
         return self._reduce(leaves), loss, extra
+
+    def _assuming(self, mode: Any, grad_fn: Callable, x0: Any, micro: Any) -> Any:
+        """``grad_fn(x0, micro)`` with the varying-axes typing off (``VmaMode.assuming``):
+        every differentiated input varies over every axis of size > 1 (``_assumable``).
+        Where the loss needs the typing after all (it reduces a differentiated value over
+        such an axis, or asks the type of a value the assumption does not cover), this
+        step's pieces are typed from then on and ``NeedsTyping`` tells the caller to run
+        the step's gradients again (the same keys, the same collectives on every rank)."""
+        try:
+            with mode.assuming(self.assume):
+                g, (out, aux) = grad_fn(x0, micro)
+            if mode.assume_failed:  # raised, and caught inside the loss function
+                raise _vma.NeedsTyping
+        except _vma.NeedsTyping:
+            self.assume = None
+            self._drain()
+            raise
+        for t in optree.tree_leaves(g):  # a cotangent has its primal's type
+            if not mode.known(t):  # (reduced in backward: typed by the reduction)
+                mode.set(t, self.assume)
+        mode.set(out, self.assume)
+        return g, (out, aux)
+
+    def _drain(self) -> None:
+        """Wait for the gathers a stopped forward left in flight (every rank stopped at
+        the same collective, so every rank waits for the same ones)."""
+        pf, self._prefetch = self._prefetch, None
+        if pf is not None:
+            for g in (*pf.pending.values(), *pf.backward.values()):
+                g.wait()
 
     def _in_backward(self, x0: Any) -> Any:
         """Stages 0-2 on real ranks, one micro-batch: the bucketed reduction run inside
@@ -260,6 +316,22 @@ class Gradients:
         if lay.axis is not None:  # ZeRO-1: each rank keeps its block of the full gradient
             g = B.slice_leaves(g, lay.t_grads, lay.t_master, lay.axis, lay.mesh)
         return g
+
+
+def _assumable(layout: Layout, inside: bool, batch_axes: tuple[str, ...]) -> frozenset | None:
+    """The axes of size > 1, where every differentiated parameter varies over all of them
+    once marked varying over the batch axes (its spec's axes plus the batch axes): the
+    typing may then be assumed while the loss runs (``VmaMode.assuming``). None where some
+    parameter is invariant over such an axis (tensor parallelism: implicit pvarys arise)."""
+    mesh = layout.mesh
+    full = frozenset(a for a in mesh.axis_names if mesh.shape[a] > 1)
+    if not full:
+        return None  # one device: nothing is typed
+    marked = {a for a in batch_axes if mesh.shape[a] > 1}
+    specs = layout.t_master if inside else layout.t_use
+    if all(full <= marked | set(s.axes) for s in specs):
+        return full
+    return None
 
 
 def _whole(leaves: list, tdef: Any, mask: list[bool], trained: list) -> Any:
