@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import optree
 import pytest
 import torch
 import train_cases as T
@@ -126,8 +127,15 @@ def test_donated_train_step_runs_the_fused_kernel(monkeypatch):
         state = step.init(params)
         runs[donate] = []
         for b in T.batches(3):
-            state, m = step(state, b)
+            old = [x.clone() for x in optree.tree_leaves(state)]
+            new, m = step(state, b)
+            if not donate:  # the pure step runs the kernel on copies: the old state is intact
+                assert all(torch.equal(a, b) for a, b in zip(old, optree.tree_leaves(state)))
+            state = new
             runs[donate].append(float(m["loss"]))
+        if donate:  # three calls each
+            assert len(calls) == 6
+            calls = calls[3:]
     assert len(calls) == 3 and all(c["inv_scale"] < 1.0 for c in calls)  # clip 0.05 binds
     # No inf/nan check in the kernel: the functional path does not skip either.
     assert all(c["check_finite"] is False for c in calls)

@@ -1,5 +1,6 @@
 """The update a step runs: ``PureUpdate`` (new tensors), ``DonatedUpdate`` (in place),
-``FusedUpdate`` (the in-place multi-tensor kernel) or ``StackedFusedUpdate`` (the same
+``FusedUpdate`` (the in-place multi-tensor kernel), ``CopiedFusedUpdate`` (that kernel on
+new copies: pure) or ``StackedFusedUpdate`` (the same
 beneath the virtual mesh's vmap levels), with clipping by the mesh-aware global norm."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from fsharded import optim
 from fsharded.spmd import _manifest
 from fsharded.spmd._virtual import beneath
 
-__all__ = ["PureUpdate", "DonatedUpdate", "FusedUpdate", "StackedFusedUpdate", "choose_update"]
+__all__ = ["PureUpdate", "DonatedUpdate", "FusedUpdate", "CopiedFusedUpdate", "StackedFusedUpdate",
+           "choose_update"]
 
 
 class PureUpdate:
@@ -78,6 +80,21 @@ class FusedUpdate(PureUpdate):
         opt_state, _ = optim.fused_update_(self.optimizer, grads, opt_state, params,
                                            inv_scale=factor, check_finite=False)
         return params, opt_state
+
+
+class CopiedFusedUpdate(FusedUpdate):
+    """The pure update of a fused-form optimizer (adamw / adam / lion, fp32) on one device
+    or a rank: the fused in-place kernel on new copies of the parameters and moments, so
+    the old state stays valid (one copy per tensor instead of the pure form's several
+    temporaries per element-wise op)."""
+
+    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any, *,
+                 ok: torch.Tensor | None = None) -> tuple[Any, Any]:
+        if _manifest.dry():
+            return PureUpdate.__call__(self, grads, gnorm, opt_state, params)
+        copy = lambda t: t.clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return super().__call__(grads, gnorm, optree.tree_map(copy, opt_state),
+                                optree.tree_map(copy, params), ok=ok)
 
 
 class StackedFusedUpdate(FusedUpdate):
@@ -159,9 +176,11 @@ def choose_update(optimizer: Any, *, clip: float | None, donate: bool, eager: bo
     """The update a step runs: fused where the state is donated, plain fp32 tensors and
     the optimizer has a fused form (beneath the vmap levels on the virtual mesh); in place
     where donated; else pure."""
-    if donate and optim.has_fused(optimizer) and \
-            all(t.dtype == torch.float32 for t in optree.tree_leaves(params)):
+    fused = optim.has_fused(optimizer) and all(t.dtype == torch.float32 for t in optree.tree_leaves(params))
+    if donate and fused:
         return FusedUpdate(optimizer, clip, eager) if eager else StackedFusedUpdate(optimizer, clip, eager)
+    if fused and eager:
+        return CopiedFusedUpdate(optimizer, clip, eager)
     if donate and eager:
         return DonatedUpdate(optimizer, clip, eager)
     return PureUpdate(optimizer, clip, eager)
