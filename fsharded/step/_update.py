@@ -15,7 +15,7 @@ from fsharded.spmd import _manifest
 from fsharded.spmd._virtual import beneath
 
 __all__ = ["PureUpdate", "DonatedUpdate", "FusedUpdate", "CopiedFusedUpdate", "StackedFusedUpdate",
-           "choose_update"]
+           "CopiedStackedFusedUpdate", "choose_update"]
 
 
 class PureUpdate:
@@ -82,21 +82,6 @@ class FusedUpdate(PureUpdate):
         return params, opt_state
 
 
-class CopiedFusedUpdate(FusedUpdate):
-    """The pure update of a fused-form optimizer (adamw / adam / lion, fp32) on one device
-    or a rank: the fused in-place kernel on new copies of the parameters and moments, so
-    the old state stays valid (one copy per tensor instead of the pure form's several
-    temporaries per element-wise op)."""
-
-    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any, *,
-                 ok: torch.Tensor | None = None) -> tuple[Any, Any]:
-        if _manifest.dry():
-            return PureUpdate.__call__(self, grads, gnorm, opt_state, params)
-        copy = lambda t: t.clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
-        return super().__call__(grads, gnorm, optree.tree_map(copy, opt_state),
-                                optree.tree_map(copy, params), ok=ok)
-
-
 class StackedFusedUpdate(FusedUpdate):
     """``FusedUpdate`` on the virtual mesh: the same in-place kernel on the tensors beneath
     the vmap levels (``_virtual.beneath``), each holding every device's shard of a leaf,
@@ -156,6 +141,30 @@ class StackedFusedUpdate(FusedUpdate):
         return params, optree.tree_unflatten(optree.tree_structure(new_s), out)
 
 
+class _OnCopies:
+    """A fused in-place update made pure: the kernel runs on new copies of the parameters
+    and moments (one copy per tensor instead of the functional form's temporaries per
+    element-wise op), so the old state stays valid."""
+
+    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any, *,
+                 ok: torch.Tensor | None = None) -> tuple[Any, Any]:
+        if _manifest.dry():
+            return PureUpdate.__call__(self, grads, gnorm, opt_state, params)
+        copy = lambda t: t.clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return super().__call__(grads, gnorm, optree.tree_map(copy, opt_state),
+                                optree.tree_map(copy, params), ok=ok)
+
+
+class CopiedFusedUpdate(_OnCopies, FusedUpdate):
+    """The pure update of a fused-form optimizer (adamw / adam / lion, fp32) on one device
+    or a rank: ``FusedUpdate`` on copies."""
+
+
+class CopiedStackedFusedUpdate(_OnCopies, StackedFusedUpdate):
+    """The same on the virtual mesh: ``StackedFusedUpdate`` on copies (a copy of a value
+    under the vmap levels is a new tensor beneath them)."""
+
+
 def _aligned(g: tuple[torch.Tensor, tuple[int, ...]], p: tuple[torch.Tensor, tuple[int, ...]]) -> torch.Tensor:
     """The gradient beneath its levels, with its parameter's levels (a view: the fused
     update copies strided gradients a group at a time)."""
@@ -179,8 +188,8 @@ def choose_update(optimizer: Any, *, clip: float | None, donate: bool, eager: bo
     fused = optim.has_fused(optimizer) and all(t.dtype == torch.float32 for t in optree.tree_leaves(params))
     if donate and fused:
         return FusedUpdate(optimizer, clip, eager) if eager else StackedFusedUpdate(optimizer, clip, eager)
-    if fused and eager:
-        return CopiedFusedUpdate(optimizer, clip, eager)
+    if fused:
+        return CopiedFusedUpdate(optimizer, clip, eager) if eager else CopiedStackedFusedUpdate(optimizer, clip, eager)
     if donate and eager:
         return DonatedUpdate(optimizer, clip, eager)
     return PureUpdate(optimizer, clip, eager)
