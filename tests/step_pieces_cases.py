@@ -181,3 +181,20 @@ def on_gloo(world: int) -> dict:
     for case in STRATEGIES:
         out[case] = run_strategy(case, mesh, eager=True, distributed=True)
     return out
+
+
+def train_mixed(mesh_axes: dict, mixed: bool, steps: int = 3) -> dict:
+    """``train_step`` with the mixed placement (every movement in one tree, a frozen leaf;
+    ``blocks.1.b`` gathered at its block's ``run_block``) or replicated specs: losses and
+    final parameters."""
+    mesh = fs.Mesh(mesh_axes)
+    params, batch = model()
+    specs = mixed_placement(params) if mixed else P()
+    step = fs.train_step(loss_fn, fs.optim.adamw(1e-2), mesh=mesh, param_specs=specs, precision=F64,
+                         trainable=lambda path, _: TRAINS(path), blocks="blocks")
+    state = step.init(params)
+    losses = []
+    for _ in range(steps):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    return {"losses": losses, "params": step.params(state)}

@@ -109,3 +109,15 @@ def test_no_zero_stage_read_outside_zero_py():
     bad = [f"{f.relative_to(ROOT)}:{n}" for f in files if f.name != "zero.py"
            for n in stage_reads(f.read_text())]
     assert not bad, f"ZeRO stage read outside fsharded/parallel/zero.py: {bad}"
+
+
+def test_train_step_with_a_mixed_placement_equals_one_device():
+    """The pieces composed by train_step: a placement mixing every movement (and a frozen
+    leaf) trains as the replicated model on one device does."""
+    one = C.train_mixed({"data": 1}, mixed=False)
+    two = C.train_mixed({"data": 2}, mixed=True)
+    # The step reports its loss in fp32: equal to fp32 rounding.
+    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-6, atol=1e-6)
+    for a, b in zip(fs._tree.tree_flatten_with_paths(two["params"])[1],
+                    fs._tree.tree_flatten_with_paths(one["params"])[1]):
+        torch.testing.assert_close(a, b, **TOL)
