@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import fsharded as fs
 from fsharded import P
 from fsharded.spmd import _vma
-from fsharded.step import _gradients
+from fsharded.step import _assume
 
 D, LAYERS, ROWS = 16, 3, 16
 
@@ -95,12 +95,12 @@ def _counting():
 
 @contextlib.contextmanager
 def _typed_only():
-    orig = _gradients._assumable
-    _gradients._assumable = lambda *a, **k: None
+    orig = _assume.assumable
+    _assume.assumable = lambda *a, **k: None
     try:
         yield
     finally:
-        _gradients._assumable = orig
+        _assume.assumable = orig
 
 
 def run(kind: str, mesh_axes: dict, *, stage: int = 0, assume: bool = True, steps: int = 3,

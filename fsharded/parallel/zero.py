@@ -58,6 +58,11 @@ class Placement(NamedTuple):
     # One bool per parameter leaf (flatten order): which leaves train; None: all of them.
     trainable: tuple[bool, ...] | None = None
 
+    def describe(self) -> str:
+        """The placement in words, for messages: ``"ZeRO stage 2 over 'data'"``. (The step
+        itself reads the spec trees, leaf by leaf, not the stage.)"""
+        return f"ZeRO stage {self.stage}" + (f" over {self.axis!r}" if self.stage and self.axis else "")
+
     @classmethod
     def replicated(cls, specs: Any) -> Placement:
         """Stage 0: everything laid out as ``specs``."""

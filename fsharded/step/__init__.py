@@ -1,5 +1,7 @@
 """The training step: ``train_step`` builds a ``TrainStep`` from small pieces chosen once
-(``_gradients``: how gradients are computed and reduced; ``_scaling``: loss scaling;
+(``_gradients``: how gradients are computed and reduced, from the pieces beside it:
+``_layout``'s spec-derived moves of each leaf, ``_differentiate``, ``_reduce``,
+``_grad_plain``, ``_grad_accumulate``, ``_grad_blocks``; ``_scaling``: loss scaling;
 ``_update``: the update; ``_batch``: what it reads of a batch), with the
 checks that guard it (``_checks``, ``_memory_guard``, ``_agree`` across ranks) and the
 choice of which leaves train (``_trainable``).

@@ -54,7 +54,7 @@ from fsharded.step._checks import (
     _nonfinite_state,
     _shown,
 )
-from fsharded.step._gradients import Gradients, Layout, label
+from fsharded.step._gradients import GradientStrategy, Layout, choose_gradients, label
 from fsharded.step._scaling import DynamicScaling, NoScaling
 from fsharded.step._update import PureUpdate, choose_update
 
@@ -200,7 +200,7 @@ class _Plan(NamedTuple):
     """The pieces of one state layout's step (``_gradients``, ``_scaling``, ``_update``)."""
 
     layout: Layout
-    gradients: Gradients
+    gradients: GradientStrategy
     scaling: Any  # NoScaling | DynamicScaling
     update: PureUpdate
     eager: bool  # nothing vmapped: one process per device, or a one-device mesh
@@ -574,8 +574,8 @@ class TrainStep:
         process per device, or a one-device mesh (nothing vmapped)."""
         pl = self.placement(state.params, self._mask(state))
         layout = Layout(pl, state.params, self.blocks, self.mesh)
-        if pl.stage == 3 and self.blocks is None and not self._warned_blocks \
-                and self.mesh.shape.get(pl.axis, 1) > 1:
+        if any(layout.moves.gather_in_loss) and self.blocks is None and not self._warned_blocks \
+                and self.mesh.shape.get(layout.axis, 1) > 1:
             self._warned_blocks = True
             warnings.warn(
                 "train_step: ZeRO stage 3 without blocks= gathers every parameter up front, "
@@ -585,11 +585,11 @@ class TrainStep:
                 "nn.Module: fs.nn.functional(module).blocks) to gather one block at a time",
                 stacklevel=4)
         scaling = DynamicScaling(self._scaler) if self._scaler is not None else NoScaling()
-        gradients = Gradients(layout, self.loss_fn, policy=self.policy, scaling=scaling,
-                                batch_axes=self.batch_axes, accumulation=self.accumulation,
-                                eager=eager, distributed=self.distributed and eager, cap=self.bucket_elems,
-                                check_loss=functools.partial(_check_loss, self.batch_axes, self.mesh,
-                                                             with_stats=self.update_model_state is not None))
+        gradients = choose_gradients(layout, self.loss_fn, policy=self.policy, scaling=scaling,
+                                     batch_axes=self.batch_axes, accumulation=self.accumulation,
+                                     eager=eager, distributed=self.distributed and eager, cap=self.bucket_elems,
+                                     check_loss=functools.partial(_check_loss, self.batch_axes, self.mesh,
+                                                                  with_stats=self.update_model_state is not None))
         update = choose_update(self.optimizer, clip=self.clip, donate=self.donate, eager=eager,
                                  params=T.view(state.params, layout.trainable))
         specs = _tree.broadcast_prefix(self.state_specs(state), state)
@@ -622,10 +622,9 @@ class TrainStep:
         bad = [f"  params.{p}: local shape {tuple(x.shape)}, this step's placement expects {e}"
                for p, x, e in zip(paths, leaves, expect) if tuple(x.shape) != e]
         if bad:
-            stage = self.placement(state.params).stage
             raise ValueError(
                 f"train_step: the state is laid out for another placement than this step's "
-                f"(ZeRO stage {stage} on {self.mesh!r}):\n" + "\n".join(bad[:8])
+                f"({self.placement(state.params).describe()} on {self.mesh!r}):\n" + "\n".join(bad[:8])
                 + ("\n  ..." if len(bad) > 8 else "")
                 + "\nReshard it: full = old_step.params(state); state = step.init(full) "
                   "(optimizer moments are not carried over that way)"

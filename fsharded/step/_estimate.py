@@ -24,6 +24,7 @@ from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, shard_shape
 from fsharded.spmd import _schedule
 from fsharded.spmd._transfer import backend_for
+from fsharded.step._layout import Moves
 
 __all__ = ["MemoryEstimate", "estimate_memory", "available_memory", "check_fits", "InsufficientMemoryError"]
 
@@ -149,8 +150,11 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
         pl = pl.freeze(T.resolve(trainable, params))
     mask = list(pl.trainable) if pl.trainable is not None else None
     paths, leaves, tdef = _tree.tree_flatten_with_paths(params)
-    flat = lambda t: optree.tree_leaves(t, is_leaf=lambda x: isinstance(x, PartitionSpec))  # noqa: E731
-    use, grads, master = flat(pl.use), flat(pl.grads), flat(pl.master)
+    # What the step does with the leaves, read off the specs as the step reads them.
+    mv = Moves.of(pl)
+    use, grads, master = mv.use, mv.grads, mv.master
+    in_loss = any(mv.gather_in_loss)  # parameters sharded, gathered for use (ZeRO-3)
+    before = any(mv.gather_before)  # master shards gathered to full parameters (ZeRO-1/2)
     mb = _itemsize(policy.master_dtype)
     rb = _itemsize(policy.reduce_dtype)
     shapes = [tuple(x.shape) for x in leaves]
@@ -187,7 +191,7 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     placed = sum(grad_n) * rb
     biggest_leaf = max(trained_n, default=0)
     compute, buffers, gather = 0, 0, 0
-    if pl.stage == 3 and per_block and pl.reshard_after_forward:
+    if in_loss and per_block and pl.reshard_after_forward:
         # Block shards cast to the param dtype, the rest gathered for the whole step; two
         # blocks' full weights at a time (one computing, the next one's gather in flight:
         # its buffer is one of the two). The peak is where backward starts, all activations
@@ -197,28 +201,29 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
         compute = 2 * largest * pb
         grad_peak, in_backward = placed, largest_t * rb + outside_t * rb
         notes.append(f"ZeRO-3: full weights of at most 2 blocks alive ({largest:,d} elements per block)")
-    elif pl.stage == 3:  # every parameter gathered up front, its gradient reduce-scattered by the transpose
+    elif in_loss:  # every parameter gathered up front, its gradient reduce-scattered by the transpose
         held = S * pb
         grad_peak, in_backward = placed, S * pb + S_t * rb
     else:
-        # Stages 0-2 hold the full parameters (gathered from the master shards at 1-2, in the
-        # master dtype, then cast). The gradients are reduced bucket by bucket as backward
-        # makes them: at stages 0-1 the buckets are the full averaged gradient (stage 1 then
-        # keeps its block), at stage 2 one bucket at a time is unreduced beside the shards.
+        # The full parameters are held (gathered from the master shards where those are
+        # sharded, ZeRO-1/2, in the master dtype, then cast). The gradients are reduced
+        # bucket by bucket as backward makes them: all-reduced buckets are the full averaged
+        # gradient (of which ZeRO-1 then keeps its slice); reduce-scattered ones (ZeRO-2)
+        # are unreduced one bucket at a time beside the shards.
         # (Frozen leaves are stored for use as they are: counted with the master weights.)
-        held = S_t * pb if (pl.stage or policy.param_dtype != policy.master_dtype) else 0
-        if pl.stage and policy.param_dtype != policy.master_dtype:
+        held = S_t * pb if (before or policy.param_dtype != policy.master_dtype) else 0
+        if before and policy.param_dtype != policy.master_dtype:
             compute = S_t * mb
         bucket = min(S_t, bucket_elems) * rb  # the first bucket is made as backward begins
-        if pl.stage:  # a bucket of master shards, gathered (n of them), copied out per leaf
-            n = mesh.shape[pl.axis]
+        if before:  # a bucket of master shards, gathered (n of them), copied out per leaf
+            n = mesh.shape[mv.axis]
             gather = min(S_t, bucket_elems) * mb
             gather += gather // n
         in_backward = bucket + biggest_leaf * pb
-        if pl.stage == 2:  # the last bucket beside the shards reduced out of it
+        if any(mv.scatter):  # the last bucket beside the shards reduced out of it
             grad_peak = placed + bucket
-        else:  # the averaged buckets, and at stage 1 this rank's block taken out of them
-            grad_peak = S_t * rb + (sum(master_n) * rb if pl.stage == 1 else 0)
+        else:  # the averaged buckets, and with ZeRO-1 this rank's slice taken out of them
+            grad_peak = S_t * rb + (sum(master_n) * rb if any(mv.slice) else 0)
     meta = optree.tree_unflatten(tdef, [
         torch.empty(shard_shape(m, s, mesh), dtype=policy.master_dtype, device="meta")
         for s, m in zip(shapes, master)
@@ -233,7 +238,7 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
             raise ValueError("estimate_memory: loss= needs a batch= (a global batch, as train_step takes)")
         activations, with_grads, ran_on = _measure_activations(loss, params, pl, mesh, policy, batch,
                                                                batch_spec)
-        if pl.stage < 3 and backend_for(mesh, None) == "virtual":
+        if not in_loss and backend_for(mesh, None) == "virtual":
             # The virtual mesh reduces after backward (no buckets inside it, where torch.func
             # runs no hooks): the gradients pile up as the activations are freed, so the
             # peak in backward is that of the two together, as the dry run measured it.
@@ -300,7 +305,8 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
     from fsharded.parallel.blocks import handling
     from fsharded.parallel.remat import checkpoint
 
-    use = optree.tree_leaves(pl.use, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    mv = Moves.of(pl)
+    use = mv.use
     leaves, tdef = optree.tree_flatten(params)
     coords = mesh.coords(0)
     # Device 0's shards: views of the global values (the stand-ins copy only what they need).
@@ -321,7 +327,7 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
     # ZeRO-3 on the virtual mesh re-gathers through a remat of each block (activations of a
     # block are recomputed); on real ranks saved-tensor hooks re-gather only the weights.
     virtual = backend_for(mesh, None) == "virtual"
-    if pl.stage == 3 and virtual:
+    if any(mv.gather_in_loss) and virtual:
         def handler(block, p, x, *args, **kw):
             ps, pdef = optree.tree_flatten(p)
             run = lambda x, *ps: block(optree.tree_unflatten(pdef, list(ps)), x, *args, **kw)  # noqa: E731

@@ -15,6 +15,7 @@ from fsharded import _tree
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
 from fsharded.step import _estimate as _memory
+from fsharded.step._layout import Moves
 
 
 def check_init_memory(step: Any, params: Any, pl: Any) -> None:
@@ -37,7 +38,7 @@ def check_init_memory(step: Any, params: Any, pl: Any) -> None:
     if step.distributed:
         here = need(pl, step.mesh)
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device == "cpu" else 1
-        what = f"the training state at ZeRO-{pl.stage} on {step.mesh!r}, per rank,"
+        what = f"the training state at {pl.describe()} on {step.mesh!r}, per rank,"
     else:  # the virtual mesh holds every device's shards in this process: the whole state
         here = need(PartitionSpec(), Mesh({a: 1 for a in step.mesh.axis_names}))
         processes, what = 1, "the training state (the virtual mesh holds all of it in this process)"
@@ -46,7 +47,7 @@ def check_init_memory(step: Any, params: Any, pl: Any) -> None:
         return
     hints = []
     data = step.mesh.shape.get(pl.axis, 1) if getattr(pl, "axis", None) else step.mesh.shape.get("data", 1)
-    if step.distributed and pl.stage < 3 and data > 1:
+    if step.distributed and not any(Moves.of(pl).gather_in_loss) and data > 1:  # not sharded for use yet
         from fsharded.parallel.zero import zero
 
         z3 = need(zero(3, axis=pl.axis or "data")(PartitionSpec(), meta), step.mesh)

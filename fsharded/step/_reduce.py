@@ -1,0 +1,66 @@
+"""The gradient reduction a placement implies, leaf by leaf from its specs.
+
+Each trained leaf's gradient leaves differentiation laid out as its ``params`` spec (a
+leaf gathered inside the loss comes back reduce-scattered, i.e. summed over the gather
+axis, by the gather's transpose). ``Reduction`` averages it over the batch axes into its
+``grads`` spec, in flat buckets (DeepSpeed's reduce buckets; ``_buckets.reduce_leaves``):
+divided where it is already summed, reduce-scattered where ``grads`` adds an axis,
+all-reduced elsewhere; then keeps this rank's slice where ``master`` adds an axis over
+``grads`` (ZeRO-1). On real ranks the same buckets can be reduced while backward runs
+(``during_backward``).
+
+>>> reduce = Reduction(layout, ("data",), cap=500_000_000, dtype=torch.float32)
+>>> placed = reduce(grad_leaves)  # inside shard_map: one list entry per trained leaf
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import optree
+import torch
+
+from fsharded.parallel import _buckets as B
+from fsharded.spmd import _env, _manifest
+from fsharded.step import _trainable as T
+from fsharded.step._layout import Layout
+
+__all__ = ["Reduction"]
+
+
+def _as_is(leaves: list) -> list:
+    return leaves
+
+
+class Reduction:
+    """``__call__(grads) -> placed``: the trained leaves' gradients (in their ``params``
+    layout, the list consumed) averaged over the batch axes into their ``master`` layout.
+    ``place``: the last part alone (``grads`` -> ``master``, a slice), for gradients already
+    reduced into ``grads``."""
+
+    def __init__(self, layout: Layout, batch_axes: tuple[str, ...], cap: int, dtype: torch.dtype) -> None:
+        self.src, self.grads, self.master = layout.t_params, layout.t_grads, layout.t_master
+        self.batch_axes, self.mesh, self.cap, self.dtype = batch_axes, layout.mesh, cap, dtype
+        sliced = T.pick(layout.moves.slice, layout.trainable)
+        self.place = functools.partial(B.slice_leaves, from_specs=self.grads, to_specs=self.master,
+                                       axis=layout.axis, mesh=self.mesh) if any(sliced) else _as_is
+        # The reduction can run in backward where no gradient comes back summed already
+        # (a leaf gathered inside the loss is reduce-scattered by the gather's transpose).
+        self.in_backward = not any(T.pick(layout.moves.gather_in_loss, layout.trainable))
+
+    def __call__(self, grads: list) -> list:
+        return self.place(B.reduce_leaves(grads, self.src, self.grads, self.batch_axes, self.mesh, self.cap))
+
+    def during_backward(self, x0: Any) -> B.InBackward | None:
+        """Real ranks, plain autograd: the bucketed reduction into ``grads`` run inside
+        backward (``_buckets.InBackward``, hooked on ``x0``, the differentiated leaves), so
+        a reduce-scattered gradient never exists whole at once; None where it cannot (a
+        dry run, several batch axes, a leaf sharded over the batch axis) and the
+        reduction runs after backward."""
+        if _manifest.dry():
+            return None
+        frame = _env.current()
+        shapes = [tuple(x.shape) for x in optree.tree_leaves(x0)]
+        return B.InBackward.plan(shapes, self.src, self.grads, self.batch_axes, self.mesh, self.cap,
+                                 self.dtype, frame.vma if frame is not None else None)

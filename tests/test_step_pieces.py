@@ -1,0 +1,123 @@
+"""The gradient side of train_step piece by piece: the reduction each leaf's specs imply,
+each gradient strategy (plain, accumulated, ZeRO-3 gathered per block) against
+torch.func.grad of the whole model, on the virtual mesh and on 2 gloo ranks; and that
+nothing outside ``fsharded/parallel/zero.py`` branches on a ZeRO stage number."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import step_pieces_cases as C
+import torch
+
+import fsharded as fs
+from fsharded.step._layout import Moves
+
+# float64 throughout: only the order of summation differs from the references.
+TOL = dict(rtol=1e-12, atol=1e-12)
+MESH = fs.Mesh({"data": 2})
+
+
+def _check_reduction(got: dict) -> None:
+    want = C.reduction_case()["mean"]
+    assert sorted(got) == sorted(want)  # the frozen leaf has no gradient
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **TOL, msg=k)
+
+
+def _check_strategy(res: dict) -> None:
+    params, batch = C.model()
+    want, loss = C.reference(params, batch)
+    paths, leaves, _ = fs._tree.tree_flatten_with_paths(want)
+    flat = dict(zip(paths, leaves))
+    assert sorted(res["grads"]) == sorted(p for p in flat if C.TRAINS(p))
+    for p, g in res["grads"].items():
+        torch.testing.assert_close(g, flat[p], **TOL, msg=p)
+    torch.testing.assert_close(res["loss"], loss.float())  # the step reports the loss in fp32
+
+
+def test_moves_read_off_the_specs():
+    """Each leaf's movement follows from its specs alone (the stage field says 0)."""
+    mv = Moves.of(C.reduction_placement())
+    order = sorted(C.R_SHAPES)  # frozen, rep, z1, z2, z3
+    assert mv.axis == "data"
+    assert dict(zip(order, mv.gather_in_loss)) == {"frozen": False, "rep": False, "z1": False, "z2": False,
+                                                   "z3": True}
+    assert dict(zip(order, mv.scatter)) == {k: k == "z2" for k in order}
+    assert dict(zip(order, mv.slice)) == {k: k == "z1" for k in order}
+    assert dict(zip(order, mv.gather_before)) == {k: k in ("z1", "z2") for k in order}
+    plain = Moves.of(fs.parallel.Placement.replicated({"w": fs.P()}))
+    assert plain.axis is None and not any(plain.gather_in_loss + plain.gather_before + plain.scatter)
+
+
+def test_reduction_of_a_mixed_tree_virtual():
+    _check_reduction(C.run_reduction(MESH, C.reduction_case()))
+
+
+@pytest.mark.parametrize("case", list(C.STRATEGIES))
+def test_strategy_equals_the_whole_model_virtual(case):
+    _check_strategy(C.run_strategy(case, MESH))
+
+
+@pytest.mark.filterwarnings("ignore:zero.3, axis='data'.. the axis has size 1")
+@pytest.mark.parametrize("kind", ["plain", "blocks"])
+def test_strategy_on_one_device_eager(kind):
+    """A one-device mesh: plain autograd (the eager differentiator) on the whole batch."""
+    _check_strategy(C.run_strategy(kind, fs.Mesh({"data": 1}), eager=True))
+
+
+@pytest.mark.multiprocess
+def test_reduction_and_strategies_on_two_gloo_ranks():
+    from fsharded.testing import run_on_ranks
+
+    for res in run_on_ranks(C.on_gloo, 2, 2):
+        _check_reduction(res["reduction"])
+        for case in C.STRATEGIES:
+            _check_strategy(res[case])
+        assert res["plain-zero2"]["in_backward"] and not res["plain"]["in_backward"]
+
+
+# -- no stage number outside zero.py -----------------------------------------------------------
+
+ROOT = pathlib.Path(fs.__file__).parent
+
+
+def stage_reads(source: str) -> list[int]:
+    """Lines of ``source`` that read an attribute named ``stage`` (``pl.stage``,
+    ``getattr(pl, "stage")``)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "stage":
+            lines.append(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "stage"):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_the_check_finds_a_stage_read():
+    assert stage_reads("if pl.stage == 3:\n    pass\nx = getattr(p, 'stage', 0)\n") == [1, 3]
+    assert stage_reads("stage = 3\nzero(stage)\n") == []
+
+
+def test_no_zero_stage_read_outside_zero_py():
+    """The step (and the other strategies in ``parallel``) decide from the spec trees;
+    only ``parallel/zero.py`` turns a stage into specs (and names it in messages)."""
+    files = sorted((ROOT / "step").rglob("*.py")) + sorted((ROOT / "parallel").rglob("*.py"))
+    bad = [f"{f.relative_to(ROOT)}:{n}" for f in files if f.name != "zero.py"
+           for n in stage_reads(f.read_text())]
+    assert not bad, f"ZeRO stage read outside fsharded/parallel/zero.py: {bad}"
+
+
+def test_train_step_with_a_mixed_placement_equals_one_device():
+    """The pieces composed by train_step: a placement mixing every movement (and a frozen
+    leaf) trains as the replicated model on one device does."""
+    one = C.train_mixed({"data": 1}, mixed=False)
+    two = C.train_mixed({"data": 2}, mixed=True)
+    # The step reports its loss in fp32: equal to fp32 rounding.
+    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-6, atol=1e-6)
+    for a, b in zip(fs._tree.tree_flatten_with_paths(two["params"])[1],
+                    fs._tree.tree_flatten_with_paths(one["params"])[1]):
+        torch.testing.assert_close(a, b, **TOL)
