@@ -25,8 +25,9 @@ from fsharded import (
     spmd,
     timeline,
 )
-from fsharded._tree import rules, tree_flatten_with_paths, tree_map_with_path
+from fsharded._tree import tree_flatten_with_paths, tree_map_with_path
 from fsharded.mesh import Mesh, NamedSharding, P, PartitionSpec
+from fsharded.mesh._tree import rules
 from fsharded.spmd import (
     Entry,
     Manifest,

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fsharded import _tree
+from fsharded.mesh import _tree
 from fsharded.mesh._layout import dims
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, format_spec_errors, spec_errors

@@ -292,7 +292,8 @@ def load_deepspeed(directory: str | os.PathLike, step: Any, params: Any, *, tag:
     ``trainable=``) have no moments; one the checkpoint does not hold (DeepSpeed keeps
     parameters that do not train out of its optimizer's groups) keeps its value from
     ``params``, which a frozen weight never leaves."""
-    from fsharded import _tree, comm
+    from fsharded import comm
+    from fsharded.mesh import _tree
     from fsharded.mesh._layout import global_shape, local_slice
     from fsharded.mesh._spec import PartitionSpec
 

@@ -48,8 +48,8 @@ import optree
 import torch
 import torch.nn.functional as F
 
-from fsharded._tree import rules
 from fsharded.mesh import P
+from fsharded.mesh._tree import rules
 from fsharded.models._gpt_config import GPTConfig, MoEConfig
 from fsharded.parallel import sequence
 from fsharded.parallel.blocks import run_block

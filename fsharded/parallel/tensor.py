@@ -62,8 +62,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsharded._tree import rules, tree_flatten_with_paths, tree_map_with_path
+from fsharded._tree import tree_flatten_with_paths, tree_map_with_path
 from fsharded.mesh import P
+from fsharded.mesh._tree import rules
 from fsharded.parallel.blocks import active as run_blocks_active
 from fsharded.spmd.collectives import (
     all_gather_invariant,

@@ -18,7 +18,7 @@ from typing import Any
 import optree
 import torch
 
-from fsharded import _tree
+from fsharded.mesh import _tree
 from fsharded.mesh._layout import local_slice
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, shard_shape

@@ -24,7 +24,7 @@ from typing import Any
 import optree
 import torch
 
-from fsharded import _tree
+from fsharded.mesh import _tree
 
 __all__ = ["resolve", "view", "merge", "mark", "as_tensor", "from_tensor", "FROZEN_MARK"]
 
