@@ -18,6 +18,7 @@ from typing import Any
 import optree
 import torch
 
+from fsharded import _memory_tracker as memory
 from fsharded.mesh import _tree
 from fsharded.mesh._layout import local_slice
 from fsharded.mesh._mesh import Mesh
@@ -296,7 +297,6 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
     turn (``fsharded.spmd._schedule``): meta tensors, fake tensors, and for a loss that
     reads values on the host, copies of the shards' values on CPU (one real forward and
     backward of compute)."""
-    from fsharded import memory
     from fsharded.parallel.blocks import handling
     from fsharded.parallel.remat import checkpoint
 

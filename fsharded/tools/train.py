@@ -118,7 +118,7 @@ def _at_least(n: int, what: str):
 
 
 def _resume_changes(text: str) -> tuple[str, ...]:
-    from fsharded._train_resume import RESUME_CHANGES
+    from fsharded.tools._train_resume import RESUME_CHANGES
 
     out = tuple(w.strip() for w in text.split(",") if w.strip())
     bad = [w for w in out if w not in RESUME_CHANGES]
@@ -249,7 +249,7 @@ def _with_schedule_length(cfg, n: int, *, derived: bool = False):
     """``cfg`` with its schedule ``n`` steps long (``--schedule-steps``): the default
     schedule whole (its warmup a tenth), another its length parameter only; ``derived``:
     the schedule's defaults were made for ``n`` steps already (``--schedule``)."""
-    from fsharded._train_resume import LENGTH_PARAM
+    from fsharded.tools._train_resume import LENGTH_PARAM
 
     if _is_default_schedule(cfg):
         return _apply(cfg, {"scheduler": {"name": "WarmupCosineLR", "params": {
@@ -342,7 +342,7 @@ def _schedule_defaults(name: str, steps: int) -> dict:
 def build_optimizer(cfg):
     """The ``fsharded.optim`` optimizer (with its schedule) a TrainConfig describes."""
     from fsharded import optim
-    from fsharded._train_resume import lr_schedule, schedule_record
+    from fsharded.tools._train_resume import lr_schedule, schedule_record
 
     o = cfg.optimizer
     lr = lr_schedule(schedule_record(cfg))  # every parameter resolved, as a checkpoint records it
@@ -563,8 +563,8 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     would change those is refused unless ``resume_changes`` names them ("schedule",
     "batch"). The metrics file of a resumed run keeps the records up to the resumed step."""
     import fsharded as fs
-    from fsharded import _train_resume
     from fsharded.models import gpt
+    from fsharded.tools import _train_resume
 
     dist_on = fs.distributed.is_initialized()
     main_rank = fs.distributed.rank() == 0
@@ -667,7 +667,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     # Model FLOPs of a step (all devices; MoE blocks: each token through its top-k experts,
     # routed per micro-batch and shard), TFLOP/s per rank (the virtual mesh: in its one
     # process) and MFU, per step in the metrics and over the steady steps in the summary.
-    from fsharded import flops as FL
+    from fsharded.tools import flops as FL
 
     try:
         step_flops = FL.gpt_step_flops(params, batch=global_batch, seq_len=mcfg.seq_len, moe=mcfg.moe,

@@ -142,7 +142,7 @@ class Timeline:
         return f"Timeline({len(self.ranks)} ranks, {sum(len(r.events) for r in self.ranks)} collectives)"
 
     def show(self) -> None:
-        from fsharded.visualize import _rank
+        from fsharded.tools.visualize import _rank
 
         if _rank() == 0:
             print(self.text())
