@@ -48,9 +48,7 @@ import optree
 import torch
 import torch.nn.functional as F
 
-from fsharded.mesh import P
-from fsharded.mesh._tree import rules
-from fsharded.models._gpt_config import GPTConfig, MoEConfig
+from fsharded.models._gpt_config import EXPERT, TENSOR, GPTConfig, MoEConfig
 from fsharded.parallel import sequence
 from fsharded.parallel.blocks import run_block
 from fsharded.spmd.collectives import (
@@ -80,15 +78,10 @@ __all__ = [
     "IGNORE",
     "SEQ_PARALLEL",
     "param_count",
-    "tensor_parallel_specs",
-    "expert_parallel_specs",
-    "TENSOR_PARALLEL_RULES",
 ]
 
 NORM_EPS = 1e-5
 ROPE_THETA = 10000.0
-TENSOR = "tensor"  # the mesh axis Megatron tensor parallelism shards over
-EXPERT = "expert"  # the mesh axis expert parallelism splits the experts over
 
 Params = dict[str, Any]
 
@@ -710,68 +703,18 @@ def _routing_biases(params: Params, moe: MoEConfig | None, model_state: Any) -> 
     return list(biases)
 
 
-# ------------------------------------------------------------------------------------------
-# sharding rules
-# ------------------------------------------------------------------------------------------
-
-TENSOR_PARALLEL_RULES: dict[str, P] = {
-    # Column-parallel: split the output features (heads / MLP hidden units) ...
-    "blocks.*.attn.w[qkv]": P(None, TENSOR, None),
-    "blocks.*.attn.b[qkv]": P(TENSOR),
-    "blocks.*.mlp.w_in": P(None, TENSOR),
-    "blocks.*.mlp.w_gate": P(None, TENSOR),
-    "blocks.*.mlp.w_up": P(None, TENSOR),
-    "blocks.*.mlp.b_in": P(TENSOR),
-    "blocks.*.mlp.b_gate": P(TENSOR),
-    "blocks.*.mlp.b_up": P(TENSOR),
-    # mixture-of-experts blocks: every expert's hidden units (expert tensor parallelism) ...
-    "blocks.*.mlp.w1": P(None, None, TENSOR),
-    "blocks.*.mlp.b1": P(None, TENSOR),
-    "blocks.*.mlp.w2": P(None, TENSOR, None),
-    # ... row-parallel: split the input features, outputs are psum'ed over tensor.
-    "blocks.*.attn.wo": P(TENSOR, None, None),
-    "blocks.*.mlp.w_out": P(TENSOR, None),
-    "blocks.*.mlp.w_down": P(TENSOR, None),
-}
-"""Megatron placement by parameter path; everything unmatched (embeddings, norms, the
-biases of row-parallel layers) is replicated."""
+# The sharding plans live beside the model (``fsharded.models.gpt_plans``), which does not
+# import them; their names stay reachable here: ``gpt.tensor_parallel_specs(params)``.
+_PLANS = ("tensor_parallel_specs", "expert_parallel_specs", "TENSOR_PARALLEL_RULES")
 
 
-def tensor_parallel_specs(params: Params, axis: str = TENSOR) -> Any:
-    """The spec tree that shards ``params`` Megatron-style over the mesh axis ``axis``.
+def __getattr__(name: str) -> Any:
+    if name in _PLANS:
+        from fsharded.models import gpt_plans
 
-    Query heads, key/value heads and the MLP hidden width are split, so ``n_heads``,
-    ``n_kv_heads`` and ``d_ff`` must be divisible by the tensor-parallel size
-    (``GPTConfig.check_tensor_parallel``; ``shard_map`` names any leaf that does not fit).
-
-    >>> specs = tensor_parallel_specs(init(GPTConfig.tiny()))
-    >>> specs["blocks"][0]["attn"]["wo"], specs["emb"]
-    (PartitionSpec('tensor', None, None), PartitionSpec())
-    """
-    if axis == TENSOR:
-        table = TENSOR_PARALLEL_RULES
-    else:
-        table = {k: P(*(axis if e == TENSOR else e for e in v)) for k, v in TENSOR_PARALLEL_RULES.items()}
-    # One table for every GPT variant (biases, gated MLPs): not every rule matches.
-    return rules(params, table, allow_unmatched=True)
+        return getattr(gpt_plans, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def expert_parallel_specs(params: Params, axis: str = EXPERT, base: Any = None) -> Any:
-    """The spec tree that splits every mixture-of-experts block's experts over the mesh
-    axis ``axis`` (``w1``, ``w2`` and their biases on dim 0, the router replicated), on top
-    of ``base`` (a spec tree such as ``tensor_parallel_specs(params)``, whose split of each
-    expert's hidden units over the tensor axis is kept: expert tensor parallelism; default
-    all replicated). The experts must divide over the axis (``shard_map`` names any leaf that
-    does not fit).
-
-    >>> cfg = GPTConfig.tiny(moe={"experts": 4})
-    >>> expert_parallel_specs(init(cfg))["blocks"][1]["mlp"]["w1"]
-    PartitionSpec('expert',)
-    """
-    specs = optree.tree_map(lambda _: P(), params) if base is None else base
-    specs = {**specs, "blocks": [dict(b) for b in specs["blocks"]]}
-    for p, b in zip(params["blocks"], specs["blocks"]):
-        if "router" in p["mlp"]:  # dim 0 over axis; the base's split of the hidden dim kept
-            b["mlp"] = {k: P(axis, *tuple(b["mlp"][k])[1:]) if k in ("w1", "w2", "b1", "b2") else P()
-                        for k in p["mlp"]}
-    return specs
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PLANS])

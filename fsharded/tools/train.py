@@ -563,7 +563,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     would change those is refused unless ``resume_changes`` names them ("schedule",
     "batch"). The metrics file of a resumed run keeps the records up to the resumed step."""
     import fsharded as fs
-    from fsharded.models import gpt
+    from fsharded.models import gpt, gpt_plans
     from fsharded.tools import _train_resume
 
     dist_on = fs.distributed.is_initialized()
@@ -606,10 +606,10 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
                          f"multiple of {experts} experts, or a smaller expert axis")
 
     def specs_for(params):
-        specs = gpt.tensor_parallel_specs(params) if mesh.shape.get("tensor", 1) > 1 else \
+        specs = gpt_plans.tensor_parallel_specs(params) if mesh.shape.get("tensor", 1) > 1 else \
             optree.tree_map(lambda _: fs.P(), params)
         if "expert" in mesh.shape:
-            specs = gpt.expert_parallel_specs(params, base=specs)
+            specs = gpt_plans.expert_parallel_specs(params, base=specs)
         return fs.parallel.zero(cfg.zero_stage, axis="data")(specs, params) if cfg.zero_stage else specs
 
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * cfg.data_parallel_size  # rows over data x expert
