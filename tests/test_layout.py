@@ -82,3 +82,19 @@ def test_python_m_runs_a_moved_module_by_its_old_name():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "tour of the SPMD core" in out.stdout
+
+
+def test_the_device_mesh_interop_is_comms_and_the_mesh_methods_call_it():
+    import torch
+
+    class Stub:  # what from_device_mesh reads of a DeviceMesh (no process group here)
+        mesh_dim_names = ("data", "tensor")
+        mesh = torch.arange(4).reshape(2, 2)
+        device_type = "cpu"
+
+    want = fs.Mesh({"data": 2, "tensor": 2})
+    assert fs.comm.from_device_mesh(Stub()) == want == fs.Mesh.from_torch(Stub())
+    assert fs.comm.from_device_mesh(Stub()).device_type == "cpu"
+    Stub.mesh_dim_names = None
+    with pytest.raises(ValueError, match="mesh_dim_names"):
+        fs.comm.from_device_mesh(Stub())
