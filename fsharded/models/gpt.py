@@ -48,9 +48,16 @@ import optree
 import torch
 import torch.nn.functional as F
 
+from fsharded import kernels
+from fsharded.kernels import attention as kernels_attention
+from fsharded.kernels import losses as kernels_losses
+from fsharded.kernels import norm as kernels_norm
 from fsharded.models._gpt_config import EXPERT, TENSOR, GPTConfig, MoEConfig
+from fsharded.parallel import moe as M
 from fsharded.parallel import sequence
 from fsharded.parallel.blocks import run_block
+from fsharded.parallel.ring import ring_attention
+from fsharded.parallel.ulysses import ulysses_attention
 from fsharded.spmd.collectives import (
     all_gather,
     axis_size,
@@ -202,22 +209,16 @@ def _triton(x: torch.Tensor, kind: str) -> bool:
     """Whether ``fsharded.kernels`` would run its Triton kernel for ``kind`` on ``x`` (CUDA,
     or ``FSHARDED_KERNELS=triton`` under the interpreter); elsewhere the model keeps plain
     torch ops, which are the kernels' references."""
-    from fsharded.kernels import choose
-
-    return choose(kind, x) == "triton"
+    return kernels.choose(kind, x) == "triton"
 
 
 def _norm(p: Params, x: torch.Tensor) -> torch.Tensor:
     if "b" in p:
         if _triton(x, "layer_norm"):
-            from fsharded.kernels import norm
-
-            return norm.layer_norm(x, p["w"], p["b"], eps=NORM_EPS)
+            return kernels_norm.layer_norm(x, p["w"], p["b"], eps=NORM_EPS)
         return F.layer_norm(x, x.shape[-1:], p["w"], p["b"], eps=NORM_EPS)
     if _triton(x, "rms_norm"):
-        from fsharded.kernels import norm
-
-        return norm.rms_norm(x, p["w"], eps=NORM_EPS)
+        return kernels_norm.rms_norm(x, p["w"], eps=NORM_EPS)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * p["w"]
 
 
@@ -263,10 +264,8 @@ def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``fsharded.kernels.flash_attention`` (Triton on CUDA, torch's fused kernel on CPU)."""
-    from fsharded.kernels import attention
-
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, h, T, Dh)
-    return attention.flash_attention(q, k, v, causal=True).transpose(1, 2)
+    return kernels_attention.flash_attention(q, k, v, causal=True).transpose(1, 2)
 
 
 # From this many tokens torch's fused CPU flash kernel beats the einsum form on CPU (GPT
@@ -281,9 +280,7 @@ def _auto_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     if _triton(q, "flash_attention"):
         return _flash_attention(q, k, v)
     if q.shape[1] >= CPU_FLASH_MIN_TOKENS:
-        from fsharded.kernels import attention
-
-        if attention.flash_backend(*(t.transpose(1, 2) for t in (q, k, v))) == "cpu":
+        if kernels_attention.flash_backend(*(t.transpose(1, 2) for t in (q, k, v))) == "cpu":
             return _flash_attention(q, k, v)
     return _causal_attention(q, k, v)
 
@@ -320,17 +317,10 @@ def _attn(p: Params, x: torch.Tensor, rotary: bool, attention: str, axis: str | 
     if not sharded:
         o = _ATTENTION[attention](q, k, v)  # (B, T, H/tp, Dh)
     elif seq_parallel == "ulysses":  # whole sequences for H/(tp n) heads, then back
-        from fsharded.parallel.ulysses import ulysses_attention
-
         o = ulysses_attention(_ATTENTION[attention], q, k, v, seq_axis)
     elif seq_parallel == "ring":  # the key/value blocks around the ring
-        from fsharded.parallel.ring import ring_attention
-
         o = ring_attention(q, k, v, seq_axis, layout=seq_layout)
     else:  # hybrid: Ulysses over the minor axis, ring attention across the major one
-        from fsharded.parallel.ring import ring_attention
-        from fsharded.parallel.ulysses import ulysses_attention
-
         ring_axis, a2a_axis = seq_axis
         o = ulysses_attention(lambda q, k, v: ring_attention(q, k, v, ring_axis), q, k, v, a2a_axis)
     y = _exit_tp(torch.einsum("bthe,hed->btd", o, p["wo"]), axis, sp)  # (B, T, D), or (B, T/tp, D)
@@ -402,8 +392,6 @@ def _moe_mlp(p: Params, h: torch.Tensor, x: torch.Tensor, cfg: MoEConfig | None,
     if E != cfg.experts:
         raise ValueError(f"moe.experts is {cfg.experts} but this block's router scores {E} experts "
                          f"(params mlp.router {tuple(p['router'].shape)}): pass the config the model was built with")
-    from fsharded.parallel import moe as M
-
     cf = cfg.capacity_factor if train else cfg.eval_capacity_factor
     # Dropless through the sort (grouped kernels on CUDA without an expert axis)
     y, aux = M.moe_layer(p, h, top_k=cfg.top_k, capacity_factor=cf, min_capacity=cfg.min_capacity, axis=axis,
@@ -626,9 +614,7 @@ def loss(params: Params, batch: dict[str, torch.Tensor], model_state: Any = None
     reduction = "sum" if sharded else "mean"
     if _triton(flat, "cross_entropy"):
         # Chunked over the vocabulary with fp32 statistics: no fp32 copy of the logits.
-        from fsharded.kernels import losses
-
-        out = losses.cross_entropy(flat, flat_targets, reduction=reduction)
+        out = kernels_losses.cross_entropy(flat, flat_targets, reduction=reduction)
     else:  # low-precision logits lose the small differences softmax cares about: upcast
         out = F.cross_entropy(flat.to(torch.promote_types(flat.dtype, torch.float32)), flat_targets,
                               reduction=reduction)
@@ -669,8 +655,6 @@ def update_model_state(model_state: dict, stats: dict, *, rate: float) -> dict:
     """DeepSeek-V3's bias step for every MoE block: ``bias + rate * sign(mean(load) -
     load)`` (``fsharded.parallel.moe.update_bias``) from the blocks' loads ``stats
     ["moe_load"]`` (in a step: averaged over the micro-batches and the batch shards)."""
-    from fsharded.parallel import moe as M
-
     b, load = model_state["moe_bias"], stats["moe_load"]
     if len(b) != len(load):
         raise ValueError(f"update_model_state: {len(b)} routing biases but loads of {len(load)} MoE blocks")
