@@ -30,7 +30,7 @@ storage counts its bytes divided by its number of copies. The peak is then what 
 device holds, as on real ranks (on a symmetric program: every device the same).
 """
 
-from fsharded._memory_hooks import current, label
+from fsharded._memory_hooks import CURRENT, current, in_collective, label  # noqa: F401 - CURRENT, in_collective: as before
 from fsharded._memory_tracker import CATEGORIES, MemoryTracker, track
 
 __all__ = ["MemoryTracker", "track", "current", "label", "CATEGORIES"]
