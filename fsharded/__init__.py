@@ -8,14 +8,14 @@
 tensor(6.)
 """
 
+# First: the old names of the modules that moved into fsharded.tools (fsharded.memory, ...).
+from fsharded import _moved  # noqa: F401, I001
 from fsharded import (
     checkpoint,
     comm,
     config,
-    data,
     distributed,
     lax,
-    memory,
     models,
     nn,
     optim,
@@ -23,10 +23,10 @@ from fsharded import (
     precision,
     random,
     spmd,
-    timeline,
 )
-from fsharded._tree import rules, tree_flatten_with_paths, tree_map_with_path
+from fsharded._tree import tree_flatten_with_paths, tree_map_with_path
 from fsharded.mesh import Mesh, NamedSharding, P, PartitionSpec
+from fsharded.mesh._tree import rules
 from fsharded.spmd import (
     Entry,
     Manifest,
@@ -60,7 +60,8 @@ from fsharded.step._estimate import (
     available_memory,
     estimate_memory,
 )
-from fsharded.visualize import visualize_sharding
+from fsharded.tools import data, memory, timeline, visualize  # noqa: F401 - fs.visualize, as before
+from fsharded.tools.visualize import visualize_sharding
 
 __version__ = "0.1.0"
 

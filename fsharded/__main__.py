@@ -1,8 +1,8 @@
-"""``python -m fsharded ...`` is the ``fsharded`` command (see ``fsharded.cli``)."""
+"""``python -m fsharded ...`` is the ``fsharded`` command (see ``fsharded.tools.cli``)."""
 
 import sys
 
-from fsharded.cli import main
+from fsharded.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

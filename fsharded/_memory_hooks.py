@@ -1,8 +1,8 @@
 """The memory tracker's hooks, low enough for the core to call: the collectives mark their
 buffers (``collective_scope``), the step and the ZeRO gathers name what they make
 (``label``), the virtual mesh tags values per device (``tag``, ``per_device``). Each is a
-no-op unless a tracker (``fsharded.memory.track``, which sits above) has made itself
-current here; none of them imports it.
+no-op unless a tracker (``fsharded._memory_tracker.track``, ``fs.memory.track``) has made
+itself current here; none of them imports it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 __all__ = ["collective_scope", "in_collective", "current", "per_device", "tag", "label", "CURRENT"]
 
-# The active tracker (a ``fsharded.memory.MemoryTracker``), set by ``memory.track``.
+# The active tracker (a ``fsharded._memory_tracker.MemoryTracker``), set by its ``track``.
 CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("fsharded_memory", default=None)
 _IN_COLLECTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("fsharded_in_collective", default=False)
 

@@ -42,8 +42,8 @@ def train(step, state, start: int, n: int) -> tuple:
 
 def global_state(step, state) -> dict:
     """Every leaf of the state as a global tensor (gathered on ranks), by dotted path."""
-    from fsharded import _tree
     from fsharded.checkpoint._common import _flatten
+    from fsharded.mesh import _tree
     from fsharded.spmd._transfer import gather_global
 
     specs = _tree.broadcast_prefix(step.state_specs(state), state)

@@ -18,7 +18,7 @@ from pathlib import Path
 import build_cache_cases as C
 import pytest
 
-from fsharded.kernels import _build
+from fsharded import _cext as _build
 
 
 def _load_probe(csrc: Path, ext: Path) -> tuple[dict, str]:

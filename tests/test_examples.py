@@ -113,7 +113,7 @@ def _check_zero(ns: dict, out: str) -> None:
     est = fs.estimate_memory(ns["params"], ns["plan"], ns["opt"], mesh=mesh)
     master = ns["plan"].resolve(mesh).master
     want = sum(4 * x.numel() // math.prod(mesh.shape[a] for a in s.axes) for x, s in zip(
-        optree.tree_leaves(ns["params"]), fs._tree.broadcast_prefix(master, ns["params"])))
+        optree.tree_leaves(ns["params"]), fs.mesh._tree.broadcast_prefix(master, ns["params"])))
     assert est.master == want and est.optimizer >= 2 * want
     assert want < 4 * sum(x.numel() for x in optree.tree_leaves(ns["params"])) / 2
     assert "peak" in out

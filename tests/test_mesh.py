@@ -9,7 +9,7 @@ import torch
 
 import fsharded as fs
 from fsharded import P
-from fsharded._tree import broadcast_prefix
+from fsharded.mesh._tree import broadcast_prefix
 
 
 def test_mesh_basics():

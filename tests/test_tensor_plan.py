@@ -13,7 +13,7 @@ import torch
 
 import fsharded as fs
 from fsharded import P
-from fsharded.models import gpt
+from fsharded.models import gpt, gpt_plans
 from fsharded.parallel import tensor as T
 
 # float64, the same arithmetic in another order (matmuls split over 2 shards, sums over
@@ -220,7 +220,7 @@ class _nothing:
 
 def test_bundled_gpt_plan_is_its_own_specs():
     params = gpt.init(gpt.GPTConfig.tiny(), 0)
-    assert T.gpt_specs(params, axis="tp") == gpt.tensor_parallel_specs(params, "tp")
+    assert gpt_plans.gpt_specs(params, axis="tp") == gpt.tensor_parallel_specs(params, "tp")
 
 
 def test_docstring_example():

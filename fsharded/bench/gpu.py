@@ -80,7 +80,7 @@ def _peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    from fsharded import memory
+    from fsharded.tools import memory
 
     with memory.track() as mem:
         fn()

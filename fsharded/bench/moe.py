@@ -331,20 +331,20 @@ def _gpt_params(cfg: Config, gcfg) -> dict:
 
 def _gpt_step(cfg: Config, k: int, capacity_factor: float, tokens: int, n: int):
     """(train step, initial state, global batch): the MoE GPT trained with AdamW, the
-    experts over ``expert`` (``gpt.expert_parallel_specs``), the rows over it too."""
+    experts over ``expert`` (``gpt_plans.expert_parallel_specs``), the rows over it too."""
     import functools
 
     import optree
 
     import fsharded as fs
     from fsharded import P
-    from fsharded.models import gpt
+    from fsharded.models import gpt, gpt_plans
 
     seq = _gpt_seq(cfg)
     gcfg = _gpt_config(cfg, k, capacity_factor, seq)
     params = _gpt_params(cfg, gcfg)
     mesh = fs.Mesh({"expert": n})
-    specs = gpt.expert_parallel_specs(params, base=optree.tree_map(lambda _: P(), params))
+    specs = gpt_plans.expert_parallel_specs(params, base=optree.tree_map(lambda _: P(), params))
     step = fs.train_step(functools.partial(gpt.loss, moe=gcfg.moe, metrics=True), fs.optim.adamw(1e-3), mesh=mesh,
                          param_specs=specs, batch_spec=P("expert"))
     g = torch.Generator().manual_seed(3)

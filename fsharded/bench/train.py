@@ -111,7 +111,7 @@ def job_section(steps: int, *, quick: bool, rounds: int = 5) -> Section:
     alternating within each of ``rounds`` rounds (which goes first swapped every round, as
     ``alternate`` does): a round runs the job for ``steps // rounds`` steps (its steady
     tokens/s: the first, warm-up step excluded) and the eager loop for as many steps."""
-    from fsharded import train
+    from fsharded.tools import train
 
     per_round = max(3, steps // rounds)
     args = train.build_parser().parse_args(

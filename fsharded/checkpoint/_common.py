@@ -15,8 +15,7 @@ from typing import Any
 import optree
 import torch
 
-from fsharded import _tree
-from fsharded.mesh import Mesh
+from fsharded.mesh import Mesh, _tree
 from fsharded.spmd._transfer import backend_for
 
 FORMAT = 1  # the manifest's format version; a newer one is refused

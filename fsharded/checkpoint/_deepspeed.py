@@ -36,12 +36,18 @@ import math
 import os
 import pickle
 import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import optree
 import torch
 
+from fsharded import comm
 from fsharded.checkpoint._common import CheckpointError, _distributed, _flatten
+from fsharded.mesh import _tree
+from fsharded.mesh._layout import global_shape, local_slice
+from fsharded.mesh._spec import PartitionSpec
 
 __all__ = ["DeepSpeedCheckpoint", "read_deepspeed", "load_deepspeed"]
 
@@ -292,10 +298,6 @@ def load_deepspeed(directory: str | os.PathLike, step: Any, params: Any, *, tag:
     ``trainable=``) have no moments; one the checkpoint does not hold (DeepSpeed keeps
     parameters that do not train out of its optimizer's groups) keeps its value from
     ``params``, which a frozen weight never leaves."""
-    from fsharded import _tree, comm
-    from fsharded.mesh._layout import global_shape, local_slice
-    from fsharded.mesh._spec import PartitionSpec
-
     ck = read_deepspeed(directory, tag=tag)
     like = step.init(params)
     specs = _tree.broadcast_prefix(step.state_specs(like), like)
@@ -311,10 +313,9 @@ def load_deepspeed(directory: str | os.PathLike, step: Any, params: Any, *, tag:
                                                    tuple(x.shape), mesh) if dist else tuple(x.shape))
             for p, x, s in zip(paths, leaves, specs) if p.startswith("params.")}
     want = {p: rename(p) for p in ours}
-    from fsharded.step import _trainable as T
-
-    frozen = {p for p, t in zip(_tree.tree_flatten_with_paths(like.params)[0],
-                                T.from_tensor(like.trainable, len(ours)) or [True] * len(ours)) if not t}
+    # The step's record of its trained leaves (TrainState.trainable): None when all train.
+    trained = [True] * len(ours) if like.trainable is None else [bool(t) for t in like.trainable.tolist()]
+    frozen = {p for p, t in zip(_tree.tree_flatten_with_paths(like.params)[0], trained) if not t}
     kept = {p for p in frozen if want[p] not in ck.shapes}  # frozen, and not in DeepSpeed's groups
     problems = [f"  {p}: no {n!r} in the checkpoint" for p, n in want.items() if n not in ck.shapes and p not in kept]
     problems += [f"  {p}: {ours[p]} here, {ck.shapes[n]} in the checkpoint"
@@ -356,15 +357,11 @@ def load_deepspeed(directory: str | os.PathLike, step: Any, params: Any, *, tag:
                 f"fs.optim.adamw or adam")
         full = full.to(x.dtype) if isinstance(x, torch.Tensor) else full
         out.append(local_slice(full, spec, mesh, coords).clone() if dist and full.dim() else full)
-    import optree
-
     return optree.tree_unflatten(tdef, out)
 
 
 def _check_hyper(optimizer: Any, ck: DeepSpeedCheckpoint) -> None:
     """Warn when the step's Adam differs from the checkpoint's (betas, eps, decay)."""
-    import warnings
-
     form = getattr(optimizer, "fused", None)
     hyper = getattr(form, "hyper", None)
     if not isinstance(hyper, dict) or "betas" not in ck.hyper:

@@ -1,6 +1,7 @@
 """The transport under fsharded's collectives on real ranks.
 
-Process groups per mesh axis (``initialize``, ``axis_group``, ``device_mesh``), the eager
+Process groups per mesh axis (``initialize``, ``axis_group``), a ``Mesh``'s ``DeviceMesh``
+both ways (``device_mesh``, ``from_device_mesh``), the eager
 and traceable c10d calls (``_c10d``) and the same-host shared-memory transport for gloo
 CPU ranks (``_shm``). Nothing here knows about shard_map, specs or varying axes.
 """
@@ -21,6 +22,7 @@ from fsharded.comm._groups import (
     check_world,
     default_device_type,
     device_mesh,
+    from_device_mesh,
     initialize,
     is_initialized,
     rank,
@@ -36,6 +38,7 @@ __all__ = [
     "rank",
     "world_size",
     "device_mesh",
+    "from_device_mesh",
     "axis_group",
     "AxisGroup",
     "check_world",

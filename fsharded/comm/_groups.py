@@ -18,13 +18,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsharded.comm import _peers
+from fsharded.mesh._mesh import Mesh
 
-__all__ = ["initialize", "is_initialized", "rank", "world_size", "device_mesh", "axis_group",
+__all__ = ["initialize", "is_initialized", "rank", "world_size", "device_mesh", "from_device_mesh", "axis_group",
            "AxisGroup", "check_world", "remember_device_mesh", "default_device_type", "timeout_s", "forget"]
-
-# A mesh here is any value with the ``fsharded.Mesh`` interface (axis names, sizes,
-# coordinates of a rank); this layer sits below the mesh values and does not import them.
-Mesh = Any
 
 
 # How long a collective waits for the other ranks: initialize's timeout_s, per process
@@ -147,8 +144,34 @@ def device_mesh(mesh: Mesh, *, device_type: str | None = None) -> Any:
     return _DEVICE_MESHES[key]
 
 
+def from_device_mesh(dm: Any) -> Mesh:
+    """The ``Mesh`` of a ``torch.distributed.device_mesh.DeviceMesh`` (named dims required),
+    its device type kept. Under an initialised process group ``dm`` is remembered, so
+    ``device_mesh(from_device_mesh(dm))`` is ``dm`` (no new process groups).
+
+    The DeviceMesh must lay the global ranks ``0 .. n-1`` out row-major, as
+    ``init_device_mesh`` does, because a ``Mesh`` places rank ``r`` at ``coords(r)``.
+    """
+    names = dm.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            f"fs.comm.from_device_mesh: {dm!r} has no mesh_dim_names; build it with "
+            f"init_device_mesh(..., mesh_dim_names=(...)) so axes can be named"
+        )
+    ranks = dm.mesh.flatten().tolist()
+    if ranks != list(range(len(ranks))):
+        raise ValueError(
+            f"fs.comm.from_device_mesh: {dm!r} holds ranks {ranks}, but a Mesh lays out "
+            f"ranks 0..{len(ranks) - 1} row-major; pass the whole-world mesh from "
+            f"init_device_mesh (not a sub-mesh such as dm[{names[-1]!r}])"
+        )
+    mesh = Mesh(dict(zip(names, (int(s) for s in dm.mesh.shape))), device_type=dm.device_type)
+    remember_device_mesh(mesh, dm)
+    return mesh
+
+
 def remember_device_mesh(mesh: Mesh, dm: Any) -> None:
-    """Reuse a user's ``DeviceMesh`` for ``mesh`` (called by ``Mesh.from_torch``).
+    """Reuse a user's ``DeviceMesh`` for ``mesh`` (``from_device_mesh`` does).
 
     Only when a process group is initialised and ``dm`` spans the whole world; otherwise
     nothing is recorded and ``device_mesh`` builds its own on demand.

@@ -47,6 +47,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from fsharded import _cext
 from fsharded.comm import _groups, _peers, _trace
 
 __all__ = ["all_reduce_", "all_gather_into", "reduce_scatter_into", "all_to_all_into", "check_permute", "gather_check",
@@ -98,12 +99,10 @@ def enabled() -> bool:
 @functools.cache
 def _module() -> tuple[Any, str]:
     """The extension (or None and why), built once per install under a file lock (see
-    ``fsharded.kernels._build``): the first process compiles, the others on this host wait
+    ``fsharded._cext``): the first process compiles, the others on this host wait
     for the lock, untimed, then load its build."""
-    from fsharded.kernels.cpu_optim import _compile
-
-    return _compile("fsharded_shm_comm", ("shm_comm.cpp",), what="the shared-memory transport",
-                    took="~1 min", extra_cflags=["-O3"], extra_ldflags=["-lrt"])
+    return _cext.build("fsharded_shm_comm", ("shm_comm.cpp",), root=_cext.CSRC, what="the shared-memory transport",
+                       took="~1 min", extra_cflags=["-O3"], extra_ldflags=["-lrt"])
 
 
 def _timeout(g: Any) -> float:

@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dispatch import triton_interpreting
+
 ADAM, LION, ADAGRAD = 0, 1, 2
 
 # update_kernel's runtime scalars, in order (the host computes them in float64).
@@ -223,8 +225,6 @@ def _config() -> tuple[int, int, int]:
     """(BLOCK, ITERS, num_warps): 4096-element chunks on a GPU (elementwise, memory bound:
     enough bytes in flight per program, few programs' worth of table); tiny under the
     interpreter, which runs programs one by one in Python."""
-    from ._dispatch import triton_interpreting
-
     return (128, 2, 1) if triton_interpreting() else (1024, 4, 4)
 
 

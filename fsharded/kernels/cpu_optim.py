@@ -29,7 +29,7 @@ extension cannot be built). The C++ functions release the GIL and use
 ops, and do not bump autograd version counters (``fused_optim`` does, around them).
 ``load()`` builds the extension on first use (~1 min on 2 cores; once per install, cached
 under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions`` by a hash of its sources and
-flags, see ``fsharded.kernels._build``); ``FSHARDED_CPU_OPTIM_ISA``
+flags, see ``fsharded._cext``); ``FSHARDED_CPU_OPTIM_ISA``
 (``avx512``, ``avx2``, ``scalar``) forces an instruction set, for tests.
 
 >>> p, g = [torch.ones(5)], [torch.full((5,), 0.5)]
@@ -50,10 +50,11 @@ import math
 import numbers
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from fsharded import _cext
 
 __all__ = [
     "load",
@@ -68,7 +69,7 @@ __all__ = [
     "adagrad_reference_",
 ]
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+CSRC = _cext.CSRC  # a module attribute: tests point it at other sources
 _SOURCES = ("cpu_optim.cpp", "cpu_optim_avx512.cpp", "cpu_optim_avx2.cpp", "cpu_optim_scalar.cpp")
 _CUDA_SOURCES = ("cuda/multi_tensor_adam.cpp", "cuda/multi_tensor_adam.cu")
 ISA_ENV = "FSHARDED_CPU_OPTIM_ISA"
@@ -85,11 +86,9 @@ TensorList = Sequence[torch.Tensor]
 
 def _compile(name: str, sources: tuple[str, ...], *, what: str = "", took: str = "",
              **kwargs) -> tuple[ModuleType | None, str]:
-    """Build (once per install, see ``fsharded.kernels._build``) or load the extension
+    """Build (once per install, see ``fsharded._cext``) or load the extension
     ``name`` from ``sources`` under ``CSRC``: ``(module, "")`` or ``(None, why)``."""
-    from fsharded.kernels import _build
-
-    return _build.build(name, sources, root=CSRC, what=what, took=took, **kwargs)
+    return _cext.build(name, sources, root=CSRC, what=what, took=took, **kwargs)
 
 
 @functools.cache

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 import torch
 
 from fsharded.kernels import _dispatch
+from fsharded.spmd import collectives as C
 
 __all__ = ["cross_entropy", "cross_entropy_reference"]
 
@@ -260,8 +261,6 @@ def cross_entropy(
     V = logits.shape[-1]
     local_targets = targets
     if axis is not None:
-        from fsharded.spmd import collectives as C
-
         if not C.is_bound(axis):
             raise ValueError(
                 f"cross_entropy(axis={axis!r}): the vocabulary axis must be a mesh axis bound "
@@ -302,8 +301,6 @@ def cross_entropy_reference(
     """
     _check(logits, targets, ignore_index, reduction)
     if axis is not None:
-        from fsharded.spmd import collectives as C
-
         logits = C.all_gather_invariant(logits, axis, dim=-1)  # every shard: the whole row
     x = logits.to(_stat_dtype(logits.dtype))
     V = x.shape[-1]

@@ -45,6 +45,7 @@ from collections.abc import Sequence
 import torch
 
 from fsharded.kernels import _dispatch
+from fsharded.spmd import collectives as C
 
 __all__ = [
     "quantize_int8",
@@ -290,8 +291,6 @@ def quantized_all_gather(
     ``invariant=True``: the result is typed invariant over ``axis``, as
     ``all_gather_invariant``'s (every shard dequantizes the same bytes).
     """
-    from fsharded.spmd import collectives as C
-
     op = "quantized_all_gather"
     _check_float(x, op)
     _check_block_size(block_size, op)
@@ -327,8 +326,6 @@ def quantized_psum_scatter(
     of the exact result, plus fp32 rounding of the sum and of the cast to ``x``'s dtype.
     Not differentiable.
     """
-    from fsharded.spmd import collectives as C
-
     op = "quantized_psum_scatter"
     _check_float(x, op)
     _check_block_size(block_size, op)

@@ -92,47 +92,19 @@ class Mesh:
         # Keep device_type (set by from_torch) across pickling / torch.save.
         return (functools.partial(Mesh, device_type=self._device_type), (dict(self._axes),))
 
-    # torch.distributed interop ------------------------------------------------------------
+    # torch.distributed interop: fsharded.comm's (a value holds no process groups) ----------
 
     @classmethod
     def from_torch(cls, device_mesh: Any) -> Mesh:
-        """The ``Mesh`` of a ``torch.distributed.device_mesh.DeviceMesh`` (named dims required).
+        """Deprecated spelling of ``fs.comm.from_device_mesh(device_mesh)``: the ``Mesh`` of
+        a ``DeviceMesh``, which is remembered for ``fs.comm.device_mesh``."""
+        from fsharded import comm  # the one call up from the mesh: kept for existing callers
 
-        The DeviceMesh must lay the global ranks ``0 .. n-1`` out row-major, as
-        ``init_device_mesh`` does, because a ``Mesh`` places rank ``r`` at
-        ``coords(r)``. Under an initialised process group the DeviceMesh is remembered, so
-        ``Mesh.from_torch(dm).to_torch()`` is ``dm`` (no new process groups).
-        """
-        names = device_mesh.mesh_dim_names
-        if names is None:
-            raise ValueError(
-                f"Mesh.from_torch: {device_mesh!r} has no mesh_dim_names; build it with "
-                f"init_device_mesh(..., mesh_dim_names=(...)) so axes can be named"
-            )
-        ranks = device_mesh.mesh.flatten().tolist()
-        if ranks != list(range(len(ranks))):
-            raise ValueError(
-                f"Mesh.from_torch: {device_mesh!r} holds ranks {ranks}, but a Mesh lays out "
-                f"ranks 0..{len(ranks) - 1} row-major; pass the whole-world mesh from "
-                f"init_device_mesh (not a sub-mesh such as dm[{names[-1]!r}])"
-            )
-        mesh = cls(
-            dict(zip(names, (int(s) for s in device_mesh.mesh.shape))),
-            device_type=device_mesh.device_type,
-        )
-        # DeviceMesh interop is the transport's business; the mesh value itself holds no
-        # process groups, so the transport is imported only when asked for.
-        from fsharded import comm
-
-        comm.remember_device_mesh(mesh, device_mesh)
-        return mesh
+        return comm.from_device_mesh(device_mesh)
 
     def to_torch(self, device_type: str | None = None) -> Any:
-        """A ``DeviceMesh`` with the same axes over the initialised process group.
-
-        Created once per (mesh, device type) and reused; the mesh size must equal the
-        world size.
-        """
-        from fsharded import comm
+        """Deprecated spelling of ``fs.comm.device_mesh(mesh, device_type=...)``: the
+        ``DeviceMesh`` with this mesh's axes over the initialised process group."""
+        from fsharded import comm  # the one call up from the mesh: kept for existing callers
 
         return comm.device_mesh(self, device_type=device_type)

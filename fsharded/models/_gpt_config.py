@@ -7,7 +7,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GPTConfig", "MoEConfig"]
+__all__ = ["GPTConfig", "MoEConfig", "TENSOR", "EXPERT"]
+
+TENSOR = "tensor"  # the mesh axis Megatron tensor parallelism shards over, by default
+EXPERT = "expert"  # the mesh axis expert parallelism splits the experts over, by default
 
 _CHOICES = {
     "norm": ("layernorm", "rmsnorm"),

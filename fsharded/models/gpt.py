@@ -48,11 +48,16 @@ import optree
 import torch
 import torch.nn.functional as F
 
-from fsharded._tree import rules
-from fsharded.mesh import P
-from fsharded.models._gpt_config import GPTConfig, MoEConfig
+from fsharded import kernels
+from fsharded.kernels import attention as kernels_attention
+from fsharded.kernels import losses as kernels_losses
+from fsharded.kernels import norm as kernels_norm
+from fsharded.models._gpt_config import EXPERT, TENSOR, GPTConfig, MoEConfig
+from fsharded.parallel import moe as M
 from fsharded.parallel import sequence
 from fsharded.parallel.blocks import run_block
+from fsharded.parallel.ring import ring_attention
+from fsharded.parallel.ulysses import ulysses_attention
 from fsharded.spmd.collectives import (
     all_gather,
     axis_size,
@@ -80,15 +85,10 @@ __all__ = [
     "IGNORE",
     "SEQ_PARALLEL",
     "param_count",
-    "tensor_parallel_specs",
-    "expert_parallel_specs",
-    "TENSOR_PARALLEL_RULES",
 ]
 
 NORM_EPS = 1e-5
 ROPE_THETA = 10000.0
-TENSOR = "tensor"  # the mesh axis Megatron tensor parallelism shards over
-EXPERT = "expert"  # the mesh axis expert parallelism splits the experts over
 
 Params = dict[str, Any]
 
@@ -209,22 +209,16 @@ def _triton(x: torch.Tensor, kind: str) -> bool:
     """Whether ``fsharded.kernels`` would run its Triton kernel for ``kind`` on ``x`` (CUDA,
     or ``FSHARDED_KERNELS=triton`` under the interpreter); elsewhere the model keeps plain
     torch ops, which are the kernels' references."""
-    from fsharded.kernels import choose
-
-    return choose(kind, x) == "triton"
+    return kernels.choose(kind, x) == "triton"
 
 
 def _norm(p: Params, x: torch.Tensor) -> torch.Tensor:
     if "b" in p:
         if _triton(x, "layer_norm"):
-            from fsharded.kernels import norm
-
-            return norm.layer_norm(x, p["w"], p["b"], eps=NORM_EPS)
+            return kernels_norm.layer_norm(x, p["w"], p["b"], eps=NORM_EPS)
         return F.layer_norm(x, x.shape[-1:], p["w"], p["b"], eps=NORM_EPS)
     if _triton(x, "rms_norm"):
-        from fsharded.kernels import norm
-
-        return norm.rms_norm(x, p["w"], eps=NORM_EPS)
+        return kernels_norm.rms_norm(x, p["w"], eps=NORM_EPS)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * p["w"]
 
 
@@ -270,10 +264,8 @@ def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``fsharded.kernels.flash_attention`` (Triton on CUDA, torch's fused kernel on CPU)."""
-    from fsharded.kernels import attention
-
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, h, T, Dh)
-    return attention.flash_attention(q, k, v, causal=True).transpose(1, 2)
+    return kernels_attention.flash_attention(q, k, v, causal=True).transpose(1, 2)
 
 
 # From this many tokens torch's fused CPU flash kernel beats the einsum form on CPU (GPT
@@ -288,9 +280,7 @@ def _auto_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     if _triton(q, "flash_attention"):
         return _flash_attention(q, k, v)
     if q.shape[1] >= CPU_FLASH_MIN_TOKENS:
-        from fsharded.kernels import attention
-
-        if attention.flash_backend(*(t.transpose(1, 2) for t in (q, k, v))) == "cpu":
+        if kernels_attention.flash_backend(*(t.transpose(1, 2) for t in (q, k, v))) == "cpu":
             return _flash_attention(q, k, v)
     return _causal_attention(q, k, v)
 
@@ -327,17 +317,10 @@ def _attn(p: Params, x: torch.Tensor, rotary: bool, attention: str, axis: str | 
     if not sharded:
         o = _ATTENTION[attention](q, k, v)  # (B, T, H/tp, Dh)
     elif seq_parallel == "ulysses":  # whole sequences for H/(tp n) heads, then back
-        from fsharded.parallel.ulysses import ulysses_attention
-
         o = ulysses_attention(_ATTENTION[attention], q, k, v, seq_axis)
     elif seq_parallel == "ring":  # the key/value blocks around the ring
-        from fsharded.parallel.ring import ring_attention
-
         o = ring_attention(q, k, v, seq_axis, layout=seq_layout)
     else:  # hybrid: Ulysses over the minor axis, ring attention across the major one
-        from fsharded.parallel.ring import ring_attention
-        from fsharded.parallel.ulysses import ulysses_attention
-
         ring_axis, a2a_axis = seq_axis
         o = ulysses_attention(lambda q, k, v: ring_attention(q, k, v, ring_axis), q, k, v, a2a_axis)
     y = _exit_tp(torch.einsum("bthe,hed->btd", o, p["wo"]), axis, sp)  # (B, T, D), or (B, T/tp, D)
@@ -409,8 +392,6 @@ def _moe_mlp(p: Params, h: torch.Tensor, x: torch.Tensor, cfg: MoEConfig | None,
     if E != cfg.experts:
         raise ValueError(f"moe.experts is {cfg.experts} but this block's router scores {E} experts "
                          f"(params mlp.router {tuple(p['router'].shape)}): pass the config the model was built with")
-    from fsharded.parallel import moe as M
-
     cf = cfg.capacity_factor if train else cfg.eval_capacity_factor
     # Dropless through the sort (grouped kernels on CUDA without an expert axis)
     y, aux = M.moe_layer(p, h, top_k=cfg.top_k, capacity_factor=cf, min_capacity=cfg.min_capacity, axis=axis,
@@ -633,9 +614,7 @@ def loss(params: Params, batch: dict[str, torch.Tensor], model_state: Any = None
     reduction = "sum" if sharded else "mean"
     if _triton(flat, "cross_entropy"):
         # Chunked over the vocabulary with fp32 statistics: no fp32 copy of the logits.
-        from fsharded.kernels import losses
-
-        out = losses.cross_entropy(flat, flat_targets, reduction=reduction)
+        out = kernels_losses.cross_entropy(flat, flat_targets, reduction=reduction)
     else:  # low-precision logits lose the small differences softmax cares about: upcast
         out = F.cross_entropy(flat.to(torch.promote_types(flat.dtype, torch.float32)), flat_targets,
                               reduction=reduction)
@@ -676,8 +655,6 @@ def update_model_state(model_state: dict, stats: dict, *, rate: float) -> dict:
     """DeepSeek-V3's bias step for every MoE block: ``bias + rate * sign(mean(load) -
     load)`` (``fsharded.parallel.moe.update_bias``) from the blocks' loads ``stats
     ["moe_load"]`` (in a step: averaged over the micro-batches and the batch shards)."""
-    from fsharded.parallel import moe as M
-
     b, load = model_state["moe_bias"], stats["moe_load"]
     if len(b) != len(load):
         raise ValueError(f"update_model_state: {len(b)} routing biases but loads of {len(load)} MoE blocks")
@@ -710,68 +687,18 @@ def _routing_biases(params: Params, moe: MoEConfig | None, model_state: Any) -> 
     return list(biases)
 
 
-# ------------------------------------------------------------------------------------------
-# sharding rules
-# ------------------------------------------------------------------------------------------
-
-TENSOR_PARALLEL_RULES: dict[str, P] = {
-    # Column-parallel: split the output features (heads / MLP hidden units) ...
-    "blocks.*.attn.w[qkv]": P(None, TENSOR, None),
-    "blocks.*.attn.b[qkv]": P(TENSOR),
-    "blocks.*.mlp.w_in": P(None, TENSOR),
-    "blocks.*.mlp.w_gate": P(None, TENSOR),
-    "blocks.*.mlp.w_up": P(None, TENSOR),
-    "blocks.*.mlp.b_in": P(TENSOR),
-    "blocks.*.mlp.b_gate": P(TENSOR),
-    "blocks.*.mlp.b_up": P(TENSOR),
-    # mixture-of-experts blocks: every expert's hidden units (expert tensor parallelism) ...
-    "blocks.*.mlp.w1": P(None, None, TENSOR),
-    "blocks.*.mlp.b1": P(None, TENSOR),
-    "blocks.*.mlp.w2": P(None, TENSOR, None),
-    # ... row-parallel: split the input features, outputs are psum'ed over tensor.
-    "blocks.*.attn.wo": P(TENSOR, None, None),
-    "blocks.*.mlp.w_out": P(TENSOR, None),
-    "blocks.*.mlp.w_down": P(TENSOR, None),
-}
-"""Megatron placement by parameter path; everything unmatched (embeddings, norms, the
-biases of row-parallel layers) is replicated."""
+# The sharding plans live beside the model (``fsharded.models.gpt_plans``), which does not
+# import them; their names stay reachable here: ``gpt.tensor_parallel_specs(params)``.
+_PLANS = ("tensor_parallel_specs", "expert_parallel_specs", "TENSOR_PARALLEL_RULES")
 
 
-def tensor_parallel_specs(params: Params, axis: str = TENSOR) -> Any:
-    """The spec tree that shards ``params`` Megatron-style over the mesh axis ``axis``.
+def __getattr__(name: str) -> Any:
+    if name in _PLANS:
+        from fsharded.models import gpt_plans
 
-    Query heads, key/value heads and the MLP hidden width are split, so ``n_heads``,
-    ``n_kv_heads`` and ``d_ff`` must be divisible by the tensor-parallel size
-    (``GPTConfig.check_tensor_parallel``; ``shard_map`` names any leaf that does not fit).
-
-    >>> specs = tensor_parallel_specs(init(GPTConfig.tiny()))
-    >>> specs["blocks"][0]["attn"]["wo"], specs["emb"]
-    (PartitionSpec('tensor', None, None), PartitionSpec())
-    """
-    if axis == TENSOR:
-        table = TENSOR_PARALLEL_RULES
-    else:
-        table = {k: P(*(axis if e == TENSOR else e for e in v)) for k, v in TENSOR_PARALLEL_RULES.items()}
-    # One table for every GPT variant (biases, gated MLPs): not every rule matches.
-    return rules(params, table, allow_unmatched=True)
+        return getattr(gpt_plans, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def expert_parallel_specs(params: Params, axis: str = EXPERT, base: Any = None) -> Any:
-    """The spec tree that splits every mixture-of-experts block's experts over the mesh
-    axis ``axis`` (``w1``, ``w2`` and their biases on dim 0, the router replicated), on top
-    of ``base`` (a spec tree such as ``tensor_parallel_specs(params)``, whose split of each
-    expert's hidden units over the tensor axis is kept: expert tensor parallelism; default
-    all replicated). The experts must divide over the axis (``shard_map`` names any leaf that
-    does not fit).
-
-    >>> cfg = GPTConfig.tiny(moe={"experts": 4})
-    >>> expert_parallel_specs(init(cfg))["blocks"][1]["mlp"]["w1"]
-    PartitionSpec('expert',)
-    """
-    specs = optree.tree_map(lambda _: P(), params) if base is None else base
-    specs = {**specs, "blocks": [dict(b) for b in specs["blocks"]]}
-    for p, b in zip(params["blocks"], specs["blocks"]):
-        if "router" in p["mlp"]:  # dim 0 over axis; the base's split of the hidden dim kept
-            b["mlp"] = {k: P(axis, *tuple(b["mlp"][k])[1:]) if k in ("w1", "w2", "b1", "b2") else P()
-                        for k in p["mlp"]}
-    return specs
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PLANS])

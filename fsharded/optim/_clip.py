@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fsharded._tree import broadcast_prefix
+from fsharded.mesh._tree import broadcast_prefix
 from fsharded.optim._base import GradientTransformation, plain
 from fsharded.spmd import collectives
 

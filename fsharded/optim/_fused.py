@@ -23,7 +23,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fsharded.optim._base import ScaleByScheduleState, plain
+from fsharded.kernels import fused_optim
+from fsharded.optim._base import ScaleByScheduleState, get_lr_schedule, plain
 
 __all__ = ["FusedForm", "has_fused", "fused_update_"]
 
@@ -75,8 +76,6 @@ def fused_update_(optimizer: Any, grads: Any, state: Any, params: Any, *,
             "(vmap-batched on the virtual mesh, or differentiated); use optimizer.update and "
             "apply_updates there"
         )
-    from fsharded.kernels import fused_optim
-    from fsharded.optim._base import get_lr_schedule
 
     p = optree.tree_leaves(params)
     g = optree.tree_leaves(grads)

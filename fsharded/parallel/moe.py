@@ -35,7 +35,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from fsharded.kernels import moe as K
+from fsharded.kernels._dispatch import choose
 from fsharded.mesh import P
+from fsharded.spmd._schedule import stands_for
 from fsharded.spmd.collectives import (
     all_to_all,
     axis_size,
@@ -277,8 +280,6 @@ def _per_row(buf: torch.Tensor) -> bool:
     different activations)."""
     dev = buf.device.type
     if dev == "meta":
-        from fsharded.spmd._schedule import stands_for
-
         dev = stands_for()
     return dev == "cpu"
 
@@ -369,8 +370,6 @@ def _experts_looped(params: Params, h: torch.Tensor) -> torch.Tensor:
     leaves = (h, params["w1"], params["w2"], params.get("b1"), params.get("b2"))
     device = h.device.type
     if device == "meta":  # a dry run's stand-in: autocast as on the device it stands for
-        from fsharded.spmd._schedule import stands_for
-
         device = stands_for()
     if (not torch._C._are_functorch_transforms_active() and len({t.dtype for t in leaves if t is not None}) == 1
             and not torch.is_autocast_enabled(device)):
@@ -525,16 +524,12 @@ def _tensor_parallel(run, tensor_axis: str, b2: torch.Tensor | None):
 
 
 def _grouped_kernels(x: torch.Tensor, impl: str | None) -> bool:
-    from fsharded.kernels._dispatch import choose
-
     return choose("grouped_matmul", x, impl=impl) == "triton"
 
 
 def _grouped_experts(params: Params, x: torch.Tensor, r: Routing, impl: str | None) -> torch.Tensor:
     """The dropless experts on the sorted assignments: ``permute`` -> grouped matmul ->
     GELU -> grouped matmul -> weighted ``unpermute`` (``fsharded.kernels.moe``)."""
-    from fsharded.kernels import moe as K
-
     T = x.shape[0]
     order, counts, offsets = sort_by_expert(r)
     tokens = order % T  # assignment n = j * T + t is token t

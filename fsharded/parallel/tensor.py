@@ -45,8 +45,8 @@ Attention with split heads needs a module that reads its local head count from t
 tensors (HF Llama/Mistral/Qwen2 reshape with ``-1`` heads: ``LLAMA``). nanoGPT's attention
 reads the full width from its input (``C = x.size(-1)``) and fuses q, k, v in ``c_attn``:
 no per-layer rule splits it, so ``NANOGPT`` parallelizes the MLP (and the tied vocabulary)
-and marking ``c_attn`` ``colwise`` is an error. The bundled GPT does its own collectives:
-``gpt_specs``.
+and marking ``c_attn`` ``colwise`` is an error. The bundled GPT does its own collectives: its
+plan is ``fsharded.models.gpt_plans`` (``gpt.tensor_parallel_specs``).
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsharded._tree import rules, tree_flatten_with_paths, tree_map_with_path
+from fsharded._tree import tree_flatten_with_paths, tree_map_with_path
 from fsharded.mesh import P
+from fsharded.mesh._tree import rules
 from fsharded.parallel.blocks import active as run_blocks_active
 from fsharded.spmd.collectives import (
     all_gather_invariant,
@@ -74,7 +75,7 @@ from fsharded.spmd.collectives import (
     varying_axes,
 )
 
-__all__ = ["plan", "TensorPlan", "ROLES", "LLAMA", "NANOGPT", "GPT2", "gpt_specs"]
+__all__ = ["plan", "TensorPlan", "ROLES", "LLAMA", "NANOGPT", "GPT2"]
 
 ROLES = ("colwise", "rowwise", "vocab", "replicated")
 
@@ -112,16 +113,6 @@ width)."""
 
 _FUSED_NAMES = {"c_attn", "qkv", "qkv_proj", "Wqkv", "query_key_value", "W_pack"}
 _UNSET = object()  # "no pattern matched this leaf": its module's role decides
-
-
-def gpt_specs(params: Any, *, axis: str) -> Any:
-    """The bundled GPT's plan: ``fsharded.models.gpt.tensor_parallel_specs(params, axis)``.
-    The GPT inserts its own collectives; pass it the axis name too
-    (``functools.partial(gpt.loss, tensor_axis=axis)``)."""
-    # Imported here: models sit above parallel in the layering (gpt imports parallel).
-    from fsharded.models import gpt
-
-    return gpt.tensor_parallel_specs(params, axis)
 
 
 def plan(model: Any, table: Mapping[str, str], *, axis: str, params: Any = None,
@@ -425,7 +416,7 @@ def _check_role(mod: nn.Module, name: str, role: str) -> str | None:
                 f"shard 0 would get all of q and part of k, not its own heads of each. Keep it "
                 f"replicated (leave it out of the table, as NANOGPT does: attention then runs "
                 f"whole and the MLP split), or use a model with separate q/k/v projections "
-                f"(LLAMA), or the bundled GPT (gpt_specs)"
+                f"(LLAMA), or the bundled GPT (gpt.tensor_parallel_specs)"
             ) + (f"; the attention module is {parent_name}" if parent_name else "")
     if isinstance(mod, nn.Embedding) and (mod.max_norm is not None or mod.scale_grad_by_freq
                                           or mod.sparse):

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fsharded import _tree
+from fsharded.mesh import _tree
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, _entry_axes
 

@@ -58,6 +58,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsharded import _memory_tracker as memory
 from fsharded import comm
 from fsharded.mesh._layout import local_slice
 from fsharded.spmd import _env, _manifest, _prims, _vma
@@ -398,8 +399,6 @@ def dry_run(fn: Any, *args: Any, what: str = "train_step's schedule check",
     collectives answering locally: this rank's schedule, ``(phase, op, axis, dtype,
     shape)`` per collective. With ``peak``: ``(schedule, bytes)``, the most bytes the call
     had allocated at once beyond its arguments (the memory tracker, counting meta tensors)."""
-    from fsharded import memory
-
     def attempt(kind: Kind) -> tuple[list, int]:
         with stand_ins(kind) as convert, _manifest.recording(dry=True) as entries:
             stand = convert(args)

@@ -9,7 +9,8 @@ from typing import Any
 import optree
 import torch
 
-from fsharded import _tree, comm
+from fsharded import comm
+from fsharded.mesh import _tree
 from fsharded.mesh._layout import (
     check_sharded_tree,
     check_tree,

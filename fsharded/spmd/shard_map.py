@@ -15,7 +15,7 @@ from typing import Any
 import optree
 import torch
 
-from fsharded import _tree
+from fsharded.mesh import _tree
 from fsharded.mesh._layout import check_tree, dims
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, format_spec_errors

@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 
 from fsharded import _memory_hooks as memory
-from fsharded import _tree, checkpoint, optim
+from fsharded import checkpoint, optim
 from fsharded import random as R
 from fsharded.checkpoint import _structure as _ckpt_structure
 from fsharded.comm import _trace
+from fsharded.mesh import Mesh, _tree
 from fsharded.mesh._layout import check_tree, dims, local_slice
-from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
 from fsharded.parallel.zero import Placement, ZeroPlan
 from fsharded.precision import as_policy, cast_tree

@@ -18,12 +18,18 @@ from typing import Any
 import optree
 import torch
 
-from fsharded import _tree
+from fsharded import _memory_tracker as memory
+from fsharded.mesh import _tree
 from fsharded.mesh._layout import local_slice
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, shard_shape
-from fsharded.spmd import _schedule
+from fsharded.parallel.blocks import handling
+from fsharded.parallel.remat import checkpoint
+from fsharded.parallel.zero import Placement, ZeroPlan
+from fsharded.precision import as_policy
+from fsharded.spmd import _env, _manifest, _prims, _schedule, _vma
 from fsharded.spmd._transfer import backend_for
+from fsharded.step import _trainable as T
 from fsharded.step._layout import Moves
 
 __all__ = ["MemoryEstimate", "estimate_memory", "available_memory", "check_fits", "InsufficientMemoryError"]
@@ -134,10 +140,6 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     its own). A frozen leaf counts as stored in its own dtype, with no gradient, no master
     copy and no optimizer state.
     """
-    from fsharded.parallel.zero import Placement, ZeroPlan
-    from fsharded.precision import as_policy
-    from fsharded.step import _trainable as T
-
     policy = as_policy(precision)
     if isinstance(specs, ZeroPlan):
         pl = specs.resolve(mesh)
@@ -264,8 +266,6 @@ def _as_device_0(mesh: Mesh, coords: dict) -> Iterator[Any]:
     device)."""
     import dataclasses
 
-    from fsharded.spmd import _env, _manifest, _prims, _vma
-
     frame = _env.AxisFrame(mesh, "distributed", coords=coords)
     with _manifest.recording(dry=True):
         if mesh.size == 1:
@@ -301,10 +301,6 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
     turn (``fsharded.spmd._schedule``): meta tensors, fake tensors, and for a loss that
     reads values on the host, copies of the shards' values on CPU (one real forward and
     backward of compute)."""
-    from fsharded import memory
-    from fsharded.parallel.blocks import handling
-    from fsharded.parallel.remat import checkpoint
-
     mv = Moves.of(pl)
     use = mv.use
     leaves, tdef = optree.tree_flatten(params)

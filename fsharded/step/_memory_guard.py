@@ -14,6 +14,7 @@ import torch.distributed as dist
 from fsharded import _tree
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
+from fsharded.parallel.zero import zero
 from fsharded.step import _estimate as _memory
 from fsharded.step._layout import Moves
 
@@ -48,8 +49,6 @@ def check_init_memory(step: Any, params: Any, pl: Any) -> None:
     hints = []
     data = step.mesh.shape.get(pl.axis, 1) if getattr(pl, "axis", None) else step.mesh.shape.get("data", 1)
     if step.distributed and not any(Moves.of(pl).gather_in_loss) and data > 1:  # not sharded for use yet
-        from fsharded.parallel.zero import zero
-
         z3 = need(zero(3, axis=pl.axis or "data")(PartitionSpec(), meta), step.mesh)
         hints.append(f"ZeRO-3 over {pl.axis or 'data'} ({z3 / 2**30:,.2f} GiB per rank)")
     if not step.distributed:

@@ -24,7 +24,10 @@ from typing import Any
 import optree
 import torch
 
-from fsharded import _tree
+from fsharded.checkpoint._common import _assemble, _dtype, _Reader
+from fsharded.checkpoint._index import _blocks, read_manifest
+from fsharded.mesh import _tree
+from fsharded.mesh._spec import PartitionSpec
 
 __all__ = ["resolve", "view", "merge", "mark", "as_tensor", "from_tensor", "FROZEN_MARK"]
 
@@ -137,8 +140,6 @@ def _bool_prefix(tree: Any, params: Any) -> list:
                         "of (pattern, bool) rules or a function (path, leaf) -> bool; these leaves are not "
                         "bools:\n" + "\n".join(bad[:8]))
     # The same prefix rule as spec trees: a bool stands for every leaf below it.
-    from fsharded.mesh._spec import PartitionSpec
-
     as_specs = optree.tree_map(lambda b: PartitionSpec("t") if b else PartitionSpec(), tree)
     try:
         flat = _tree.broadcast_prefix(as_specs, params, what="trainable")
@@ -184,8 +185,6 @@ def pick(items: list, mask: list[bool] | None) -> list:
 
 
 def _is_spec(x: Any) -> bool:
-    from fsharded.mesh._spec import PartitionSpec
-
     return isinstance(x, PartitionSpec)
 
 
@@ -207,9 +206,6 @@ def from_tensor(t: torch.Tensor | None, n: int) -> list[bool] | None:
 def saved(directory: Any) -> list[bool] | None:
     """The trained leaves a checkpoint of a ``TrainState`` records (``trainable``): None
     when it has no record (every leaf trained)."""
-    from fsharded.checkpoint._common import _assemble, _dtype, _Reader
-    from fsharded.checkpoint._index import _blocks, read_manifest
-
     manifest = read_manifest(directory)
     entry = next((e for e in manifest["leaves"] if e["path"] == "trainable"), None)
     if entry is None or "shape" not in entry:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from fsharded import comm
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -32,8 +34,6 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, outdir: str, ar
     )
     torch.set_num_threads(1)
     import torch.distributed as dist
-
-    from fsharded import comm
 
     path = os.path.join(outdir, f"rank{rank}.pt")
     try:
@@ -104,7 +104,6 @@ def _pool_worker(rank: int, world_size: int, conn: Any) -> None:
     import warnings
 
     torch.set_num_threads(1)
-    from fsharded import comm
 
     while True:
         try:

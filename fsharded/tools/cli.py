@@ -73,7 +73,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from fsharded import train
+    from fsharded.tools import train
 
     return train.main(args.args, prog="fsharded train")
 
@@ -130,7 +130,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_plot(args: argparse.Namespace) -> int:
-    from fsharded.plot import plot_metrics
+    from fsharded.tools.plot import plot_metrics
 
     try:
         drawn = plot_metrics(args.metrics, args.out, keys=args.keys.split(",") if args.keys else None,
@@ -180,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fsharded`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:  # every option after `train` belongs to the training job
-        from fsharded import train
+        from fsharded.tools import train
 
         return train.main(argv[1:], prog="fsharded train")
     parser = build_parser()

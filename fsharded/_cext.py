@@ -1,5 +1,9 @@
 """Building fsharded's C++ / CUDA extensions once per install, and loading them.
 
+Below everything that loads an extension (the shared-memory transport in ``fsharded.comm``,
+the CPU optimizer in ``fsharded.kernels``): it imports nothing of fsharded. The sources are
+under ``CSRC`` (the checkout's ``csrc/``).
+
 torch's JIT builder (``torch.utils.cpp_extension.load``) keeps one build directory per
 extension *name*, but what it compiles holds absolute paths: the sources, the include
 folders, the venv's torch and Python, and ninja's own logs. Two installs on one machine
@@ -42,7 +46,9 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["build", "keyed_name", "build_directory"]
+__all__ = ["build", "keyed_name", "build_directory", "CSRC"]
+
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
 
 MARKER = "fsharded-build.json"
 FAILED = "fsharded-build-failed.json"

@@ -23,6 +23,8 @@ from typing import IO, Any
 
 import torch
 
+from fsharded import optim
+
 JOB_FILE = "job.json"
 RESUME_CHANGES = ("schedule", "batch")
 # The parameter that is a schedule's length (what --schedule-steps and --steps set).
@@ -36,8 +38,6 @@ def schedule_record(cfg: Any) -> dict:
     """The learning-rate schedule ``cfg`` runs, every parameter resolved (the schedule's
     own defaults and ``optimizer.lr`` where the schedule reads it), so that two configs
     with the same record run the same schedule: ``{"name": ..., "params": {...}}``."""
-    from fsharded import optim
-
     name, params, lr = cfg.scheduler.name, dict(cfg.scheduler.params), cfg.optimizer.lr
     if name == "constant":
         return {"name": name, "params": {"lr": lr}}
@@ -56,8 +56,6 @@ def schedule_record(cfg: Any) -> dict:
 
 def lr_schedule(record: dict) -> Any:
     """The ``fsharded.optim`` schedule a ``schedule_record`` describes."""
-    from fsharded import optim
-
     name, p = record["name"], dict(record["params"])
     if name == "constant":
         return optim.constant(p["lr"])
@@ -159,8 +157,6 @@ def _same_rates(old: dict, new: dict, start: int, steps: int) -> bool:
     """Whether two schedules give the same learning rate to every update the resumed run
     makes (updates ``start`` to ``steps - 1``): parameters that differ only where the run
     has passed (a warmup already over) change nothing."""
-    from fsharded import optim
-
     if steps <= start:
         return True
     try:
@@ -175,8 +171,6 @@ def check_resume(cfg: Any, checkpoint: str, allow: Collection[str] = ()) -> int 
     """Refuse a resume from ``checkpoint`` whose flags change the schedule or the global
     batch the checkpoint's run trained with (``allow``: what may change, deliberately).
     Returns the checkpoint's step as its record gives it (None without a record)."""
-    from fsharded import optim
-
     rec = read_job(checkpoint)
     if rec is None:
         warnings.warn(f"fsharded train: --resume: {checkpoint} carries no record of its run's schedule and "

@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+from fsharded.models.gpt import _is_moe
+from fsharded.parallel.moe import capacity
+
 __all__ = ["gpt_step_flops", "measure_flops", "mfu", "peak_tflops", "PEAK_TFLOPS"]
 
 # Dense peak TFLOP/s by device name (substring, lower case) and dtype, from the vendors'
@@ -56,9 +59,6 @@ def gpt_step_flops(params: dict, *, batch: int, seq_len: int, moe: Any = None, r
     rows the batched matmuls run, ``E * C`` per shard with the capacity buffer (empty slots
     included) and ``E * T`` on the dropless form's padded buffer (what FlopCounterMode
     sees on CPU)."""
-    from fsharded.models.gpt import _is_moe
-    from fsharded.parallel.moe import capacity
-
     if count not in ("model", "computed"):
         raise ValueError(f"gpt_step_flops: count must be 'model' or 'computed', got {count!r}")
     tokens = batch * seq_len

@@ -26,10 +26,13 @@ from typing import Any
 
 import torch
 
-from fsharded import _tree
+from fsharded.mesh import _tree
 from fsharded.mesh._layout import dims
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, format_spec_errors, spec_errors
+from fsharded.spmd import _env
+from fsharded.spmd._transfer import backend_for
+from fsharded.spmd.collectives import varying_axes
 
 __all__ = ["visualize_sharding", "ShardingView", "LocalView", "TreeView"]
 
@@ -294,9 +297,6 @@ def _layout(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> list[Blo
 
 
 def _one(x: Any, spec: Any, mesh: Mesh | None, name: str) -> Any:
-    from fsharded.spmd import _env
-    from fsharded.spmd.collectives import varying_axes
-
     frame = _env.current()
     if spec is None and frame is not None:  # inside shard_map: the local view
         if not isinstance(x, torch.Tensor):
@@ -310,8 +310,6 @@ def _one(x: Any, spec: Any, mesh: Mesh | None, name: str) -> Any:
         raise TypeError(f"visualize_sharding: spec must be a PartitionSpec, got {type(spec).__name__}")
     if isinstance(x, torch.Tensor):
         shape, dtype = tuple(x.shape), x.dtype
-        from fsharded.spmd._transfer import backend_for
-
         if backend_for(mesh, None) == "distributed":  # this rank's shard, as shard_map takes it
             shape = tuple(n * math.prod(mesh.shape[a] for a in ax) for n, ax in zip(shape, dims(spec, len(shape))))
     elif isinstance(x, (tuple, list, torch.Size)) and all(isinstance(n, int) for n in x):

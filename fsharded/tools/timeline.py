@@ -34,6 +34,7 @@ from typing import Any
 
 from fsharded.comm import _trace
 from fsharded.comm._trace import CommEvent, Span
+from fsharded.tools.visualize import _rank
 
 __all__ = ["record", "Timeline", "RankRecord"]
 
@@ -142,8 +143,6 @@ class Timeline:
         return f"Timeline({len(self.ranks)} ranks, {sum(len(r.events) for r in self.ranks)} collectives)"
 
     def show(self) -> None:
-        from fsharded.visualize import _rank
-
         if _rank() == 0:
             print(self.text())
 

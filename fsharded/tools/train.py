@@ -29,6 +29,17 @@ from typing import Any
 import optree
 import torch
 
+import fsharded as fs
+from fsharded import config as C
+from fsharded import optim
+from fsharded.config import _deepspeed as ds_config
+from fsharded.models import GPTConfig, gpt, gpt_plans
+from fsharded.parallel import sequence
+from fsharded.step import _estimate as _memory
+from fsharded.tools import _train_resume
+from fsharded.tools import flops as FL
+from fsharded.tools._train_resume import LENGTH_PARAM, RESUME_CHANGES, lr_schedule, schedule_record
+
 # What `fsharded train` runs with no arguments: the "small" GPT (0.84 M parameters) on
 # stdlib bytes, data-parallel over 2 virtual devices, about a minute on 2 cores.
 JOB_DEFAULTS: dict[str, Any] = {
@@ -118,8 +129,6 @@ def _at_least(n: int, what: str):
 
 
 def _resume_changes(text: str) -> tuple[str, ...]:
-    from fsharded._train_resume import RESUME_CHANGES
-
     out = tuple(w.strip() for w in text.split(",") if w.strip())
     bad = [w for w in out if w not in RESUME_CHANGES]
     if bad or not out:
@@ -191,8 +200,6 @@ def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
 def make_config(args: argparse.Namespace, world_size: int = 1):
     """Layer: job defaults < --config < --deepspeed-config < flags < --set (a DeepSpeed
     config's steps_per_print and seed count only when it gives them)."""
-    from fsharded import config as C
-
     base = C.TrainConfig.from_dict(_merge({}, JOB_DEFAULTS, {"mesh": {"data": world_size}} if world_size > 1 else {}))
     if args.config:
         base = _layer_file(base, args.config)
@@ -200,18 +207,15 @@ def make_config(args: argparse.Namespace, world_size: int = 1):
         if args.mesh is not None:
             mesh = parse_mesh(args.mesh)
         else:  # the ranks are data x sequence parallel, as DeepSpeed counts them
-            from fsharded.config._deepspeed import sequence_parallel_size
-
-            sp = sequence_parallel_size(args.deepspeed_config)
+            sp = ds_config.sequence_parallel_size(args.deepspeed_config)
             if base.mesh.get("data", 1) % sp:
                 raise ValueError(f"--deepspeed-config: sequence_parallel_size {sp} does not divide the "
                                  f"{base.mesh.get('data', 1)} ranks")
             mesh = {**base.mesh, "data": base.mesh.get("data", 1) // sp}
-        from fsharded.config._deepspeed import given
 
         ds = C.from_deepspeed(args.deepspeed_config, data_parallel_size=mesh.get("data", 1),
                               allow_ignored=getattr(args, "allow_ignored", False))
-        base = _layer_deepspeed(base, ds, given(args.deepspeed_config))
+        base = _layer_deepspeed(base, ds, ds_config.given(args.deepspeed_config))
     flags: dict[str, Any] = {}
     if args.mesh is not None:
         flags["mesh"] = parse_mesh(args.mesh)
@@ -249,8 +253,6 @@ def _with_schedule_length(cfg, n: int, *, derived: bool = False):
     """``cfg`` with its schedule ``n`` steps long (``--schedule-steps``): the default
     schedule whole (its warmup a tenth), another its length parameter only; ``derived``:
     the schedule's defaults were made for ``n`` steps already (``--schedule``)."""
-    from fsharded._train_resume import LENGTH_PARAM
-
     if _is_default_schedule(cfg):
         return _apply(cfg, {"scheduler": {"name": "WarmupCosineLR", "params": {
             **JOB_DEFAULTS["scheduler"]["params"], "total_num_steps": n, "warmup_num_steps": max(1, n // 10)}}})
@@ -273,8 +275,6 @@ def _merge(*ds: dict) -> dict:
 
 def _apply(cfg, flat: dict[str, Any]):
     """Apply ``{"a.b": v}`` / ``{"mesh": {...}}`` onto a TrainConfig (re-deriving batches)."""
-    from fsharded import config as C
-
     d = cfg.to_dict()
     for key, v in flat.items():
         node = d
@@ -290,8 +290,6 @@ def _apply(cfg, flat: dict[str, Any]):
 def _layer_file(base, path: str):
     """Fields the file sets win over the job defaults; a scheduler it names comes whole."""
     from pathlib import Path
-
-    from fsharded import config as C
 
     C.load_config(path)  # full validation, with the file's own error messages
     p = Path(path)
@@ -311,8 +309,6 @@ _DS_SECTIONS = ("optimizer", "scheduler", "precision", "loss_scale", "reduce_dty
 
 
 def _layer_deepspeed(base, ds, given: Sequence[str] = ()):
-    from fsharded import config as C
-
     d, dd = base.to_dict(), ds.to_dict()
     for k in (*_DS_SECTIONS, *given):
         d[k] = dd[k]
@@ -341,9 +337,6 @@ def _schedule_defaults(name: str, steps: int) -> dict:
 
 def build_optimizer(cfg):
     """The ``fsharded.optim`` optimizer (with its schedule) a TrainConfig describes."""
-    from fsharded import optim
-    from fsharded._train_resume import lr_schedule, schedule_record
-
     o = cfg.optimizer
     lr = lr_schedule(schedule_record(cfg))  # every parameter resolved, as a checkpoint records it
     kw: dict[str, Any] = {}
@@ -363,8 +356,6 @@ def build_optimizer(cfg):
 def build_model_config(cfg, data_vocab: int | None = None):
     """The GPT config of ``cfg.model``; a preset takes the data's vocabulary size unless
     ``model.vocab_size`` is given (a preset must run on the default data as given)."""
-    from fsharded.models import GPTConfig
-
     m = {k: v for k, v in cfg.model.items() if k not in ("seq_parallel", "seq_layout")}  # the job's, not the model's
     if data_vocab is not None:
         m.setdefault("vocab_size", data_vocab)
@@ -426,9 +417,6 @@ class _SeqJob:
     def __init__(self, cfg, mesh, mcfg) -> None:
         import functools
 
-        import fsharded as fs
-        from fsharded.models import gpt
-
         strategy, layout = cfg.model.get("seq_parallel"), cfg.model.get("seq_layout")
         if strategy is not None and strategy not in SEQ_STRATEGIES:
             raise ValueError(f"model.seq_parallel: {strategy!r} is not one of {', '.join(SEQ_STRATEGIES)}")
@@ -481,9 +469,6 @@ class _SeqJob:
             self.loss, self.batch_spec = gpt.loss, fs.P(data) if data else fs.P()
 
     def prepare(self, batch: dict) -> dict:
-        from fsharded.models import gpt
-        from fsharded.parallel import sequence
-
         if self.n == 1:
             return batch
         if self.megatron:  # tokens stay whole on every tensor rank; padded only if they must be
@@ -505,10 +490,6 @@ def _check_fits(cfg, mcfg, mesh, specs_for, dist_on: bool, seq: _SeqJob) -> None
     tensors (weights, gradients, optimizer state, buffers; the activations from a dry run
     of the loss), against the memory available: per rank times the ranks on this host, or
     everything on the virtual mesh, which holds every device's part in one process."""
-    import fsharded as fs
-    from fsharded.models import gpt
-    from fsharded.step import _estimate as _memory
-
     with torch.device("meta"):
         meta = gpt.init(mcfg, cfg.seed)
     if dist_on:
@@ -562,10 +543,6 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     scale, keys), its place in the data, and its schedule and global batch: a ``cfg`` that
     would change those is refused unless ``resume_changes`` names them ("schedule",
     "batch"). The metrics file of a resumed run keeps the records up to the resumed step."""
-    import fsharded as fs
-    from fsharded import _train_resume
-    from fsharded.models import gpt
-
     dist_on = fs.distributed.is_initialized()
     main_rank = fs.distributed.rank() == 0
     for flag, v in (("--save-every", save_every), ("--keep", keep)):
@@ -606,10 +583,10 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
                          f"multiple of {experts} experts, or a smaller expert axis")
 
     def specs_for(params):
-        specs = gpt.tensor_parallel_specs(params) if mesh.shape.get("tensor", 1) > 1 else \
+        specs = gpt_plans.tensor_parallel_specs(params) if mesh.shape.get("tensor", 1) > 1 else \
             optree.tree_map(lambda _: fs.P(), params)
         if "expert" in mesh.shape:
-            specs = gpt.expert_parallel_specs(params, base=specs)
+            specs = gpt_plans.expert_parallel_specs(params, base=specs)
         return fs.parallel.zero(cfg.zero_stage, axis="data")(specs, params) if cfg.zero_stage else specs
 
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * cfg.data_parallel_size  # rows over data x expert
@@ -667,8 +644,6 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     # Model FLOPs of a step (all devices; MoE blocks: each token through its top-k experts,
     # routed per micro-batch and shard), TFLOP/s per rank (the virtual mesh: in its one
     # process) and MFU, per step in the metrics and over the steady steps in the summary.
-    from fsharded import flops as FL
-
     try:
         step_flops = FL.gpt_step_flops(params, batch=global_batch, seq_len=mcfg.seq_len, moe=mcfg.moe,
                                        routing_shards=cfg.grad_accum_steps * cfg.data_parallel_size * seq.n
@@ -762,7 +737,6 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded train") -> int:
     args = build_parser(prog).parse_args(argv)
-    import fsharded as fs
 
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched:
