@@ -345,9 +345,9 @@ def load_deepspeed(directory: str | os.PathLike, step: Any, params: Any, *, tag:
             full = torch.tensor(ck.adam_step if is_adam else ck.step, dtype=x.dtype)
         elif path == "step":
             full = torch.tensor(ck.step, dtype=x.dtype)
-        elif path == "rng" or path.startswith("loss_scale") or path == "trainable":
+        elif path in ("rng", "trainable", "skipped") or path.startswith("loss_scale"):
             # A new key and loss scale (DeepSpeed keeps neither in this form); the step's own
-            # choice of what trains.
+            # choice of what trains; no skipped step counted yet.
             out.append(x)
             continue
         else:

@@ -494,10 +494,14 @@ def in_use() -> bool:
 
 def comm_for(x: torch.Tensor, g: Any) -> Any:
     """The group's shared-memory communicator when ``x`` can use it, else None. The first
-    call on a group is collective over the group (all its ranks decide together)."""
+    call on a group is collective over the group (all its ranks decide together).
+
+    ``x`` is a plain tensor: the collectives above hand a torch.func wrapper to their
+    ``autograd.Function``, whose forward sees the tensor beneath, and the step's buckets and
+    ZeRO-3 gathers come here only from plain autograd on real ranks."""
     if (x.device.type != "cpu" or x.dtype not in _DTYPES or type(x) is not torch.Tensor
-            or x.layout != torch.strided or torch._C._functorch.is_functorch_wrapped_tensor(x)):
-        return None  # torch.func's wrappers and tensor subclasses: torch.distributed's path
+            or x.layout != torch.strided):
+        return None  # tensor subclasses (fake tensors among them): torch.distributed's path
     # By the group object (held, so its id is not reused by a later group).
     entry = _COMMS.get(id(g.group))
     if entry is None:

@@ -61,6 +61,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fsharded.spmd._wrappers import readable_beneath_grad
+
 from ._dispatch import choose, forced
 
 __all__ = [
@@ -191,16 +193,9 @@ def _concrete(*tensors: Tensor) -> bool:
 
     if torch.compiler.is_compiling() or get_proxy_mode() is not None:
         return False
-    ft = torch._C._functorch
     for t in tensors:
-        while ft.is_functorch_wrapped_tensor(t):
-            if ft.is_batchedtensor(t):
-                return False
-            try:
-                t = ft.get_unwrapped(t)
-            except RuntimeError:  # a wrapper we cannot look through
-                return False
-        if isinstance(t, FakeTensor) or t.is_meta:
+        t = readable_beneath_grad(t)  # None under vmap (the virtual mesh)
+        if t is None or isinstance(t, FakeTensor) or t.is_meta:
             return False
     return True
 

@@ -46,6 +46,7 @@ import torch
 
 from fsharded.kernels import _dispatch
 from fsharded.spmd import collectives as C
+from fsharded.spmd._wrappers import requires_grad
 
 __all__ = [
     "quantize_int8",
@@ -255,19 +256,9 @@ def dequantize_int8_reference(
     return y.view(shape)
 
 
-def _requires_grad(x: torch.Tensor) -> bool:
-    """``x.requires_grad``, looking through vmap wrappers (a vmapped tensor reports False
-    even when the tensor under it is tracked, as on the virtual mesh)."""
-    ft = torch._C._functorch
-    while not x.requires_grad:
-        if not ft.is_functorch_wrapped_tensor(x):
-            return False
-        x = ft.get_unwrapped(x)
-    return True
-
-
 def _no_grad_input(x: torch.Tensor, op: str, exact: str) -> None:
-    if torch.is_grad_enabled() and _requires_grad(x):
+    # Through vmap wrappers: on the virtual mesh a tracked value's wrapper reports False.
+    if torch.is_grad_enabled() and requires_grad(x):
         raise ValueError(
             f"{op}: x requires grad, but int8 rounding has no useful derivative; pass "
             f"x.detach() (values only), or use {exact} for a differentiable collective"

@@ -70,6 +70,7 @@ from fsharded.optim._base import (
 from fsharded.optim._clip import (
     ClipByGlobalNormState,
     clip_by_global_norm,
+    clip_factor,
     global_norm,
     leaf_sq_norms,
 )
@@ -134,6 +135,7 @@ __all__ = [
     "global_norm",
     "leaf_sq_norms",
     "clip_by_global_norm",
+    "clip_factor",
     # accumulation
     "MultiSteps",
     "accumulate",

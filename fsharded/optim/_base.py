@@ -21,6 +21,11 @@ import torch
 from fsharded.mesh import PartitionSpec
 from fsharded.optim._schedules import constant
 
+# Whether a tree holds only ordinary tensors (not vmap-batched or grad-tracked): where the
+# foreach and in-place forms apply. An optimizer runs inside a step (either backend) and on
+# its own, under a caller's vmap: the values answer (spmd._wrappers, which asks torch.func).
+from fsharded.spmd._wrappers import plain
+
 __all__ = [
     "GradientTransformation",
     "Optimizer",
@@ -180,15 +185,6 @@ def donating() -> Iterator[None]:
 def is_donating() -> bool:
     """Inside ``donating()``. The in-place forms run only on plain tensors (``plain``)."""
     return _DONATE.get()
-
-
-def plain(tree: Any) -> bool:
-    """Whether every tensor in ``tree`` is an ordinary tensor, not a torch.func wrapper (a
-    value batched by vmap, as on the virtual mesh, or differentiated by grad): where
-    foreach kernels, in-place updates and reading a step count on the host apply. Decided
-    by the values themselves, not by which transforms are active around them."""
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return not any(isinstance(t, torch.Tensor) and wrapped(t) for t in optree.tree_leaves(tree))
 
 
 def _foreach_ok(tree: Any) -> bool:

@@ -18,7 +18,7 @@ from fsharded.mesh._tree import broadcast_prefix
 from fsharded.optim._base import GradientTransformation, plain
 from fsharded.spmd import collectives
 
-__all__ = ["leaf_sq_norms", "global_norm", "ClipByGlobalNormState", "clip_by_global_norm"]
+__all__ = ["leaf_sq_norms", "global_norm", "clip_factor", "ClipByGlobalNormState", "clip_by_global_norm"]
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -77,6 +77,17 @@ def global_norm(tree: Any, specs: Any = None, *, flat_specs: list | None = None)
     return torch.sqrt(total)
 
 
+def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What clipping to ``max_norm`` multiplies every update by, given their global ``norm``:
+    ``max_norm / (norm + 1e-6)`` capped at 1, as ``torch.nn.utils.clip_grad_norm_`` (and
+    DeepSpeed's ``gradient_clipping``) do. 0-d, in ``norm``'s dtype.
+
+    >>> float(clip_factor(torch.tensor(5.0), 1.0))
+    0.19999995827674866
+    """
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
 class ClipByGlobalNormState(NamedTuple):
     """``norm``: the global norm of the updates last seen, before clipping (0-d; 0 before the
     first update). It is the gradient norm a training loop logs, computed once."""
@@ -104,7 +115,7 @@ def clip_by_global_norm(max_norm: float, *, specs: Any = None) -> GradientTransf
 
     def update(updates, state, params=None):
         norm = global_norm(updates, specs)
-        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        factor = clip_factor(norm, max_norm)
         clipped = optree.tree_map(lambda u: u * factor.to(u.dtype), updates)
         return clipped, ClipByGlobalNormState(norm.to(state.norm.dtype))
 

@@ -39,6 +39,7 @@ from fsharded.kernels import moe as K
 from fsharded.kernels._dispatch import choose
 from fsharded.mesh import P
 from fsharded.spmd._schedule import stands_for
+from fsharded.spmd._wrappers import transforms_active
 from fsharded.spmd.collectives import (
     all_to_all,
     axis_size,
@@ -371,7 +372,7 @@ def _experts_looped(params: Params, h: torch.Tensor) -> torch.Tensor:
     device = h.device.type
     if device == "meta":  # a dry run's stand-in: autocast as on the device it stands for
         device = stands_for()
-    if (not torch._C._are_functorch_transforms_active() and len({t.dtype for t in leaves if t is not None}) == 1
+    if (not transforms_active() and len({t.dtype for t in leaves if t is not None}) == 1
             and not torch.is_autocast_enabled(device)):
         # The typing sees the Function's insides, not its application: the implicit pvary
         # of an input invariant over an axis another varies over (the tokens under expert

@@ -34,6 +34,7 @@ from fsharded.kernels.attention import (
 )
 from fsharded.parallel import sequence
 from fsharded.spmd import _env, _manifest, _prims
+from fsharded.spmd._wrappers import transforms_active
 from fsharded.spmd.collectives import axis_index, axis_size, ppermute_start, pvary_to_union
 
 __all__ = ["ring_attention", "causal_pairs"]
@@ -247,7 +248,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str,
         return o.transpose(1, 2).to(q.dtype)
     axes = _env.bind(axis, "ring_attention")
     mine = _prims.static_position(axes)  # None on the virtual mesh
-    if mine is not None and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
+    # mine: None on the virtual mesh; on real ranks remat's vjp in backward is a transform too.
+    if mine is not None and not torch.compiler.is_compiling() and not transforms_active():
         return _Ring.apply(*pvary_to_union(q, k, v), axes, mine, layout, scale)  # (see _vma: Functions)
     me = axis_index(axis).to(q.device)
     forward = [(j, (j + 1) % n) for j in range(n)]  # after s rounds, shard i holds shard i - s's block

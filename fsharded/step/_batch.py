@@ -1,5 +1,5 @@
-"""What the step reads of a batch: the mesh axes its spec splits it over, and the tokens a
-language-model batch trains on."""
+"""What the step reads of a batch: the mesh axes its spec splits it over, the tokens a
+language-model batch trains on, and (on real ranks) this rank's rows of a global batch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
 
+from fsharded.mesh import _tree
+from fsharded.mesh._layout import check_tree, local_slice
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
 
@@ -30,3 +33,17 @@ def _batch_axes(batch_spec: Any, mesh: Mesh) -> tuple[str, ...]:
         if isinstance(s, PartitionSpec):
             named |= set(s.axes)
     return tuple(a for a in mesh.axis_names if a in named)
+
+
+def local_batch(sm: Any, batch: Any) -> Any:
+    """This rank's shard of a global batch, by the batch spec of ``sm`` (a shard_map of the
+    step; validated against the global shapes, so a batch that does not divide over the data
+    axis is a clear error)."""
+    mesh, batch_spec = sm.mesh, sm.in_specs[1]
+    paths, leaves, tdef = _tree.tree_flatten_with_paths(batch)
+    specs = _tree.broadcast_prefix(batch_spec, batch, what="batch_spec")
+    check_tree(leaves, specs, [f"batch.{p}" for p in paths], mesh, "train_step batch")
+    coords = mesh.coords(dist.get_rank())
+    out = [local_slice(x, s, mesh, coords) if isinstance(x, torch.Tensor) else x
+           for x, s in zip(leaves, specs)]
+    return optree.tree_unflatten(tdef, out)

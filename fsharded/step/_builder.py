@@ -2,8 +2,9 @@
 
 One call composes, per shard inside ``shard_map``: value_and_grad of the local loss (in
 the compute dtype, over micro-batches when accumulating) -> the gradient reductions the
-placements call for -> unscale / finite check (fp16) -> mesh-aware clipping -> the
-optimizer -> the new state. State is data (a ``TrainState``), nothing is mutated.
+placements call for -> the gradient transformation (unscale and finite check for fp16, the
+mesh-aware norm and clipping factor) -> the update -> the new state; then, on the host, the
+guard against non-finite steps. State is data (a ``TrainState``), nothing is mutated.
 
 >>> step = fs.train_step(gpt.loss, fs.optim.adamw(3e-4), mesh=fs.Mesh({"data": 2}),
 ...                      param_specs=P(), batch_spec=P("data"), precision="bf16", clip=1.0)
@@ -28,51 +29,36 @@ import torch.distributed as dist
 from fsharded import _memory_hooks as memory
 from fsharded import checkpoint, optim
 from fsharded import random as R
-from fsharded.checkpoint import _structure as _ckpt_structure
 from fsharded.comm import _trace
 from fsharded.mesh import Mesh, _tree
-from fsharded.mesh._layout import check_tree, dims, local_slice
+from fsharded.mesh._layout import dims
 from fsharded.mesh._spec import PartitionSpec
 from fsharded.parallel.zero import Placement, ZeroPlan
 from fsharded.precision import as_policy, cast_tree
 from fsharded.spmd import _env, _schedule, _vma
 from fsharded.spmd._transfer import backend_for, local_shards, unshard
-from fsharded.spmd.collectives import mark_varying, pmax, pmean, varying_axes
+from fsharded.spmd.collectives import mark_varying, pmean
 from fsharded.spmd.shard_map import shard_map
 from fsharded.step import _agree as _step_agree
 from fsharded.step import _memory_guard as _step_memory
 from fsharded.step import _trainable as T
-from fsharded.step._batch import _batch_axes, _count_tokens
+from fsharded.step._batch import _batch_axes, _count_tokens, local_batch
 from fsharded.step._checks import (
     _check_batch_sizes,
     _check_grad_types,
     _check_loss,
     _check_optimizer,
     _check_param_leaves,
-    _check_rates,
-    _check_scale,
-    _nonfinite_state,
-    _shown,
 )
 from fsharded.step._gradients import GradientStrategy, Layout, choose_gradients, label
+from fsharded.step._guards import choose_guard
+from fsharded.step._model_state import init_model_state, new_model_state
 from fsharded.step._scaling import DynamicScaling, NoScaling
+from fsharded.step._state import TrainState, counted, load_state
+from fsharded.step._transform import ClipByGlobalNorm, GradientTransform, NoClip, Transformed
 from fsharded.step._update import PureUpdate, choose_update
 
 __all__ = ["TrainState", "TrainStep", "train_step"]
-
-
-class TrainState(NamedTuple):
-    """Everything a training run carries from step to step."""
-
-    step: torch.Tensor  # int64 0-d: optimizer steps taken (skipped fp16 steps included)
-    params: Any  # master weights, laid out by the step's param_specs
-    opt_state: Any
-    loss_scale: Any  # precision.LossScaleState, or None without loss scaling
-    rng: Any = None  # fs.random key (int64 (2,)) random ops in the loss draw from, or None
-    model_state: Any = None  # state the model reads but does not differentiate (update_model_state)
-    # None: every parameter leaf trains; else a bool tensor, one entry per leaf (flatten
-    # order), False for the frozen ones (train_step's trainable=).
-    trainable: Any = None
 
 
 def train_step(
@@ -139,9 +125,10 @@ def train_step(
     is inf or nan is not applied — with donation the in-place update is skipped too, so
     the state passed in really is the last good one — and raises ``FloatingPointError``
     naming the step and the first gradient leaves that were non-finite
-    (``on_nonfinite="raise"``), or is skipped with the step count advanced and
-    ``metrics["skipped"]`` counting such steps in this process (``"skip"``, as DeepSpeed's
-    bf16 optimizer skips). fp16 skips overflowing steps by its loss scale and raises once
+    (``on_nonfinite="raise"``), or is skipped with the step count advanced and counted in
+    the state (``TrainState.skipped``, saved with it; ``"skip"``, as DeepSpeed's bf16
+    optimizer skips); ``metrics["skipped"]`` reports the steps not applied so far, fp16's
+    overflows included. fp16 skips overflowing steps by its loss scale and raises once
     the scale is at its minimum and the gradients still overflow (DeepSpeed's rule); a step
     whose gradients are finite but whose loss is not (a term that does not reach the
     parameters) is no overflow a smaller scale could fix, so fp16 refuses it as fp32 and
@@ -197,11 +184,13 @@ def train_step(
 
 
 class _Plan(NamedTuple):
-    """The pieces of one state layout's step (``_gradients``, ``_scaling``, ``_update``)."""
+    """The pieces of one state layout's step (``_gradients``, ``_scaling``, ``_transform``,
+    ``_update``)."""
 
     layout: Layout
     gradients: GradientStrategy
     scaling: Any  # NoScaling | DynamicScaling
+    transform: GradientTransform  # unscale -> norm -> clipping factor -> fp16's verdict
     update: PureUpdate
     eager: bool  # nothing vmapped: one process per device, or a one-device mesh
     state_specs: list  # one spec per leaf of the state, to type the new state by
@@ -235,15 +224,10 @@ class TrainStep:
         if not isinstance(accumulation, int) or accumulation < 1:
             raise ValueError(f"train_step: accumulation must be a positive int, got {accumulation!r}")
         self.accumulation = accumulation
-        if clip is not None and not clip > 0:
-            raise ValueError(f"train_step: clip must be a positive max norm or None, got {clip!r}")
+        self._clipping = NoClip() if clip is None else ClipByGlobalNorm(clip)
         self.clip = clip
-        self.check_finite = check_finite
-        if on_nonfinite not in ("raise", "skip"):
-            raise ValueError(f"train_step: on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
-        self.on_nonfinite = on_nonfinite
-        self.skipped_nonfinite = 0  # steps skipped for non-finite numbers (on_nonfinite="skip")
-        self._warned_zero_grads = False
+        self.guard = choose_guard(check_finite, on_nonfinite)  # what a non-finite step does
+        self.check_finite, self.on_nonfinite = check_finite, on_nonfinite
         self.check_memory = check_memory
         self.backend = backend
         if donate and self.policy.loss_scaling:
@@ -322,7 +306,8 @@ class TrainStep:
     def _init(self, params: Any, model_state: Any = None, mask: list[bool] | None = None) -> TrainState:
         """``init`` of a tree that may be meta tensors: ``load``'s template of a checkpoint's
         shapes, filled from the checkpoint (``mask``: its record of the trained leaves)."""
-        ms = self._init_model_state(model_state)
+        ms = init_model_state(model_state, self.update_model_state, self.model_state_specs, self.mesh,
+                              self.distributed)
         paths, leaves, _ = _tree.tree_flatten_with_paths(params)
         bad = [f"  {p}: {x.dtype}" for p, x in zip(paths, leaves)
                if isinstance(x, torch.Tensor) and not x.is_floating_point()]
@@ -353,30 +338,7 @@ class TrainStep:
         self._local_shapes[optree.tree_structure(master)] = [tuple(x.shape) for x in optree.tree_leaves(master)]
         rng = R.key(self.seed) if self.seed is not None else None
         return TrainState(torch.zeros((), dtype=torch.int64), master, opt_state, scale, rng, ms,
-                          T.as_tensor(mask))
-
-    def _init_model_state(self, model_state: Any) -> Any:
-        if self.update_model_state is None:
-            if model_state is not None:
-                raise ValueError("train_step.init: model_state given, but the step has no update_model_state: "
-                                 "pass train_step(..., update_model_state=fn) (fn(model_state, stats) -> "
-                                 "model_state), or keep the tensors in the parameters or the loss")
-            return None
-        if model_state is None:
-            raise ValueError("train_step.init: this step updates a model state (update_model_state): pass "
-                             "init(params, model_state=tree) with its initial value")
-        paths, leaves, _ = _tree.tree_flatten_with_paths(model_state)
-        bad = [f"  model_state.{p}: {type(x).__name__}" for p, x in zip(paths, leaves)
-               if not isinstance(x, torch.Tensor)]
-        if bad or not leaves:
-            raise ValueError("train_step.init: model_state must be a non-empty pytree of tensors"
-                             + ("; these leaves are not:\n" + "\n".join(bad[:8]) if bad else ""))
-        ms = optree.tree_map(lambda x: x.detach().clone(), model_state)
-        specs = _full_specs(self.model_state_specs, ms)
-        if self.distributed:
-            return local_shards(ms, specs, self.mesh)
-        shard_map(lambda m: m, mesh=self.mesh, in_specs=(specs,), out_specs=specs)._flat_in((ms,))
-        return ms
+                          T.as_tensor(mask), torch.zeros((), dtype=torch.int64))
 
     def params(self, state: TrainState) -> Any:
         """Full (global) master parameters, on every rank; the frozen leaves marked as
@@ -405,6 +367,7 @@ class TrainStep:
             PartitionSpec() if state.rng is not None else None,
             _full_specs(self.model_state_specs, state.model_state) if state.model_state is not None else None,
             PartitionSpec() if state.trainable is not None else None,
+            PartitionSpec() if state.skipped is not None else None,
         )
 
     # -- checkpoints ---------------------------------------------------------------------
@@ -435,35 +398,17 @@ class TrainStep:
         whatever mesh and placement it was saved from (optimizer moments, step, loss scale
         and key as saved). ``like``: a state of this step (``step.init(params)``), or the
         global params to make one from; by default the parameter tree as it was saved
-        (``checkpoint.tree_like``: a flat dict of dotted names stays one)."""
-        ms = checkpoint.tree_like(directory, "model_state") \
-            if self.update_model_state is not None and (like is None or not isinstance(like, TrainState)) else None
-        was = T.saved(directory)  # the leaves it trained
-        if like is None:  # without another say (trainable=), the checkpoint's own record
-            mask = was if self.trainable is None and was is not None else None
-            like = _ckpt_structure.template(checkpoint.read_manifest(directory), directory, "params",
-                                            lambda p: self._init(p, ms, mask=mask),
-                                            "step.load(directory, like=params)")
-        elif not isinstance(like, TrainState):  # the parameters as a template: meta tensors will do
-            _check_param_leaves(like, meta_ok=True)
-            like = self._init(like, ms)
-        bad = T.disagree(_tree.tree_flatten_with_paths(like.params)[0], self._mask(like), was)
-        if bad:
-            raise ValueError(
-                f"train_step.load: {directory} was saved training other parameters than this step "
-                f"trains:\n" + "\n".join(bad[:8]) + ("\n  ..." if len(bad) > 8 else "")
-                + "\nGive the step the checkpoint's choice (train_step(..., trainable=...), or "
-                  "the module's requires_grad flags), or start the optimizer anew from its weights: "
-                  "state = train_step(...).load(directory) (its own record of what trained), then "
-                  "train_step(..., trainable=<what trains now>).init(that_step.params(state))")
-        return checkpoint.load(directory, like, self.state_specs(like), self.mesh)
+        (``checkpoint.tree_like``: a flat dict of dotted names stays one). A checkpoint saved
+        before the state counted skipped steps (``TrainState.skipped``) loads with 0."""
+        return load_state(self, directory, like)
 
     # -- the step ----------------------------------------------------------------------
 
     def _body(self, state: TrainState, batch: Any, plans: Callable[[bool], _Plan]) -> tuple[TrainState, dict]:
         """One step on this shard: a straight line through the pieces of the plan for the
         backend running it (the shard_map frame says which: a step's manifest is computed
-        on the virtual mesh even when the step runs on real ranks)."""
+        on the virtual mesh even when the step runs on real ranks): gradients -> the
+        gradient transformation -> the update -> the new state and the metrics."""
         frame = _env.current()
         eager = frame.backend == "distributed" or frame.mesh.size == 1
         plan = plans(eager)
@@ -477,81 +422,56 @@ class TrainStep:
         # with None at the frozen ones, which pass through untouched).
         params = T.view(state.params, mask)
         g_leaves, loss, (extra, stats) = self._gradients(plan, state, batch)
-        new_ms = self._new_model_state(state.model_state, stats) if state.model_state is not None else None
+        new_ms = new_model_state(state.model_state, stats, self.update_model_state, self.model_state_specs,
+                                 self.mesh, self.batch_axes) if state.model_state is not None else None
         grads = optree.tree_unflatten(optree.tree_structure(params), g_leaves)
         label(grads, "gradients")
         # From here on every value is a shard of a leaf laid out by its spec (gradients,
         # parameters, optimizer moments): check that the gradients are typed so (reduced
         # over every axis their parameter is not sharded on), then run the per-leaf
         # update untyped (hundreds of small ops) and type the new state by its specs.
-        master = plan.layout.t_master
-        _check_grad_types(g_leaves, master, self.mesh, plan.layout.t_paths)
+        _check_grad_types(g_leaves, plan.layout.t_master, self.mesh, plan.layout.t_paths)
         vma = _env.current().vma
         with vma.paused() if vma is not None else contextlib.nullcontext():
             loss = pmean(loss, self.batch_axes) if self.batch_axes else loss
-            grads = plan.scaling.unscale(grads, state.loss_scale)
-            grads = optree.tree_map(lambda t, p: t.to(p.dtype), grads, params)
-            gnorm = optim.global_norm(grads, flat_specs=master)
-            finite = plan.scaling.finite(grads, self.mesh.axis_names)
-            # fp32 / bf16: the loss and the norm are the same on every shard, so is the
-            # verdict; an in-place update is skipped on it (the pure one is dropped after).
-            ok = torch.isfinite(gnorm) & torch.isfinite(loss) if self.check_finite and finite is None else None
-            new_params, opt_state = plan.update(grads, gnorm, state.opt_state, params, ok=ok)
+            t = plan.transform(grads, params, state.loss_scale)
+            new_params, opt_state = plan.update(t.grads, t.factor, state.opt_state, params,
+                                                ok=self.guard.verdict(loss, t))
             new_params = T.merge(new_params, state.params, mask)
-            params = state.params
             label(new_params, "parameters")
             label(opt_state, "optimizer state")
             (new_params, opt_state, new_ms), new_scale, scale_metrics = plan.scaling.select(
-                finite, (new_params, opt_state, new_ms), (params, state.opt_state, state.model_state),
+                t.finite, (new_params, opt_state, new_ms), (state.params, state.opt_state, state.model_state),
                 state.loss_scale)
-            metrics = {"loss": loss, "grad_norm": gnorm}
-            # What loss_fn returned beside the loss, averaged over the batch shards.
-            metrics.update(pmean(extra, self.batch_axes) if self.batch_axes and extra else extra)
-            rates = optim.scheduled_lrs(self.optimizer, state.opt_state)
-            if len(rates) == 1:  # the rate this update applied, from the optimizer's own counter
-                metrics["lr"] = torch.as_tensor(rates[0][1])
-            elif optim.get_lr_schedule(self.optimizer) is not None:
-                metrics["lr"] = optim.get_lr(self.optimizer, plan.scaling.applied(state.step, state.loss_scale))
-            metrics.update(scale_metrics)
-        out = TrainState(state.step + 1, new_params, opt_state, new_scale, state.rng, new_ms, state.trainable)
+            metrics = self._metrics(plan, state, loss, t, extra, scale_metrics)
+        out = state._replace(step=state.step + 1, params=new_params, opt_state=opt_state, loss_scale=new_scale,
+                             model_state=new_ms)
         if vma is not None:
-            for t, spec in zip(optree.tree_leaves(out), plan.state_specs):
-                if isinstance(t, torch.Tensor):
-                    vma.set(t, frozenset(spec.axes))
+            for x, spec in zip(optree.tree_leaves(out), plan.state_specs):
+                if isinstance(x, torch.Tensor):
+                    vma.set(x, frozenset(spec.axes))
             # The same on every shard: reduced over the batch axes (the loss) or over every
             # axis (the norm), including axes of size 1, which the paused stretch left typed.
-            for t in optree.tree_leaves(metrics):
-                if isinstance(t, torch.Tensor):
-                    vma.set(t, frozenset())
+            for x in optree.tree_leaves(metrics):
+                if isinstance(x, torch.Tensor):
+                    vma.set(x, frozenset())
         return out, metrics
 
-    def _new_model_state(self, ms: Any, stats: Any) -> Any:
-        """``update_model_state(ms, stats)`` on the stats averaged over the batch shards
-        (the same on every shard), checked against the old model state's structure, shapes,
-        dtypes and specs."""
-        if self.batch_axes:
-            stats = optree.tree_map(lambda t: pmean(t, self.batch_axes), stats)
-        with torch.no_grad():
-            new = self.update_model_state(ms, stats)
-        paths, old_leaves, old_def = _tree.tree_flatten_with_paths(ms)
-        new_leaves, new_def = optree.tree_flatten(new)
-        if new_def != old_def:
-            raise ValueError(f"train_step: update_model_state changed the model state's structure: it took "
-                             f"{old_def} and returned {new_def}; return a tree of the same form")
-        specs = _tree.broadcast_prefix(self.model_state_specs, ms)
-        bad = []
-        for p, o, n, spec in zip(paths, old_leaves, new_leaves, specs):
-            if not isinstance(n, torch.Tensor) or n.shape != o.shape or n.dtype != o.dtype:
-                got = f"{n.dtype} {tuple(n.shape)}" if isinstance(n, torch.Tensor) else type(n).__name__
-                bad.append(f"  model_state.{p}: {o.dtype} {tuple(o.shape)} became {got}")
-            elif extra := [a for a in varying_axes(n) if a not in spec.axes and self.mesh.shape[a] > 1]:
-                bad.append(f"  model_state.{p}: varies over {extra} after update_model_state, its spec is "
-                           f"{spec!r} (it would differ between those shards: reduce what it is computed from "
-                           f"over them, or shard it there)")
-        if bad:
-            raise ValueError("train_step: update_model_state returned a model state that does not fit the "
-                             "old one:\n" + "\n".join(bad[:8]))
-        return optree.tree_unflatten(new_def, [t.detach() for t in new_leaves])
+    def _metrics(self, plan: _Plan, state: TrainState, loss: torch.Tensor, t: Transformed, extra: dict,
+                 scale_metrics: dict) -> dict:
+        """The step's metrics, the same on every shard: the loss and what ``loss_fn``
+        returned beside it (averaged over the batch shards), the gradient norm, the learning
+        rate the update applied, the loss scale, and the steps not applied so far."""
+        metrics = {"loss": loss, "grad_norm": t.norm}
+        metrics.update(pmean(extra, self.batch_axes) if self.batch_axes and extra else extra)
+        rates = optim.scheduled_lrs(self.optimizer, state.opt_state)
+        if len(rates) == 1:  # the rate this update applied, from the optimizer's own counter
+            metrics["lr"] = torch.as_tensor(rates[0][1])
+        elif optim.get_lr_schedule(self.optimizer) is not None:
+            metrics["lr"] = optim.get_lr(self.optimizer, plan.scaling.applied(state.step, state.loss_scale))
+        metrics.update(scale_metrics)
+        metrics["skipped"] = metrics["skipped"] + state.skipped  # the loss scale's, and the guard's
+        return metrics
 
     def _gradients(self, plan: _Plan, state: TrainState, batch: Any) -> tuple[list, torch.Tensor, dict]:
         """This shard's gradient leaves, loss and the loss function's metrics, under this
@@ -590,10 +510,11 @@ class TrainStep:
                                      eager=eager, distributed=self.distributed and eager, cap=self.bucket_elems,
                                      check_loss=functools.partial(_check_loss, self.batch_axes, self.mesh,
                                                                   with_stats=self.update_model_state is not None))
-        update = choose_update(self.optimizer, clip=self.clip, donate=self.donate, eager=eager,
-                                 params=T.view(state.params, layout.trainable))
+        transform = GradientTransform(scaling, self._clipping, layout.t_master, self.mesh.axis_names)
+        update = choose_update(self.optimizer, donate=self.donate, eager=eager,
+                               params=T.view(state.params, layout.trainable))
         specs = _tree.broadcast_prefix(self.state_specs(state), state)
-        return _Plan(layout, gradients, scaling, update, eager, specs)
+        return _Plan(layout, gradients, scaling, transform, update, eager, specs)
 
     def _shard_mapped(self, state: TrainState):
         key = optree.tree_structure(state), _mask_key(self._mask(state))
@@ -609,13 +530,31 @@ class TrainStep:
             )
         return self._compiled[key]
 
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        state = counted(state)
+        self._validate(state, batch)
+        self.guard.before(self, state)  # the learning rates the update is about to apply
+        t0 = time.perf_counter()
+        sm = self._shard_mapped(state)  # the plan of this state layout, built once
+        new_state, metrics = self._run(sm, state, batch)
+        new_state, metrics = self.guard.after(self, state, new_state, metrics, batch)
+        tokens = _count_tokens(batch)
+        if tokens is not None:  # host wall time of the step (the guard's finite check synced)
+            metrics["tokens_per_s"] = torch.tensor(tokens / max(time.perf_counter() - t0, 1e-9))
+        return new_state, metrics
+
+    def _validate(self, state: TrainState, batch: Any) -> None:
+        """The state is laid out for this step and trains its leaves; every batch leaf has rows."""
+        self._check_layout(state)
+        T.check_state(self.trainable, state, self._mask(state), self._trainable_checked)
+        _check_batch_sizes(batch)
+
     def _check_layout(self, state: TrainState) -> None:
         """On real ranks, a state laid out for another placement (another ZeRO stage or
         mesh) has other shard shapes: say so instead of computing garbage."""
         if not self.distributed:
             return  # the virtual mesh keeps global values: any placement reads them
-        key = optree.tree_structure(state.params)
-        expect = self._local_shapes.get(key)
+        expect = self._local_shapes.get(optree.tree_structure(state.params))
         if expect is None:
             return  # the state was not made by this step's init: nothing to compare with
         paths, leaves, _ = _tree.tree_flatten_with_paths(state.params)
@@ -630,17 +569,14 @@ class TrainStep:
                   "(optimizer moments are not carried over that way)"
             )
 
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        self._check_layout(state)
-        T.check_state(self.trainable, state, self._mask(state), self._trainable_checked)
-        _check_batch_sizes(batch)
-        if self.check_finite:
-            self._check_lr(state)
-        t0 = time.perf_counter()
-        sm = self._shard_mapped(state)
-        if self.distributed:  # the batch is global (the same on every rank): take our rows
-            _step_agree.agree(self, state, batch)  # the same settings, step count and batch everywhere
-            batch = _local_batch(sm, batch)
+    def _run(self, sm: Any, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        """The shard-mapped step on this process's shards. On real ranks the batch is global
+        (the same on every rank): first the ranks agree on the call (settings, step count,
+        batch), and, before the first step of a layout, on the collectives it will run and
+        the memory it needs (a dry run); then each takes its rows."""
+        if self.distributed:
+            _step_agree.agree(self, state, batch)
+            batch = local_batch(sm, batch)
             key = optree.tree_structure((state, batch)), _shapes((state, batch))
             if self.check_schedule and key not in self._agreed:
                 with torch.no_grad():
@@ -652,104 +588,16 @@ class TrainStep:
                 self._agreed.add(key)
         try:
             with torch.no_grad(), _trace.span("step"):
-                new_state, metrics = sm.local(state, batch)
+                return sm.local(state, batch)
         except RuntimeError as e:
             if not self.distributed:
                 raise
             # A rank that died, timed out or ran other collectives: say which step it was.
             raise RuntimeError(f"train_step: step {int(state.step) + 1} on rank {dist.get_rank()}: {e}") from e
-        if self.check_finite:
-            loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])
-            finite = math.isfinite(loss) and math.isfinite(gnorm)
-            if state.loss_scale is not None:
-                _check_scale(new_state.loss_scale, int(state.step))
-                # Overflowing gradients are the loss scale's to skip (and it did); a step it
-                # applied must be finite as in fp32 / bf16: a nan loss whose gradients are
-                # finite (a term that does not reach the parameters) is no overflow a smaller
-                # scale could fix, so it is refused, not counted as one.
-                applied = bool((new_state.loss_scale.skipped == state.loss_scale.skipped).all())
-                finite = finite or not applied
-            if not finite:
-                if self.on_nonfinite == "skip":
-                    self.skipped_nonfinite += 1
-                    skipped = self.skipped_nonfinite
-                    if state.loss_scale is not None:  # and the overflows the loss scale skipped
-                        skipped += int(state.loss_scale.skipped.max())
-                    metrics["skipped"] = torch.tensor(skipped)
-                    return state._replace(step=state.step + 1), metrics
-                self._raise_nonfinite(state, batch, loss, gnorm)
-            if gnorm == 0.0 and math.isfinite(loss) and not self._warned_zero_grads:
-                self._warned_zero_grads = True
-                warnings.warn(
-                    f"train_step: every gradient is exactly zero at step {int(state.step) + 1}: the loss "
-                    f"probably does not depend on the parameters (detached, computed under "
-                    f"torch.no_grad, or from the batch alone), so nothing trains", stacklevel=2)
-        tokens = _count_tokens(batch)
-        if tokens is not None:  # host wall time of the step (the finite check above synced)
-            metrics["tokens_per_s"] = torch.tensor(tokens / max(time.perf_counter() - t0, 1e-9))
-        return new_state, metrics
-
-    def _raise_nonfinite(self, state: TrainState, batch: Any, loss: float, gnorm: float) -> None:
-        n = int(state.step)
-        where = ""
-        if not math.isfinite(gnorm):
-            bad = self._nonfinite_leaves(state, batch)
-            where = f"; non-finite gradients in {_shown([f'params.{p}' for p in bad])}" if bad else ""
-        raise FloatingPointError(
-            f"train_step: step {n + 1} has loss {loss} and gradient norm {gnorm}{where}. It was "
-            f"not applied: {self._kept(state)}. Lower the learning rate, "
-            f"enable clipping, look for sqrt/log/division at 0 in the loss, or pass "
-            f"on_nonfinite='skip' to skip such steps")
-
-    def _kept(self, state: TrainState) -> str:
-        """What a refused step leaves the caller: the state passed in, unchanged — and, if
-        that state already holds inf or nan (it did not come from a checked step: a
-        checkpoint, a transformation whose rates the step cannot read), saying so, since
-        it is no good state to go on from."""
-        n = int(state.step)
-        kept = (f"the state passed in (after {n} step{'' if n == 1 else 's'}) is unchanged"
-                f"{', donated buffers included' if self.donate else ''}")
-        bad = _nonfinite_state(state.params, state.opt_state)
-        if not bad:
-            return kept
-        on = f" on rank {dist.get_rank()}" if self.distributed else ""
-        return (f"{kept}, but it already held non-finite values{on} in {_shown(bad)}, so it is no "
-                f"good state either: go back to a checkpoint saved before they appeared")
-
-    def _check_lr(self, state: TrainState) -> None:
-        """Refuse, before running it, a step whose update would apply a learning rate that
-        is nan, inf or negative (see ``step._checks._check_rates``)."""
-        _check_rates(self.optimizer, state.opt_state, int(state.step), lambda: self._kept(state))
-
-    def _nonfinite_leaves(self, state: TrainState, batch: Any) -> list[str]:
-        """The paths of the parameters whose gradient has an inf or nan on any shard: the
-        gradients of ``batch`` again (a stop's diagnosis, on every rank together)."""
-        key = ("nonfinite", optree.tree_structure(state), _mask_key(self._mask(state)))
-        if key not in self._compiled:
-            plans = {eager: self._plan(state, eager) for eager in (False, True)}
-
-            def body(s: TrainState, b: Any) -> torch.Tensor:
-                frame = _env.current()
-                plan = plans[frame.backend == "distributed" or frame.mesh.size == 1]
-                g_leaves, _, _ = self._gradients(plan, s, b)
-                vma = _env.current().vma
-                with vma.paused() if vma is not None else contextlib.nullcontext():
-                    flags = torch.stack([(~torch.isfinite(g)).any().to(torch.float32) for g in g_leaves])
-                    axes = tuple(a for a in self.mesh.axis_names if self.mesh.shape[a] > 1)
-                    return pmax(flags, axes) if axes else flags
-
-            self._compiled[key] = shard_map(body, mesh=self.mesh, in_specs=(self.state_specs(state), self.batch_spec),
-                                            out_specs=PartitionSpec(), backend=self.backend)
-        sm = self._compiled[key]
-        if self.distributed:
-            batch = _local_batch(sm, batch)
-        with torch.no_grad():
-            flags = sm.local(state, batch)
-        paths = T.pick(_tree.tree_flatten_with_paths(state.params)[0], self._mask(state))
-        return [p for p, f in zip(paths, flags.tolist()) if f]
 
     def collectives(self, state: TrainState, batch: Any):
         """The manifest of one step: every collective in order, with bytes per rank."""
+        state = counted(state)
         sm = self._shard_mapped(state)
         if self.distributed:
             specs = self.state_specs(state)
@@ -767,19 +615,6 @@ def _shapes(tree: Any) -> tuple:
 
 def _step_key(rng: torch.Tensor, step: torch.Tensor, batch_axes: tuple[str, ...]) -> torch.Tensor:
     return R.shard_key(R.fold_in(rng, step), batch_axes)
-
-
-def _local_batch(sm: Any, batch: Any) -> Any:
-    """This rank's shard of a global batch, by the step's batch spec (validated against the
-    global shapes, so a batch that does not divide over the data axis is a clear error)."""
-    mesh, batch_spec = sm.mesh, sm.in_specs[1]
-    paths, leaves, tdef = _tree.tree_flatten_with_paths(batch)
-    specs = _tree.broadcast_prefix(batch_spec, batch, what="batch_spec")
-    check_tree(leaves, specs, [f"batch.{p}" for p in paths], mesh, "train_step batch")
-    coords = mesh.coords(dist.get_rank())
-    out = [local_slice(x, s, mesh, coords) if isinstance(x, torch.Tensor) else x
-           for x, s in zip(leaves, specs)]
-    return optree.tree_unflatten(tdef, out)
 
 
 def _full_specs(specs: Any, tree: Any) -> Any:

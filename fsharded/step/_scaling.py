@@ -47,7 +47,8 @@ class DynamicScaling:
         return unscale(grads, state, dtype=None)
 
     def finite(self, grads: Any, axes: tuple[str, ...]) -> torch.Tensor:
-        return all_finite(grads, axis=tuple(a for a in axes if is_bound(a)))
+        bound = tuple(a for a in axes if is_bound(a))  # none outside shard_map: this process's verdict
+        return all_finite(grads, axis=bound or None)
 
     def select(self, finite: torch.Tensor, new: tuple, old: tuple, state: Any) -> tuple[tuple, Any, dict]:
         kept = tuple(tree_where(finite, n, o) for n, o in zip(new, old))

@@ -1,7 +1,9 @@
 """The update a step runs: ``PureUpdate`` (new tensors), ``DonatedUpdate`` (in place),
 ``FusedUpdate`` (the in-place multi-tensor kernel), ``CopiedFusedUpdate`` (that kernel on
 new copies: pure) or ``StackedFusedUpdate`` (the same
-beneath the virtual mesh's vmap levels), with clipping by the mesh-aware global norm."""
+beneath the virtual mesh's vmap levels). Each takes the clipping factor the step's gradient
+transformation computed (``step._transform``): the functional form multiplies the gradients
+by it, the fused kernels apply it as the gradients load (``inv_scale``)."""
 
 from __future__ import annotations
 
@@ -19,27 +21,26 @@ __all__ = ["PureUpdate", "DonatedUpdate", "FusedUpdate", "CopiedFusedUpdate", "S
 
 
 class PureUpdate:
-    """``optimizer.update`` + ``apply_updates`` on gradients clipped to ``clip`` (the
-    mesh-aware global norm, as ``torch.nn.utils.clip_grad_norm_``): new tensors, the old
-    state stays valid."""
+    """``optimizer.update`` + ``apply_updates`` on the gradients times the clipping factor
+    (None: not clipped): new tensors, the old state stays valid."""
 
-    def __init__(self, optimizer: Any, clip: float | None, eager: bool) -> None:
-        self.optimizer, self.clip, self.eager = optimizer, clip, eager
+    def __init__(self, optimizer: Any, eager: bool) -> None:
+        self.optimizer, self.eager = optimizer, eager
 
-    def _clip(self, grads: Any, gnorm: torch.Tensor) -> Any:
-        if self.clip is None:
+    def _clip(self, grads: Any, factor: torch.Tensor | None) -> Any:
+        if factor is None:
             return grads
-        factor = torch.clamp(self.clip / (gnorm + 1e-6), max=1.0)
         if not self.eager:  # per leaf: foreach kernels have no batching rule
             return optree.tree_map(lambda t: t * factor.to(t.dtype), grads)
         leaves, tdef = optree.tree_flatten(grads)
         return optree.tree_unflatten(tdef, torch._foreach_mul(leaves, factor))
 
-    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any, *,
+    def __call__(self, grads: Any, factor: torch.Tensor | None, opt_state: Any, params: Any, *,
                  ok: torch.Tensor | None = None) -> tuple[Any, Any]:
-        """``ok``: the step's finite verdict (the same on every shard), for the in-place
-        forms to skip on; the pure form's result is dropped by the caller instead."""
-        updates, opt_state = self.optimizer.update(self._clip(grads, gnorm), opt_state, params)
+        """``factor``: the clipping factor (0-d, the same on every shard), None without
+        clipping. ``ok``: the step's finite verdict (the same on every shard), for the
+        in-place forms to skip on; the pure form's result is dropped by the caller instead."""
+        updates, opt_state = self.optimizer.update(self._clip(grads, factor), opt_state, params)
         return optim.apply_updates(params, updates), opt_state
 
 
@@ -55,12 +56,12 @@ class DonatedUpdate(PureUpdate):
     """The pure update allowed to overwrite the parameters and moments in place (the state
     passed in is consumed, like JAX's donated buffers): for optimizers without a fused form."""
 
-    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any, *,
+    def __call__(self, grads: Any, factor: torch.Tensor | None, opt_state: Any, params: Any, *,
                  ok: torch.Tensor | None = None) -> tuple[Any, Any]:
         if _skip(ok):  # the state stays the last good one
             return params, opt_state
         with optim.donating():
-            return super().__call__(grads, gnorm, opt_state, params)
+            return super().__call__(grads, factor, opt_state, params)
 
 
 class FusedUpdate(PureUpdate):
@@ -68,17 +69,16 @@ class FusedUpdate(PureUpdate):
     (Triton on CUDA, C++ on CPU) with the clipping factor applied as the gradients load.
     A dry run takes the pure form, which communicates the same."""
 
-    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any, *,
+    def __call__(self, grads: Any, factor: torch.Tensor | None, opt_state: Any, params: Any, *,
                  ok: torch.Tensor | None = None) -> tuple[Any, Any]:
         if _manifest.dry():
-            return super().__call__(grads, gnorm, opt_state, params)
+            return super().__call__(grads, factor, opt_state, params)
         if _skip(ok):
             return params, opt_state
-        factor = torch.clamp(self.clip / (gnorm + 1e-6), max=1.0) if self.clip is not None else 1.0
         # No inf/nan check in the kernel: the pure form does not skip non-finite steps
         # either, and donation is refused with fp16 loss scaling (which would need it).
         opt_state, _ = optim.fused_update_(self.optimizer, grads, opt_state, params,
-                                           inv_scale=factor, check_finite=False)
+                                           inv_scale=1.0 if factor is None else factor, check_finite=False)
         return params, opt_state
 
 
@@ -94,10 +94,10 @@ class StackedFusedUpdate(FusedUpdate):
     invariant where the parameter varies is broadcast. Moments laid out otherwise than
     their parameter (not made by this step's init) take the pure form."""
 
-    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any, *,
+    def __call__(self, grads: Any, factor: torch.Tensor | None, opt_state: Any, params: Any, *,
                  ok: torch.Tensor | None = None) -> tuple[Any, Any]:
         if _manifest.dry():
-            return PureUpdate.__call__(self, grads, gnorm, opt_state, params)
+            return PureUpdate.__call__(self, grads, factor, opt_state, params)
         if _skip(ok):
             return params, opt_state
         p_leaves, p_def = optree.tree_flatten(params)
@@ -112,7 +112,7 @@ class StackedFusedUpdate(FusedUpdate):
             for m, (b, lv) in zip(optree.tree_leaves(tree), p_base):
                 mb, m_lv = of[id(m)]
                 if m_lv != lv or mb.shape != b.shape:
-                    return PureUpdate.__call__(self, grads, gnorm, opt_state, params)
+                    return PureUpdate.__call__(self, grads, factor, opt_state, params)
         # The kernel wants contiguous tensors: a strided view (a leaf sharded on an inner
         # dim) is updated in a contiguous copy and written back.
         back: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -126,13 +126,11 @@ class StackedFusedUpdate(FusedUpdate):
 
         plain_p = [dense(b) for b, _ in p_base]
         plain_s = [dense(b) if isinstance(b, torch.Tensor) and b.dim() > 0 else b for b, _ in s_base]
-        factor = 1.0
-        if self.clip is not None:  # invariant: every device's copy is the same number
-            norm = beneath(gnorm)[0].reshape(-1)[0]
-            factor = float(torch.clamp(self.clip / (norm + 1e-6), max=1.0))
+        # Invariant: every device's copy is the same number.
+        inv_scale = 1.0 if factor is None else float(beneath(factor)[0].reshape(-1)[0])
         new_s, _ = optim.fused_update_(
             self.optimizer, optree.tree_unflatten(p_def, g_base), optree.tree_unflatten(s_def, plain_s),
-            optree.tree_unflatten(p_def, plain_p), inv_scale=factor, check_finite=False)
+            optree.tree_unflatten(p_def, plain_p), inv_scale=inv_scale, check_finite=False)
         for b, c in back:
             b.copy_(c)
         # Hand back the wrappers of what was updated in place, and the new counters.
@@ -146,12 +144,12 @@ class _OnCopies:
     and moments (one copy per tensor instead of the functional form's temporaries per
     element-wise op), so the old state stays valid."""
 
-    def __call__(self, grads: Any, gnorm: torch.Tensor, opt_state: Any, params: Any, *,
+    def __call__(self, grads: Any, factor: torch.Tensor | None, opt_state: Any, params: Any, *,
                  ok: torch.Tensor | None = None) -> tuple[Any, Any]:
         if _manifest.dry():
-            return PureUpdate.__call__(self, grads, gnorm, opt_state, params)
+            return PureUpdate.__call__(self, grads, factor, opt_state, params)
         copy = lambda t: t.clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
-        return super().__call__(grads, gnorm, optree.tree_map(copy, opt_state),
+        return super().__call__(grads, factor, optree.tree_map(copy, opt_state),
                                 optree.tree_map(copy, params), ok=ok)
 
 
@@ -180,16 +178,15 @@ def _aligned(g: tuple[torch.Tensor, tuple[int, ...]], p: tuple[torch.Tensor, tup
     return gb.expand(pb.shape)
 
 
-def choose_update(optimizer: Any, *, clip: float | None, donate: bool, eager: bool,
-                  params: Any) -> PureUpdate:
+def choose_update(optimizer: Any, *, donate: bool, eager: bool, params: Any) -> PureUpdate:
     """The update a step runs: fused where the state is donated, plain fp32 tensors and
     the optimizer has a fused form (beneath the vmap levels on the virtual mesh); in place
     where donated; else pure."""
     fused = optim.has_fused(optimizer) and all(t.dtype == torch.float32 for t in optree.tree_leaves(params))
     if donate and fused:
-        return FusedUpdate(optimizer, clip, eager) if eager else StackedFusedUpdate(optimizer, clip, eager)
+        return FusedUpdate(optimizer, eager) if eager else StackedFusedUpdate(optimizer, eager)
     if fused:
-        return CopiedFusedUpdate(optimizer, clip, eager) if eager else CopiedStackedFusedUpdate(optimizer, clip, eager)
+        return CopiedFusedUpdate(optimizer, eager) if eager else CopiedStackedFusedUpdate(optimizer, eager)
     if donate and eager:
-        return DonatedUpdate(optimizer, clip, eager)
-    return PureUpdate(optimizer, clip, eager)
+        return DonatedUpdate(optimizer, eager)
+    return PureUpdate(optimizer, eager)
