@@ -606,9 +606,12 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     opt = build_optimizer(cfg)
     # Aux-loss-free balancing: the routing biases ride in the state, updated from the loads.
     biased = mcfg.moe is not None and mcfg.moe.bias_update_rate is not None
+    # The job never reads a state after stepping it: donate it (the update in place), except
+    # under fp16 loss scaling, which keeps the old state to skip an overflowing step.
     step = fs.train_step(seq.loss, opt, mesh=mesh, param_specs=specs, batch_spec=seq.batch_spec,
                          precision=cfg.policy(), accumulation=cfg.grad_accum_steps,
                          clip=cfg.grad_clip or None, blocks="blocks", check_memory=not force,
+                         donate=not cfg.policy().loss_scaling,
                          update_model_state=gpt.model_state_updater(mcfg.moe) if biased else None)
     state = step.init(params, gpt.init_model_state(params) if biased else None)
     start = 0
