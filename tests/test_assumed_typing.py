@@ -91,3 +91,28 @@ def test_gloo_ranks_assumed_equal_typed_and_fall_back():
                     assert fast["ops"][-1] * 3 < typed["ops"][-1], (stage, fast["ops"], typed["ops"])
                 else:
                     assert fast["ops"][1:] == typed["ops"][1:], (kind, stage)
+
+
+@pytest.mark.parametrize("kind", ["plain", "centred"])
+def test_a_manifest_records_the_typed_collectives_once(kind):
+    # step.collectives() records a step's collectives: it runs typed, so a loss that would
+    # stop the assumption does not leave a stopped attempt's collectives in the record.
+    import fsharded as fs
+    from fsharded import P
+
+    params, batch = C.init(), C.batches(1)[0]
+    inner = C.loss_for(kind)
+
+    def loss(p, b):  # reads a value on the host: the record runs on copies of the values
+        assert float(b["y"].abs().max()) < 1e9
+        return inner(p, b)
+
+    totals = {}
+    for assume in (True, False):
+        with contextlib.nullcontext() if assume else C._typed_only():
+            step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=fs.Mesh({"data": 2}),
+                                 param_specs=P(), blocks="blocks")
+            state = step.init(params)
+            m = step.collectives(state, batch)
+        totals[assume] = (m.ops(), m.total_bytes())
+    assert totals[True] == totals[False]

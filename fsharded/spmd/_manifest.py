@@ -93,6 +93,25 @@ def recording(*, dry: bool = False) -> Iterator[list]:
         _DRY.reset(dtok)
 
 
+def mark() -> int:
+    """How many collectives the active record holds (0 outside ``recording``)."""
+    rec = _REC.get()
+    return len(rec) if rec is not None else 0
+
+
+def rewind(n: int) -> None:
+    """Drop what the active record got after ``mark()`` gave ``n``: collectives of an
+    attempt that was abandoned and is run again."""
+    rec = _REC.get()
+    if rec is not None:
+        del rec[n:]
+
+
+def active() -> bool:
+    """Whether collectives are being recorded (``recording``), dry or not."""
+    return _REC.get() is not None
+
+
 def dry() -> bool:
     """Inside ``recording(dry=True)``."""
     return _DRY.get()

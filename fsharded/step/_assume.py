@@ -47,7 +47,9 @@ class Assumed:
 
     def __call__(self, f: Callable, x0: Any, batch: Any, **kw: Any) -> tuple:
         frame = _env.current()
-        mode = frame.vma if frame is not None and self.axes is not None and not _manifest.dry() else None
+        # Typed while collectives are recorded (a manifest, a schedule check): a stopped
+        # stretch would leave its collectives in the record beside the typed run's.
+        mode = frame.vma if frame is not None and self.axes is not None and not _manifest.active() else None
         if mode is None:
             return self.grad(f, x0, batch, **kw)
         try:

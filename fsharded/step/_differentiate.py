@@ -21,6 +21,7 @@ from fsharded import _memory_hooks as memory
 from fsharded.comm import _trace
 from fsharded.parallel import _buckets as B
 from fsharded.precision import cast_tree
+from fsharded.spmd import _manifest
 from fsharded.step._layout import Layout
 
 __all__ = ["Inputs", "LocalLoss", "differentiator", "gatherer", "label"]
@@ -88,6 +89,7 @@ def _func_grad_and_value(f, p, batch, *, remat: bool = False, mode=None):
     re-gather, ``fs.parallel.checkpoint``): with ``remat``, or when the plain form meets
     the assert, ``grad_and_value`` runs instead (a remat's own backward builds no graph)."""
     if not remat:
+        at = _manifest.mark()
         try:
             out, vjp_fn, aux = torch.func.vjp(lambda q: f(q, batch), p, has_aux=True)
             with _untyped(mode):
@@ -96,6 +98,7 @@ def _func_grad_and_value(f, p, batch, *, remat: bool = False, mode=None):
         except RuntimeError as e:
             if "INTERNAL ASSERT" not in str(e):
                 raise
+            _manifest.rewind(at)  # the collectives of the abandoned attempt are not the step's
     return torch.func.grad_and_value(f, has_aux=True)(p, batch)
 
 
