@@ -9,23 +9,12 @@ import contextlib
 import optree
 import torch
 import torch.nn.functional as F
+from random_step_cases import batches, init  # the same small model and data
 
 import fsharded as fs
 from fsharded import P
 from fsharded.spmd import _vma
 from fsharded.step import _assume
-
-D, LAYERS, ROWS = 16, 3, 16
-
-
-def init(seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "w_in": torch.randn(8, D, generator=g) * 0.3,
-        "blocks": [{"w": torch.randn(D, D, generator=g) * 0.3, "b": torch.zeros(D)} for _ in range(LAYERS)],
-        "w_out": torch.randn(D, 1, generator=g) * 0.3,
-    }
-
 
 DROPOUT = {"p": 0.2}  # set to 0 where one device is compared with two (other masks)
 
@@ -69,11 +58,6 @@ def loss_for(kind: str):
         return ((h @ params["w_out"]).squeeze(-1) - batch["y"]).pow(2).mean()
 
     return loss
-
-
-def batches(n: int) -> list[dict]:
-    g = torch.Generator().manual_seed(1)
-    return [{"x": torch.randn(ROWS, 8, generator=g), "y": torch.randn(ROWS, generator=g)} for _ in range(n)]
 
 
 @contextlib.contextmanager
