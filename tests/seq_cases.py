@@ -30,11 +30,9 @@ def batches(cfg: gpt.GPTConfig, n: int = STEPS, rows: int = 4, *, length: int | 
             for _ in range(n)]
 
 
-def train(mesh_shape: dict, strategy: str | None = None, layout: str = "contiguous", *, zero_stage: int = 0,
-          positions: str = "learned", kv: int | None = None, tensor: bool = False, heads: int = 4,
-          length: int | None = None, remat: bool = False) -> dict:
-    """STEPS steps of adamw on ``mesh_shape`` (``strategy`` None: no sequence parallelism,
-    the reference); losses and the final full parameters."""
+def _setup(mesh_shape: dict, strategy: str | None, layout: str, *, zero_stage: int, positions: str,
+           kv: int | None, tensor: bool, heads: int, length: int | None, remat: bool, steps: int = STEPS):
+    """The step, the initial parameters and the batches (laid out for ``layout``) of ``train``."""
     cfg = config(positions, kv, heads)
     params = gpt.init(cfg, 0)
     mesh = fs.Mesh(mesh_shape)
@@ -57,16 +55,47 @@ def train(mesh_shape: dict, strategy: str | None = None, layout: str = "contiguo
                    (seq_axis if strategy is not None else "seq") if "seq" in axes else None) if axes else P()
     step = fs.train_step(loss, fs.optim.adamw(1e-3), mesh=mesh, param_specs=specs, batch_spec=batch_spec,
                          blocks="blocks", clip=1.0)
-    state = step.init(params)
-    losses = []
     total = n * mesh_shape.get("seq_ring", 1) if strategy not in (None, "megatron") else \
         mesh_shape.get("tensor", 1) if strategy == "megatron" else 1
-    for b in batches(cfg, length=length, multiple=total * (2 if layout == "zigzag" else 1)):
-        if layout == "zigzag":
-            b = {k: sequence.zigzag(v, n) for k, v in b.items()}
+    bs = batches(cfg, steps, length=length, multiple=total * (2 if layout == "zigzag" else 1))
+    if layout == "zigzag":
+        bs = [{k: sequence.zigzag(v, n) for k, v in b.items()} for b in bs]
+    return step, params, bs
+
+
+def train(mesh_shape: dict, strategy: str | None = None, layout: str = "contiguous", *, zero_stage: int = 0,
+          positions: str = "learned", kv: int | None = None, tensor: bool = False, heads: int = 4,
+          length: int | None = None, remat: bool = False) -> dict:
+    """STEPS steps of adamw on ``mesh_shape`` (``strategy`` None: no sequence parallelism,
+    the reference); losses and the final full parameters."""
+    step, params, bs = _setup(mesh_shape, strategy, layout, zero_stage=zero_stage, positions=positions, kv=kv,
+                              tensor=tensor, heads=heads, length=length, remat=remat)
+    state = step.init(params)
+    losses = []
+    for b in bs:
         state, m = step(state, b)
         losses.append(float(m["loss"]))
     return {"losses": losses, "params": optree.tree_map(lambda x: x.detach().clone(), step.params(state))}
+
+
+def manifests(mesh_shape: dict, strategy: str | None = None, layout: str = "contiguous", *,
+              zero_stage: int = 0) -> dict:
+    """The collectives one step of ``train``'s job runs, twice: recorded while it runs
+    (``"ran"``) and listed by ``step.collectives`` without running (``"listed"``), each as
+    ``(op, axis, phase, shape, bytes sent)``."""
+    from fsharded.spmd import _manifest
+
+    step, params, bs = _setup(mesh_shape, strategy, layout, zero_stage=zero_stage, positions="learned", kv=None,
+                              tensor=False, heads=4, length=None, remat=False, steps=1)
+    state = step.init(params)
+    listed = step.collectives(state, bs[0])
+    with _manifest.recording() as ran:
+        step(state, bs[0])
+
+    def rows(entries):
+        return [(e.op, e.axis, e.phase, tuple(e.shape), e.bytes_sent) for e in entries]
+
+    return {"ran": rows(ran), "listed": rows(listed)}
 
 
 def _remat(block, p, x, **kw):

@@ -255,3 +255,34 @@ def test_ring_on_gloo_ranks_overlaps_and_computes_only_visible_blocks(layout):
         # with them, n - 1 hops: 4 (n - 1) exchanges of one shard's k (or v) each.
         assert r["posted"] == 2 * (n - 1) + 4 * (n - 1)
         assert r["collectives"] == forward + [("ppermute", "seq", "backward", kv_bytes)] * 4 * (n - 1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mesh,strategy,layout,stage", [
+    ({"seq": 2}, "ring", "zigzag", 0),
+    ({"data": 2}, None, "contiguous", 2),
+])
+def test_listed_collectives_are_those_real_ranks_run(mesh, strategy, layout, stage):
+    # step.collectives lists what one rank sends in a step: on real ranks the same entries
+    # as a step records while it runs (the gradient buckets reduced during backward
+    # included), and the same list on the virtual mesh, which describes the real ranks.
+    import collections
+
+    from fsharded.testing import run_on_ranks
+
+    def unphased(rows):
+        return collections.Counter((op, axis, shape, sent) for op, axis, _, shape, sent in rows)
+
+    virtual = S.manifests(mesh, strategy, layout, zero_stage=stage)
+    for r in run_on_ranks(S.manifests, 2, mesh, strategy, layout, zero_stage=stage):
+        assert r["listed"] == virtual["listed"]
+        assert unphased(r["ran"]) == unphased(r["listed"])
+        # Only the gradient reduction moves into backward (its buckets go as they fill).
+        moved = [row for row in r["ran"] if row not in r["listed"]]
+        assert moved and all(op in ("psum", "psum_scatter") and phase == "backward"
+                             for op, _, phase, _, _ in moved)
+    ops = collections.Counter((op, phase) for op, _, phase, _, _ in virtual["listed"])
+    if strategy == "ring":  # per layer: k, v forward; k, v and their gradients backward
+        assert ops[("ppermute", "forward")] == 2 * 2 and ops[("ppermute", "backward")] == 4 * 2
+    else:  # ZeRO-2: the gradients reduce-scattered, the updated shards gathered
+        assert ops[("psum_scatter", "forward")] >= 1 and ops[("all_gather", "forward")] >= 1

@@ -18,6 +18,7 @@ from fsharded import comm
 from fsharded.comm import _shm
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, _entry_axes
+from fsharded.spmd import _env, _manifest, _prims
 from fsharded.spmd.collectives import (
     all_gather,
     axis_index,
@@ -275,6 +276,7 @@ class InBackward:
         self.bucket_of = {i: b for b in self.buckets for i in b.idx}
         self.pending: list = []
         self.types: list = [frozenset()] * len(shapes)
+        self.axes = _env.bind(axis, "the gradient reduction")  # for the manifest's entries
 
     @classmethod
     def plan(cls, shapes: list, param_specs: list, grad_specs: list, batch_axes: tuple[str, ...],
@@ -322,6 +324,9 @@ class InBackward:
         g = comm.axis_group(self.mesh, (self.axis,))
         buf = self._buffer(b)
         b.missing.clear()
+        # Recorded as the psum / psum_scatter that reduce_leaves runs after backward.
+        _manifest.record(_prims.PSUM if b.dims is None else _prims.PSUM_SCATTER,
+                         () if b.dims is None else (0,), self.axes, buf)
         with torch.no_grad(), memory.collective_scope():
             if b.dims is None:  # the bucket becomes the averaged gradient
                 _shm.all_reduce_(buf, "sum", g, divisor=self.n)
