@@ -50,7 +50,14 @@ class PartitionSpec(tuple):
     @property
     def axes(self) -> tuple[str, ...]:
         """Every mesh axis the spec names, in order of appearance."""
-        return spec_axes(self)
+        try:
+            return _AXES[self]
+        except KeyError:
+            return _AXES.setdefault(self, spec_axes(self))
+
+
+# PartitionSpec.axes of the specs seen (a program has few; read per leaf per step).
+_AXES: dict[PartitionSpec, tuple[str, ...]] = {}
 
 
 P = PartitionSpec

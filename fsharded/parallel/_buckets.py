@@ -291,7 +291,9 @@ class InBackward:
         for i, x in enumerate(leaves):
             if self.vma is not None:  # the gradient's type: its primal's (JAX's rule)
                 self.types[i] = self.vma.get(x)
-            x.register_hook(self._hook(i))
+        with torch._C.DisableTorchFunction():  # (a plain call: not through the modes, per leaf)
+            for i, x in enumerate(leaves):
+                x.register_hook(self._hook(i))
 
     def _hook(self, i: int):
         def hook(g: torch.Tensor) -> torch.Tensor:

@@ -454,6 +454,17 @@ def _out_tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
+def axis_set(spec: Any) -> frozenset:
+    """The axes a spec names, as the type of a value laid out by it (kept per spec)."""
+    try:
+        return _AXIS_SETS[spec]
+    except KeyError:
+        return _AXIS_SETS.setdefault(spec, frozenset(spec.axes))
+
+
+_AXIS_SETS: dict = {}
+
+
 def output_types(mode: VmaMode, leaves: list, specs: list, paths: list[str], *,
                  check: bool) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
     """For each output: ``(fan_out, undeclared)`` — the axes its out_spec names that it is
@@ -463,7 +474,10 @@ def output_types(mode: VmaMode, leaves: list, specs: list, paths: list[str], *,
     out, bad = [], []
     for path, y, s in zip(paths, leaves, specs):
         vma = mode.get(y)
-        named = set(s.axes)
+        named = axis_set(s)
+        if vma == named:  # typed as declared (every leaf of a step's state): nothing to add
+            out.append(((), ()))
+            continue
         fan = mode.ordered(named - vma)
         undeclared = mode.ordered(vma - named)
         if undeclared:
@@ -488,7 +502,7 @@ def run_body(mode: VmaMode, sm: Any, leaves: list, specs: list, treedef: Any) ->
     ``in_specs``; its outputs with their specs and ``output_types``."""
     for x, s in zip(leaves, specs):
         if isinstance(x, torch.Tensor):
-            mode.set(x, frozenset(s.axes))
+            mode.set(x, axis_set(s))
     out = sm.f(*optree.tree_unflatten(treedef, list(leaves)))
     o_leaves, o_specs, o_def, o_paths = sm._flat_out(out)
     return o_leaves, o_specs, o_def, output_types(mode, o_leaves, o_specs, o_paths, check=sm.check_vma)

@@ -245,9 +245,12 @@ def _array_in(x: Any) -> Any:
 
 
 def _signature(leaves: list) -> tuple:
-    return tuple(
-        (tuple(x.shape), x.dtype, type(x)) if isinstance(x, torch.Tensor) else type(x) for x in leaves
-    )
+    # Off the __torch_function__ path: inside a body every .shape would pass through the
+    # varying-axes mode (hundreds per step for a training state).
+    with torch._C.DisableTorchFunction():
+        return tuple(
+            (tuple(x.shape), x.dtype, type(x)) if isinstance(x, torch.Tensor) else type(x) for x in leaves
+        )
 
 
 def _argpath(p: str) -> str:

@@ -52,6 +52,7 @@ from fsharded.step._checks import (
 )
 from fsharded.step._gradients import GradientStrategy, Layout, choose_gradients, label
 from fsharded.step._guards import choose_guard
+from fsharded.step._keys import Keys
 from fsharded.step._model_state import init_model_state, new_model_state
 from fsharded.step._scaling import DynamicScaling, NoScaling
 from fsharded.step._state import TrainState, counted, load_state
@@ -194,6 +195,7 @@ class _Plan(NamedTuple):
     update: PureUpdate
     eager: bool  # nothing vmapped: one process per device, or a one-device mesh
     state_specs: list  # one spec per leaf of the state, to type the new state by
+    keys: Keys  # the key scope around the loss, where it may draw
 
 
 class TrainStep:
@@ -449,7 +451,7 @@ class TrainStep:
         if vma is not None:
             for x, spec in zip(optree.tree_leaves(out), plan.state_specs):
                 if isinstance(x, torch.Tensor):
-                    vma.set(x, frozenset(spec.axes))
+                    vma.set(x, _vma.axis_set(spec))
             # The same on every shard: reduced over the batch axes (the loss) or over every
             # axis (the norm), including axes of size 1, which the paused stretch left typed.
             for x in optree.tree_leaves(metrics):
@@ -480,10 +482,12 @@ class TrainStep:
         varying = tuple(a for a in self.batch_axes if self.mesh.shape[a] > 1)
 
         def once():
-            with R.scope(functools.partial(_step_key, state.rng, state.step, self.batch_axes)) \
-                    if state.rng is not None else contextlib.nullcontext():
+            def run():
                 return plan.gradients(state.params, batch, state.loss_scale, varying, mark_varying,
                                       model_state=state.model_state)
+            if state.rng is None:
+                return run()
+            return plan.keys.run(functools.partial(_step_key, state.rng, state.step, self.batch_axes), run)
         try:
             return once()
         except _vma.NeedsTyping:  # the loss needs the varying-axes typing: again, typed (the same keys)
@@ -514,7 +518,9 @@ class TrainStep:
         update = choose_update(self.optimizer, donate=self.donate, eager=eager,
                                params=T.view(state.params, layout.trainable))
         specs = _tree.broadcast_prefix(self.state_specs(state), state)
-        return _Plan(layout, gradients, scaling, transform, update, eager, specs)
+        # The loss unscoped once it drew nothing, where a redone run has no peers (one process).
+        keys = Keys(watch=not self.distributed)
+        return _Plan(layout, gradients, scaling, transform, update, eager, specs, keys)
 
     def _shard_mapped(self, state: TrainState):
         key = optree.tree_structure(state), _mask_key(self._mask(state))
