@@ -28,6 +28,9 @@ def test_bench_zero_quick_runs():
     assert "| ZeRO-3 vs FSDP2 fully_shard |" in out
     assert "| ZeRO-2 vs FSDP2 fully_shard(reshard_after_forward=False) |" in out
     assert "DeepSpeed ZeRO" not in out  # skipped
+    # the bound of a data-parallel step, the same arithmetic: the same losses bit for bit
+    assert "| ZeRO-0 vs the floor |" in out
+    assert "the floor 5." in out and "(|diff| step 1 0.0e+00, max 0.0e+00)" in out
     # same init and data: every framework's losses match ours; every stage's losses printed
     assert "MISMATCH" not in out
     for stage in range(4):

@@ -23,7 +23,10 @@ batches from the same initial weights, at each ZeRO stage:
   prefetch bucket, reuse distance 1e9) keep every gathered weight of a model this small
   from forward to backward: the ``--zero3-keep`` comparison;
 - FSDP2 (``fully_shard`` on every block and the root, same module): the peer of stage 3,
-  and with ``reshard_after_forward=False`` the stage-2-like peer.
+  and with ``reshard_after_forward=False`` the stage-2-like peer;
+- the floor, at stage 0: the same forward and backward by plain autograd, one all-reduce
+  of the flat gradient over our transport and our fused AdamW, with no bookkeeping (the
+  same losses bit for bit): what an engine's data-parallel step costs at best here.
 
 Reported per stage and framework: the median step time (every framework timed in turn
 in the same two processes, the order rotating each round), the bytes each rank sends per
@@ -62,6 +65,7 @@ OURS = "fsharded"
 DS = "DeepSpeed"
 FSDP2 = "FSDP2"
 FSDP2_NORESHARD = "FSDP2 (reshard_after_forward=False)"
+FLOOR = "the floor"
 
 
 def _log(msg: str) -> None:
@@ -227,6 +231,57 @@ class _FSDP2:
         return loss.detach()
 
 
+class _Floor:
+    """What a data-parallel step costs with no bookkeeping at all: the same forward and
+    backward by plain autograd on this rank's rows, one all-reduce of the flat gradient
+    over our transport, the clipping factor from its norm, and our fused C++ AdamW in
+    place. No checks, typing, agreement, key scope or metrics: a bound for ZeRO-0's step
+    on this machine (an engine can only add to it)."""
+
+    def __init__(self, job: Job, params: dict):
+        import optree
+        import torch.distributed as dist
+
+        import fsharded as fs
+        from fsharded import comm
+
+        leaves, self.tdef = optree.tree_flatten(params)
+        self.p = [x.detach().clone().requires_grad_() for x in leaves]
+        self.m = [torch.zeros_like(x) for x in self.p]
+        self.v = [torch.zeros_like(x) for x in self.p]
+        self.n = dist.get_world_size()
+        self.group = comm.axis_group(fs.Mesh({"data": self.n}), ("data",))
+        self.job, self.t = job, 0
+
+    def __call__(self, global_batch: dict, local_batch: dict) -> torch.Tensor:
+        import optree
+        import torch.distributed as dist
+
+        from fsharded.comm import _shm
+        from fsharded.kernels import fused_optim
+        from fsharded.models import gpt
+
+        loss = gpt.loss(optree.tree_unflatten(self.tdef, self.p), local_batch)
+        grads = torch.autograd.grad(loss, self.p)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if _shm.in_use():
+            _shm.all_reduce_(flat, "sum", self.group, divisor=self.n)
+        else:
+            dist.all_reduce(flat)
+            flat /= self.n
+        lossm = loss.detach().clone()
+        dist.all_reduce(lossm)
+        factor = min(1.0, self.job.clip / (float(flat.norm()) + 1e-6))
+        self.t += 1
+        with torch.no_grad():
+            g = [piece.view(x.shape) for piece, x in zip(flat.split([x.numel() for x in self.p]), self.p)]
+            fused_optim.fused_adamw_(self.p, g, self.m, self.v,
+                                     lr=self.job.lr, beta1=0.9, beta2=0.999, eps=1e-8,
+                                     weight_decay=self.job.wd, step=self.t, inv_scale=factor,
+                                     check_finite=False)
+        return lossm / self.n
+
+
 def _frameworks(job: Job, stage: int) -> list[str]:
     names = [OURS]
     if job.deepspeed:
@@ -235,6 +290,8 @@ def _frameworks(job: Job, stage: int) -> list[str]:
         names.append(FSDP2)
     if job.fsdp and stage == 2:
         names.append(FSDP2_NORESHARD)
+    if stage == 0:
+        names.append(FLOOR)
     return names
 
 
@@ -246,6 +303,8 @@ def _build(job: Job, name: str, stage: int):
         return _Ours(job, stage, params)
     if name == DS:
         return _DeepSpeed(job, stage, params)
+    if name == FLOOR:
+        return _Floor(job, params)
     return _FSDP2(job, name == FSDP2 and not job.keep, params)
 
 
@@ -359,6 +418,8 @@ def _current_rss_kb() -> int:
 
 
 def _peer_label(name: str, stage: int) -> str:
+    if name == FLOOR:
+        return f"ZeRO-{stage} vs the floor"
     if name == DS:
         return f"ZeRO-{stage} vs DeepSpeed ZeRO-{stage}"
     if name == FSDP2:
@@ -410,6 +471,14 @@ def build_sections(job: Job, timing: list[dict], memory: dict, size: str,
             per_rank = [t["stages"][stage]["losses"][n] for t in timing]
             losses[n] = per_rank[0] if n == OURS else _mean_over_ranks(per_rank)
         loss_notes.append(_losses_note(stage, losses))
+    if 0 in stages:  # the bound of a data-parallel step: time only
+        t = [x["stages"][0]["times"] for x in timing]
+        ours = [max(v) for v in zip(*(x[OURS] for x in t))]
+        floor = [max(v) for v in zip(*(x[FLOOR] for x in t))]
+        sections.append(Section(
+            title=f"step time, GPT {nparams:,} params fp32, 2 gloo ranks: fsharded vs the floor",
+            peer=_peer_desc(FLOOR), rows=(Row.from_samples(_peer_label(FLOOR, 0), size, ours, floor),),
+            notes=(rounds_note, loss_notes[stages.index(0)])))
     for peer in peers:
         peer_stages = [s for s in stages if peer in _frameworks(job, s)]
         # step time
@@ -498,6 +567,11 @@ def _ops(ops: dict) -> str:
 
 
 def _peer_desc(peer: str, keep: bool = False) -> str:
+    if peer == FLOOR:
+        return ("the floor: the same forward and backward by plain autograd on this rank's rows, "
+                "one all-reduce of the flat gradient over our transport, the clipping factor from "
+                "its norm and our fused C++ AdamW in place, with no checks, typing, agreement, "
+                "key scope or metrics (an engine can only add to it)")
     if peer == DS:
         return ("DeepSpeed " + _ds_version() + " engine on the same model as an nn.Module "
                 "(parameters = the pytree leaves, forward = gpt.loss), client optimizer "
@@ -631,7 +705,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     t0 = time.perf_counter()
     timing = run_on_ranks(time_worker, world, job)
     t_timing = time.perf_counter() - t0
-    todo = [(n, s) for s in memory_stages for n in _frameworks(job, s)]
+    todo = [(n, s) for s in memory_stages for n in _frameworks(job, s) if n != FLOOR]
     _log(f"peak RSS: {len(todo)} fresh runs, {args.jobs} at a time ...")
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
