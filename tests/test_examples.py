@@ -1,8 +1,8 @@
-"""Every example the README advertises runs, and its printed check holds: the Python blocks
+"""Every example the README and the docs pages advertise runs, and its printed check holds: the Python blocks
 (each in the namespace its prose assumes, at a test's size), the command lines, and
 ``python -m fsharded.demo`` on the virtual mesh and on real ranks.
 
-A README Python block that no entry of ``EXAMPLES`` (or ``test_readme``) runs fails
+A Python block of the README or of a docs page that no entry of ``EXAMPLES`` (or ``test_readme``) runs fails
 ``test_every_readme_python_block_is_run``: a new example gets its entry here."""
 
 from __future__ import annotations
@@ -24,15 +24,38 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
 
-# Blocks test_readme.py runs (the shard_map screen, the training loop, Hugging Face).
-RUN_ELSEWHERE = ("def local(w, x):", "cfg = gpt.GPTConfig.small()", "transformers.LlamaConfig(")
+# Blocks test_readme.py runs (the shard_map screen, the training loop, Hugging Face), and
+# test_docs.py (getting started under torchrun).
+RUN_ELSEWHERE = ("def local(w, x):", "cfg = gpt.GPTConfig.small()", "transformers.LlamaConfig(",
+                 "fs.distributed.initialize()  # under torchrun")  # the last: test_docs.py
 
 
-def _blocks(lang: str) -> list[tuple[int, str]]:
-    text = README.read_text()
+# The README and the pages of the docs site: their examples are run alike.
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+class _Line(int):
+    """A line number that knows its file: formats as ``path:line``."""
+
+    def __new__(cls, n: int, path: str) -> _Line:
+        out = int.__new__(cls, n)
+        out.path = path
+        return out
+
+    def __add__(self, k: int) -> _Line:
+        return _Line(int(self) + k, self.path)
+
+    def __format__(self, spec: str) -> str:
+        return f"{self.path}:{int(self)}"
+
+
+def _blocks(lang: str) -> list[tuple[_Line, str]]:
     out = []
-    for m in re.finditer(rf"^```{lang}\n(.*?)^```", text, re.S | re.M):
-        out.append((text[:m.start()].count("\n") + 1, m.group(1)))
+    for page in PAGES:
+        text = page.read_text()
+        where = str(page.relative_to(ROOT))
+        for m in re.finditer(rf"^```{lang}\n(.*?)^```", text, re.S | re.M):
+            out.append((_Line(text[:m.start()].count("\n") + 1, where), m.group(1)))
     return out
 
 
@@ -179,12 +202,12 @@ man3 = man1
 
 def _block_for(key: str) -> tuple[int, str]:
     found = [(line, code) for line, code in _blocks("python") if key in code]
-    assert len(found) == 1, f"{len(found)} README blocks contain {key!r}"
+    assert len(found) == 1, f"{len(found)} README / docs blocks contain {key!r}"
     return found[0]
 
 
 def test_every_readme_python_block_is_run():
-    missing = [f"README.md:{line}: {code.strip().splitlines()[0]}" for line, code in _blocks("python")
+    missing = [f"{line}: {code.strip().splitlines()[0]}" for line, code in _blocks("python")
                if not any(k in code for k in (*EXAMPLES, *RUN_ELSEWHERE))]
     assert not missing, "README examples that no test runs (add them to EXAMPLES):\n" + "\n".join(missing)
 
@@ -200,13 +223,13 @@ def test_readme_python_example(key, monkeypatch, tmp_path):
     ex = EXAMPLES[key]
     line, code = _block_for(key)
     for old, new in ex["replace"].items():
-        assert old in code, f"README.md:{line}: the example no longer contains {old!r}"
+        assert old in code, f"{line}: the example no longer contains {old!r}"
         code = code.replace(old, new)
     ns: dict = {}
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         exec(compile(ex["before"], "<preamble>", "exec"), ns)
-        exec(compile(code, f"README.md:{line}", "exec"), ns)
+        exec(compile(code, f"{line}", "exec"), ns)
     ex["check"](ns, buf.getvalue())
 
 
@@ -314,6 +337,6 @@ def test_readme_command_lines_run(tmp_path):
             # The other run's metrics: the same file under the second name.
             (tmp_path / "other.jsonl").write_text((tmp_path / "metrics.jsonl").read_text())
         r = subprocess.run(_argv(cmd), capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
-        assert r.returncode == 0, f"README.md:{line}: {cmd}\n{r.stderr[-3000:]}"
+        assert r.returncode == 0, f"{line}: {cmd}\n{r.stderr[-3000:]}"
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3

@@ -1,4 +1,5 @@
-"""The README's shard_map example runs and prints the manifest it shows."""
+"""The README's shard_map example runs and prints the manifest it shows; the training and
+Hugging Face examples of the docs' guides run."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import pathlib
 import re
 import warnings
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+TRAINING = ROOT / "docs" / "guides" / "training.md"
+YOUR_MODEL = ROOT / "docs" / "guides" / "your-model.md"
 
 
 def test_readme_example_runs_and_matches_its_printed_manifest():
@@ -22,12 +26,12 @@ def test_readme_example_runs_and_matches_its_printed_manifest():
 
 
 def test_readme_training_example_runs():
-    text = README.read_text()
-    code = re.search(r"## Training.*?```python\n(.*?)```", text, re.S).group(1)
+    text = TRAINING.read_text()
+    code = re.search(r"# Training.*?```python\n(.*?)```", text, re.S).group(1)
     assert "range(1000)" in code
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        exec(compile(code.replace("range(1000)", "range(2)"), "README.md", "exec"), {})
+        exec(compile(code.replace("range(1000)", "range(2)"), str(TRAINING), "exec"), {})
     assert "total over data" in buf.getvalue() and "total over tensor" in buf.getvalue()
 
 
@@ -37,13 +41,13 @@ def test_readme_hugging_face_example_runs(tmp_path):
     import pytest
 
     pytest.importorskip("transformers")
-    text = README.read_text()
-    section = text[text.index("## Your own model"):text.index("### Tensor parallelism for any")]
+    text = YOUR_MODEL.read_text()
+    section = text[text.index("# Your own model"):text.index("## Tensor parallelism for any")]
     code = [c for c in re.findall(r"```python\n(.*?)```", section, re.S) if "transformers" in c][0]
     out = tmp_path / "llama-trained"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        exec(compile(code.replace("/tmp/llama-trained", str(out)), "README.md", "exec"), {})
+        exec(compile(code.replace("/tmp/llama-trained", str(out)), str(YOUR_MODEL), "exec"), {})
     assert (out / "config.json").exists()
     # the model keeps its default (SDPA) attention, which fs.nn runs without torch's vmap fallback
     assert [str(w.message) for w in caught] == []

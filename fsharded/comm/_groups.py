@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import os
@@ -78,6 +79,15 @@ def initialize(backend: str | None = None, *, timeout_s: float = 300.0) -> None:
     # Every rank's process (host, pid), so that a rank waiting for another (a collective,
     # a checkpoint's publication) can say that it exited instead of waiting out the timeout.
     _peers.gather()
+    # A process that ends with the group alive can abort in gloo's teardown ("terminate
+    # called without an active exception") after its work is done: take it down first.
+    atexit.unregister(_destroy_at_exit)
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
 
 
 def forget() -> None:
