@@ -29,26 +29,33 @@ def _no_groups(op: str, groups: Any) -> None:
 
 
 def psum(x: Any, axis_name: Any, *, axis_index_groups: Any = None) -> Any:
+    """Sum over the mesh axis (or tuple of axes) ``axis_name``: JAX's ``lax.psum``; the result
+    is invariant over it."""
     _no_groups("psum", axis_index_groups)
     return _c.psum(x, axis_name)
 
 
 def pmean(x: Any, axis_name: Any, *, axis_index_groups: Any = None) -> Any:
+    """Mean over ``axis_name``: JAX's ``lax.pmean``."""
     _no_groups("pmean", axis_index_groups)
     return _c.pmean(x, axis_name)
 
 
 def pmax(x: Any, axis_name: Any, *, axis_index_groups: Any = None) -> Any:
+    """Maximum over ``axis_name``: JAX's ``lax.pmax``."""
     _no_groups("pmax", axis_index_groups)
     return _c.pmax(x, axis_name)
 
 
 def pmin(x: Any, axis_name: Any, *, axis_index_groups: Any = None) -> Any:
+    """Minimum over ``axis_name``: JAX's ``lax.pmin``."""
     _no_groups("pmin", axis_index_groups)
     return _c.pmin(x, axis_name)
 
 
 def pvary(x: Any, axis_name: Any) -> Any:
+    """Mark ``x`` as varying over ``axis_name`` without moving data: JAX's ``lax.pvary`` (its
+    transpose is a psum)."""
     return _c.pvary(x, axis_name)
 
 
@@ -76,29 +83,38 @@ def all_gather(x: Any, axis_name: Any, *, axis_index_groups: Any = None, axis: i
 
 def all_gather_invariant(x: Any, axis_name: Any, *, axis_index_groups: Any = None, axis: int = 0,
                          tiled: bool = False) -> Any:
+    """Gather every shard's ``x`` along ``axis`` into a value invariant over ``axis_name``."""
     _no_groups("all_gather_invariant", axis_index_groups)
     return _c.all_gather_invariant(x, axis_name, dim=axis, tiled=tiled)
 
 
 def psum_scatter(x: Any, axis_name: Any, *, scatter_dimension: int = 0,
                  axis_index_groups: Any = None, tiled: bool = False) -> Any:
+    """Sum over ``axis_name`` and keep this shard's piece along ``scatter_dimension``: JAX's
+    ``lax.psum_scatter`` (untiled by default)."""
     _no_groups("psum_scatter", axis_index_groups)
     return _c.psum_scatter(x, axis_name, dim=scatter_dimension, tiled=tiled)
 
 
 def all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int, *,
                axis_index_groups: Any = None, tiled: bool = False) -> Any:
+    """Split ``split_axis`` into pieces sent one per shard and concatenate those received along
+    ``concat_axis``: JAX's ``lax.all_to_all``."""
     _no_groups("all_to_all", axis_index_groups)
     return _c.all_to_all(x, axis_name, split_dim=split_axis, concat_dim=concat_axis, tiled=tiled)
 
 
 def ppermute(x: Any, axis_name: Any, perm: Sequence[tuple[int, int]]) -> Any:
+    """Send ``x`` along the ``(source, destination)`` pairs of ``perm`` over ``axis_name``; a
+    shard no pair sends to gets zeros, as in JAX."""
     return _c.ppermute(x, axis_name, perm)
 
 
 def axis_index(axis_name: Any) -> Any:
+    """This shard's index along ``axis_name`` (a 0-d int tensor)."""
     return _c.axis_index(axis_name)
 
 
 def axis_size(axis_name: Any) -> int:
+    """The number of shards along ``axis_name``."""
     return _c.axis_size(axis_name)

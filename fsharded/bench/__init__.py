@@ -3,7 +3,11 @@
 Run one with the CLI (``fsharded bench --list`` names them all)::
 
     fsharded bench spmd --quick
-    python -m fsharded bench spmd --markdown > fsharded/bench/RESULTS_spmd.md
+    fsharded bench spmd --save fsharded/bench/results/spmd.json
+
+``--save`` writes the run as a result file (``_results``: the rows, the peers, the machine,
+the date and the command); the docs' benchmark pages and the README's headline table are
+generated from those files (``python -m fsharded.bench.publish``).
 
 Each benchmark is a module ``fsharded.bench.<name>`` with ``main(argv, *, prog) -> int``,
 registered in ``BENCHMARKS``. Benchmarks never run as tests. This package also holds the
@@ -13,10 +17,10 @@ Markdown, or rich when it is installed) and the machine's load average.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -24,6 +28,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
+
+from fsharded.bench import _results
 
 __all__ = [
     "Benchmark",
@@ -38,6 +44,7 @@ __all__ = [
     "format_bytes",
     "Qty",
     "invocation",
+    "add_output_args",
 ]
 
 
@@ -237,6 +244,18 @@ class Section:
         return f"target ours/peer <= {self.target:.2f}: met by {met} of {len(self.rows)} rows"
 
 
+def _num(v: float) -> float | None:
+    return None if v != v else float(v)  # NaN (a peer not run) as null: JSON has no NaN
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    """A benchmark's output flags: ``--markdown`` and ``--save FILE`` (``Report.emit``)."""
+    p.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    p.add_argument("--save", metavar="FILE", help="also write the run as a JSON result file (its rows, "
+                   "peers, machine, date and command), e.g. fsharded/bench/results/NAME.json; "
+                   "python -m fsharded.bench.publish makes the docs' tables from those files")
+
+
 def _loadavg() -> tuple[float, float, float] | None:
     try:
         return os.getloadavg()
@@ -273,19 +292,29 @@ class Report:
     def finish(self) -> None:
         self.load_after = _loadavg()
 
-    def header_lines(self) -> list[str]:
-        def la(x: tuple[float, float, float] | None) -> str:
-            return "n/a" if x is None else " ".join(f"{v:.2f}" for v in x)
+    def to_dict(self) -> dict[str, object]:
+        """The run as a result file holds it (``_results``): conditions, and per section
+        the rows' numbers with the cells this report prints for them."""
+        return {
+            "format": _results.FORMAT,
+            "bench": self.name,
+            "date": self.started.isoformat(timespec="seconds"),
+            "command": self.command,
+            "machine": _results.machine(),
+            "load": {"before": list(self.load_before) if self.load_before else None,
+                     "after": list(self.load_after) if self.load_after else None},
+            "params": {k: str(v) for k, v in self.params.items()},
+            "sections": [{
+                "title": s.title, "peer": s.peer, "target": s.target, "summary": s.summary(),
+                "notes": list(s.notes), "columns": list(_results.COLUMNS),
+                "rows": [{"case": r.case, "size": r.size, "ours": _num(r.ours_s), "peer": _num(r.peer_s),
+                          "unit": getattr(r, "unit", "s"), "cells": list(c)}
+                         for r, c in zip(s.rows, self._cells(s))],
+            } for s in self.sections],
+        }
 
-        lines = [
-            f"date: {self.started:%Y-%m-%d %H:%M} UTC",
-            f"command: {self.command}",
-            f"machine: nproc={os.cpu_count()}, {platform.machine()}, "
-            f"python {platform.python_version()}",
-            f"load average (1/5/15 min): before {la(self.load_before)}, after {la(self.load_after)}",
-        ]
-        lines += [f"{k}: {v}" for k, v in self.params.items()]
-        return lines
+    def header_lines(self) -> list[str]:
+        return _results.header_lines(self.to_dict())
 
     # -- renderers ---------------------------------------------------------------------------
 
@@ -296,18 +325,7 @@ class Report:
                 for r in s.rows]
 
     def markdown(self) -> str:
-        out = [f"## fsharded bench {self.name}", ""]
-        out += [f"- {line}" for line in self.header_lines()]
-        for s in self.sections:
-            out += ["", f"### {s.title}", "", f"peer: {s.peer}", ""]
-            out += ["| case | size | ours | peer | ours/peer |", "|---|---|---:|---:|---:|"]
-            for c in self._cells(s):
-                out.append("| " + " | ".join(c) + " |")
-            extra = [x for x in (s.summary(), *s.notes) if x]
-            if extra:
-                out.append("")
-                out += [f"- {x}" for x in extra]
-        return "\n".join(out) + "\n"
+        return _results.render(self.to_dict())
 
     def text(self) -> str:
         out = [f"fsharded bench {self.name}"] + [f"  {line}" for line in self.header_lines()]
@@ -325,6 +343,14 @@ class Report:
             out += [fmt(c) for c in cells]
             out += [x for x in (s.summary(), *s.notes) if x]
         return "\n".join(out) + "\n"
+
+    def emit(self, args: argparse.Namespace, *, file=None) -> None:
+        """Print as ``add_output_args``' flags ask (``--markdown``), and write the result
+        file of ``--save FILE``."""
+        self.print(markdown=args.markdown, file=file)
+        if getattr(args, "save", None):
+            path = _results.save(self.to_dict(), args.save)
+            print(f"saved {path}", file=sys.stderr)
 
     def print(self, *, markdown: bool = False, file=None) -> None:
         """Markdown when asked; rich when installed and writing to a terminal; else text."""

@@ -41,7 +41,7 @@ import torch
 
 import fsharded as fs
 from fsharded import P
-from fsharded.bench import Qty, Report, Row, Section
+from fsharded.bench import Qty, Report, Row, Section, add_output_args
 from fsharded.models import gpt
 
 
@@ -415,7 +415,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog or "fsharded bench checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model, few rounds (a smoke run)")
     p.add_argument("--sizes", default="5m,50m", help=f"comma-separated model sizes of {sorted(SIZES)}")
-    p.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    add_output_args(p)
     p.add_argument("--rounds", type=int, help="alternating rounds (default: 7 at 5m, 3 at 50m)")
     p.add_argument("--dir", help="where to write the checkpoints (default: a temporary directory)")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed (compared where installed)")
@@ -484,5 +484,5 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         rows=tuple(rows["reshard"]), target=1.0,
         notes=(f"{rounds_note}; ours and DCP's loads give the same state",)))
     report.finish()
-    report.print(markdown=args.markdown)
+    report.emit(args)
     return 0 if all(math.isfinite(r.ratio) for s in report.sections for r in s.rows) else 1

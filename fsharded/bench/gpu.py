@@ -1,7 +1,7 @@
 """``fsharded bench gpu``: the Triton kernels on an NVIDIA GPU, against their peers.
 
     fsharded bench gpu                  # needs CUDA; ~2 minutes on one H200
-    fsharded bench gpu --markdown > fsharded/bench/RESULTS_gpu.md
+    fsharded bench gpu --save fsharded/bench/results/gpu-DATE.json
     fsharded bench gpu --smoke          # tiny shapes on CPU under TRITON_INTERPRET=1
 
 Sections (each ours vs the peer measured in the same run):
@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fsharded.bench import Qty, Report, Row, Section
+from fsharded.bench import Qty, Report, Row, Section, add_output_args
 
 __all__ = ["main", "build_parser"]
 
@@ -282,7 +282,7 @@ def norm_quant_section(device, timer, rows_cols, bw: float) -> list[Section]:
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog or "fsharded bench gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--markdown", action="store_true")
+    add_output_args(p)
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on CPU under TRITON_INTERPRET=1: checks the script, "
                         "measures nothing meaningful")
@@ -333,7 +333,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     if "norm" in sections:
         report.sections += norm_quant_section(device, timer, nq, bw)
     report.finish()
-    report.print(markdown=args.markdown)
+    report.emit(args)
     return 0
 
 

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fsharded.bench import Qty, Report, Row, Section
+from fsharded.bench import Qty, Report, Row, Section, add_output_args
 
 
 @dataclass(frozen=True)
@@ -665,7 +665,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help=f"timed rounds per framework (default {d.rounds}; {d.gpt_rounds} with --model gpt)")
     p.add_argument("--model", choices=("layer", "gpt"), default="layer",
                    help="one MoE layer (default) or an MoE GPT's train step (4 blocks, 2 of them MoE)")
-    p.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    add_output_args(p)
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed (compared where installed)")
     return p
 
@@ -703,5 +703,5 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         except Exception:  # noqa: BLE001 - not installed or not importable here
             with_ds = False
     report, _ = (run_gpt if args.model == "gpt" else run)(cfg, with_ds)
-    report.print(markdown=args.markdown)
+    report.emit(args)
     return 0

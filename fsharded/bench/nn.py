@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsharded as fs
-from fsharded.bench import Report, Row, Section, alternate
+from fsharded.bench import Report, Row, Section, add_output_args, alternate
 
 
 def _log(msg: str) -> None:
@@ -267,7 +267,7 @@ def two_ranks(c: Config, batch: int, rounds: int, iters: int) -> Section:
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog or "fsharded bench nn", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes, few rounds (a smoke run)")
-    p.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    add_output_args(p)
     p.add_argument("--rounds", type=int, help="alternating rounds")
     p.add_argument("--no-ranks", action="store_true", help="skip the 2-rank FSDP2 section")
     return p
@@ -288,5 +288,5 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         _log("2 gloo ranks ...")
         report.sections.append(two_ranks(c, max(1, batch // 2), rounds, iters))
     report.finish()
-    report.print(markdown=args.markdown)
+    report.emit(args)
     return 0 if math.isfinite(report.sections[0].rows[0].ratio) else 1

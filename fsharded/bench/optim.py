@@ -61,7 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsharded.bench import Report, Row, Section, calibrate, format_time
+from fsharded.bench import Report, Row, Section, add_output_args, calibrate, format_time
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 OURS = "ours"  # check_finite=False: one pass, like the peers
@@ -500,7 +500,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="sizes 1e5 and 1e6, 3 rounds")
-    p.add_argument("--markdown", action="store_true")
+    add_output_args(p)
     p.add_argument(
         "--sizes",
         default=None,
@@ -587,7 +587,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     report.finish()
     report.params["notes"] = "; ".join(notes) or "all peers ran"
     report.params["wall time"] = f"{time.perf_counter() - t_start:.0f} s"
-    report.print(markdown=args.markdown)
+    report.emit(args)
     return 0
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fsharded.bench import Qty, Report, Row, Section, format_bytes
+from fsharded.bench import Qty, Report, Row, Section, add_output_args, format_bytes
 
 HEADS, HEAD_DIM = 8, 32
 
@@ -497,7 +497,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--lengths", default="1024,4096", help="comma-separated sequence lengths")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds at 4096 tokens and up "
                    "(x2 at 2048, x4 at 1024 and shorter)")
-    p.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    add_output_args(p)
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed (compared where installed)")
     p.add_argument("--budget", default="1GiB",
                    help="per-rank memory budget for the longest-sequence search, e.g. 512MiB, 2GiB (0: skip)")
@@ -542,10 +542,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
             raise SystemExit("fsharded bench seq: --plot needs matplotlib (pip install 'fsharded[bench]')") from None
     if args.model == "gpt":
         report = run_gpt(args.ranks, lengths, 2 if args.quick else args.rounds, with_ds, args.attention)
-        report.print(markdown=args.markdown)
+        report.emit(args)
         return 0
     budget = 0 if args.quick else _parse_bytes(args.budget)
     report = run(args.ranks, lengths, 2 if args.quick else args.rounds, with_ds, budget, args.plot,
                  args.attention)
-    report.print(markdown=args.markdown)
+    report.emit(args)
     return 0

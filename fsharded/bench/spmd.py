@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 import fsharded as fs
 from fsharded import P
-from fsharded.bench import Report, Row, Section, alternate, calibrate
+from fsharded.bench import Report, Row, Section, add_output_args, alternate, calibrate
 
 __all__ = [
     "main",
@@ -444,7 +444,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "timed in alternating rounds in one run (medians, ratio = ours/peer).",
     )
     p.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (smoke run)")
-    p.add_argument("--markdown", action="store_true", help="print a Markdown report")
+    add_output_args(p)
     p.add_argument("--only", choices=SECTIONS, action="append", help="run only these sections")
     p.add_argument(
         "--rounds",
@@ -501,7 +501,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """``fsharded bench spmd [--quick] [--markdown] [--only SECTION] ...``; returns 0."""
     args = build_parser(prog).parse_args(argv)
     report = run(args)
-    report.print(markdown=args.markdown)
+    report.emit(args)
     return 0
 
 

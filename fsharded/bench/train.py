@@ -25,7 +25,7 @@ import optree
 import torch
 
 import fsharded as fs
-from fsharded.bench import Report, Row, Section, alternate
+from fsharded.bench import Report, Row, Section, add_output_args, alternate
 from fsharded.models import gpt
 
 
@@ -159,7 +159,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog or "fsharded bench train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke run)")
-    p.add_argument("--markdown", action="store_true")
+    add_output_args(p)
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--job-steps", type=int, default=None, help="steps of the default job (default 300)")
@@ -180,7 +180,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     _log("the default fsharded train job ...")
     report.sections.append(job_section(job_steps, quick=args.quick, rounds=3 if args.quick else 5))
     report.finish()
-    report.print(markdown=args.markdown)
+    report.emit(args)
     return 0
 
 

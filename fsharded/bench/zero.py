@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from fsharded.bench import Qty, Report, Row, Section, format_bytes
+from fsharded.bench import Qty, Report, Row, Section, add_output_args, format_bytes
 from fsharded.bench._zero_peers import ByteCounter, FunctionalGPT
 
 OURS = "fsharded"
@@ -615,7 +615,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="tiny model, few steps, peak RSS of the last stage only (smoke run)")
-    p.add_argument("--markdown", action="store_true")
+    add_output_args(p)
     p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed peer")
     p.add_argument("--no-fsdp", action="store_true", help="skip the FSDP2 peer")
     p.add_argument("--no-shm", action="store_true",
@@ -736,7 +736,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     report.params["notes"] = "; ".join(notes)
     report.params["wall time"] = (f"{t_total:.0f} s (timing processes {t_timing:.0f} s, "
                                   f"peak-RSS runs {t_memory:.0f} s, {args.jobs} at a time)")
-    report.print(markdown=args.markdown)
+    report.emit(args)
     return 0
 
 

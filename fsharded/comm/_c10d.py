@@ -28,6 +28,7 @@ def tracing() -> bool:
 
 
 def all_reduce(x: torch.Tensor, op: str, g: Any) -> torch.Tensor:
+    """``x`` reduced with ``op`` over the process group ``g`` (a new tensor; traceable)."""
     if tracing():
         fc = torch.ops._c10d_functional
         return fc.wait_tensor(fc.all_reduce(x.contiguous(), op, g.group_name))

@@ -36,6 +36,7 @@ def timeout_s() -> float:
 
 
 def is_initialized() -> bool:
+    """Whether this process is in a torch.distributed process group (real ranks)."""
     return dist.is_available() and dist.is_initialized()
 
 
@@ -98,20 +99,24 @@ def forget() -> None:
 
 
 def rank() -> int:
+    """This process's global rank, 0 without a process group."""
     return dist.get_rank() if is_initialized() else 0
 
 
 def world_size() -> int:
+    """The number of ranks, 1 without a process group."""
     return dist.get_world_size() if is_initialized() else 1
 
 
 def default_device_type() -> str:
+    """The device type of the mesh's shards: "cuda" on NCCL ranks, "cpu" otherwise."""
     if is_initialized() and dist.get_backend() == "nccl":
         return "cuda"
     return "cpu"
 
 
 def check_world(mesh: Mesh) -> None:
+    """Refuse a mesh whose size is not the world size, naming both."""
     if not is_initialized():
         raise RuntimeError("the distributed backend needs an initialised process group")
     ws = dist.get_world_size()

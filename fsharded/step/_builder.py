@@ -84,96 +84,45 @@ def train_step(
     model_state_specs: Any = None,
     trainable: Any = None,
 ) -> TrainStep:
-    """Build a training step for ``loss_fn(params, batch) -> scalar``.
+    """Build a training step for ``loss_fn(params, batch) -> scalar``, written per shard.
 
-    ``loss_fn`` is written per shard: it sees the shard of each parameter its spec gives
-    and the shard of the batch ``batch_spec`` gives, and may call collectives. The batch
-    is split over the axes ``batch_spec`` names (default: ``P("data")`` when the mesh has
-    a ``data`` axis); gradients of parameters not sharded over those axes are averaged
-    over them, which is data parallelism. ``precision``: "fp32" | "bf16" | "fp16" or a
-    ``precision.Policy``. ``accumulation=k`` splits each shard's batch into k
-    micro-batches and averages their gradients (DeepSpeed's gradient_accumulation_steps).
-    ``clip``: max global gradient norm (mesh-aware), None for no clipping.
-    ``donate=True``: the state passed to a call is consumed — the optimizer updates the
-    parameters and its moments in place (on one device and on real ranks), saving a copy
-    of both at the update, like JAX's donated buffers. Keep the default when the old state
-    must survive a call (it cannot be restored after a NaN stop), or with fp16 loss scaling.
-    With donation, ``adamw``/``adam``/``lion`` (no mask) run as one fused in-place kernel
-    (``fsharded.optim.fused_update_``: Triton on CUDA, the C++ optimizer on CPU).
-    ``check_schedule`` (real ranks): before the first step for a state layout, every rank
-    lists the collectives it will run (a dry run on meta or fake tensors, or on copies of
-    this rank's values on CPU for code that reads values; see ``fsharded.spmd._schedule``)
-    and the ranks compare them;
-    a mismatch is an error on every rank naming the first differing collective, not a hang.
+    The step computes the loss and gradients on each shard's part of the batch, reduces
+    the gradients as the parameters' specs ask (data parallelism, ZeRO 1-3), clips,
+    scales and applies the optimizer, and returns ``(new_state, metrics)``. The options in
+    depth: the training-step guide (``docs/guides/train-step.md``).
 
-    ``blocks``: the dotted path of the model's block list in the parameter tree (a list of
-    per-block subtrees, e.g. ``"blocks"`` for the bundled GPT, ``"transformer.h"`` for a
-    nanoGPT module through ``fs.nn.functional``, which finds it). The loss must run each
-    block through ``fs.parallel.run_block(block_fn, block_params, x, ...)``; at ZeRO stage 3
-    each block's parameters stay sharded until its ``run_block``, are gathered there, and
-    are gathered again in backward, so about two blocks' full weights are alive at a time.
-    Without ``blocks`` a ZeRO-3 step gathers every parameter up front (and warns once).
+    >>> step = fs.train_step(gpt.loss, fs.optim.adamw(1e-3), mesh=fs.Mesh({"data": 2}),
+    ...                      param_specs=fs.parallel.zero(1)(P(), params), clip=1.0)
+    >>> state = step.init(params)
+    >>> state, metrics = step(state, batch)
 
-    Randomness (dropout, ``torch.rand`` in the loss): the state carries a key made from
-    ``seed`` (``TrainState.rng``); each step runs the loss under
-    ``fs.random.scope(fs.random.shard_key(fs.random.fold_in(rng, step), batch_axes))``, so
-    every step and every batch shard draws its own masks, shards that must agree (tensor
-    parallel replicas) draw the same, and a run is reproducible bit for bit and the same on
-    the virtual mesh and on real ranks (torch's global generator is not used; ops that
-    would use it raise). ``seed=None``: no key, random ops run as torch runs them.
-
-    Non-finite numbers (``check_finite``, fp32 / bf16): a step whose loss or gradient norm
-    is inf or nan is not applied — with donation the in-place update is skipped too, so
-    the state passed in really is the last good one — and raises ``FloatingPointError``
-    naming the step and the first gradient leaves that were non-finite
-    (``on_nonfinite="raise"``), or is skipped with the step count advanced and counted in
-    the state (``TrainState.skipped``, saved with it; ``"skip"``, as DeepSpeed's bf16
-    optimizer skips); ``metrics["skipped"]`` reports the steps not applied so far, fp16's
-    overflows included. fp16 skips overflowing steps by its loss scale and raises once
-    the scale is at its minimum and the gradients still overflow (DeepSpeed's rule); a step
-    whose gradients are finite but whose loss is not (a term that does not reach the
-    parameters) is no overflow a smaller scale could fix, so fp16 refuses it as fp32 and
-    bf16 do (raise, or skip with ``"skip"``), the loss scale untouched. Before each step the
-    learning rates the optimizer is about to apply (``optim.scheduled_lrs``, read from its
-    state's counters) must be finite and >= 0: a schedule given as a callable that returns
-    nan, inf or a negative rate at step k stops the run there with ``FloatingPointError``
-    naming the rate and the step, before anything runs (``"skip"`` does not skip it: every
-    later step reads the same schedule). A refused step's message also says when the state
-    passed in already held non-finite values (so it is no state to go on from either).
-
-    ``check_memory``: ``init`` first estimates the state it is about to allocate
-    (``estimate_memory`` of the placement, optimizer and precision; per device on real
-    ranks, times the ranks sharing this host's RAM on CPU; the whole state in one process
-    on the virtual mesh) and refuses with ``InsufficientMemoryError`` — the numbers and the
-    layouts that would fit — when it exceeds the memory available; ``False`` tries anyway.
-    On real ranks the first step of each layout also measures, on the schedule check's dry
-    run, what the step allocates beyond the state (activations, gradients, buffers, the
-    new state) and refuses the same way before running it.
-
-    State that the model reads but that is not a parameter (DeepSeek-V3's per-expert
-    routing bias, running statistics): ``update_model_state(model_state, stats) ->
-    model_state``. ``step.init(params, model_state=tree)`` puts the tree in
-    ``TrainState.model_state``; the loss is then called ``loss_fn(params, batch,
-    model_state)`` and returns ``(loss, metrics, stats)``, ``stats`` a pytree of tensors
-    (not differentiated) that the step averages over the micro-batches and the batch
-    shards, as it does the metrics, before calling ``update_model_state`` once per applied
-    step (a skipped step keeps the old model state with the old parameters). So every
-    shard takes the same update by construction; a new model state that still varies over
-    an axis its spec does not name (``model_state_specs``, default replicated) is an error
-    naming the leaf, as is one whose structure, shapes or dtypes changed. It is saved and
-    loaded with the rest of the state.
-
-    ``trainable``: which parameter leaves train (fine-tuning a part of a model: a frozen
-    backbone, LoRA adapters). By default the leaves' own flags: an ``nn.Parameter`` with
-    ``requires_grad=False``, or a leaf of ``fs.nn.functional(module).params`` whose
-    parameter has it, is frozen (``fm.trainable`` is that choice as a tree of bools, to pass
-    explicitly when the tree was transformed, e.g. cast, since a copy of a detached leaf
-    loses the mark). Or a tree of bools (a prefix of the parameters), a list of
-    ``(pattern, bool)`` rules on dotted paths (first match wins), or ``fn(path, leaf) ->
-    bool``. A frozen leaf gets no gradient computation, no optimizer state, no gradient
-    communication and no update: it is kept as given (its dtype, bit for bit); ZeRO-1/2
-    partition only the trained state, ZeRO-3 shards frozen leaves too and gathers them for
-    use. ``TrainState.trainable`` records the choice (saved with the state).
+    :param loss_fn: ``(params, batch) -> loss`` on one shard (``(loss, metrics)`` or, with
+        ``update_model_state``, ``(loss, metrics, stats)``); may call collectives.
+    :param optimizer: an ``fs.optim`` transformation (``adamw``, ``chain(...)``, ...).
+    :param mesh: the device mesh; ``None``: one device.
+    :param param_specs: a spec tree (a prefix of the parameters) or a placement such as
+        ``fs.parallel.zero(3)(P(), params)``.
+    :param batch_spec: how the batch is split; default ``P("data")`` with a ``data`` axis.
+    :param precision: ``"fp32"``, ``"bf16"``, ``"fp16"`` (dynamic loss scaling) or a
+        ``precision.Policy``.
+    :param accumulation: micro-batches per step, their gradients averaged.
+    :param clip: the largest global gradient norm; ``None``: no clipping.
+    :param check_finite: refuse (or skip) a step whose loss or gradients are not finite.
+    :param donate: consume the state passed in and update it in place (fused kernels).
+    :param backend: ``"virtual"`` or ``"distributed"``; default: real ranks when a process
+        group is up.
+    :param check_schedule: on real ranks, compare every rank's collectives before the
+        first step of a layout.
+    :param blocks: the dotted path of the block list, for ZeRO-3's per-block gathers.
+    :param seed: the key random ops in the loss draw from; ``None``: torch's generators.
+    :param on_nonfinite: ``"raise"`` or ``"skip"`` a refused step.
+    :param check_memory: refuse a state or a step that does not fit the memory available.
+    :param update_model_state: ``(model_state, stats) -> model_state`` for state the model
+        reads but does not differentiate.
+    :param model_state_specs: the specs of that state (default: replicated).
+    :param trainable: which leaves train (default: the leaves' ``requires_grad``).
+    :returns: a ``TrainStep``: ``init(params)``, ``step(state, batch)``, ``collectives``,
+        ``save`` / ``load``.
     """
     return TrainStep(loss_fn, optimizer, mesh=mesh, param_specs=param_specs,
                      batch_spec=batch_spec, precision=precision, accumulation=accumulation,

@@ -18,6 +18,7 @@ from fsharded import comm
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 free at the time of the call (for a rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
