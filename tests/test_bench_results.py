@@ -86,3 +86,4 @@ def test_run_args_name_the_variant():
     assert publish.run_args("python -m fsharded bench zero --markdown") == ()
     assert publish.run_args("fsharded bench zero --stages 3 --save x.json --zero3-keep") == ("--stages", "3",
                                                                                             "--zero3-keep")
+    assert publish.run_args("fsharded bench seq --plot a.png --save=b.json --ranks 4") == ("--ranks", "4")

@@ -152,6 +152,68 @@ def _check_pictures(ns: dict, out: str) -> None:
     assert tl.exists() and json.loads(tl.read_text())
 
 
+def _page_block(page: str, lang: str, i: int = 0) -> str:
+    """The ``i``-th ```lang block of a docs page, as the page shows it."""
+    text = (ROOT / "docs" / page).read_text()
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, re.S | re.M)[i]
+
+
+def _check_mesh(ns: dict, out: str) -> None:
+    # The printed mesh arithmetic and shard shapes are what the comments say; the stacked
+    # form puts rows 4-7, columns 0-2 at (data=1, tensor=0); the error shown is the one raised.
+    from fsharded import P
+
+    lines = out.splitlines()
+    assert lines[0] == "4 {'data': 1, 'tensor': 1} 2"
+    assert [ln.rsplit(" ", 2)[-2:] for ln in lines[1:5]] == [["(8,", "6)"], ["(4,", "6)"], ["(4,", "3)"], ["(2,", "6)"]]
+    assert torch.equal(ns["stacked"].plain()[1, 0], ns["x"][4:8, 0:3])
+    assert ns["specs"]["blocks"][0] == {"w1": P(None, "tensor"), "w2": P("tensor", None)} and ns["specs"]["emb"] == P()
+    assert _page_block("concepts/mesh.md", "text").strip() in out
+
+
+def _check_config(ns: dict, out: str) -> None:
+    # The page's TOML loaded as written, the overrides applied (the global batch re-derived
+    # for the new mesh), and the error shown is the one raised.
+    cfg = ns["cfg"]
+    assert out.splitlines()[0] == "64" and cfg.train_batch_size == 64 and cfg.mesh == {"data": 4}
+    assert cfg.optimizer.lr == 1e-3 and cfg.optimizer.betas == (0.9, 0.95) and cfg.zero_stage == 3
+    assert cfg.scheduler.name == "WarmupCosineLR" and cfg.scheduler.params["total_num_steps"] == 200
+    assert cfg.model == {"preset": "small", "n_layers": 6} and cfg.precision == "bf16"
+    assert _page_block("guides/config.md", "text").strip() in out
+
+
+def _check_tensor_gpt(ns: dict, out: str) -> None:
+    # Tensor x data parallel with ZeRO-1 gives the one-device loss, and the manifest holds
+    # exactly two psums over tensor per block in forward and two in backward, on (B/2, T, D).
+    first, second = (float(v) for v in out.splitlines()[1].split())
+    assert abs(first - second) < 1e-5 * abs(second)
+    cfg, man = ns["cfg"], ns["manifest"]
+    act = (ns["batch"]["tokens"].shape[0] // 2, cfg.seq_len, cfg.d_model)
+    for phase in ("forward", "backward"):
+        psums = [e for e in man if e.op == "psum" and e.axis == "tensor" and e.phase == phase and e.shape == act]
+        assert len(psums) == 2 * cfg.n_layers, (phase, man)
+    assert "total over tensor" in out
+
+
+def _check_tensor_plan(ns: dict, out: str) -> None:
+    # The plan's specs as the comment gives them, and one pvary + one psum over tensor.
+    from fsharded import P
+
+    assert ns["mlp_plan"].specs == {"0.weight": P("tensor", None), "0.bias": P("tensor"),
+                                    "2.weight": P(None, "tensor"), "2.bias": P()}
+    assert ns["f"].collectives(ns["mlp_plan"].params, ns["x"]).ops() == [("pvary", "tensor"), ("psum", "tensor")]
+
+
+def _check_faults(ns: dict, out: str) -> None:
+    # The refused step names the step and the leaf and leaves the state as it was; the
+    # skipping step advances its counters and leaves the parameters.
+    assert "step 2 has loss -inf and gradient norm nan; non-finite gradients in params.w" in out
+    assert int(ns["state"].step) == 1 and torch.isfinite(ns["step"].params(ns["state"])["w"]).all()
+    assert out.splitlines()[-1] == "2 1"
+    sk = ns["skipping"]
+    assert torch.equal(sk.params(ns["s2"])["w"], sk.params(ns["s1"])["w"])
+
+
 # Each entry: a line that identifies the README block; the code run before it; text
 # replacements that scale it to a test (the block is otherwise run as written); a check.
 EXAMPLES = {
@@ -197,6 +259,156 @@ man3 = man1
 ''',
         replace={'tl.save("timeline.json")': 'tl.save(tmp + "/timeline.json")'},
         check=_check_pictures),
+    # docs/concepts/mesh.md, docs/guides/config.md, tensor.md, faults.md
+    'stacked = fs.shard(x, P("data", "tensor"), mesh)': dict(before="", replace={}, check=_check_mesh),
+    'cfg = fs.config.load_config("run.toml"': dict(  # run.toml: the page's own TOML block
+        before=f"import pathlib, re\n_page = pathlib.Path({str(ROOT / 'docs' / 'guides' / 'config.md')!r}).read_text()\n"
+               "pathlib.Path('run.toml').write_text(re.findall(r'^```toml\\n(.*?)^```', _page, re.S | re.M)[0])\n",
+        replace={}, check=_check_config),
+    'cfg.check_tensor_parallel(mesh.shape["tensor"])': dict(before="", replace={}, check=_check_tensor_gpt),
+    "mlp_plan = fs.parallel.tensor.plan(mlp": dict(before="", replace={}, check=_check_tensor_plan),
+    "skipping = fs.train_step(": dict(before="", replace={}, check=_check_faults),
+    # docs/migration/deepspeed.md: a DeepSpeed config read into the step it describes.
+    "fs.optim.adamw(o.lr, *o.betas, eps=o.eps": dict(
+        before='''
+def _check_example(ns, out):
+    # The config's batch triple, precision, stage, clipping and optimizer reached the step,
+    # and its first step's loss is the model's bf16 loss on that global batch.
+    import fsharded as fs
+    from fsharded.models import gpt
+    assert out.splitlines()[0].split("#")[0].split() == ["2", "bf16", "2"]
+    cfg, step, o = ns["cfg"], ns["step"], ns["o"]
+    assert (cfg.train_batch_size, cfg.micro_batch_size, cfg.mesh) == (16, 4, {"data": 2})
+    assert (o.name, o.lr, o.weight_decay, o.betas, o.eps) == ("adamw", 3e-4, 0.1, (0.9, 0.999), 1e-8)
+    assert step.accumulation == 2 and step.clip == 1.0 and step.policy == fs.precision.Policy.bf16()
+    assert step.placement(ns["params"]).stage == 2 and int(ns["state"].step) == 1
+    bf16 = fs.precision.cast_tree(ns["params"], torch.bfloat16)
+    want = gpt.loss(bf16, {"tokens": ns["tokens"]}).float()
+    # bf16 compute, micro-batches of 4 averaged: the same loss to bf16 rounding.
+    torch.testing.assert_close(ns["metrics"]["loss"].float(), want, rtol=2e-2, atol=0)
+''',
+        replace={}, check=lambda ns, out: ns["_check_example"](ns, out)),
+    # docs/migration/deepspeed.md: DeepSpeed 0.19.8's ZeRO-1 checkpoint (tests/data/deepspeed).
+    'fs.checkpoint.load_deepspeed("ds_ckpt", step, params,': dict(
+        before='''
+import torch
+import fsharded as fs
+from fsharded import P
+from fsharded.models import gpt
+import deepspeed_cases as D
+params = gpt.init(gpt.GPTConfig(**D.FIXTURE["config"]), seed=0)
+
+def _check_example(ns, out):
+    # DeepSpeed's own consolidated weights exactly, and its next step's loss from the moments.
+    assert out.split("#")[0].split() == ["1", "2", "1"]
+    step, state = ns["step"], ns["state"]
+    got = D.by_name(step, state)
+    assert all(torch.equal(got[n], w) for n, w in D.REF[1]["fp32"].items())
+    _, m = step(state, {"tokens": D.FIXTURE["batches"][1]})
+    assert abs(float(m["loss"]) - D.REF[1]["loss2"]) <= 1e-6 * abs(D.REF[1]["loss2"])
+''',
+        replace={'"ds_ckpt"': repr(str(ROOT / "tests" / "data" / "deepspeed" / "zero1"))},
+        check=lambda ns, out: ns["_check_example"](ns, out)),
+    # docs/migration/jax.md: ported jax.lax code, and the defaults that differ.
+    "# was: from jax import lax": dict(
+        before='''
+def _check_example(ns, out):
+    x = torch.arange(1.0, 5.0)
+    assert torch.equal(ns["stacked"], x.reshape(4, 1)) and torch.equal(ns["tiled"], x)
+    assert torch.equal(ns["g_sum"], x.sum().reshape(1)) and torch.equal(ns["g_own"], x)
+    assert [ln.split("#")[0].strip() for ln in out.splitlines()] == [
+        "torch.Size([4, 1]) torch.Size([4])", "tensor([10.]) tensor([1., 2., 3., 4.])"]
+''',
+        replace={}, check=lambda ns, out: ns["_check_example"](ns, out)),
+    # docs/migration/fsdp2.md: an nn.Module trained at ZeRO-3 in bf16, FSDP2's settings.
+    "plan = fs.parallel.zero(3, reshard_after_forward=True)(P(), fm.params)": dict(
+        before=(_FSDP_NET := '''
+import copy
+import torch
+
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm, self.mlp = torch.nn.LayerNorm(d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+class Net(torch.nn.Module):
+    def __init__(self, d=32, n=2):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Block(d) for _ in range(n))
+        self.head = torch.nn.Linear(d, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+torch.manual_seed(0)
+''') + '''
+_g = torch.Generator().manual_seed(0)
+loader = [{"x": torch.randn(8, 32, generator=_g), "y": torch.randn(8, 1, generator=_g)} for _ in range(3)]
+_model0 = copy.deepcopy(Net().requires_grad_(False))
+torch.manual_seed(0)
+
+def _check_example(ns, out):
+    import fsharded as fs
+    from fsharded import P
+    model, step, state = ns["model"], ns["step"], ns["state"]
+    pl = step.placement(ns["fm"].params)
+    assert ns["fm"].blocks == "layers" and pl.stage == 3 and pl.reshard_after_forward
+    assert pl.params["layers"][0]["mlp"]["weight"] == P("data")  # 32 x 32: sharded
+    assert int(state.step) == len(ns["loader"])
+    # The first step's loss is the module's own in bf16 (the policy's parameters and compute).
+    b = ns["loader"][0]
+    want = torch.nn.functional.mse_loss(copy.deepcopy(_model0).bfloat16()(b["x"].bfloat16()).float(), b["y"])
+    torch.testing.assert_close(ns["first_loss"], want, rtol=1e-2, atol=0)
+    # load_into wrote the trained fp32 master weights into the module, and they moved.
+    for (name, p), (_, p0) in zip(model.named_parameters(), _model0.named_parameters()):
+        assert not torch.equal(p, p0), name
+    trained = dict(zip(fs.tree_flatten_with_paths(step.params(state))[0],
+                       fs.tree_flatten_with_paths(step.params(state))[1]))
+    assert all(torch.equal(p.detach(), trained[n]) for n, p in model.named_parameters())
+''',
+        replace={"state, metrics = step(state, batch)": "state, metrics = step(state, batch)\n"
+                 "    first_loss = metrics['loss'] if first_loss is None else first_loss",
+                 "for batch in loader:": "first_loss = None\nfor batch in loader:"},
+        check=lambda ns, out: ns["_check_example"](ns, out)),
+    # docs/migration/fsdp2.md: an FSDP2-style DCP checkpoint of the module in and out.
+    'fs.checkpoint.load_dcp("fsdp_ckpt", fm.params, P(), mesh)': dict(
+        before=_FSDP_NET + '''
+import warnings
+import torch.distributed.checkpoint as dcp
+import fsharded as fs
+from fsharded import P
+torch.manual_seed(1)
+_other = Net()  # the checkpoint's weights, not the module's
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"
+    dcp.save(_other.state_dict(), checkpoint_id="fsdp_ckpt", no_dist=True)
+torch.manual_seed(0)
+model = Net()
+fm = fs.nn.functional(model)
+mesh = fs.Mesh({"data": 2})
+def loss(params, batch):
+    return torch.nn.functional.mse_loss(fm.apply(params, batch["x"]), batch["y"])
+step = fs.train_step(loss, fs.optim.adamw(1e-3), mesh=mesh, blocks=fm.blocks,
+                     param_specs=fs.parallel.zero(3)(P(), fm.params))
+
+def _check_example(ns, out):
+    import optree
+    paths, leaves, _ = fs.tree_flatten_with_paths(ns["params"])
+    sd = _other.state_dict()
+    assert sorted(paths) == sorted(sd) and all(torch.equal(sd[p], x) for p, x in zip(paths, leaves))
+    step, state = ns["step"], ns["state"]
+    back = fs.checkpoint.load_dcp("ckpt_dcp", state, step.state_specs(state), mesh)
+    for a, b in zip(optree.tree_leaves(back), optree.tree_leaves(state), strict=True):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    keys = dcp.FileSystemReader("ckpt_dcp").read_metadata().state_dict_metadata
+    assert "params.layers.0.mlp.weight" in keys and "opt_state.0.mu.layers.0.mlp.weight" in keys
+''',
+        replace={}, check=lambda ns, out: ns["_check_example"](ns, out)),
 }
 
 

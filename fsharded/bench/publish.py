@@ -29,6 +29,7 @@ RESULTS = ROOT / "fsharded" / "bench" / "results"
 DOCS = ROOT / "docs" / "benchmarks"
 README = ROOT / "README.md"
 START, END = "<!-- headline:start -->", "<!-- headline:end -->"
+OUTPUT_FLAGS_WITH_VALUE = ("--save", "--plot")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,12 @@ HEADLINE = (
              "fsharded vs FSDP2", "ZeRO-3 vs FSDP2 fully_shard"),
     Headline("ZeRO-2 bytes sent per rank vs DeepSpeed", "zero", "bytes sent per rank per step: fsharded vs "
              "DeepSpeed", "ZeRO-2 vs DeepSpeed ZeRO-2"),
+    Headline("ZeRO-3 of a nanoGPT-style nn.Module vs FSDP2, 2 ranks", "nn", "one ZeRO-3 step",
+             "ZeRO-3 via fs.nn (blocks=fm.blocks) vs FSDP2 fully_shard"),
+    Headline("Ulysses attention, 4096 tokens, 2 ranks, vs DeepSpeed-Ulysses", "seq",
+             "step time on 2 ranks", "ulysses vs DeepSpeed-Ulysses", "4096 tokens"),
+    Headline("MoE layer, top-2, 4096 tokens per rank, vs DeepSpeed's MoE", "moe",
+             "step time on 2 ranks", "top-2", "4096 tokens/rank"),
     Headline("C++ CPU AdamW, 5e7 parameters, vs torch's fused AdamW", "optim",
              "AdamW step on fp32 master weights: ours vs torch fused", "AdamW vs torch fused", "5e7 params"),
     Headline("psum of 4 MiB per rank, 2 ranks, vs torch.distributed.all_reduce (gloo)", "spmd",
@@ -77,17 +84,16 @@ def results(directory: pathlib.Path = RESULTS) -> list[tuple[pathlib.Path, dict[
 
 def run_args(command: str) -> tuple[str, ...]:
     """The flags a run's command gave its benchmark, without the output flags
-    (``--markdown``, ``--save FILE``): what makes it one variant of the benchmark."""
+    (``--markdown``, ``--save FILE``, ``--plot PNG``): what makes it one variant of the
+    benchmark."""
     words = command.split()
     rest = words[words.index("bench") + 2:] if "bench" in words else words
     out, skip = [], False
     for w in rest:
         if skip:
             skip = False
-        elif w == "--markdown" or w.startswith("--save="):
-            continue
-        elif w == "--save":
-            skip = True
+        elif w == "--markdown" or w.startswith(OUTPUT_FLAGS_WITH_VALUE):
+            skip = "=" not in w and w != "--markdown"
         else:
             out.append(w)
     return tuple(out)

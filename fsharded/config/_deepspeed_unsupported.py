@@ -47,7 +47,7 @@ _DEVICE: tuple[Callable[[Any], bool], str] = (
 _ZERO = "zero_optimization."
 _AC = "activation_checkpointing."
 _AC_WHAT = ("activation checkpointing: fsharded train keeps every activation (in a step of your "
-            "own, fs.parallel.checkpoint recomputes a block in backward)")
+            "own, fs.parallel.remat.checkpoint recomputes a block in backward)")
 _ZPP_WHAT = ("ZeRO++ quantized communication: fsharded gathers and reduces at full precision "
              "(communication_data_type sets the reduction's dtype)")
 

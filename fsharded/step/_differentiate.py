@@ -86,7 +86,7 @@ def _func_grad_and_value(f, p, batch, *, remat: bool = False, mode=None):
     backward ends (+60% of the GPT's virtual step peak per device); nothing differentiates
     a step, so its vjp runs with ``create_graph=False``. Under vmap, torch 2.13 fails an
     internal assert in that backward when remats are chained (ZeRO-3's per-block
-    re-gather, ``fs.parallel.checkpoint``): with ``remat``, or when the plain form meets
+    re-gather, ``fs.parallel.remat.checkpoint``): with ``remat``, or when the plain form meets
     the assert, ``grad_and_value`` runs instead (a remat's own backward builds no graph)."""
     if not remat:
         at = _manifest.mark()
