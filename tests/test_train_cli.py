@@ -119,6 +119,11 @@ def test_save_every_and_resume_latest_continue_exactly(tmp_path, mode):
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(ck)) == ["step-00000003", "step-00000006"]
     assert _losses(saved) == _losses(straight)  # saving changes nothing
+    if not mode:  # resumed at its last step (a restart after the end): says so, prints no nan loss
+        r = _run([sys.executable, "-m", "fsharded", "train", *TINY, "--resume", "latest",
+                  "--save-dir", str(ck), "--save-every", "3"])
+        assert r.returncode == 0, r.stderr
+        assert "done: nothing to train, the state is at step 6 of 6" in r.stdout and "nan" not in r.stdout
     shutil.rmtree(ck / "step-00000006")
     r = _run([sys.executable, "-m", "fsharded", "train", *TINY, "--metrics", str(resumed),
               "--resume", "latest", "--save-dir", str(ck)])
@@ -349,3 +354,22 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path):
     # The first attempt's records up to the checkpoint kept, the rest trained again, once.
     assert [r["step"] for r in recs] == list(range(1, 41))
     assert [r["loss"] for r in recs] == _losses(ref)
+
+
+def test_timeout_flag_sets_how_long_a_rank_waits(tmp_path):
+    """--timeout reaches initialize() under torchrun's environment (one rank here)."""
+    from fsharded.testing import free_port
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys\n"
+        "from fsharded import comm\n"
+        "from fsharded.tools import train\n"
+        f"rc = train.main([*{TINY!r}, '--mesh', 'data=1', '--timeout', '7'])\n"
+        "print('timeout', comm.timeout_s(), rc)\n")
+    env = {**ENV, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "timeout 7.0 0" in r.stdout, r.stdout[-2000:]

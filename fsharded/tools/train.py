@@ -182,6 +182,9 @@ def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
                         "GPUs; none on CPU)")
     p.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background while training goes on")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="under torchrun: how long a rank waits for the others in a collective or a "
+                        "checkpoint before it names the rank it waits for and stops (default 300)")
     p.add_argument("--resume", metavar="latest|PATH",
                    help="continue from the newest checkpoint in --save-dir, or from PATH (with the "
                         "learning-rate schedule and global batch it was trained with: flags that would change "
@@ -720,7 +723,9 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
         per_device = step_flops * steady_steps / steady_time / devices
         summary.update(flops_per_step=step_flops, tflops_per_s_per_device=per_device / 1e12,
                        mfu=FL.mfu(per_device, 1.0, peak))
-    if main_rank:
+    if main_rank and not losses:  # resumed at its last step (a restart after the end): no loss to show
+        print(f"done: nothing to train, the state is at step {start} of {cfg.steps}; val {val_loss:.4f}", flush=True)
+    elif main_rank:
         by_axis = ", ".join(f"{a}: {b:,d} B" for a, b in summary["collective_bytes_per_step"].items()) or "none"
         print(
             f"done: loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} (mean of last 10), "
@@ -743,7 +748,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded train") -> 
 
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched:
-        fs.distributed.initialize()
+        fs.distributed.initialize(timeout_s=args.timeout)
     try:
         cfg = make_config(args, world_size=fs.distributed.world_size())
     except (ValueError, OSError) as e:
