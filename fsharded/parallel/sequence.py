@@ -26,6 +26,7 @@ LAYOUTS = ("contiguous", "zigzag")
 
 
 def check_layout(layout: str) -> None:
+    """Refuse a layout that is not one of ``LAYOUTS``, naming them."""
     if layout not in LAYOUTS:
         raise ValueError(f"sequence layout must be one of {LAYOUTS}, got {layout!r}")
 
