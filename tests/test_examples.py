@@ -240,7 +240,7 @@ loader = [{"x": t[:, :-1], "y": t[:, 1:]} for t in
                  "with tp.applied():": "first_loss = None\nwith tp.applied():"},
         check=_check_tp),
     "mgr = fs.checkpoint.Manager(": dict(
-        before=_TINY_GPT + "start, steps = 0, 4\nimport tempfile\nckdir = tempfile.mkdtemp()\n",
+        before=_TINY_GPT + "steps = 4\nimport tempfile\nckdir = tempfile.mkdtemp()\n",
         replace={'Manager("ckpt", keep=3, every=100)': "Manager(ckdir, keep=3, every=1)",
                  "state = step.load(": "final = step.load("},
         check=_check_manager),
