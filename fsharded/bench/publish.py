@@ -151,6 +151,10 @@ def pages(found: list[tuple[pathlib.Path, dict[str, Any]]]) -> dict[str, str]:
     for name in names:
         summary = BENCHMARKS[name].summary if name in BENCHMARKS else ""
         index.append(f"- [`fsharded bench {name}`]({name}.md): {summary}")
+    unrun = [n for n in BENCHMARKS if n not in names]
+    if unrun:
+        index += ["", "No result file yet (their pages appear once a run is saved):", ""]
+        index += [f"- `fsharded bench {n}`: {BENCHMARKS[n].summary}" for n in unrun]
     out["index.md"] = "\n".join(index) + "\n"
     return out
 
