@@ -284,5 +284,5 @@ def test_listed_collectives_are_those_real_ranks_run(mesh, strategy, layout, sta
     ops = collections.Counter((op, phase) for op, _, phase, _, _ in virtual["listed"])
     if strategy == "ring":  # per layer: k, v forward; k, v and their gradients backward
         assert ops[("ppermute", "forward")] == 2 * 2 and ops[("ppermute", "backward")] == 4 * 2
-    else:  # ZeRO-2: the gradients reduce-scattered, the updated shards gathered
-        assert ops[("psum_scatter", "forward")] >= 1 and ops[("all_gather", "forward")] >= 1
+    else:  # ZeRO-2: the gradients reduce-scattered after backward, the shards gathered for the loss
+        assert ops[("psum_scatter", "reduce")] >= 1 and ops[("all_gather", "forward")] >= 1

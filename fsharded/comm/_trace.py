@@ -12,6 +12,7 @@ on a host). Nothing is recorded, and nothing costs more than one global read, ot
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +21,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["CommEvent", "Span", "start", "stop", "traced", "span", "active", "autograd_phase"]
+__all__ = ["CommEvent", "Span", "start", "stop", "traced", "span", "active", "autograd_phase", "phase"]
+
+# The step's part outside autograd's backward (``phase``): "forward" unless a step says
+# it reduces gradients ("reduce") or updates ("update").
+_PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("fsharded_phase", default="forward")
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Collectives issued inside are of phase ``name`` (outside autograd's backward, which
+    is always "backward"): a step's gradient reduction after backward is "reduce", its
+    clipping, update and metrics "update"."""
+    token = _PHASE.set(name)
+    try:
+        yield
+    finally:
+        _PHASE.reset(token)
 
 
 @dataclass
@@ -74,12 +91,13 @@ def stop() -> _Recording | None:
 
 
 def autograd_phase() -> str:
-    """"backward" inside autograd's backward pass, else "forward"."""
+    """"backward" inside autograd's backward pass, else the phase ``phase`` set
+    ("forward" by default)."""
     try:
         node = torch._C._current_autograd_node()
     except AttributeError:  # pragma: no cover - older torch
         node = None
-    return "backward" if node is not None else "forward"
+    return "backward" if node is not None else _PHASE.get()
 
 
 class _TracedWork:

@@ -32,7 +32,7 @@ class Entry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     bytes_sent: int  # per rank, ring algorithms
-    phase: str  # "forward" or "backward"
+    phase: str  # "backward" inside autograd's backward, else "forward" (a step: "reduce", "update")
     params: tuple = ()
 
     def __str__(self) -> str:

@@ -71,7 +71,8 @@ def _autograd_grad_and_value(f, p, batch, *, backward_ctx=contextlib.nullcontext
             grads = torch.autograd.grad(out, req, allow_unused=True)
     if reducer is not None:
         del grads  # stride-0 stand-ins: the values are in the reducer's buckets
-        grads = reducer.finish()
+        with _trace.phase("reduce"):  # the buckets backward left: reduced after it
+            grads = reducer.finish()
     else:  # what backward made for the parameters (the rest of it is activation gradients)
         memory.label([g for g in grads if g is not None], "gradients")
         grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]

@@ -21,6 +21,7 @@ from typing import Any
 import optree
 import torch
 
+from fsharded.comm import _trace
 from fsharded.parallel import _buckets as B
 from fsharded.spmd import _env, _manifest
 from fsharded.step import _trainable as T
@@ -50,7 +51,8 @@ class Reduction:
         self.in_backward = not any(T.pick(layout.moves.gather_in_loss, layout.trainable))
 
     def __call__(self, grads: list) -> list:
-        return self.place(B.reduce_leaves(grads, self.src, self.grads, self.batch_axes, self.mesh, self.cap))
+        with _trace.phase("reduce"):
+            return self.place(B.reduce_leaves(grads, self.src, self.grads, self.batch_axes, self.mesh, self.cap))
 
     def during_backward(self, x0: Any) -> B.InBackward | None:
         """Real ranks, plain autograd: the bucketed reduction into ``grads`` run inside

@@ -150,8 +150,9 @@ def collectives_figure(manifests: Any, *, title: str = "bytes sent per rank per 
     for label, man in manifests.items():
         acc: dict[tuple[str, str, str], int] = {}
         for e in man:
-            if e.bytes_sent:
-                acc[(e.op, e.axis, e.phase)] = acc.get((e.op, e.axis, e.phase), 0) + e.bytes_sent
+            if e.bytes_sent:  # in backward (hatched), or outside it (forward, reduce, update: solid)
+                k = (e.op, e.axis, "backward" if e.phase == "backward" else "forward")
+                acc[k] = acc.get(k, 0) + e.bytes_sent
                 if (e.op, e.axis) not in keys:
                     keys.append((e.op, e.axis))
         sums[label] = acc
