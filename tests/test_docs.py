@@ -17,7 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The modules the API reference documents (docs/reference/): their public functions and classes.
 REFERENCE_MODULES = ["fsharded", "fsharded.lax", "fsharded.distributed", "fsharded.comm", "fsharded.parallel",
                      "fsharded.parallel.tensor", "fsharded.parallel.sequence", "fsharded.parallel.ulysses",
-                     "fsharded.parallel.ring", "fsharded.parallel.moe", "fsharded.parallel.remat", "fsharded.optim",
+                     "fsharded.parallel.ring", "fsharded.parallel.moe", "fsharded.parallel.remat",
+                     "fsharded.parallel.pipeline", "fsharded.optim",
                      "fsharded.nn", "fsharded.random", "fsharded.precision", "fsharded.checkpoint", "fsharded.config",
                      "fsharded.data", "fsharded.memory", "fsharded.timeline", "fsharded.kernels",
                      "fsharded.models.gpt", "fsharded.models.gpt_plans"]

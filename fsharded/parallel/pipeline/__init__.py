@@ -1,0 +1,30 @@
+"""Pipeline parallelism, starting from its schedules as checked data.
+
+A schedule is a table: per rank, the actions it runs in order (``Action``: forward,
+backward, or the backward split into its input- and weight-gradient parts; sends and
+receives of activations and gradients). ``gpipe``, ``one_f_one_b``, ``interleaved`` and
+``zero_bubble`` build the known ones; ``Schedule.from_table`` takes one written by hand.
+``check`` refuses a table that cannot run (naming the first bad action) and returns its
+``Plan``: when each action runs, the bubble fraction and the peak activations per rank;
+``timeline`` draws it as text.
+
+>>> from fsharded.parallel import pipeline
+>>> pipeline.check(pipeline.one_f_one_b(4, 8)).bubble
+Fraction(3, 11)
+
+The executor that runs a table on the mesh's ``pipe`` axis is not here yet.
+"""
+
+from fsharded.parallel.pipeline._check import COSTS, Plan, check, timeline
+from fsharded.parallel.pipeline._table import Action, Schedule, ScheduleError, with_comms
+from fsharded.parallel.pipeline.schedules import (
+           SCHEDULES,
+           gpipe,
+           interleaved,
+           make,
+           one_f_one_b,
+           zero_bubble,
+)
+
+__all__ = ["Action", "Schedule", "ScheduleError", "with_comms", "check", "Plan", "COSTS", "timeline",
+           "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "SCHEDULES", "make"]

@@ -1,0 +1,102 @@
+"""Pipeline schedules as data: every built schedule passes the checks over a grid of
+(ranks, stages per rank, micro-batches), 1F1B's bubble is (p - 1) / (m + p - 1), the split
+backward (ZB-H1) and interleaving shrink it, and broken tables are refused naming the
+first bad action."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from fsharded.parallel import pipeline as pp
+from fsharded.parallel.pipeline import Action
+
+GRID = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8)]
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_every_schedule_passes_its_checks_with_the_bubble_and_memory_it_should_have(p, m):
+    gp, fb, zb = (pp.check(f(p, m)) for f in (pp.gpipe, pp.one_f_one_b, pp.zero_bubble))
+    assert gp.bubble == fb.bubble == Fraction(p - 1, m + p - 1)
+    assert gp.peak_activations == (m,) * p  # GPipe keeps every micro-batch alive
+    assert fb.peak_activations == tuple(min(p - r, m) for r in range(p))
+    assert zb.peak_activations == fb.peak_activations  # H1: 1F1B's memory
+    if p > 1:
+        assert zb.bubble < fb.bubble
+    # every (stage, micro-batch) ran forward and backward once, on its rank
+    for plan, kinds in ((fb, "FB"), (zb, "FIW")):
+        done = sorted((a.kind, a.stage, a.mb) for row in plan.spans for _, _, a in row)
+        assert done == sorted((k, s, i) for k in kinds for s in range(p) for i in range(m))
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 4, 2), (2, 6, 3), (4, 4, 2), (4, 8, 2), (3, 6, 2)])
+def test_interleaving_divides_the_bubble(p, m, v):
+    plan = pp.check(pp.interleaved(p, m, v))
+    assert plan.bubble < pp.check(pp.one_f_one_b(p, m)).bubble
+    assert {a.stage for row in plan.schedule.actions for a in row} == set(range(p * v))
+    assert all(plan.schedule.rank_of(a.stage) == r for r, row in enumerate(plan.schedule.actions) for a in row
+               if a.kind in ("F", "B"))  # compute on the rank holding its stage
+
+
+def test_a_table_written_by_hand_is_the_built_schedule():
+    mine = pp.Schedule.from_table(["F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"], microbatches=3, name="1f1b")
+    assert mine == pp.one_f_one_b(2, 3)
+    assert [str(a) for a in mine.actions[1][:4]] == ["RECV act 0 stage 0 from 0", "F0", "B0", "SEND grad 0 stage 1 to 0"]
+    assert pp.check(mine).bubble == Fraction(1, 4)
+    text = pp.timeline(mine)
+    assert text.splitlines()[0].startswith("rank 0: F0") and "bubble 0.250" in text
+
+
+@pytest.mark.parametrize("rows,m,message", [
+    (["B0 F0"], 1, r"rank 0, action 0 \(B0\): backward of micro-batch 0 on stage 0 before its forward"),
+    (["F0", "F0 B0"], 1, "no backward of micro-batch 0 on stage 0"),
+    (["F0 I0", "F0 B0"], 1, "no backward of micro-batch 0 on stage 0 .a B, or both I and W"),
+    (["F0 B0 F0", "F0 B0"], 1, r"rank 0, action 4 \(F0\): runs twice"),
+    (["F0 W0 I0", "F0 B0"], 1, r"\(W0\): weight gradient of micro-batch 0 on stage 0 before its input gradient"),
+    (["F0 X0"], 1, "'X0' is not an action"),
+    (["F0 B0", "F0 B0"], 2, "no forward of micro-batch 1 on stage 0"),
+])
+def test_a_broken_table_is_refused_naming_the_action(rows, m, message):
+    with pytest.raises(pp.ScheduleError, match=message):
+        pp.check(pp.Schedule.from_table(rows, microbatches=m))
+
+
+def _edit(s: pp.Schedule, r: int, actions: list[Action]) -> pp.Schedule:
+    rows = list(s.actions)
+    rows[r] = tuple(actions)
+    return pp.Schedule(s.name, s.ranks, s.virtual, s.microbatches, tuple(rows))
+
+
+def test_a_missing_receive_a_missing_send_and_a_deadlock_are_refused():
+    s = pp.one_f_one_b(2, 1)  # rank 0: F0 SEND-act RECV-grad B0; rank 1: RECV-act F0 B0 SEND-grad
+    r0, r1 = list(s.actions[0]), list(s.actions[1])
+    assert [str(a) for a in r0] == ["F0", "SEND act 0 stage 0 to 1", "RECV grad 0 stage 1 from 1", "B0"]
+    with pytest.raises(pp.ScheduleError, match=r"rank 1, action 0 \(F0\): its input .* no receive before it"):
+        pp.check(_edit(s, 1, r1[1:]))
+    with pytest.raises(pp.ScheduleError, match=r"rank 1, action 0 \(RECV act 0 stage 0 from 0\): rank 0 never "
+                                               r"sends it"):
+        pp.check(_edit(s, 0, [r0[0], r0[2], r0[3]]))
+    with pytest.raises(pp.ScheduleError, match=r"rank 0, action 0 \(SEND act 0 stage 0 to 1\): sent before the "
+                                               r"action that makes it"):
+        pp.check(_edit(s, 0, [r0[1], r0[0], r0[2], r0[3]]))
+    # each rank waits first for what the other sends later: a cycle
+    cycle = _edit(s, 0, [r0[2], r0[0], r0[1], r0[3]])
+    with pytest.raises(pp.ScheduleError, match=r"deadlock.*rank 0 at action 0 \(RECV grad 0 stage 1 from 1\).*"
+                                               r"rank 1 at action 0 \(RECV act 0 stage 0 from 0\)"):
+        pp.check(cycle)
+
+
+def test_actions_on_the_wrong_rank_and_bad_sizes_are_refused():
+    s = pp.one_f_one_b(2, 1)
+    with pytest.raises(pp.ScheduleError, match=r"rank 0, action 0 \(F0\): stage 1 lives on rank 1"):
+        pp.check(_edit(s, 0, [Action("F", 0, 1)]))
+    with pytest.raises(pp.ScheduleError, match="multiple of the ranks"):
+        pp.interleaved(2, 3, 2)
+    with pytest.raises(pp.ScheduleError, match="at least 2"):
+        pp.interleaved(2, 2, 1)
+    with pytest.raises(pp.ScheduleError, match="positive int"):
+        pp.one_f_one_b(0, 4)
+    with pytest.raises(pp.ScheduleError, match="no pipeline schedule named 'pipedream'; known: gpipe, 1f1b"):
+        pp.make("pipedream", 2, 4)
+    assert pp.make("interleaved", 2, 4, 2) == pp.interleaved(2, 4, 2) and pp.make("zb", 2, 2) == pp.zero_bubble(2, 2)
