@@ -100,3 +100,19 @@ def test_actions_on_the_wrong_rank_and_bad_sizes_are_refused():
     with pytest.raises(pp.ScheduleError, match="no pipeline schedule named 'pipedream'; known: gpipe, 1f1b"):
         pp.make("pipedream", 2, 4)
     assert pp.make("interleaved", 2, 4, 2) == pp.interleaved(2, 4, 2) and pp.make("zb", 2, 2) == pp.zero_bubble(2, 2)
+
+
+def test_the_timeline_picture_draws_every_compute_action_where_the_plan_puts_it(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from fsharded.plot import pipeline_figure
+
+    plan = pp.check(pp.zero_bubble(3, 4))
+    fig = pipeline_figure(plan)
+    boxes = [(round(b.get_y() + b.get_height() / 2), b.get_x(), b.get_width()) for b in fig.axes[0].patches]
+    want = [(r, float(b), float(e - b)) for r, row in enumerate(plan.spans) for b, e, _ in row]
+    assert sorted(boxes) == sorted(want)
+    assert f"bubble {float(plan.bubble):.3f}" in fig.axes[0].get_title()
+    fig.savefig(tmp_path / "zb.png")
+    assert (tmp_path / "zb.png").stat().st_size > 1000

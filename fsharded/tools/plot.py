@@ -9,7 +9,9 @@ other.
 ``memory_figure({label: fs.estimate_memory(...)})``: the peak per device as stacked bars by
 category (one bar per label, e.g. per ZeRO stage). ``collectives_figure({label:
 step.collectives(state, batch)})``: bytes each rank sends per step, stacked by collective
-and mesh axis, the calls inside backward hatched. Both return a matplotlib figure (shown by a notebook).
+and mesh axis, the calls inside backward hatched. ``pipeline_figure(schedule_or_plan)``: a
+pipeline schedule's planned timeline, one row per rank. Each returns a matplotlib figure
+(shown by a notebook).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["read_metrics", "plot_metrics", "memory_figure", "collectives_figure"]
+from fsharded.parallel import pipeline
+
+__all__ = ["read_metrics", "plot_metrics", "memory_figure", "collectives_figure", "pipeline_figure"]
 
 _FIRST = ("loss", "lm_loss", "grad_norm", "lr", "loss_scale")
 _SKIP = ("step",)
@@ -178,5 +182,32 @@ def collectives_figure(manifests: Any, *, title: str = "bytes sent per rank per 
     ax.set_title(title, fontsize=9)
     if keys:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+_PIPE_COLORS = {"F": "#4c78a8", "B": "#e45756", "I": "#f58518", "W": "#72b7b2"}
+
+
+def pipeline_figure(schedule: Any, *, ax: Any = None, title: str | None = None) -> Any:
+    """A pipeline schedule's timeline as the table plans it (``pipeline.check``): one row
+    per rank, a box per forward (F), backward (B) or its input- and weight-gradient halves
+    (I, W) labelled with its micro-batch, idle time blank; the bubble in the title."""
+    import matplotlib.pyplot as plt
+
+    plan = schedule if isinstance(schedule, pipeline.Plan) else pipeline.check(schedule)
+    s = plan.schedule
+    fig, ax = (plt.subplots(figsize=(min(2 + 0.35 * float(plan.makespan), 16), 0.6 + 0.45 * s.ranks))
+               if ax is None else (ax.figure, ax))
+    for r, row in enumerate(plan.spans):
+        for b, e, a in row:
+            ax.barh(r, float(e - b), left=float(b), height=0.8, color=_PIPE_COLORS[a.kind], edgecolor="white")
+            ax.text(float(b + e) / 2, r, a.label(s.virtual), ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(s.ranks), [f"rank {r}" for r in range(s.ranks)], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, float(plan.makespan))
+    ax.set_xlabel("time (one forward = 1)", fontsize=8)
+    ax.set_title(title or f"{s.name}: p={s.ranks}, v={s.virtual}, m={s.microbatches}, bubble {float(plan.bubble):.3f}",
+                 fontsize=9)
     fig.tight_layout()
     return fig

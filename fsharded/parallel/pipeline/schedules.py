@@ -77,14 +77,16 @@ def interleaved(p: int, m: int, v: int = 2) -> Schedule:
 
 
 def zero_bubble(p: int, m: int) -> Schedule:
-    """ZB-H1 (zero-bubble pipeline parallelism, Qi et al. 2024): each backward split into
-    its input-gradient part ``I``, which the previous stage waits for, and its
+    """A zero-bubble schedule with ZB-H1's memory (after Qi et al., 2024): each backward
+    split into its input-gradient part ``I``, which the previous stage waits for, and its
     weight-gradient part ``W``, which nothing waits for and which fills what would be idle
-    time. Rank ``r`` keeps at most ``p - r`` micro-batches' activations (1F1B's memory).
+    time. Rank ``r`` keeps at most ``p - r`` micro-batches' activations, as in 1F1B (an
+    activation lives until its ``W``).
 
     Built by running the ranks against each other with unit costs: a rank that is free
     runs the next ``I`` whose gradient has arrived, else the next ``F`` whose input has
-    arrived (within the memory bound), else a pending ``W``."""
+    arrived (within the memory bound), else a pending ``W``. Its bubble is below 1F1B's
+    for every ``p > 1``; it is this greedy order, not a searched optimum."""
     _sizes("zero_bubble", p, m)
     f_end: dict[tuple[int, int], int] = {}  # (stage, mb) -> time its F ended
     i_end: dict[tuple[int, int], int] = {}
