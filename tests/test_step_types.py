@@ -122,5 +122,5 @@ def test_ranks_running_different_collectives_fail_before_the_step():
     assert run_on_ranks(schedule_case, 2, False) == ["", ""]
     for msg in run_on_ranks(schedule_case, 2, True):  # an error on every rank, no hang
         assert "the ranks would run different collectives" in msg
-        assert "collective #0: rank 0 runs ('forward', 'psum', 'data', 'float32', (" in msg
+        assert "collective #0: rank 0 runs ('reduce', 'psum', 'data', 'float32', (" in msg  # the gradients' psum
         assert "rank 1 runs ('forward', 'psum', 'data', 'float32', ())" in msg
