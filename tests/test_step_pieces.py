@@ -104,8 +104,10 @@ def test_the_check_finds_a_stage_read():
 
 def test_no_zero_stage_read_outside_zero_py():
     """The step (and the other strategies in ``parallel``) decide from the spec trees;
-    only ``parallel/zero.py`` turns a stage into specs (and names it in messages)."""
-    files = sorted((ROOT / "step").rglob("*.py")) + sorted((ROOT / "parallel").rglob("*.py"))
+    only ``parallel/zero.py`` turns a stage into specs (and names it in messages). The
+    pipeline's tables name pipeline stages (``Action.stage``), which are another thing."""
+    files = sorted((ROOT / "step").rglob("*.py")) + sorted(
+        f for f in (ROOT / "parallel").rglob("*.py") if "pipeline" not in f.relative_to(ROOT).parts)
     bad = [f"{f.relative_to(ROOT)}:{n}" for f in files if f.name != "zero.py"
            for n in stage_reads(f.read_text())]
     assert not bad, f"ZeRO stage read outside fsharded/parallel/zero.py: {bad}"
