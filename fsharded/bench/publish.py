@@ -92,8 +92,10 @@ def run_args(command: str) -> tuple[str, ...]:
     for w in rest:
         if skip:
             skip = False
-        elif w == "--markdown" or w.startswith(OUTPUT_FLAGS_WITH_VALUE):
-            skip = "=" not in w and w != "--markdown"
+        elif w == "--markdown":
+            continue
+        elif w.startswith(OUTPUT_FLAGS_WITH_VALUE):
+            skip = "=" not in w  # the value is the next word
         else:
             out.append(w)
     return tuple(out)

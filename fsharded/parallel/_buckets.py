@@ -373,7 +373,7 @@ class InBackward:
                         t = self.types[i] - {self.axis}
                     else:
                         d = b.dims[i]
-                        moved = [self.shapes[i][d], *(s for j, s in enumerate(self.shapes[i]) if j != d)]
+                        moved = _moved(tuple(self.shapes[i]), d)
                         moved[0] //= self.n
                         out[i] = _unmoved(piece.reshape(moved), d)
                         t = self.types[i]

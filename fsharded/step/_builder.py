@@ -368,18 +368,17 @@ class TrainStep:
             mem.register(state.params, "parameters")
             mem.register(state.opt_state, "optimizer state")
             mem.backward_category = "activations"
+        g_leaves, loss, (extra, stats) = self._gradients(plan, state, batch)
+        with _trace.phase("update"):  # the manifest's phase of what follows
+            return self._update(plan, state, g_leaves, loss, extra, stats)
+
+    def _update(self, plan: _Plan, state: TrainState, g_leaves: list, loss: torch.Tensor,
+                extra: dict, stats: Any) -> tuple[TrainState, dict]:
+        """The gradients' transformation and the update, the new state typed by its specs."""
         mask = plan.layout.trainable
         # Master weights, in the master placement: the trained leaves (a view of the tree
         # with None at the frozen ones, which pass through untouched).
         params = T.view(state.params, mask)
-        g_leaves, loss, (extra, stats) = self._gradients(plan, state, batch)
-        with _trace.phase("update"):  # the manifest's phase of what follows
-            return self._update(plan, state, params, g_leaves, loss, extra, stats)
-
-    def _update(self, plan: _Plan, state: TrainState, params: Any, g_leaves: list, loss: torch.Tensor,
-                extra: dict, stats: Any) -> tuple[TrainState, dict]:
-        """The gradients' transformation and the update, the new state typed by its specs."""
-        mask = plan.layout.trainable
         new_ms = new_model_state(state.model_state, stats, self.update_model_state, self.model_state_specs,
                                  self.mesh, self.batch_axes) if state.model_state is not None else None
         grads = optree.tree_unflatten(optree.tree_structure(params), g_leaves)

@@ -187,10 +187,9 @@ def timeline(plan_or_schedule: Plan | Schedule, *, width: int = 4) -> str:
     time (a forward), the action running in it (``.`` idle), then the bubble."""
     plan = plan_or_schedule if isinstance(plan_or_schedule, Plan) else check(plan_or_schedule)
     s = plan.schedule
-    units = int(plan.makespan * 1)
     lines = []
     for r, row in enumerate(plan.spans):
-        cells = ["." * 1] * units
+        cells = ["."] * int(plan.makespan)
         for b, e, a in row:
             for u in range(int(b), int(e)):
                 cells[u] = a.label(s.virtual)
