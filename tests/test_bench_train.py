@@ -33,7 +33,7 @@ def test_bench_train_quick_alternates_the_job_and_the_eager_loop(capsys, monkeyp
 
     result = _results.load(saved)
     assert _results.render(result) in out and result["machine"]["cores"] > 0
-    assert [len(s["rows"]) for s in result["sections"]] == [4, 1]
+    assert [len(s["rows"]) for s in result["sections"]] == [6, 1]
     assert "the default `fsharded train` job" in out and "3 alternating rounds" in out
     # Rounds of (job, eager), (eager, job), (job, eager): which goes first swaps each round.
     assert calls[calls.index("job"):] == ["job", "eager", "job", "job", "eager"], calls

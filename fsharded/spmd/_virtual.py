@@ -31,7 +31,12 @@ def call(sm: Any, args: tuple) -> Any:
     is_t = [isinstance(x, torch.Tensor) for x in leaves]
     mem = memory.per_device()
     since = mem.clock if mem is not None else None
-    stacked = [to_stacked(x, s, mesh) if t else x for x, s, t in zip(leaves, specs, is_t)]
+    # Only the leaves a spec splits go through vmap; the rest (unbatched at every level)
+    # reach the body as they are, by closure, as vmap would pass them with in_dims None.
+    # Without the memory tracker they are not relaid (their stacked form is themselves).
+    split = [t and bool(s.axes) for s, t in zip(specs, is_t)]
+    stacked = [to_stacked(x, s, mesh) if t and (sp or mem is not None) else x
+               for x, s, t, sp in zip(leaves, specs, is_t, split)]
     dev = next((x.device for x, t in zip(leaves, is_t) if t), torch.device("cpu"))
     tokens = [torch.arange(n, device=dev) for n in mesh.axis_sizes]
     if mem is not None:  # per device: what each stored value holds one copy per device of
@@ -41,11 +46,14 @@ def call(sm: Any, args: tuple) -> Any:
                 mem.tag(st, s.axes, since=since)
         for a, tok in zip(names, tokens):
             mem.tag(tok, (a,), since=since)
+    moving = [st for st, sp in zip(stacked, split) if sp]
     out_info: dict[str, Any] = {}
 
-    def body(tok_list, flat):
+    def body(tok_list, moved):
         toks = dict(zip(names, tok_list))
         levels = {_F.maybe_get_level(t): a for a, t in toks.items()}
+        it = iter(moved)
+        flat = [next(it) if sp else st for st, sp in zip(stacked, split)]
         frame, mode = _typed_frame(_env.AxisFrame(mesh, "virtual", tokens=toks), levels)
         with _env.enter(frame), mode:
             o_leaves, o_specs, o_def, kinds = _vma.run_body(mode, sm, flat, specs, treedef)
@@ -54,19 +62,29 @@ def call(sm: Any, args: tuple) -> Any:
                 for a in undeclared:  # check_vma=False: shard 0's value along the axis
                     y = _take_replica(y, frame, a)
                 res.append(y)
-        out_info.update(o_def=o_def, o_specs=o_specs)
-        return res
+        # A plain tensor under an empty spec is the output itself on every device: it
+        # leaves by closure too (vmap would broadcast it, and the copies are dropped).
+        kept = {i: y for i, (y, s) in enumerate(zip(res, o_specs))
+                if mem is None and not s.axes and isinstance(y, torch.Tensor)
+                and not _F.is_functorch_wrapped_tensor(y)}
+        out_info.update(o_def=o_def, o_specs=o_specs, kept=kept)
+        return [y for i, y in enumerate(res) if i not in kept]
 
     # One vmap level per mesh axis, the first axis outermost. Every output comes back
     # with a leading dim per axis (vmap broadcasts values that do not vary along it).
     fn = body
     for i in reversed(range(len(names))):
         tok_dims = [0 if j == i else None for j in range(len(names))]
-        arg_dims = [0 if t and names[i] in s.axes else None for s, t in zip(specs, is_t)]
+        arg_dims = [0 if names[i] in s.axes else None for s, sp in zip(specs, split) if sp]
         fn = torch.func.vmap(fn, in_dims=(tok_dims, arg_dims), out_dims=0, randomness=sm.randomness)
-    res = fn(tokens, stacked)
+    res = iter(fn(tokens, moving))
+    kept = out_info["kept"]
     outs = []
-    for y, s in zip(res, out_info["o_specs"]):
+    for i, s in enumerate(out_info["o_specs"]):
+        if i in kept:
+            outs.append(kept[i])
+            continue
+        y = next(res)
         named = set(s.axes)
         # Drop the (broadcast) dims of axes the output is invariant over.
         for k in reversed(range(len(names))):
