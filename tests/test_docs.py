@@ -21,7 +21,8 @@ REFERENCE_MODULES = ["fsharded", "fsharded.lax", "fsharded.distributed", "fshard
                      "fsharded.parallel.pipeline", "fsharded.optim",
                      "fsharded.nn", "fsharded.random", "fsharded.precision", "fsharded.checkpoint", "fsharded.config",
                      "fsharded.data", "fsharded.memory", "fsharded.timeline", "fsharded.kernels",
-                     "fsharded.models.gpt", "fsharded.models.gpt_plans"]
+                     "fsharded.models.gpt", "fsharded.models.gpt_plans",
+                     "fsharded.models.gpt_stages"]
 
 
 def test_the_site_builds_strictly(tmp_path):

@@ -81,6 +81,7 @@ __all__ = [
     "embed",
     "block",
     "unembed",
+    "token_loss",
     "shift",
     "IGNORE",
     "SEQ_PARALLEL",
@@ -606,18 +607,12 @@ def loss(params: Params, batch: dict[str, torch.Tensor], model_state: Any = None
     megatron = seq_parallel == "megatron"
     if megatron:  # the logits are this tensor rank's sequence chunk: so are the targets
         seq_axis, targets = _megatron_chunk(targets, seq_axis, tensor_axis)
-    flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    flat_targets = targets.reshape(-1)
     sharded = _seq(seq_axis)
     # Sequence shards may hold different numbers of real tokens (padding, IGNORE targets):
     # each shard's sum over the mean real-token count of its sequence group, so that the
     # step's mean over the shards is the mean over the group's real tokens.
-    reduction = "sum" if sharded else "mean"
-    if _triton(flat, "cross_entropy"):
-        # Chunked over the vocabulary with fp32 statistics: no fp32 copy of the logits.
-        out = kernels_losses.cross_entropy(flat, flat_targets, reduction=reduction)
-    else:  # low-precision logits lose the small differences softmax cares about: upcast
-        out = F.cross_entropy(flat.to(torch.promote_types(flat.dtype, torch.float32)), flat_targets,
-                              reduction=reduction)
+    out = token_loss(logits, targets, reduction="sum" if sharded else "mean")
     if sharded:
         count = (flat_targets != IGNORE).sum().to(out.dtype)
         out = out / (psum(count, seq_axis) / axis_size(seq_axis))
@@ -633,6 +628,18 @@ def loss(params: Params, batch: dict[str, torch.Tensor], model_state: Any = None
     if model_state is not None:
         return total, m, {"moe_load": [a["load"].detach() for a in aux]}
     return (total, m) if metrics else total
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, *, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T), the
+    ``IGNORE`` targets skipped, with fp32 statistics (a chunked kernel where it runs)."""
+    flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    if _triton(flat, "cross_entropy"):
+        # Chunked over the vocabulary with fp32 statistics: no fp32 copy of the logits.
+        return kernels_losses.cross_entropy(flat, flat_targets, reduction=reduction)
+    # Low-precision logits lose the small differences softmax cares about: upcast.
+    return F.cross_entropy(flat.to(torch.promote_types(flat.dtype, torch.float32)), flat_targets,
+                           reduction=reduction)
 
 
 def init_model_state(params: Params) -> dict[str, list[torch.Tensor]]:

@@ -12,10 +12,15 @@ receives of activations and gradients). ``gpipe``, ``one_f_one_b``, ``interleave
 >>> pipeline.check(pipeline.one_f_one_b(4, 8)).bubble
 Fraction(3, 11)
 
-The executor that runs a table on the mesh's ``pipe`` axis is not here yet.
+A model cut into stages is a ``Stages`` (``cut`` balances its blocks); ``run`` executes a
+table for it, every rank in one process (a ``Mailbox`` between them) or this rank alone
+under ``torch.distributed`` (``PointToPoint``), and returns the loss and each stage's
+gradients. The training step does not drive it yet.
 """
 
 from fsharded.parallel.pipeline._check import COSTS, Plan, check, timeline
+from fsharded.parallel.pipeline._execute import Mailbox, PointToPoint, Result, run
+from fsharded.parallel.pipeline._stages import Stages, cut
 from fsharded.parallel.pipeline._table import Action, Schedule, ScheduleError, with_comms
 from fsharded.parallel.pipeline.schedules import (
            SCHEDULES,
@@ -27,4 +32,5 @@ from fsharded.parallel.pipeline.schedules import (
 )
 
 __all__ = ["Action", "Schedule", "ScheduleError", "with_comms", "check", "Plan", "COSTS", "timeline",
-           "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "SCHEDULES", "make"]
+           "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "SCHEDULES", "make",
+           "Stages", "cut", "run", "Result", "Mailbox", "PointToPoint"]

@@ -1,0 +1,51 @@
+"""The reference GPT cut into pipeline stages (``fsharded.parallel.pipeline``): kept beside
+the model, which does not import it, like its sharding plans (``gpt_plans``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+
+from fsharded.models import gpt
+from fsharded.models._gpt_config import TENSOR
+from fsharded.parallel.pipeline import Stages, cut
+
+__all__ = ["pipeline_stages"]
+
+Params = dict[str, Any]
+
+
+def pipeline_stages(params: Params, stages: int, *, boundaries: list[int] | None = None,
+                    attention: str = "auto", tensor_axis: str | None = TENSOR) -> Stages:
+    """The GPT cut into ``stages`` pipeline stages: the embeddings (and learned positions)
+    on the first, the final norm and head on the last (tied embeddings: on both), the
+    blocks balanced by parameter count or cut at ``boundaries`` (the first block of each
+    stage after the first). The stages' losses are ``gpt.loss``'s.
+
+    >>> from fsharded.models import gpt
+    >>> s = pipeline_stages(gpt.init(gpt.GPTConfig.tiny(n_layers=4)), 2)
+    >>> s.ranges, s.first_keys, s.last_keys
+    ((range(0, 2), range(2, 4)), ('emb', 'pos'), ('final_norm', 'emb'))
+    """
+    if any(gpt._is_moe(p) for p in params["blocks"]):
+        raise NotImplementedError("pipeline stages of a mixture-of-experts GPT: not supported yet "
+                                  "(its blocks return auxiliary losses to carry between stages)")
+    size = lambda t: sum(x.numel() for x in optree.tree_leaves(t))  # noqa: E731
+    first_keys = ("emb", "pos") if "pos" in params else ("emb",)
+    last_keys = ("final_norm", "head") if "head" in params else ("final_norm", "emb")
+    ranges = cut([size(p) for p in params["blocks"]], stages, boundaries=boundaries,
+                 first=sum(size(params[k]) for k in first_keys),
+                 last=sum(size(params[k]) for k in last_keys))
+    rotary = "pos" not in params
+
+    def first(p: Params, batch: Any):
+        return gpt.embed(p, gpt._split_batch(batch)[0])
+
+    def block(p: Params, x):
+        return gpt.block(p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis)
+
+    def last(p: Params, x, batch: Any):
+        return gpt.token_loss(gpt.unembed(p, x), gpt._split_batch(batch)[1])
+
+    return Stages(first, block, last, first_keys, last_keys, ranges)

@@ -1,0 +1,268 @@
+"""One executor for a schedule's table, on both backends.
+
+Each rank walks its list of actions (``_table.Schedule``) in order. ``F`` runs its stage
+(``_stages.Stages.forward``) on a micro-batch and keeps the autograd graph; ``B`` runs that
+graph backward from the gradient of the stage's output, adding to the stage's parameter
+gradients and producing the gradient of its input; ``I`` and ``W`` split ``B`` into the
+input's gradient (what the previous stage waits for) and the parameters'. ``SEND`` and
+``RECV`` move an activation or a gradient through a transport:
+
+- ``Mailbox``: every rank in one process (the virtual mesh). ``run`` interleaves the ranks'
+  streams: a rank runs until it needs a value not yet sent, then the next rank goes on.
+- ``PointToPoint``: one rank per process, ``torch.distributed`` sends and receives on the
+  ``pipe`` axis' group (a blocking receive; sends complete before ``run`` returns).
+
+Both run the same actions in the same order per rank, so they compute the same numbers.
+The loss is the mean over the micro-batches (each micro-batch's loss scaled by ``1/m``
+before backward), so the gradients are those of the mean loss of the whole batch when
+the micro-batches are of equal size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+
+from fsharded.parallel.pipeline._check import check
+from fsharded.parallel.pipeline._stages import Stages
+from fsharded.parallel.pipeline._table import Action, Schedule
+
+__all__ = ["Mailbox", "PointToPoint", "Result", "run"]
+
+
+class Mailbox:
+    """The in-process transport: a value sent waits under its key until it is received."""
+
+    def __init__(self) -> None:
+        self._box: dict[tuple, torch.Tensor] = {}
+
+    def send(self, value: torch.Tensor, key: tuple, src: int, dst: int) -> None:
+        self._box[(key, src, dst)] = value
+
+    def ready(self, key: tuple, src: int, dst: int) -> bool:
+        return (key, src, dst) in self._box
+
+    def recv(self, key: tuple, src: int, dst: int) -> torch.Tensor:
+        return self._box.pop((key, src, dst))
+
+    def finish(self) -> None:
+        if self._box:
+            left = ", ".join(f"{k[0]} from {s} to {d}" for k, s, d in self._box)
+            raise RuntimeError(f"pipeline: values were sent and never received: {left}")
+
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+class PointToPoint:
+    """Point-to-point sends on ``group`` (the ranks along the ``pipe`` axis, ``ranks[i]``
+    the global rank of pipe coordinate ``i``). Each value goes as a small header (its
+    dtype and shape) and then its data, under a tag naming what it is, so a receiver
+    needs no shapes in advance and two values between the same ranks cannot be mixed up."""
+
+    def __init__(self, group: Any, ranks: Sequence[int], microbatches: int) -> None:
+        self.group, self.ranks, self.m = group, list(ranks), microbatches
+        self._pending: list[Any] = []
+        self._keep: list[torch.Tensor] = []  # what an unfinished send reads
+
+    def _tag(self, key: tuple) -> int:
+        what, mb, stage = key
+        return ((stage * self.m + mb) * 2 + (what == "grad")) * 2
+
+    def send(self, value: torch.Tensor, key: tuple, src: int, dst: int) -> None:
+        value = value.detach().contiguous()
+        if value.dtype not in _DTYPES:
+            raise TypeError(f"pipeline: cannot send a {value.dtype} activation between stages")
+        head = torch.tensor([_DTYPES.index(value.dtype), value.dim(), *value.shape], dtype=torch.int64)
+        head = torch.nn.functional.pad(head, (0, 10 - head.numel()))
+        tag, peer = self._tag(key), self.ranks[dst]
+        self._pending.append(dist.isend(head, peer, group=self.group, tag=tag))
+        self._pending.append(dist.isend(value, peer, group=self.group, tag=tag + 1))
+        self._keep += [head, value]
+
+    def ready(self, key: tuple, src: int, dst: int) -> bool:
+        return True  # a receive waits for its value
+
+    def recv(self, key: tuple, src: int, dst: int) -> torch.Tensor:
+        tag, peer = self._tag(key), self.ranks[src]
+        head = torch.empty(10, dtype=torch.int64)
+        dist.recv(head, peer, group=self.group, tag=tag)
+        dtype, nd = _DTYPES[int(head[0])], int(head[1])
+        out = torch.empty([int(x) for x in head[2:2 + nd]], dtype=dtype)
+        dist.recv(out, peer, group=self.group, tag=tag + 1)
+        return out
+
+    def finish(self) -> None:
+        for w in self._pending:
+            w.wait()
+        self._pending, self._keep = [], []
+
+
+@dataclass
+class Result:
+    """What ``run`` leaves: ``loss`` (the mean over the micro-batches, on the rank that
+    holds the last stage, else None), ``grads[s]`` (stage ``s``'s parameter gradients,
+    for the stages of the ranks run), and per rank the seconds spent in compute actions
+    and the peak number of micro-batches whose activations it held at once."""
+
+    loss: torch.Tensor | None
+    grads: dict[int, Any]
+    busy_s: dict[int, float] = field(default_factory=dict)
+    peak_held: dict[int, int] = field(default_factory=dict)
+
+
+class _Rank:
+    """One rank's walk through its actions and the values it holds on the way."""
+
+    def __init__(self, r: int, ex: _Run) -> None:
+        self.r, self.ex, self.pc = r, ex, 0
+        self.actions = ex.schedule.actions[r]
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> its input activation
+        self.out_grads: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> gradient of its output
+        self.kept_grads: dict[tuple[int, int], torch.Tensor] = {}  # the same, between I and W
+        self.held: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (input leaf, output)
+        self.to_send: dict[tuple, torch.Tensor] = {}
+        self.busy = 0.0
+        self.peak = 0
+
+    def blocked(self) -> bool:
+        a = self.actions[self.pc]
+        return a.kind == "RECV" and not self.ex.transport.ready(self._key(a), a.peer, self.r)
+
+    @staticmethod
+    def _key(a: Action) -> tuple:
+        return (a.what, a.mb, a.stage)
+
+    def step(self) -> None:
+        a = self.actions[self.pc]
+        ex = self.ex
+        if a.kind == "SEND":
+            ex.transport.send(self.to_send.pop(self._key(a)), self._key(a), self.r, a.peer)
+        elif a.kind == "RECV":
+            v = ex.transport.recv(self._key(a), a.peer, self.r)
+            if a.what == "act":
+                self.inputs[(a.stage + 1, a.mb)] = v
+            else:
+                self.out_grads[(a.stage - 1, a.mb)] = v
+        else:
+            t0 = time.perf_counter()
+            getattr(self, "_" + a.kind)(a.stage, a.mb)
+            self.busy += time.perf_counter() - t0
+        self.pc += 1
+
+    def _F(self, s: int, i: int) -> None:
+        ex = self.ex
+        x = None
+        if s > 0:
+            x = self.inputs.pop((s, i)).detach().requires_grad_()
+        y = ex.stages.forward(s, ex.params[s], x, ex.micro[i])
+        if s == ex.last:
+            ex.losses[i] = y.detach()
+            y = y / ex.m
+        else:
+            self._pass(("act", i, s), s + 1, (s + 1, i), y.detach(), self.inputs)
+        self.held[(s, i)] = (x, y)
+        self.peak = max(self.peak, len(self.held))
+
+    def _B(self, s: int, i: int) -> None:
+        x, y = self.held.pop((s, i))
+        self._backward(s, i, x, y, inputs=True, params=True)
+
+    def _I(self, s: int, i: int) -> None:
+        x, y = self.held[(s, i)]
+        self._backward(s, i, x, y, inputs=True, params=False)
+
+    def _W(self, s: int, i: int) -> None:
+        x, y = self.held.pop((s, i))
+        self._backward(s, i, x, y, inputs=False, params=True)
+
+    def _backward(self, s: int, i: int, x: torch.Tensor | None, y: torch.Tensor, *, inputs: bool,
+                  params: bool) -> None:
+        ex = self.ex
+        g = None if s == ex.last else (self.out_grads if inputs else self.kept_grads).pop((s, i))
+        if inputs and not params and s != ex.last:
+            self.kept_grads[(s, i)] = g  # the weight part runs the graph from it again
+        want = ([x] if inputs and x is not None else []) + (ex.leaves[s] if params else [])
+        if want:
+            got = torch.autograd.grad(y, want, g, retain_graph=not params, allow_unused=True)
+            if params:
+                acc = ex.grads[s]
+                for k, gp in enumerate(got[len(want) - len(ex.leaves[s]):]):
+                    if gp is not None:
+                        acc[k] = gp if acc[k] is None else acc[k] + gp
+            if inputs and x is not None:
+                self._pass(("grad", i, s), s - 1, (s - 1, i), got[0], self.out_grads)
+
+    def _pass(self, key: tuple, to_stage: int, slot: tuple, value: torch.Tensor, local: dict) -> None:
+        """Hand ``value`` to stage ``to_stage``: in place if this rank holds it, else by a send."""
+        if self.ex.schedule.rank_of(to_stage) == self.r:
+            local[slot] = value
+        else:
+            self.to_send[key] = value
+
+
+@dataclass
+class _Run:
+    schedule: Schedule
+    stages: Stages
+    params: dict[int, Any]
+    micro: Sequence[Any]
+    transport: Any
+    leaves: dict[int, list[torch.Tensor]]
+    grads: dict[int, list]
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def m(self) -> int:
+        return self.schedule.microbatches
+
+    @property
+    def last(self) -> int:
+        return self.stages.n - 1
+
+
+def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Sequence[Any], *,
+        ranks: Sequence[int] | None = None, transport: Any = None) -> Result:
+    """Run ``schedule`` for the ranks ``ranks`` (default: all of them, in this process,
+    over a ``Mailbox``; on real ranks pass this rank alone and a ``PointToPoint``).
+    ``params[s]``: stage ``s``'s parameters (``Stages.params_of``), leaves that require
+    grad, for every stage the ranks hold; ``micro``: the ``m`` micro-batches. The table is
+    checked first (``check``): one that cannot run is refused before any action runs."""
+    check(schedule)
+    if stages.n != schedule.stages:
+        raise ValueError(f"pipeline: the schedule has {schedule.stages} stages ({schedule.ranks} ranks x "
+                         f"{schedule.virtual} per rank), the model was cut into {stages.n}")
+    if len(micro) != schedule.microbatches:
+        raise ValueError(f"pipeline: the schedule runs {schedule.microbatches} micro-batches, got {len(micro)}")
+    ranks = list(range(schedule.ranks)) if ranks is None else list(ranks)
+    transport = Mailbox() if transport is None else transport
+    mine = [s for s in range(stages.n) if schedule.rank_of(s) in ranks]
+    leaves = {s: optree.tree_leaves(params[s]) for s in mine}
+    ex = _Run(schedule, stages, params, micro, transport, leaves, {s: [None] * len(leaves[s]) for s in mine})
+    walkers = [_Rank(r, ex) for r in ranks]
+    while True:
+        moved = False
+        for w in walkers:
+            while w.pc < len(w.actions) and not w.blocked():
+                w.step()
+                moved = True
+        if all(w.pc == len(w.actions) for w in walkers):
+            break
+        if not moved:
+            stuck = "; ".join(f"rank {w.r} at {w.actions[w.pc]}" for w in walkers if w.pc < len(w.actions))
+            raise RuntimeError(f"pipeline: no rank can go on ({stuck}): the schedule deadlocks")
+    transport.finish()
+    grads = {}
+    for s in mine:
+        filled = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves[s], ex.grads[s])]
+        grads[s] = optree.tree_unflatten(optree.tree_structure(params[s]), filled)
+    loss = None
+    if schedule.rank_of(stages.n - 1) in ranks:
+        loss = torch.stack([ex.losses[i] for i in range(schedule.microbatches)]).mean()
+    return Result(loss, grads, {w.r: w.busy for w in walkers}, {w.r: w.peak for w in walkers})

@@ -1,0 +1,163 @@
+"""The pipeline executor: a GPT cut into stages, run by every schedule, gives the loss and
+the gradients of the uncut model, in one process (the ranks interleaved over a mailbox)
+and on gloo ranks (point-to-point sends), with no more live activations per rank than
+the table's bound."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optree
+import pipeline_cases as C
+import pytest
+import torch
+
+from fsharded.models import gpt, gpt_stages
+from fsharded.parallel import pipeline as pp
+from fsharded.testing import run_on_ranks
+
+GRID = [("gpipe", 2, 1), ("gpipe", 4, 1), ("1f1b", 2, 1), ("1f1b", 4, 1), ("interleaved", 2, 2),
+        ("zb", 2, 1), ("zb", 4, 1)]
+
+
+def reference(params, tokens, **kw):
+    p = C.leaves_requiring_grad(params)
+    loss = gpt.loss(p, {"tokens": tokens}, attention="einsum", **kw)
+    return loss.detach(), torch.autograd.grad(loss, optree.tree_leaves(p))
+
+
+def assert_matches(stages, grads_by_stage, loss, params, tokens):
+    ref_loss, ref_grads = reference(params, tokens)
+    got = stages.merge(grads_by_stage, params)
+    assert optree.tree_structure(got) == optree.tree_structure(params)
+    assert abs(float(loss) - float(ref_loss)) < 1e-5
+    for path, a, b in zip(optree.tree_paths(got), optree.tree_leaves(got), ref_grads):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (path, float((a - b).abs().max()))
+
+
+# -- cutting ----------------------------------------------------------------------------------
+
+def test_cut_balances_by_size_and_takes_boundaries():
+    assert pp.cut([1] * 8, 4) == (range(0, 2), range(2, 4), range(4, 6), range(6, 8))
+    assert pp.cut([5, 1, 1, 1, 1, 1], 2) == (range(0, 1), range(1, 6))
+    # the embeddings on the first stage and the head on the last weigh in
+    assert pp.cut([1] * 6, 2, first=2) == (range(0, 2), range(2, 6))
+    assert pp.cut([1] * 6, 2, last=2) == (range(0, 4), range(4, 6))
+    assert pp.cut([1] * 5, 3, boundaries=[1, 4]) == (range(0, 1), range(1, 4), range(4, 5))
+    for sizes in ([3, 1, 4, 1, 5, 9, 2, 6], [1] * 7, [10, 1, 1, 10]):
+        for k in range(1, len(sizes) + 1):
+            r = pp.cut(sizes, k)
+            assert [i for x in r for i in x] == list(range(len(sizes))) and all(len(x) for x in r)
+            # no cut has a smaller largest stage (brute force over all cuts)
+            import itertools
+            best = min(max(sum(sizes[a:b]) for a, b in zip((0, *c), (*c, len(sizes))))
+                       for c in itertools.combinations(range(1, len(sizes)), k - 1))
+            assert max(sum(sizes[i] for i in x) for x in r) == best
+
+
+def test_cut_refuses_what_cannot_be_cut():
+    with pytest.raises(ValueError, match="4 pipeline stages .* 3 blocks.*at most 3"):
+        pp.cut([1, 1, 1], 4)
+    with pytest.raises(ValueError, match="give 1 increasing block indices"):
+        pp.cut([1, 1, 1], 2, boundaries=[0])
+    with pytest.raises(ValueError, match="give 2 increasing"):
+        pp.cut([1, 1, 1, 1], 3, boundaries=[2, 2])
+
+
+def test_gpt_stages_hold_the_embeddings_first_and_the_head_last():
+    params, _ = C.setup()
+    st = gpt_stages.pipeline_stages(params, 2)
+    assert st.ranges == (range(0, 2), range(2, 4))
+    assert set(st.params_of(params, 0)) == {"emb", "pos", "blocks"}
+    assert set(st.params_of(params, 1)) == {"final_norm", "emb", "blocks"}  # tied: both ends
+    untied, _ = C.setup(tied_embeddings=False)
+    assert set(gpt_stages.pipeline_stages(untied, 2).params_of(untied, 1)) == {"final_norm", "head", "blocks"}
+    with pytest.raises(ValueError, match="5 pipeline stages .* 4 blocks"):
+        gpt_stages.pipeline_stages(params, 5)
+    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+        gpt_stages.pipeline_stages(gpt.init(gpt.GPTConfig.tiny(moe={"experts": 2})), 2)
+
+
+# -- in one process --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,p,v", GRID)
+def test_every_schedule_gives_the_uncut_models_loss_and_gradients(name, p, v):
+    params, tokens = C.setup()
+    m = 4
+    sched = pp.make(name, p, m, v)
+    st = gpt_stages.pipeline_stages(params, p * v, attention="einsum")
+    parts = {s: C.leaves_requiring_grad(st.params_of(params, s)) for s in range(st.n)}
+    res = pp.run(sched, st, parts, C.micro_batches(tokens, m))
+    assert_matches(st, res.grads, res.loss, params, tokens)
+    # never more micro-batches held per rank than the table allows
+    bound = pp.check(sched).peak_activations
+    assert all(res.peak_held[r] <= bound[r] for r in range(p)), (res.peak_held, bound)
+    if name in ("1f1b", "zb"):
+        assert [res.peak_held[r] for r in range(p)] == [min(p - r, m) for r in range(p)]
+
+
+@pytest.mark.parametrize("positions,tied", [("rotary", False), ("learned", False)])
+def test_untied_heads_and_rotary_positions(positions, tied):
+    params, tokens = C.setup(positions=positions, tied_embeddings=tied)
+    sched = pp.one_f_one_b(2, 2)
+    st = gpt_stages.pipeline_stages(params, 2, attention="einsum")
+    parts = {s: C.leaves_requiring_grad(st.params_of(params, s)) for s in range(2)}
+    res = pp.run(sched, st, parts, C.micro_batches(tokens, 2))
+    assert_matches(st, res.grads, res.loss, params, tokens)
+
+
+def test_a_schedule_for_other_sizes_is_refused():
+    params, tokens = C.setup()
+    st = gpt_stages.pipeline_stages(params, 2)
+    parts = {s: st.params_of(params, s) for s in range(2)}
+    with pytest.raises(ValueError, match="4 stages .* cut into 2"):
+        pp.run(pp.one_f_one_b(4, 2), st, parts, C.micro_batches(tokens, 2))
+    with pytest.raises(ValueError, match="runs 4 micro-batches, got 2"):
+        pp.run(pp.one_f_one_b(2, 4), st, parts, C.micro_batches(tokens, 2))
+
+
+def test_a_table_that_cannot_run_is_refused_before_any_action_runs():
+    from fsharded.parallel.pipeline._table import Action, with_comms
+    order = [[Action("F", 0, 0), Action("B", 0, 0)], [Action("B", 0, 1), Action("F", 0, 1)]]
+    bad = with_comms("bad", 2, 1, 1, order)
+    params, tokens = C.setup()
+    st = gpt_stages.pipeline_stages(params, 2)
+    parts = {s: C.leaves_requiring_grad(st.params_of(params, s)) for s in range(2)}
+    ran = []
+    st_spy = dataclasses.replace(st, first=lambda p, b: ran.append(1) or st.first(p, b))
+    with pytest.raises(pp.ScheduleError, match="rank 1.*B0"):
+        pp.run(bad, st_spy, parts, C.micro_batches(tokens, 1))
+    assert ran == []
+
+
+# -- on gloo ranks ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,p,v", [("1f1b", 2, 1), ("zb", 2, 1), ("interleaved", 2, 2), ("1f1b", 4, 1),
+                                      ("zb", 4, 1)])
+def test_on_gloo_ranks_point_to_point_gives_the_same_numbers(name, p, v):
+    params, tokens = C.setup()
+    m = 4
+    out = run_on_ranks(C.run_rank, p, name, p, v, m)
+    st = gpt_stages.pipeline_stages(params, p * v, attention="einsum")
+    grads = {s: g for r in out for s, g in r["grads"].items()}
+    assert sorted(grads) == list(range(p * v))
+    last = [r["loss"] for r in out if r["loss"] is not None]
+    assert len(last) == 1
+    assert_matches(st, grads, last[0], params, tokens)
+    # the same numbers as the one-process run (the same actions in the same order; the ranks'
+    # torch threads may sum a matmul in another order)
+    parts = {s: C.leaves_requiring_grad(st.params_of(params, s)) for s in range(st.n)}
+    local = pp.run(pp.make(name, p, m, v), st, parts, C.micro_batches(tokens, m))
+    for s in range(st.n):
+        for a, b in zip(optree.tree_leaves(grads[s]), optree.tree_leaves(local.grads[s])):
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-6)
+    assert [r["peak"] for r in out] == [local.peak_held[r] for r in range(p)]
+
+
+def test_untied_head_on_gloo_ranks():
+    params, tokens = C.setup(tied_embeddings=False)
+    out = run_on_ranks(C.run_rank, 2, "1f1b", 2, 1, 2, True)
+    st = gpt_stages.pipeline_stages(params, 2, attention="einsum")
+    grads = {s: g for r in out for s, g in r["grads"].items()}
+    loss = next(r["loss"] for r in out if r["loss"] is not None)
+    assert_matches(st, grads, loss, params, tokens)
