@@ -96,6 +96,26 @@ def test_every_schedule_gives_the_uncut_models_loss_and_gradients(name, p, v):
         assert [res.peak_held[r] for r in range(p)] == [min(p - r, m) for r in range(p)]
 
 
+@pytest.mark.parametrize("name,p,v", [("1f1b", 2, 1), ("zb", 2, 1), ("interleaved", 2, 2)])
+def test_functional_differentiation_inside_vmap_gives_each_shards_gradients(name, p, v):
+    # How the virtual mesh runs it: torch.func.vjp per stage, inside a vmap over data shards.
+    params, tokens = C.setup()
+    m = 2
+    st = gpt_stages.pipeline_stages(params, p * v, attention="einsum")
+
+    def body(tok):
+        res = pp.run(pp.make(name, p, m, v), st, {s: st.params_of(params, s) for s in range(st.n)},
+                     C.micro_batches(tok, m), functional=True)
+        return res.loss, st.merge(res.grads, params)
+
+    loss, grads = torch.func.vmap(body)(tokens.reshape(2, 4, -1))
+    for d in range(2):
+        ref_loss, ref_grads = reference(params, tokens[4 * d:4 * (d + 1)])
+        assert abs(float(loss[d]) - float(ref_loss)) < 1e-5
+        for a, b in zip(optree.tree_leaves(grads), ref_grads):
+            assert torch.allclose(a[d], b, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("positions,tied", [("rotary", False), ("learned", False)])
 def test_untied_heads_and_rotary_positions(positions, tied):
     params, tokens = C.setup(positions=positions, tied_embeddings=tied)
@@ -161,3 +181,75 @@ def test_untied_head_on_gloo_ranks():
     grads = {s: g for r in out for s, g in r["grads"].items()}
     loss = next(r["loss"] for r in out if r["loss"] is not None)
     assert_matches(st, grads, loss, params, tokens)
+
+
+# -- the weight gradients a split backward puts off -------------------------------------------
+
+def test_a_split_backward_puts_the_weight_products_off_and_computes_them_in_w():
+    from fsharded.parallel.pipeline._deferred import Deferred, Deferring
+    params, tokens = C.setup(tied_embeddings=False)
+    st = gpt_stages.pipeline_stages(params, 2, attention="einsum")
+    part = C.leaves_requiring_grad(st.params_of(params, 1))
+    leaves = optree.tree_leaves(part)
+    x = torch.randn(4, 16, params["emb"].shape[1], requires_grad=True)
+    batch = {"tokens": tokens[:4]}
+    ref = torch.autograd.grad(st.forward(1, part, x, batch), [x] + leaves)
+    sink = Deferred()
+    with Deferring(leaves, sink):
+        y = st.forward(1, part, x, batch)
+    got = list(torch.autograd.grad(y, [x] + leaves, allow_unused=True))
+    paths = optree.tree_paths(part)
+    put_off = {paths[k] for k, *_ in sink.parts}
+    # every projection of the blocks and the head: the products with a parameter
+    assert put_off == {p for p in paths if p[-1] in ("wq", "wk", "wv", "wo", "w_in", "w_out", "head")}, put_off
+    assert all(got[1 + k] is None for k, *_ in sink.parts)
+    assert torch.allclose(got[0], ref[0], atol=1e-6)  # the input's gradient is whole after I
+    grads = got[1:]
+    sink.apply(grads)
+    assert sink.parts == []
+    for path, a, b in zip(paths, grads, ref[1:]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), path
+
+
+@pytest.mark.parametrize("eq,ok", [("btd,dhe->bthe", True), ("bthe,hed->btd", True), ("...k,kn->...n", True),
+                                   ("bij,bjk->bik", True), ("ii,ij->j", False), ("ij,jk->i", False),
+                                   ("ij,kl->ijkl", True), ("ij,j", False)])
+def test_the_put_off_products_are_the_contractions_the_rule_covers(eq, ok):
+    from fsharded.parallel.pipeline._deferred import Deferred, _equations, _Product
+    assert (_equations(eq) is not None) == ok
+    if not ok:
+        return
+    a, b = eq.split("->")[0].split(",")
+    sizes = dict(zip("bdhetijkln", (2, 3, 4, 5, 6, 2, 3, 4, 5, 3)))
+    shape = lambda s: [sizes[c] for c in s.replace("...", "b")]  # noqa: E731
+    x = torch.randn(shape(a), requires_grad=True)
+    w = torch.randn(shape(b), requires_grad=True)
+    ref = torch.autograd.grad(torch.einsum(eq, x, w).square().sum(), [x, w])
+    sink = Deferred()
+    dx_eq, dw_eq = _equations(eq)
+    y = _Product.apply(x, w, eq, dx_eq, dw_eq, sink, 0)
+    (dx,) = torch.autograd.grad(y.square().sum(), [x])
+    grads = [None]
+    sink.apply(grads)
+    assert torch.allclose(dx, ref[0], atol=1e-5) and torch.allclose(grads[0], ref[1], atol=1e-5)
+
+
+def test_linear_and_matmul_of_a_parameter_are_put_off_too():
+    from fsharded.parallel.pipeline._deferred import Deferred, Deferring
+    w1, w2, b = (torch.randn(8, 6, requires_grad=True), torch.randn(6, 5, requires_grad=True),
+                 torch.randn(8, requires_grad=True))
+    x = torch.randn(3, 4, 6, requires_grad=True)
+
+    def f(x):
+        return (torch.nn.functional.linear(x, w1, b).relu() @ w1) @ w2
+
+    ref = torch.autograd.grad(f(x).sum(), [x, w1, w2, b])
+    sink = Deferred()
+    with Deferring([w1, w2, b], sink):
+        y = f(x)
+    got = list(torch.autograd.grad(y.sum(), [x, w1, w2, b], allow_unused=True))
+    assert [k for k, *_ in sink.parts] == [1, 0, 0] and got[1] is None and got[2] is None
+    rest = got[1:]
+    sink.apply(rest)
+    for a, r in zip([got[0], *rest], ref):
+        assert torch.allclose(a, r, atol=1e-5)

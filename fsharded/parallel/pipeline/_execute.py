@@ -3,8 +3,10 @@
 Each rank walks its list of actions (``_table.Schedule``) in order. ``F`` runs its stage
 (``_stages.Stages.forward``) on a micro-batch and keeps the autograd graph; ``B`` runs that
 graph backward from the gradient of the stage's output, adding to the stage's parameter
-gradients and producing the gradient of its input; ``I`` and ``W`` split ``B`` into the
-input's gradient (what the previous stage waits for) and the parameters'. ``SEND`` and
+gradients and producing the gradient of its input; ``I`` and ``W`` split ``B``: a stage
+whose backward is split runs its forward with its weight products put off
+(``_deferred``), ``I`` runs the graph (the input's gradient and the cheap parameter
+gradients) and ``W`` computes the put-off weight gradients. ``SEND`` and
 ``RECV`` move an activation or a gradient through a transport:
 
 - ``Mailbox``: every rank in one process (the virtual mesh). ``run`` interleaves the ranks'
@@ -20,8 +22,10 @@ the micro-batches are of equal size.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from fsharded.parallel.pipeline._check import check
+from fsharded.parallel.pipeline._deferred import Deferred, Deferring
 from fsharded.parallel.pipeline._stages import Stages
 from fsharded.parallel.pipeline._table import Action, Schedule
 
@@ -125,7 +130,6 @@ class _Rank:
         self.actions = ex.schedule.actions[r]
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> its input activation
         self.out_grads: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> gradient of its output
-        self.kept_grads: dict[tuple[int, int], torch.Tensor] = {}  # the same, between I and W
         self.held: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (input leaf, output)
         self.to_send: dict[tuple, torch.Tensor] = {}
         self.busy = 0.0
@@ -158,46 +162,42 @@ class _Rank:
 
     def _F(self, s: int, i: int) -> None:
         ex = self.ex
-        x = None
-        if s > 0:
-            x = self.inputs.pop((s, i)).detach().requires_grad_()
-        y = ex.stages.forward(s, ex.params[s], x, ex.micro[i])
+        x = self.inputs.pop((s, i)) if s > 0 else None
+        # A backward that comes as I then W: the stage's weight products put off.
+        sink = Deferred() if (s, i) in ex.split else None
+        y, back = ex.diff.forward(functools.partial(ex.stage_fn, s, i, sink), ex.params[s], x)
         if s == ex.last:
-            ex.losses[i] = y.detach()
-            y = y / ex.m
+            ex.losses[i] = back.aux
         else:
-            self._pass(("act", i, s), s + 1, (s + 1, i), y.detach(), self.inputs)
-        self.held[(s, i)] = (x, y)
+            self._pass(("act", i, s), s + 1, (s + 1, i), y, self.inputs)
+        self.held[(s, i)] = (back, sink)
         self.peak = max(self.peak, len(self.held))
 
     def _B(self, s: int, i: int) -> None:
-        x, y = self.held.pop((s, i))
-        self._backward(s, i, x, y, inputs=True, params=True)
+        back, _ = self.held.pop((s, i))
+        self._backward(s, i, back)
 
     def _I(self, s: int, i: int) -> None:
-        x, y = self.held[(s, i)]
-        self._backward(s, i, x, y, inputs=True, params=False)
+        # The graph runs here once: the input's gradient and the parameters' besides the
+        # put-off products (norms, biases, embeddings). What W needs is in the sink.
+        back, sink = self.held[(s, i)]
+        self._backward(s, i, back)
+        self.held[(s, i)] = (None, sink)
 
     def _W(self, s: int, i: int) -> None:
-        x, y = self.held.pop((s, i))
-        self._backward(s, i, x, y, inputs=False, params=True)
+        _, sink = self.held.pop((s, i))
+        sink.apply(self.ex.grads[s])
 
-    def _backward(self, s: int, i: int, x: torch.Tensor | None, y: torch.Tensor, *, inputs: bool,
-                  params: bool) -> None:
+    def _backward(self, s: int, i: int, back: Any) -> None:
         ex = self.ex
-        g = None if s == ex.last else (self.out_grads if inputs else self.kept_grads).pop((s, i))
-        if inputs and not params and s != ex.last:
-            self.kept_grads[(s, i)] = g  # the weight part runs the graph from it again
-        want = ([x] if inputs and x is not None else []) + (ex.leaves[s] if params else [])
-        if want:
-            got = torch.autograd.grad(y, want, g, retain_graph=not params, allow_unused=True)
-            if params:
-                acc = ex.grads[s]
-                for k, gp in enumerate(got[len(want) - len(ex.leaves[s]):]):
-                    if gp is not None:
-                        acc[k] = gp if acc[k] is None else acc[k] + gp
-            if inputs and x is not None:
-                self._pass(("grad", i, s), s - 1, (s - 1, i), got[0], self.out_grads)
+        g = None if s == ex.last else self.out_grads.pop((s, i))
+        gp, gx = back(g)
+        acc = ex.grads[s]
+        for k, t in enumerate(gp):
+            if t is not None:
+                acc[k] = t if acc[k] is None else acc[k] + t
+        if gx is not None:
+            self._pass(("grad", i, s), s - 1, (s - 1, i), gx, self.out_grads)
 
     def _pass(self, key: tuple, to_stage: int, slot: tuple, value: torch.Tensor, local: dict) -> None:
         """Hand ``value`` to stage ``to_stage``: in place if this rank holds it, else by a send."""
@@ -216,7 +216,19 @@ class _Run:
     transport: Any
     leaves: dict[int, list[torch.Tensor]]
     grads: dict[int, list]
+    split: frozenset  # the (stage, micro-batch)s whose backward runs as I then W
+    diff: Any
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def stage_fn(self, s: int, i: int, sink: Deferred | None, p: Any, x: torch.Tensor | None) -> tuple:
+        """Stage ``s`` on micro-batch ``i``: ``(output, aux)``; the last stage's output is its
+        loss over ``m`` (the mean over micro-batches is their sum) and its aux the loss."""
+        ctx = Deferring(optree.tree_leaves(p), sink) if sink is not None else contextlib.nullcontext()
+        with ctx:
+            y = self.stages.forward(s, p, x, self.micro[i])
+        if s == self.last:
+            return y / self.m, y.detach()
+        return y, ()
 
     @property
     def m(self) -> int:
@@ -227,13 +239,57 @@ class _Run:
         return self.stages.n - 1
 
 
+class _Back:
+    """What a forward keeps for its backward: ``back(g) -> (parameter gradients in leaf
+    order, the input's gradient or None)`` (``g`` None: the loss's own, 1)."""
+
+    def __init__(self, fn: Callable, aux: Any) -> None:
+        self.fn, self.aux = fn, aux
+
+    def __call__(self, g: torch.Tensor | None) -> tuple[list, torch.Tensor | None]:
+        return self.fn(g)
+
+
+class Autograd:
+    """Differentiate with plain autograd (a process per rank, nothing transformed)."""
+
+    def forward(self, fn: Callable, params: Any, x: torch.Tensor | None) -> tuple[torch.Tensor, _Back]:
+        leaves, tdef = optree.tree_flatten(params)
+        leaves = [t.detach().requires_grad_() for t in leaves]
+        xl = None if x is None else x.detach().requires_grad_()
+        y, aux = fn(optree.tree_unflatten(tdef, leaves), xl)
+
+        def back(g):
+            want = ([xl] if xl is not None else []) + leaves
+            got = torch.autograd.grad(y, want, g, allow_unused=True)
+            return list(got[len(want) - len(leaves):]), (got[0] if xl is not None else None)
+        return y.detach(), _Back(back, aux)
+
+
+class Functional:
+    """Differentiate with ``torch.func.vjp`` (inside a virtual mesh's vmap levels, where
+    autograd's leaves cannot be made)."""
+
+    def forward(self, fn: Callable, params: Any, x: torch.Tensor | None) -> tuple[torch.Tensor, _Back]:
+        if x is None:
+            y, vjp, aux = torch.func.vjp(lambda p: fn(p, None), params, has_aux=True)
+        else:
+            y, vjp, aux = torch.func.vjp(fn, params, x, has_aux=True)
+
+        def back(g):
+            out = vjp(torch.ones_like(y) if g is None else g)
+            return optree.tree_leaves(out[0], none_is_leaf=True), (out[1] if x is not None else None)
+        return y, _Back(back, aux)
+
+
 def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Sequence[Any], *,
-        ranks: Sequence[int] | None = None, transport: Any = None) -> Result:
+        ranks: Sequence[int] | None = None, transport: Any = None, functional: bool = False) -> Result:
     """Run ``schedule`` for the ranks ``ranks`` (default: all of them, in this process,
     over a ``Mailbox``; on real ranks pass this rank alone and a ``PointToPoint``).
-    ``params[s]``: stage ``s``'s parameters (``Stages.params_of``), leaves that require
-    grad, for every stage the ranks hold; ``micro``: the ``m`` micro-batches. The table is
-    checked first (``check``): one that cannot run is refused before any action runs."""
+    ``params[s]``: stage ``s``'s parameters (``Stages.params_of``) for every stage the
+    ranks hold; ``micro``: the ``m`` micro-batches; ``functional``: differentiate with
+    ``torch.func`` (inside vmap) instead of autograd. The table is checked first
+    (``check``): one that cannot run is refused before any action runs."""
     check(schedule)
     if stages.n != schedule.stages:
         raise ValueError(f"pipeline: the schedule has {schedule.stages} stages ({schedule.ranks} ranks x "
@@ -244,7 +300,9 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     transport = Mailbox() if transport is None else transport
     mine = [s for s in range(stages.n) if schedule.rank_of(s) in ranks]
     leaves = {s: optree.tree_leaves(params[s]) for s in mine}
-    ex = _Run(schedule, stages, params, micro, transport, leaves, {s: [None] * len(leaves[s]) for s in mine})
+    split = frozenset((a.stage, a.mb) for r in ranks for a in schedule.actions[r] if a.kind == "I")
+    ex = _Run(schedule, stages, params, micro, transport, leaves, {s: [None] * len(leaves[s]) for s in mine}, split,
+              Functional() if functional else Autograd())
     walkers = [_Rank(r, ex) for r in ranks]
     while True:
         moved = False

@@ -1,0 +1,133 @@
+"""Weight gradients put off: what lets a zero-bubble schedule split a backward into ``I``
+(the input's gradient, which the previous stage waits for) and ``W`` (the weights',
+which nothing waits for).
+
+While a stage's forward runs under ``Deferring``, every product of an activation with a
+parameter (``x @ w``, ``F.linear``, a two-operand ``einsum``) runs as one autograd node
+whose backward computes the activation's gradient only and files ``(x, grad_out)`` with
+the micro-batch's ``Deferred``; ``Deferred.apply`` later computes each weight gradient
+from them (the same contraction autograd would run, only later). Everything else a
+parameter takes part in (norms, biases, embedding lookups: cheap) keeps its gradient in
+the input's backward.
+
+For ``y = einsum("A,B->C", x, w)``: ``dx = einsum("C,B->A", g, w)`` and ``dw =
+einsum("A,C->B", x, g)``, valid when no subscript repeats within an operand and every
+subscript of one operand appears in the other or in the output (checked; a product that
+fails it is not put off).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["Deferring", "Deferred"]
+
+_MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+
+
+class Deferred:
+    """The weight gradients one stage's backward put off for one micro-batch."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []  # (leaf, eq for dw, x, g)
+
+    def add(self, k: int, eq: str, x: torch.Tensor, g: torch.Tensor) -> None:
+        self.parts.append((k, eq, x, g))
+
+    def apply(self, grads: list) -> None:
+        """Add each put-off weight gradient to ``grads[k]`` (None: not yet any)."""
+        for k, eq, x, g in self.parts:
+            dw = torch.einsum(eq, x, g)
+            grads[k] = dw if grads[k] is None else grads[k] + dw
+        self.parts = []
+
+
+class _Product(torch.autograd.Function):
+    """``einsum(eq, x, w)`` whose backward gives ``x``'s gradient and files ``w``'s."""
+
+    generate_vmap_rule = True  # inside a virtual mesh's vmap levels: the rule from its ops
+
+    @staticmethod
+    def forward(x, w, eq, dx_eq, dw_eq, sink, k):
+        return torch.einsum(eq, x, w)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w, _, dx_eq, dw_eq, sink, k = inputs
+        ctx.save_for_backward(x, w)
+        ctx.dx_eq, ctx.dw_eq, ctx.sink, ctx.k = dx_eq, dw_eq, sink, k
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        dx = torch.einsum(ctx.dx_eq, g, w) if ctx.needs_input_grad[0] else None
+        ctx.sink.add(ctx.k, ctx.dw_eq, x, g)
+        return dx, None, None, None, None, None, None
+
+
+def _equations(eq: str) -> tuple[str, str] | None:
+    """``(dx_eq, dw_eq)`` for ``y = einsum(eq, x, w)``, or None where the rule does not hold."""
+    eq = eq.replace(" ", "")
+    if "->" not in eq:
+        return None
+    ins, out = eq.split("->")
+    parts = ins.split(",")
+    if len(parts) != 2:
+        return None
+    a, b = parts
+    if "." in b or a.count("...") > 1 or ("..." in a) != ("..." in out):
+        return None
+    la, lb, lo = (s.replace("...", "") for s in (a, b, out))
+    if any(len(set(s)) != len(s) for s in (la, lb, lo)):
+        return None
+    if not (set(la) <= set(lb) | set(lo) and set(lb) <= set(la) | set(lo) and set(lo) <= set(la) | set(lb)):
+        return None
+    return f"{out},{b}->{a}", f"{a},{out}->{b}"
+
+
+class Deferring(TorchFunctionMode):
+    """Run a stage's forward with the weight gradients of ``params`` (the stage's leaves)
+    filed with ``sink`` (a ``Deferred``) instead of computed in backward."""
+
+    def __init__(self, params: list[torch.Tensor], sink: Deferred) -> None:
+        super().__init__()
+        self.ids = {id(p): k for k, p in enumerate(params)}
+        self.sink = sink
+
+    def _leaf(self, w: Any) -> int | None:
+        return self.ids.get(id(w)) if isinstance(w, torch.Tensor) and w.requires_grad else None
+
+    def _product(self, eq: str, x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor | None:
+        eqs = _equations(eq)
+        if eqs is None or not torch.is_grad_enabled():
+            return None
+        return _Product.apply(x, w, eq, eqs[0], eqs[1], self.sink, k)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = None
+        if func in _MATMUL and len(args) == 2 and not kwargs:
+            x, w = args
+            k = self._leaf(w)
+            if k is not None and w.dim() == 2 and isinstance(x, torch.Tensor) and x.dim() >= 2:
+                out = self._product("...k,kn->...n", x, w, k)
+        elif func is F.linear:
+            x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            k = self._leaf(w)
+            if k is not None and w.dim() == 2 and x.dim() >= 2:
+                out = self._product("...k,nk->...n", x, w, k)
+                if out is not None and b is not None:
+                    out = out + b
+        elif func is torch.einsum and len(args) == 3 and isinstance(args[0], str) and not kwargs:
+            eq, x, w = args
+            k = self._leaf(w)
+            if k is not None and isinstance(x, torch.Tensor) and self._leaf(x) is None:
+                out = self._product(eq, x, w, k)
+        if out is None:
+            return func(*args, **kwargs)
+        return out
