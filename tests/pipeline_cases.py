@@ -40,3 +40,47 @@ def run_rank(name: str, p: int, v: int, m: int, untied: bool = False) -> dict:
                  transport=pp.PointToPoint(dist.group.WORLD, list(range(dist.get_world_size())), m))
     return {"grads": {s: optree.tree_map(torch.Tensor.detach, g) for s, g in res.grads.items()},
             "loss": None if res.loss is None else res.loss.detach(), "peak": res.peak_held[me]}
+
+
+def reference_step():
+    import fsharded as fs
+    return fs.train_step(lambda p, b: gpt.loss(p, b, attention="einsum"), fs.optim.adamw(1e-2),
+                         mesh=fs.Mesh({"data": 1}))
+
+
+# Training compares parameters after Adam steps: without biases, whose key bias has a
+# gradient of zero up to rounding, which Adam turns into steps of the learning rate.
+TRAIN_CFG = {"bias": False}
+
+
+def train(mesh_axes: dict, name: str, v: int, steps: int, m: int = 2, zero: int = 0, layers: int = 4,
+          batch: int = 8, **cfg) -> dict:
+    """``steps`` steps of the tiny GPT pipelined over ``pipe`` (on the virtual mesh, or on
+    this process's rank under torch.distributed): the losses, and the parameters after."""
+    import fsharded as fs
+    cfg = {**TRAIN_CFG, **cfg}
+    params, tokens = setup(layers=layers, batch=batch, **cfg)
+    mesh = fs.Mesh(mesh_axes)
+    stages = gpt_stages.pipeline_stages(params, mesh.shape["pipe"] * v, attention="einsum")
+    loss = pp.pipelined(stages, schedule=name, microbatches=m, virtual=v)
+    specs = fs.parallel.zero(zero, axis="data", min_size=8)(None, params) if zero else None
+    kw = {"param_specs": specs} if specs is not None else {}
+    step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, **kw)
+    state = step.init(params)
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, {"tokens": tokens.roll(i, 0)})
+        losses.append(float(metrics["loss"]))
+    return {"losses": losses, "params": step.params(state)}
+
+
+def train_reference(steps: int, layers: int = 4, batch: int = 8, **cfg) -> dict:
+    cfg = {**TRAIN_CFG, **cfg}
+    params, tokens = setup(layers=layers, batch=batch, **cfg)
+    step = reference_step()
+    state = step.init(params)
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, {"tokens": tokens.roll(i, 0)})
+        losses.append(float(metrics["loss"]))
+    return {"losses": losses, "params": step.params(state)}

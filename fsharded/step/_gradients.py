@@ -4,8 +4,9 @@
 - the local loss, how it sees the parameters: every leaf whole (``_differentiate.LocalLoss``:
   the leaves sharded for storage gathered up front, inside the differentiated function), or
   the block list's leaves gathered at their ``run_block`` (``_grad_blocks.BlockLoss``);
-- a strategy that differentiates it: once (``_grad_plain.Plain``) or over micro-batches
-  (``_grad_accumulate.Accumulated``); a pipeline schedule would be one more;
+- a strategy that differentiates it: once (``_grad_plain.Plain``), over micro-batches
+  (``_grad_accumulate.Accumulated``), or, for a pipelined loss, by a pipeline schedule's
+  executor over the pipe axis (``_grad_pipeline.PipelineGradients``);
 - the reduction each leaf's specs imply (``_reduce.Reduction``);
 - the varying-axes typing assumed while the loss runs, where the specs allow (``_assume``).
 
@@ -20,10 +21,12 @@ from typing import Any, Protocol
 
 import torch
 
+from fsharded.parallel.pipeline import Pipelined
 from fsharded.step import _assume
 from fsharded.step._differentiate import Inputs, LocalLoss, differentiator, label
 from fsharded.step._grad_accumulate import Accumulated
 from fsharded.step._grad_blocks import BlockLoss, gathers_blocks
+from fsharded.step._grad_pipeline import PipelineGradients, check_pipelined
 from fsharded.step._grad_plain import Plain
 from fsharded.step._layout import Layout, block_mask
 from fsharded.step._reduce import Reduction
@@ -48,6 +51,10 @@ def choose_gradients(layout: Layout, loss_fn: Callable, *, policy: Any, scaling:
     """The gradient strategy of one state layout. ``eager``: nothing is vmapped (plain
     autograd); ``distributed``: real ranks with plain autograd (reductions in backward,
     ZeRO-3 prefetch); ``cap``: elements per communication bucket."""
+    if isinstance(loss_fn, Pipelined):
+        check_pipelined(loss_fn, layout, scaling=scaling, accumulation=accumulation)
+        return PipelineGradients(loss_fn, Inputs(layout, cap), Reduction(layout, batch_axes, cap, policy.reduce_dtype),
+                                 layout.mesh, policy=policy, functional=not eager, distributed=distributed)
     common = dict(policy=policy, scaling=scaling, check_loss=check_loss, cap=cap)
     if gathers_blocks(layout):
         loss: LocalLoss = BlockLoss(layout, loss_fn, distributed=distributed, **common)

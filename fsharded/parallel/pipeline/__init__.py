@@ -15,11 +15,13 @@ Fraction(3, 11)
 A model cut into stages is a ``Stages`` (``cut`` balances its blocks); ``run`` executes a
 table for it, every rank in one process (a ``Mailbox`` between them) or this rank alone
 under ``torch.distributed`` (``PointToPoint``), and returns the loss and each stage's
-gradients. The training step does not drive it yet.
+gradients. ``pipelined(stages, schedule=..., microbatches=...)`` makes the loss function
+``train_step`` runs as a pipeline over the mesh's ``pipe`` axis.
 """
 
 from fsharded.parallel.pipeline._check import COSTS, Plan, check, timeline
 from fsharded.parallel.pipeline._execute import Mailbox, PointToPoint, Result, run
+from fsharded.parallel.pipeline._pipelined import Pipelined, pipelined, split_batch
 from fsharded.parallel.pipeline._stages import Stages, cut
 from fsharded.parallel.pipeline._table import Action, Schedule, ScheduleError, with_comms
 from fsharded.parallel.pipeline.schedules import (
@@ -33,4 +35,5 @@ from fsharded.parallel.pipeline.schedules import (
 
 __all__ = ["Action", "Schedule", "ScheduleError", "with_comms", "check", "Plan", "COSTS", "timeline",
            "gpipe", "one_f_one_b", "interleaved", "zero_bubble", "SCHEDULES", "make",
-           "Stages", "cut", "run", "Result", "Mailbox", "PointToPoint"]
+           "Stages", "cut", "run", "Result", "Mailbox", "PointToPoint", "Pipelined", "pipelined",
+           "split_batch"]

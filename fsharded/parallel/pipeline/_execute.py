@@ -71,8 +71,12 @@ class PointToPoint:
     dtype and shape) and then its data, under a tag naming what it is, so a receiver
     needs no shapes in advance and two values between the same ranks cannot be mixed up."""
 
-    def __init__(self, group: Any, ranks: Sequence[int], microbatches: int) -> None:
+    def __init__(self, group: Any, ranks: Sequence[int], microbatches: int, *,
+                 types: tuple[Callable, Callable] | None = None) -> None:
         self.group, self.ranks, self.m = group, list(ranks), microbatches
+        # ``(encode(value) -> int, decode(received, int) -> tensor)``: a value's type (the
+        # mesh axes it varies over, inside shard_map) travels in its header.
+        self.types = types
         self._pending: list[Any] = []
         self._keep: list[torch.Tensor] = []  # what an unfinished send reads
 
@@ -84,8 +88,11 @@ class PointToPoint:
         value = value.detach().contiguous()
         if value.dtype not in _DTYPES:
             raise TypeError(f"pipeline: cannot send a {value.dtype} activation between stages")
-        head = torch.tensor([_DTYPES.index(value.dtype), value.dim(), *value.shape], dtype=torch.int64)
-        head = torch.nn.functional.pad(head, (0, 10 - head.numel()))
+        if value.dim() > 7:
+            raise ValueError(f"pipeline: cannot send a {value.dim()}-d value between stages (at most 7 dims)")
+        head = torch.zeros(10, dtype=torch.int64)
+        head[:2 + value.dim()] = torch.tensor([_DTYPES.index(value.dtype), value.dim(), *value.shape])
+        head[9] = self.types[0](value) if self.types is not None else 0
         tag, peer = self._tag(key), self.ranks[dst]
         self._pending.append(dist.isend(head, peer, group=self.group, tag=tag))
         self._pending.append(dist.isend(value, peer, group=self.group, tag=tag + 1))
@@ -101,7 +108,7 @@ class PointToPoint:
         dtype, nd = _DTYPES[int(head[0])], int(head[1])
         out = torch.empty([int(x) for x in head[2:2 + nd]], dtype=dtype)
         dist.recv(out, peer, group=self.group, tag=tag + 1)
-        return out
+        return self.types[1](out, int(head[9])) if self.types is not None else out
 
     def finish(self) -> None:
         for w in self._pending:
@@ -257,11 +264,13 @@ class Autograd:
         leaves, tdef = optree.tree_flatten(params)
         leaves = [t.detach().requires_grad_() for t in leaves]
         xl = None if x is None else x.detach().requires_grad_()
-        y, aux = fn(optree.tree_unflatten(tdef, leaves), xl)
+        with torch.enable_grad():  # a step's body runs without grad mode
+            y, aux = fn(optree.tree_unflatten(tdef, leaves), xl)
 
         def back(g):
             want = ([xl] if xl is not None else []) + leaves
-            got = torch.autograd.grad(y, want, g, allow_unused=True)
+            with torch.enable_grad():
+                got = torch.autograd.grad(y, want, g, allow_unused=True)
             return list(got[len(want) - len(leaves):]), (got[0] if xl is not None else None)
         return y.detach(), _Back(back, aux)
 

@@ -121,8 +121,9 @@ class Stages:
         return out
 
     def merge(self, parts: dict[int, dict], like: dict) -> dict:
-        """The whole tree (``like``'s keys) from every stage's part: blocks in order, and a
-        key held by two stages (tied embeddings) summed."""
+        """The whole tree (``like``'s keys) from the stages' parts: blocks in order, a key
+        held by two stages (tied embeddings) summed, and zeros (shaped as in ``like``) for
+        what no part holds (the stages of other ranks)."""
         out: dict = {}
         blocks: list = [None] * len(like[self.blocks])
         for s, part in sorted(parts.items()):
@@ -130,8 +131,9 @@ class Stages:
                 blocks[i] = b
             for k in self.keys(s):
                 out[k] = part[k] if k not in out else _add(out[k], part[k])
-        out[self.blocks] = blocks
-        return {k: out[k] for k in like}
+        zeros = lambda t: optree.tree_map(torch.zeros_like, t)  # noqa: E731
+        out[self.blocks] = [zeros(like[self.blocks][i]) if b is None else b for i, b in enumerate(blocks)]
+        return {k: out[k] if k in out else zeros(like[k]) for k in like}
 
     def forward(self, s: int, params: dict, x: Any, batch: Any) -> torch.Tensor:
         """Stage ``s`` on its part of the parameters: from the batch (the first stage) or

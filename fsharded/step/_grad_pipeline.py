@@ -1,0 +1,125 @@
+"""The pipeline gradient strategy: the loss is a ``parallel.pipeline.Pipelined`` (a model cut
+into stages and a schedule), and ``parallel.pipeline.run`` executes the schedule for the
+ranks along the pipe axis on this shard's batch, cut into micro-batches:
+
+- on the virtual mesh every pipe rank runs in this process, interleaved (the pipe axis'
+  vmap level sees nothing batched), differentiating with ``torch.func`` inside the other
+  axes' levels;
+- on real ranks this rank runs its own actions, with point-to-point sends to its
+  neighbours on the pipe axis' group and plain autograd (a dry run of the step, which
+  checks the ranks' collectives agree, runs every pipe rank here, sending nothing).
+
+Each parameter is stored on every pipe rank (its specs do not name the pipe axis): a rank
+computes the gradients of its own stages, and one psum over the pipe axis gives every
+rank every gradient (a tied embedding's two halves summed), and the last stage's loss.
+The gradients are then reduced over the batch axes as their specs say, as the plain
+strategy's are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+
+from fsharded import comm
+from fsharded.mesh._mesh import Mesh
+from fsharded.parallel.pipeline import Mailbox, Pipelined, PointToPoint, run, split_batch
+from fsharded.precision import cast_tree
+from fsharded.spmd import _env, _manifest
+from fsharded.spmd.collectives import psum, pvary, varying_axes
+from fsharded.step._differentiate import Inputs
+from fsharded.step._layout import Layout
+from fsharded.step._reduce import Reduction
+
+__all__ = ["PipelineGradients", "check_pipelined"]
+
+
+def check_pipelined(pipe: Pipelined, layout: Layout, *, scaling: Any, accumulation: int) -> None:
+    """Refuse what the pipeline strategy does not run (yet), naming what to change."""
+    mesh = layout.mesh
+    if pipe.axis not in mesh.shape:
+        raise ValueError(f"train_step: the loss is pipelined over the axis {pipe.axis!r}, which {mesh!r} does not "
+                         f"have; add it (e.g. fs.Mesh({{{pipe.axis!r}: 2, ...}})) or pipelined(..., axis=) another")
+    pipe.table(mesh.shape[pipe.axis])  # the stages fit the axis
+    if accumulation > 1:
+        raise ValueError(f"train_step(accumulation={accumulation}) with a pipelined loss: the pipeline's "
+                         f"micro-batches are the accumulation; set pipelined(..., microbatches=) instead")
+    if type(scaling).__name__ != "NoScaling":
+        raise NotImplementedError("a pipelined loss under fp16 loss scaling: not supported yet (use bf16 or fp32)")
+    if layout.trainable is not None:
+        raise NotImplementedError("a pipelined loss with frozen parameters: not supported yet")
+    if any(layout.moves.gather_in_loss):
+        raise NotImplementedError("a pipelined loss under ZeRO-3 (parameters gathered inside the loss): not "
+                                  "supported yet; ZeRO-1 and -2 run")
+    named = [p for p, s in zip(layout.paths, layout.params) if pipe.axis in s.axes]
+    if named:
+        raise ValueError(f"train_step: a pipelined loss keeps every parameter whole along {pipe.axis!r}; "
+                         f"these specs shard over it: {named[:4]}")
+
+
+class PipelineGradients:
+    """``__call__(params, batch, scale, varying, mark, model_state=None) -> (placed gradient
+    leaves, this shard's loss, (metrics, stats))`` by the pipeline's executor.
+    ``functional``: differentiate with torch.func (the virtual mesh); ``distributed``: run
+    this rank's actions only, sending to the other pipe ranks."""
+
+    def __init__(self, pipe: Pipelined, inputs: Inputs, reduction: Reduction, mesh: Mesh, *, policy: Any,
+                 functional: bool, distributed: bool) -> None:
+        self.pipe, self.inputs, self.reduction, self.mesh = pipe, inputs, reduction, mesh
+        self.policy, self.functional, self.distributed = policy, functional, distributed
+        self.table = pipe.table(mesh.shape[pipe.axis])
+
+    def __call__(self, params: Any, batch: Any, scale: Any, varying: tuple[str, ...], mark: Callable,
+                 model_state: Any = None) -> tuple[list, torch.Tensor, tuple]:
+        if model_state is not None:
+            raise NotImplementedError("a pipelined loss with a model state: not supported yet")
+        leaves, tdef = optree.tree_flatten(params)
+        x0 = optree.tree_unflatten(tdef, self.inputs.gather(leaves))
+        if varying:  # each shard's gradient its own contribution, as in the plain strategy
+            x0 = mark(x0, varying)
+        x0 = optree.tree_map(lambda t: cast_tree(t, self.policy.compute_dtype), x0)
+        stages, sched, axis = self.pipe.stages, self.table, self.pipe.axis
+        micro = split_batch(batch, sched.microbatches)
+        if self.distributed and not _manifest.dry():
+            g = comm.axis_group(self.mesh, (axis,))
+            ranks = [g.index]
+            transport = PointToPoint(g.group, g.ranks, sched.microbatches, types=_types(self.mesh))
+        else:  # the virtual mesh, or a dry run of a real rank's step: every pipe rank here
+            ranks, transport = list(range(sched.ranks)), Mailbox()
+        mine = [s for s in range(stages.n) if sched.rank_of(s) in ranks]
+        res = run(sched, stages, {s: stages.params_of(x0, s) for s in mine}, micro, ranks=ranks,
+                  transport=transport, functional=self.functional)
+        grads, loss = stages.merge(res.grads, x0), res.loss
+        if self.distributed and sched.ranks > 1:
+            # This rank holds its stages' gradients (zeros for the others') and, on the
+            # last stage's rank, the loss: the psum gives every rank all of them.
+            if loss is None:
+                loss = torch.zeros((), dtype=torch.float32)
+            grads, loss = psum(pvary((grads, loss), axis), axis)
+        g_leaves = [t.to(self.reduction_dtype) for t in optree.tree_leaves(grads)]
+        del grads, x0
+        return self.reduction(g_leaves), loss, ({}, None)
+
+    @property
+    def reduction_dtype(self) -> torch.dtype:
+        return self.policy.reduce_dtype
+
+
+def _types(mesh: Mesh) -> tuple[Callable, Callable]:
+    """How a value's varying axes travel with it between pipe ranks: a bit per mesh axis.
+    A received activation varies over the batch axes as the one sent did; typed as
+    invariant it would take an implicit pvary, whose backward sums its gradient over them."""
+    names = mesh.axis_names
+
+    def encode(t: torch.Tensor) -> int:
+        return sum(1 << names.index(a) for a in varying_axes(t))
+
+    def decode(t: torch.Tensor, code: int) -> torch.Tensor:
+        mode = _env.current().vma
+        if mode is not None:
+            mode.set(t, frozenset(a for i, a in enumerate(names) if code >> i & 1))
+        return t
+    return encode, decode
