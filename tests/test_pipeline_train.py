@@ -86,3 +86,57 @@ def test_what_the_pipeline_cannot_run_is_refused_with_the_fix():
     step, params, _ = _step({"pipe": 2})
     with pytest.raises(ValueError, match="batch of 3 does not divide into 2 micro-batches"):
         step(step.init(params), {"tokens": torch.zeros(3, 17, dtype=torch.long)})
+
+
+# -- fsharded train -------------------------------------------------------------------------
+
+def _cli(args, tmp_path, name, torchrun=0):
+    import json
+    import os
+    import subprocess
+    import sys
+    metrics = tmp_path / f"{name}.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+    head = [sys.executable, "-m", "fsharded", "train"]
+    if torchrun:
+        from fsharded.testing import free_port
+        head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(torchrun),
+                "--master_port", str(free_port()), "-m", "fsharded", "train"]
+    r = subprocess.run([*head, "--preset", "tiny", "--seq-len", "32", "--batch", "2", "--steps", "5",
+                        "--set", "data=stdlib:300000", "--set", "model.n_layers=4", "--metrics", str(metrics),
+                        *args], capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout, [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+
+@pytest.mark.multiprocess
+def test_fsharded_train_with_a_pipe_axis_trains_as_accumulation_does(tmp_path):
+    # The same micro-batches, averaged: pipelined over pipe=2 as 1F1B and ZB, on the
+    # virtual mesh and under torchrun, and accumulated without a pipeline.
+    out, base = _cli(["--mesh", "data=1", "--set", "grad_accum_steps=4"], tmp_path, "base")
+    out, piped = _cli(["--mesh", "pipe=2", "--set", "pipeline.microbatches=4"], tmp_path, "pipe")
+    assert "Mesh(pipe=2) on the virtual backend" in out and "pipeline 1f1b with 4 micro-batches" in out
+    _, zb = _cli(["--mesh", "pipe=2", "--set", "pipeline.schedule=zb", "--set", "pipeline.microbatches=4"],
+                 tmp_path, "zb")
+    out, ranks = _cli(["--mesh", "pipe=2", "--set", "pipeline.microbatches=4"], tmp_path, "ranks", torchrun=2)
+    assert "on the distributed backend" in out
+    for other in (piped, zb, ranks):
+        assert other == pytest.approx(base, rel=1e-5, abs=1e-5), (other, base)
+
+
+def test_fsharded_train_refuses_a_pipe_it_cannot_run(tmp_path):
+    from fsharded.config import TrainConfig
+    with pytest.raises(ValueError, match="pipeline.schedule: expected one of gpipe, 1f1b, interleaved, zb"):
+        TrainConfig(pipeline={"schedule": "1f2b"})
+    with pytest.raises(ValueError, match="pipeline.microbatches 4 != grad_accum_steps 2"):
+        TrainConfig(pipeline={"microbatches": 4}, grad_accum_steps=2)
+    with pytest.raises(ValueError, match="virtual_stages: 2 stages per rank need schedule=interleaved"):
+        TrainConfig(pipeline={"virtual_stages": 2})
+    from fsharded.tools import train
+    cfg = TrainConfig(mesh={"pipe": 4}, model={"preset": "tiny", "vocab_size": 256}, steps=1,
+                      data="stdlib:300000", pipeline={"microbatches": 4})
+    with pytest.raises(ValueError, match="pipe=4 x 1 stages per rank = 4 stages, but the model has 2 blocks"):
+        train.run(cfg, progress="off")
+    cfg = cfg.replace(mesh={"pipe": 2, "tensor": 2})
+    with pytest.raises(NotImplementedError, match="tensor or sequence parallelism"):
+        train.run(cfg, progress="off")

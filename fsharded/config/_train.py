@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from fsharded.config._pipeline import PipelineConfig
 from fsharded.precision import DynamicLossScale, Policy, StaticLossScale
 
 __all__ = [
@@ -371,7 +372,8 @@ def _resolve_batch(
 # -- TrainConfig ----------------------------------------------------------------------------
 
 _BATCH = ("train_batch_size", "micro_batch_size", "grad_accum_steps")
-_SECTIONS = {"optimizer": OptimizerConfig, "scheduler": SchedulerConfig, "loss_scale": LossScaleConfig}
+_SECTIONS = {"optimizer": OptimizerConfig, "scheduler": SchedulerConfig, "loss_scale": LossScaleConfig,
+             "pipeline": PipelineConfig}
 _PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -426,6 +428,8 @@ class TrainConfig:
     one keeps the records up to the resumed step and appends); ``None`` = no file."""
     log_every: int = 10
     """Print metrics every this many steps (DeepSpeed's ``steps_per_print``)."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """With a ``pipe`` mesh axis: schedule, micro-batches (the accumulation), stages per rank."""
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -453,9 +457,13 @@ class TrainConfig:
             "log_every": _int_ge(1),
         })
         _raise(type(self), errors)
+        mb = self.pipeline.microbatches
+        if mb is not None and self.grad_accum_steps not in (None, mb):
+            _raise(type(self), [f"  pipeline.microbatches {mb} != grad_accum_steps {self.grad_accum_steps}: the "
+                                f"pipeline's micro-batches are the accumulation; give one of them"])
         try:
             triple = _resolve_batch(
-                self.train_batch_size, self.micro_batch_size, self.grad_accum_steps,
+                self.train_batch_size, self.micro_batch_size, self.grad_accum_steps if mb is None else mb,
                 self.data_parallel_size, default_micro=1,
                 names=(*_BATCH, "data parallel size (mesh['data'] x mesh['expert'])"),
             )
@@ -499,6 +507,10 @@ class TrainConfig:
                 "unknown TrainConfig field(s): "
                 + ", ".join(f"{k!r}{_suggest(k, _FIELD_NAMES)}" for k in bad)
             )
+        pipe = changes.get("pipeline")
+        mb = (pipe.get("microbatches") if isinstance(pipe, Mapping) else getattr(pipe, "microbatches", None))
+        if mb is not None and "grad_accum_steps" not in changes:  # the micro-batches are the accumulation
+            changes["grad_accum_steps"] = mb
         given = set(changes) & set(_BATCH)
         if (given and len(given) < 3) or ("mesh" in changes and not given):
             if "train_batch_size" not in given:

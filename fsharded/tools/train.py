@@ -38,6 +38,7 @@ from fsharded.parallel import sequence
 from fsharded.step import _estimate as _memory
 from fsharded.tools import _train_resume
 from fsharded.tools import flops as FL
+from fsharded.tools._train_pipeline import pipeline_loss
 from fsharded.tools._train_resume import LENGTH_PARAM, RESUME_CHANGES, lr_schedule, schedule_record
 
 # What `fsharded train` runs with no arguments: the "small" GPT (0.84 M parameters) on
@@ -58,7 +59,7 @@ JOB_DEFAULTS: dict[str, Any] = {
 
 
 # The mesh axes the bundled GPT job shards over; any other axis would only replicate.
-TRAIN_AXES = ("data", "tensor", "seq", "seq_ring", "expert")
+TRAIN_AXES = ("data", "tensor", "seq", "seq_ring", "expert", "pipe")
 SEQ_STRATEGIES = ("ulysses", "ring", "hybrid", "megatron")  # model.seq_parallel
 
 
@@ -611,8 +612,9 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     biased = mcfg.moe is not None and mcfg.moe.bias_update_rate is not None
     # The job never reads a state after stepping it: donate it (the update in place), except
     # under fp16 loss scaling, which keeps the old state to skip an overflowing step.
-    step = fs.train_step(seq.loss, opt, mesh=mesh, param_specs=specs, batch_spec=seq.batch_spec,
-                         precision=cfg.policy(), accumulation=cfg.grad_accum_steps,
+    piped = pipeline_loss(cfg, mesh, mcfg, params, seq)  # a pipe axis: its micro-batches are the accumulation
+    step = fs.train_step(piped or seq.loss, opt, mesh=mesh, param_specs=specs, batch_spec=seq.batch_spec,
+                         precision=cfg.policy(), accumulation=1 if piped else cfg.grad_accum_steps,
                          clip=cfg.grad_clip or None, blocks="blocks", check_memory=not force,
                          donate=not cfg.policy().loss_scaling,
                          update_model_state=gpt.model_state_updater(mcfg.moe) if biased else None)
@@ -645,6 +647,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
               f"{mesh!r} on the {'distributed' if dist_on else 'virtual'} backend, "
               f"batch {global_batch}x{mcfg.seq_len}, {cfg.steps} steps, {cfg.precision}"
               + (f", ZeRO-{cfg.zero_stage}" if cfg.zero_stage else "") + seq.describe()
+              + (f", pipeline {cfg.pipeline.schedule} with {cfg.grad_accum_steps} micro-batches" if piped else "")
               + (f", {mcfg.moe.experts} experts top-{mcfg.moe.top_k} every {mcfg.moe.every} blocks"
                  + (f" over expert={experts}" if experts > 1 else "") if mcfg.moe is not None else ""), flush=True)
     # Model FLOPs of a step (all devices; MoE blocks: each token through its top-k experts,
