@@ -6,7 +6,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fsharded.models import gpt, gpt_stages
+from fsharded.models import gpt, gpt_plans, gpt_stages
 from fsharded.parallel import pipeline as pp
 
 
@@ -54,7 +54,7 @@ TRAIN_CFG = {"bias": False}
 
 
 def train(mesh_axes: dict, name: str, v: int, steps: int, m: int = 2, zero: int = 0, layers: int = 4,
-          batch: int = 8, **cfg) -> dict:
+          batch: int = 8, tensor: bool = False, **cfg) -> dict:
     """``steps`` steps of the tiny GPT pipelined over ``pipe`` (on the virtual mesh, or on
     this process's rank under torch.distributed): the losses, and the parameters after."""
     import fsharded as fs
@@ -63,7 +63,8 @@ def train(mesh_axes: dict, name: str, v: int, steps: int, m: int = 2, zero: int 
     mesh = fs.Mesh(mesh_axes)
     stages = gpt_stages.pipeline_stages(params, mesh.shape["pipe"] * v, attention="einsum")
     loss = pp.pipelined(stages, schedule=name, microbatches=m, virtual=v)
-    specs = fs.parallel.zero(zero, axis="data", min_size=8)(None, params) if zero else None
+    specs = gpt_plans.tensor_parallel_specs(params) if tensor else None
+    specs = fs.parallel.zero(zero, axis="data", min_size=8)(specs, params) if zero else specs
     kw = {"param_specs": specs} if specs is not None else {}
     step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, **kw)
     state = step.init(params)
@@ -84,3 +85,26 @@ def train_reference(steps: int, layers: int = 4, batch: int = 8, **cfg) -> dict:
         state, metrics = step(state, {"tokens": tokens.roll(i, 0)})
         losses.append(float(metrics["loss"]))
     return {"losses": losses, "params": step.params(state)}
+
+
+def train_saving(mesh_axes: dict, name: str, steps: int, directory: str, *, load: str | None = None,
+                 start: int = 0, zero: int = 0, pipelined_run: bool = True) -> list[float]:
+    """Train ``steps`` steps from step ``start`` (from the checkpoint ``load`` if given) and
+    save to ``directory``: pipelined over ``pipe`` or, without it, the plain GPT."""
+    import fsharded as fs
+    params, tokens = setup(**TRAIN_CFG)
+    mesh = fs.Mesh(mesh_axes)
+    if pipelined_run:
+        loss = pp.pipelined(gpt_stages.pipeline_stages(params, mesh.shape["pipe"], attention="einsum"),
+                            schedule=name, microbatches=2)
+    else:
+        loss = lambda p, b: gpt.loss(p, b, attention="einsum")  # noqa: E731
+    specs = fs.parallel.zero(zero, axis="data", min_size=8)(None, params) if zero else None
+    step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, **({"param_specs": specs} if specs else {}))
+    state = step.load(load, params) if load else step.init(params)
+    losses = []
+    for i in range(start, start + steps):
+        state, metrics = step(state, {"tokens": tokens.roll(i, 0)})
+        losses.append(float(metrics["loss"]))
+    step.save(state, directory)
+    return losses

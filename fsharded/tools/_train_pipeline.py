@@ -17,9 +17,9 @@ def pipeline_loss(cfg: Any, mesh: fs.Mesh, mcfg: Any, params: Any, seq: Any) -> 
     micro-batches are the job's accumulation (``cfg.grad_accum_steps``)."""
     if "pipe" not in mesh.shape:
         return None
-    if mesh.shape.get("tensor", 1) > 1 or seq.n > 1 or seq.megatron:
-        raise NotImplementedError("fsharded train: a pipe axis with tensor or sequence parallelism is not "
-                                  "supported yet; pipe composes with data (and ZeRO-1/2) for now")
+    if seq.n > 1 or seq.megatron:
+        raise NotImplementedError("fsharded train: a pipe axis with sequence parallelism is not supported yet; "
+                                  "pipe composes with data (and ZeRO-1/2) and tensor for now")
     if mcfg.moe is not None:
         raise NotImplementedError("fsharded train: a pipe axis with a mixture-of-experts GPT is not supported yet")
     if cfg.zero_stage == 3:
