@@ -108,3 +108,36 @@ def train_saving(mesh_axes: dict, name: str, steps: int, directory: str, *, load
         losses.append(float(metrics["loss"]))
     step.save(state, directory)
     return losses
+
+
+# -- Hugging Face models through fs.nn ----------------------------------------------------------
+
+def hf_loss(fm, p, b):
+    return fm.apply(p, input_ids=b["input_ids"], labels=b["input_ids"]).loss
+
+
+def hf_train(kind: str, mesh_axes: dict, name: str, steps: int, layers: int = 4, v: int = 1) -> dict:
+    """``steps`` steps of a tiny Hugging Face model (``model_zoo.hf_llama`` / ``hf_gpt2``) cut
+    by ``fs.nn.pipeline_stages`` over ``pipe`` (without a pipe axis: accumulated over the
+    same 2 micro-batches)."""
+    import fsharded as fs
+    import model_zoo
+    model = model_zoo.hf_llama(num_hidden_layers=layers) if kind == "llama" else model_zoo.hf_gpt2(n_layer=layers)
+    fm = fs.nn.functional(model)
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+    mesh = fs.Mesh(mesh_axes)
+    if "pipe" in mesh_axes:
+        stages = fs.nn.pipeline_stages(fm, mesh.shape["pipe"] * v, hf_loss, {"input_ids": ids[:2]})
+        loss, accumulation = pp.pipelined(stages, schedule=name, microbatches=2, virtual=v), 1
+    else:
+        loss, accumulation = (lambda p, b: hf_loss(fm, p, b)), 2
+    # GPT-2's attention bias holds the key bias, whose gradient is zero up to rounding, which
+    # Adam would turn into steps of the learning rate: SGD for it.
+    opt = fs.optim.adamw(1e-2) if kind == "llama" else fs.optim.sgd(0.5)
+    step = fs.train_step(loss, opt, mesh=mesh, accumulation=accumulation)
+    state = step.init(fm.params)
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, {"input_ids": ids.roll(i, 0)})
+        losses.append(float(metrics["loss"]))
+    return {"losses": losses, "params": step.params(state)}

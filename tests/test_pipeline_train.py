@@ -162,3 +162,35 @@ def test_a_pipelined_runs_checkpoint_loads_into_other_layouts_and_back(tmp_path,
     second = C.train_saving({"data": 2}, "", 3, b, load=a, start=3, zero=2, pipelined_run=False)
     third = C.train_saving({"pipe": 2}, "zb", 4, c, load=b, start=6)
     assert first + second + third == pytest.approx(reference["losses"], abs=1e-5)
+
+
+# -- Hugging Face models cut through fs.nn --------------------------------------------------------
+
+@pytest.mark.parametrize("kind,mesh,name,ranks", [
+    ("llama", {"pipe": 2}, "1f1b", 0), ("llama", {"pipe": 2, "data": 2}, "zb", 0),
+    ("gpt2", {"pipe": 2}, "interleaved", 0), ("llama", {"pipe": 2}, "zb", 2)])
+def test_a_hugging_face_model_cut_through_fs_nn_trains_as_it_does_uncut(kind, mesh, name, ranks):
+    pytest.importorskip("transformers")
+    v = 2 if name == "interleaved" else 1  # two stages per rank: 4 stages of the 4 layers
+    ref = C.hf_train(kind, {"data": 1}, "", 4)
+    if ranks:
+        outs = run_on_ranks(C.hf_train, ranks, kind, mesh, name, 4, v=v)
+    else:
+        outs = [C.hf_train(kind, mesh, name, 4, v=v)]
+    for out in outs:
+        assert_trains_like(out, ref)
+
+
+def test_what_each_end_of_a_cut_module_holds():
+    pytest.importorskip("transformers")
+    import model_zoo
+    fm = fs.nn.functional(model_zoo.hf_llama(num_hidden_layers=4))
+    batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long)}
+    st = fs.nn.pipeline_stages(fm, 2, C.hf_loss, batch)
+    assert (st.first_keys, st.last_keys, st.ranges) == (
+        ("model.embed_tokens.weight",), ("lm_head.weight", "model.norm.weight"), (range(0, 2), range(2, 4)))
+    fm = fs.nn.functional(model_zoo.hf_gpt2(n_layer=4))  # lm_head tied to wte: on both ends
+    st = fs.nn.pipeline_stages(fm, 2, C.hf_loss, batch)
+    assert "transformer.wte.weight" in st.first_keys and "transformer.wte.weight" in st.last_keys
+    with pytest.raises(ValueError, match="no block list"):
+        fs.nn.pipeline_stages(fs.nn.functional(torch.nn.Linear(2, 2)), 2, C.hf_loss, batch)

@@ -11,6 +11,7 @@ writing trained weights back.
 from fsharded.nn._blocks import KNOWN_LAYOUTS
 from fsharded.nn._functional import FunctionalModule, functional
 from fsharded.nn._load import LoadResult, load_into
+from fsharded.nn._pipeline import ModuleStages, pipeline_stages
 from fsharded.nn._sequence import (
     IGNORE,
     SequenceParallel,
@@ -20,4 +21,4 @@ from fsharded.nn._sequence import (
 )
 
 __all__ = ["functional", "FunctionalModule", "load_into", "LoadResult", "KNOWN_LAYOUTS", "sequence_parallel",
-           "SequenceParallel", "sequence_attention", "causal_lm_loss", "IGNORE"]
+           "SequenceParallel", "sequence_attention", "causal_lm_loss", "IGNORE", "pipeline_stages", "ModuleStages"]

@@ -25,6 +25,7 @@ from typing import Any
 import optree
 import torch
 
+from fsharded import _tree
 from fsharded.parallel.blocks import run_block
 
 __all__ = ["cut", "Stages"]
@@ -80,8 +81,10 @@ def cut(sizes: Sequence[int], stages: int, *, boundaries: Sequence[int] | None =
 @dataclass(frozen=True)
 class Stages:
     """A model as pipeline stages (see the module's docstring). ``first_keys`` and
-    ``last_keys``: the top-level parameter keys ``first`` and ``last`` read; ``blocks``:
-    the key of the block list; ``ranges[s]``: the blocks of stage ``s``."""
+    ``last_keys``: the parameters ``first`` and ``last`` read, as dotted paths of subtrees
+    or leaves (``"emb"``, ``"model.norm.weight"``); ``blocks``: the dotted path of the block
+    list; ``ranges[s]``: the blocks of stage ``s``. A stage's part of the parameters
+    (``params_of``) is a flat dict: ``{blocks: [its blocks], path: subtree, ...}``."""
 
     first: Callable[[Any, Any], torch.Tensor]
     block: Callable[..., torch.Tensor]
@@ -95,45 +98,31 @@ class Stages:
     def n(self) -> int:
         return len(self.ranges)
 
-    def check(self, params: Any) -> None:
-        """That ``params`` is the tree these stages were cut for."""
-        if not isinstance(params, dict) or self.blocks not in params:
-            raise ValueError(f"pipeline: the parameters have no block list {self.blocks!r} to cut into stages "
-                             f"(top-level keys: {sorted(params) if isinstance(params, dict) else type(params).__name__}); "
-                             f"a pipe axis needs a model that runs its blocks from a list")
-        have = len(params[self.blocks])
-        if self.ranges[-1].stop != have:
-            raise ValueError(f"pipeline: the stages were cut for {self.ranges[-1].stop} blocks, the parameters "
-                             f"have {have}")
-        missing = [k for k in (*self.first_keys, *self.last_keys) if k not in params]
-        if missing:
-            raise ValueError(f"pipeline: the parameters have no {missing} (the first / last stage's)")
-
     def keys(self, s: int) -> tuple[str, ...]:
-        """The top-level keys stage ``s`` holds besides its blocks."""
+        """The paths stage ``s`` holds besides its blocks."""
         ks = (self.first_keys if s == 0 else ()) + (self.last_keys if s == self.n - 1 else ())
         return tuple(dict.fromkeys(ks))
 
-    def params_of(self, params: dict, s: int) -> dict:
-        """Stage ``s``'s part of ``params``: its keys and its run of blocks."""
-        out = {k: params[k] for k in self.keys(s)}
-        out[self.blocks] = [params[self.blocks][i] for i in self.ranges[s]]
+    def params_of(self, params: Any, s: int) -> dict:
+        """Stage ``s``'s part of ``params``: its paths and its run of blocks."""
+        out = {k: _tree.get_path(params, k) for k in self.keys(s)}
+        blocks = _tree.get_path(params, self.blocks)
+        out[self.blocks] = [blocks[i] for i in self.ranges[s]]
         return out
 
-    def merge(self, parts: dict[int, dict], like: dict) -> dict:
-        """The whole tree (``like``'s keys) from the stages' parts: blocks in order, a key
-        held by two stages (tied embeddings) summed, and zeros (shaped as in ``like``) for
-        what no part holds (the stages of other ranks)."""
-        out: dict = {}
-        blocks: list = [None] * len(like[self.blocks])
+    def merge(self, parts: dict[int, dict], like: Any) -> Any:
+        """The whole tree (shaped as ``like``) from the stages' parts: blocks in order, a
+        path held by two stages (tied embeddings) summed, and zeros for what no part holds
+        (the stages of other ranks)."""
+        got: dict[str, torch.Tensor] = {}
         for s, part in sorted(parts.items()):
             for i, b in zip(self.ranges[s], part[self.blocks]):
-                blocks[i] = b
+                _put(got, f"{self.blocks}.{i}", b)
             for k in self.keys(s):
-                out[k] = part[k] if k not in out else _add(out[k], part[k])
-        zeros = lambda t: optree.tree_map(torch.zeros_like, t)  # noqa: E731
-        out[self.blocks] = [zeros(like[self.blocks][i]) if b is None else b for i, b in enumerate(blocks)]
-        return {k: out[k] if k in out else zeros(like[k]) for k in like}
+                _put(got, k, part[k])
+        paths, leaves, tdef = _tree.tree_flatten_with_paths(like)
+        return optree.tree_unflatten(tdef, [got[p] if p in got else torch.zeros_like(x)
+                                            for p, x in zip(paths, leaves)])
 
     def forward(self, s: int, params: dict, x: Any, batch: Any) -> torch.Tensor:
         """Stage ``s`` on its part of the parameters: from the batch (the first stage) or
@@ -148,5 +137,9 @@ class Stages:
         return x
 
 
-def _add(a: Any, b: Any) -> Any:
-    return optree.tree_map(lambda u, v: u + v, a, b)
+def _put(got: dict, prefix: str, tree: Any) -> None:
+    """Each leaf of ``tree`` under its dotted path below ``prefix`` (added where one is there)."""
+    paths, leaves, _ = _tree.tree_flatten_with_paths(tree)
+    for p, x in zip(paths, leaves):
+        key = prefix if p == "<root>" else f"{prefix}.{p}"
+        got[key] = x if key not in got else got[key] + x
