@@ -120,8 +120,9 @@ def hf_train(kind: str, mesh_axes: dict, name: str, steps: int, layers: int = 4,
     """``steps`` steps of a tiny Hugging Face model (``model_zoo.hf_llama`` / ``hf_gpt2``) cut
     by ``fs.nn.pipeline_stages`` over ``pipe`` (without a pipe axis: accumulated over the
     same 2 micro-batches)."""
-    import fsharded as fs
     import model_zoo
+
+    import fsharded as fs
     model = model_zoo.hf_llama(num_hidden_layers=layers) if kind == "llama" else model_zoo.hf_gpt2(n_layer=layers)
     fm = fs.nn.functional(model)
     ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
