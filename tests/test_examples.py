@@ -195,6 +195,19 @@ def _check_tensor_gpt(ns: dict, out: str) -> None:
     assert "total over tensor" in out
 
 
+def _check_pipeline_schedules(ns: dict, out: str) -> None:
+    # 1F1B's bubble (p-1)/(m+p-1) and its p-r held micro-batches; the hand-written table drawn.
+    from fractions import Fraction
+    assert out.splitlines()[0] == f"{Fraction(3, 11)} (4, 3, 2, 1)"
+    assert ns["mine"].ranks == 2 and "F0" in out.split("\n", 1)[1]
+
+
+def _check_pipeline_training(ns: dict, out: str) -> None:
+    # The pipelined step's losses are accumulation's over the same micro-batches.
+    first, second = (float(v) for v in out.split())
+    assert abs(first - second) < 1e-5, out
+
+
 def _check_tensor_plan(ns: dict, out: str) -> None:
     # The plan's specs as the comment gives them, and one pvary + one psum over tensor.
     from fsharded import P
@@ -267,6 +280,9 @@ man3 = man1
         replace={}, check=_check_config),
     'cfg.check_tensor_parallel(mesh.shape["tensor"])': dict(before="", replace={}, check=_check_tensor_gpt),
     "mlp_plan = fs.parallel.tensor.plan(mlp": dict(before="", replace={}, check=_check_tensor_plan),
+    # docs/guides/pipeline.md
+    "plan = pipeline.check(pipeline.one_f_one_b(4, 8))": dict(before="", replace={}, check=_check_pipeline_schedules),
+    "piped = fs.train_step(loss": dict(before="", replace={}, check=_check_pipeline_training),
     "skipping = fs.train_step(": dict(before="", replace={}, check=_check_faults),
     # docs/migration/deepspeed.md: a DeepSpeed config read into the step it describes.
     "fs.optim.adamw(o.lr, *o.betas, eps=o.eps": dict(
