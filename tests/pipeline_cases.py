@@ -142,3 +142,29 @@ def hf_train(kind: str, mesh_axes: dict, name: str, steps: int, layers: int = 4,
         state, metrics = step(state, {"input_ids": ids.roll(i, 0)})
         losses.append(float(metrics["loss"]))
     return {"losses": losses, "params": step.params(state)}
+
+
+def p2p_shapes() -> dict:
+    """One PointToPoint kept over runs of micro-batches of two shapes: the numbers stay
+    those of the one-process run, and a stage whose output shape changes for the same
+    micro-batch shape is an error naming it."""
+    params, tokens = setup()
+    st = gpt_stages.pipeline_stages(params, 2, attention="einsum")
+    me = dist.get_rank()
+    sched = pp.one_f_one_b(2, 2)
+    p2p = pp.PointToPoint(dist.group.WORLD, [0, 1], 2)
+    out = {}
+    for rows in (8, 4, 8):
+        micro = micro_batches(tokens[:rows], 2)
+        res = pp.run(sched, st, {me: st.params_of(params, me)}, micro, ranks=[me], transport=p2p)
+        local = pp.run(sched, st, {s: st.params_of(params, s) for s in range(2)}, micro)
+        out[rows] = max(float((a - b).abs().max()) for a, b in zip(optree.tree_leaves(res.grads[me]),
+                                                                    optree.tree_leaves(local.grads[me])))
+    # the same micro-batch shape, another activation shape: refused by the sender
+    try:
+        if me == 0:
+            p2p.send(torch.zeros(3, 3), ("act", 0, 0), 0, 1)
+        out["error"] = None
+    except RuntimeError as e:
+        out["error"] = str(e)
+    return out

@@ -253,3 +253,11 @@ def test_linear_and_matmul_of_a_parameter_are_put_off_too():
     sink.apply(rest)
     for a, r in zip([got[0], *rest], ref):
         assert torch.allclose(a, r, atol=1e-5)
+
+
+def test_a_kept_point_to_point_learns_shapes_per_micro_batch_shape():
+    out = run_on_ranks(C.p2p_shapes, 2)
+    for r in out:
+        assert r[8] < 1e-6 and r[4] < 1e-6
+    assert "act of stage 0 is torch.float32 (3, 3) this time" in out[0]["error"]
+    assert out[1]["error"] is None

@@ -94,6 +94,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             "per rank, peak RSS, losses",
         ),
         Benchmark(
+            "pipeline",
+            "fsharded.bench.pipeline",
+            "pipeline schedules (GPipe, 1F1B, interleaved, zero-bubble) on 2 and 4 gloo ranks vs "
+            "DeepSpeed's pipeline engine and torch.distributed.pipelining: step time, losses, bubble",
+        ),
+        Benchmark(
             "checkpoint",
             "fsharded.bench.checkpoint",
             "saving and loading a ZeRO-3 training state on 2 gloo ranks vs DCP: time, bytes "

@@ -18,6 +18,7 @@ strategy's are.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ from fsharded import comm
 from fsharded.mesh._mesh import Mesh
 from fsharded.parallel.pipeline import Mailbox, Pipelined, PointToPoint, run, split_batch
 from fsharded.precision import cast_tree
-from fsharded.spmd import _env, _manifest
+from fsharded.spmd import _env, _manifest, _vma
 from fsharded.spmd.collectives import psum, pvary, varying_axes
 from fsharded.step._differentiate import Inputs
 from fsharded.step._layout import Layout
@@ -66,11 +67,13 @@ class PipelineGradients:
     ``functional``: differentiate with torch.func (the virtual mesh); ``distributed``: run
     this rank's actions only, sending to the other pipe ranks."""
 
-    def __init__(self, pipe: Pipelined, inputs: Inputs, reduction: Reduction, mesh: Mesh, *, policy: Any,
-                 functional: bool, distributed: bool) -> None:
-        self.pipe, self.inputs, self.reduction, self.mesh = pipe, inputs, reduction, mesh
+    def __init__(self, pipe: Pipelined, inputs: Inputs, reduction: Reduction, layout: Layout, *, policy: Any,
+                 batch_axes: tuple[str, ...], functional: bool, distributed: bool) -> None:
+        self.pipe, self.inputs, self.reduction, self.mesh = pipe, inputs, reduction, layout.mesh
         self.policy, self.functional, self.distributed = policy, functional, distributed
-        self.table = pipe.table(mesh.shape[pipe.axis])
+        self.table = pipe.table(self.mesh.shape[pipe.axis])
+        self.assumed = _assumable(layout, batch_axes, pipe.axis)
+        self._p2p: PointToPoint | None = None
 
     def __call__(self, params: Any, batch: Any, scale: Any, varying: tuple[str, ...], mark: Callable,
                  model_state: Any = None) -> tuple[list, torch.Tensor, tuple]:
@@ -86,12 +89,27 @@ class PipelineGradients:
         if self.distributed and not _manifest.dry():
             g = comm.axis_group(self.mesh, (axis,))
             ranks = [g.index]
-            transport = PointToPoint(g.group, g.ranks, sched.microbatches, types=_types(self.mesh))
+            if self._p2p is None:  # kept from step to step: the shapes it learnt carry over
+                self._p2p = PointToPoint(g.group, g.ranks, sched.microbatches, types=_types(self.mesh))
+            transport = self._p2p
         else:  # the virtual mesh, or a dry run of a real rank's step: every pipe rank here
             ranks, transport = list(range(sched.ranks)), Mailbox()
         mine = [s for s in range(stages.n) if sched.rank_of(s) in ranks]
-        res = run(sched, stages, {s: stages.params_of(x0, s) for s in mine}, micro, ranks=ranks,
-                  transport=transport, functional=self.functional)
+        frame = _env.current()
+        mode = frame.vma if frame is not None and self.assumed is not None and not _manifest.active() else None
+        with mode.assuming(self.assumed) if mode is not None else contextlib.nullcontext():
+            try:
+                res = run(sched, stages, {s: stages.params_of(x0, s) for s in mine}, micro, ranks=ranks,
+                          transport=transport, functional=self.functional)
+            except _vma.NeedsTyping:  # the pipe ranks may stand at different actions: no rerun
+                raise RuntimeError("pipeline: a stage asked for the varying-axes typing the step assumed "
+                                   "away (a collective or a type question inside the model); please "
+                                   "report it") from None
+        if mode is not None:
+            for t in optree.tree_leaves(res.grads):  # a cotangent has its primal's type
+                mode.set(t, self.assumed)
+            if res.loss is not None:
+                mode.set(res.loss, self.assumed)
         grads, loss = stages.merge(res.grads, x0), res.loss
         if self.distributed and sched.ranks > 1:
             # This rank holds its stages' gradients (zeros for the others') and, on the
@@ -108,6 +126,19 @@ class PipelineGradients:
         return self.policy.reduce_dtype
 
 
+def _assumable(layout: Layout, batch_axes: tuple[str, ...], pipe: str) -> frozenset | None:
+    """The axes the stages run assuming every differentiated value varies over (the
+    typing off torch's stack, as ``_assume`` does for a plain step): every axis of size > 1
+    but the pipe axis, when each parameter varies over all of them once marked varying
+    over the batch axes (data parallelism, ZeRO); else None (tensor parallelism: typed)."""
+    mesh = layout.mesh
+    full = frozenset(a for a in mesh.axis_names if mesh.shape[a] > 1 and a != pipe)
+    marked = {a for a in batch_axes if mesh.shape[a] > 1}
+    if all(full <= marked | set(s.axes) for s in layout.params):
+        return full
+    return None
+
+
 def _types(mesh: Mesh) -> tuple[Callable, Callable]:
     """How a value's varying axes travel with it between pipe ranks: a bit per mesh axis.
     A received activation varies over the batch axes as the one sent did; typed as
@@ -115,7 +146,10 @@ def _types(mesh: Mesh) -> tuple[Callable, Callable]:
     names = mesh.axis_names
 
     def encode(t: torch.Tensor) -> int:
-        return sum(1 << names.index(a) for a in varying_axes(t))
+        mode = _env.current().vma
+        # Under the assumed typing an activation or a gradient varies over the assumed axes.
+        axes = mode.assumed if mode is not None and mode.assumed is not None else varying_axes(t)
+        return sum(1 << names.index(a) for a in axes)
 
     def decode(t: torch.Tensor, code: int) -> torch.Tensor:
         mode = _env.current().vma

@@ -56,6 +56,12 @@ class Mailbox:
     def recv(self, key: tuple, src: int, dst: int) -> torch.Tensor:
         return self._box.pop((key, src, dst))
 
+    def begin(self, micro: Any) -> None:
+        pass
+
+    def prefetch(self, key: tuple, src: int, dst: int) -> None:
+        pass
+
     def finish(self) -> None:
         if self._box:
             left = ", ".join(f"{k[0]} from {s} to {d}" for k, s, d in self._box)
@@ -67,9 +73,14 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 class PointToPoint:
     """Point-to-point sends on ``group`` (the ranks along the ``pipe`` axis, ``ranks[i]``
-    the global rank of pipe coordinate ``i``). Each value goes as a small header (its
-    dtype and shape) and then its data, under a tag naming what it is, so a receiver
-    needs no shapes in advance and two values between the same ranks cannot be mixed up."""
+    the global rank of pipe coordinate ``i``), each under a tag naming what it is, so two
+    values between the same ranks cannot be mixed up.
+
+    The first value of each kind (an activation or a gradient of a stage) for a shape of
+    micro-batch goes with a small header (its dtype, shape and type); later ones go bare,
+    their shape known on both sides, and a receive the executor sees coming is posted
+    ahead (``prefetch``), so the data arrives while the rank computes. Keep one transport
+    for a run of steps: what it learnt of the shapes carries over."""
 
     def __init__(self, group: Any, ranks: Sequence[int], microbatches: int, *,
                  types: tuple[Callable, Callable] | None = None) -> None:
@@ -79,10 +90,21 @@ class PointToPoint:
         self.types = types
         self._pending: list[Any] = []
         self._keep: list[torch.Tensor] = []  # what an unfinished send reads
+        self._known: dict[tuple, tuple] = {}  # (what, stage, src, dst, shapes) -> (dtype, shape, code)
+        self._posted: dict[tuple, tuple[Any, torch.Tensor]] = {}  # key, src -> (work, buffer)
+        self.shapes: tuple = ()  # of the current run's micro-batch (``begin``)
+
+    def begin(self, micro: Any) -> None:
+        """A run on micro-batches like ``micro``: values of a kind are shaped alike per shape."""
+        self.shapes = tuple((tuple(x.shape), x.dtype) for x in optree.tree_leaves(micro)
+                            if isinstance(x, torch.Tensor))
 
     def _tag(self, key: tuple) -> int:
         what, mb, stage = key
         return ((stage * self.m + mb) * 2 + (what == "grad")) * 2
+
+    def _kind(self, key: tuple, src: int, dst: int) -> tuple:
+        return (key[0], key[2], src, dst, self.shapes)
 
     def send(self, value: torch.Tensor, key: tuple, src: int, dst: int) -> None:
         value = value.detach().contiguous()
@@ -90,29 +112,60 @@ class PointToPoint:
             raise TypeError(f"pipeline: cannot send a {value.dtype} activation between stages")
         if value.dim() > 7:
             raise ValueError(f"pipeline: cannot send a {value.dim()}-d value between stages (at most 7 dims)")
-        head = torch.zeros(10, dtype=torch.int64)
-        head[:2 + value.dim()] = torch.tensor([_DTYPES.index(value.dtype), value.dim(), *value.shape])
-        head[9] = self.types[0](value) if self.types is not None else 0
-        tag, peer = self._tag(key), self.ranks[dst]
-        self._pending.append(dist.isend(head, peer, group=self.group, tag=tag))
+        tag, peer, kind = self._tag(key), self.ranks[dst], self._kind(key, src, dst)
+        code = self.types[0](value) if self.types is not None else 0
+        known = self._known.get(kind)
+        if known is None:
+            head = torch.zeros(10, dtype=torch.int64)
+            head[:2 + value.dim()] = torch.tensor([_DTYPES.index(value.dtype), value.dim(), *value.shape])
+            head[9] = code
+            self._pending.append(dist.isend(head, peer, group=self.group, tag=tag))
+            self._keep.append(head)
+            self._known[kind] = (value.dtype, tuple(value.shape), code)
+        elif known != (value.dtype, tuple(value.shape), code):
+            raise RuntimeError(f"pipeline: {key[0]} of stage {key[2]} is {value.dtype} {tuple(value.shape)} "
+                               f"this time, {known[0]} {known[1]} before, for the same micro-batch shape: a "
+                               f"stage whose output shape varies cannot be pipelined")
         self._pending.append(dist.isend(value, peer, group=self.group, tag=tag + 1))
-        self._keep += [head, value]
+        self._keep.append(value)
 
     def ready(self, key: tuple, src: int, dst: int) -> bool:
         return True  # a receive waits for its value
 
+    def prefetch(self, key: tuple, src: int, dst: int) -> None:
+        """Post the receive of ``key`` now, if its shape is known (it is received later)."""
+        known = self._known.get(self._kind(key, src, dst))
+        if known is None or (key, src) in self._posted:
+            return
+        buf = torch.empty(known[1], dtype=known[0])
+        work = dist.irecv(buf, self.ranks[src], group=self.group, tag=self._tag(key) + 1)
+        self._posted[(key, src)] = (work, buf)
+
     def recv(self, key: tuple, src: int, dst: int) -> torch.Tensor:
-        tag, peer = self._tag(key), self.ranks[src]
-        head = torch.empty(10, dtype=torch.int64)
-        dist.recv(head, peer, group=self.group, tag=tag)
-        dtype, nd = _DTYPES[int(head[0])], int(head[1])
-        out = torch.empty([int(x) for x in head[2:2 + nd]], dtype=dtype)
-        dist.recv(out, peer, group=self.group, tag=tag + 1)
-        return self.types[1](out, int(head[9])) if self.types is not None else out
+        tag, peer, kind = self._tag(key), self.ranks[src], self._kind(key, src, dst)
+        if (key, src) in self._posted:
+            work, out = self._posted.pop((key, src))
+            work.wait()
+            code = self._known[kind][2]
+        elif kind in self._known:
+            dtype, shape, code = self._known[kind]
+            out = torch.empty(shape, dtype=dtype)
+            dist.recv(out, peer, group=self.group, tag=tag + 1)
+        else:
+            head = torch.empty(10, dtype=torch.int64)
+            dist.recv(head, peer, group=self.group, tag=tag)
+            dtype, nd, code = _DTYPES[int(head[0])], int(head[1]), int(head[9])
+            shape = tuple(int(x) for x in head[2:2 + nd])
+            self._known[kind] = (dtype, shape, code)
+            out = torch.empty(shape, dtype=dtype)
+            dist.recv(out, peer, group=self.group, tag=tag + 1)
+        return self.types[1](out, code) if self.types is not None else out
 
     def finish(self) -> None:
         for w in self._pending:
             w.wait()
+        if self._posted:
+            raise RuntimeError(f"pipeline: receives posted and never taken: {sorted(self._posted)}")
         self._pending, self._keep = [], []
 
 
@@ -120,13 +173,19 @@ class PointToPoint:
 class Result:
     """What ``run`` leaves: ``loss`` (the mean over the micro-batches, on the rank that
     holds the last stage, else None), ``grads[s]`` (stage ``s``'s parameter gradients,
-    for the stages of the ranks run), and per rank the seconds spent in compute actions
-    and the peak number of micro-batches whose activations it held at once."""
+    for the stages of the ranks run), and per rank: the seconds spent in compute actions
+    (``busy_s``; by kind, with their count, in ``spent``), the peak number of
+    micro-batches whose activations it held at once; and the run's wall time."""
 
     loss: torch.Tensor | None
     grads: dict[int, Any]
     busy_s: dict[int, float] = field(default_factory=dict)
     peak_held: dict[int, int] = field(default_factory=dict)
+    spent: dict[int, dict[str, tuple[float, int]]] = field(default_factory=dict)
+    wall_s: float = 0.0
+    spans: dict[int, list[tuple[float, float, Action]]] = field(default_factory=dict)
+    """Per rank, each action with its start and end (seconds from the run's start): the
+    measured timeline, as ``check``'s plan has the planned one."""
 
 
 class _Rank:
@@ -140,6 +199,9 @@ class _Rank:
         self.held: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (input leaf, output)
         self.to_send: dict[tuple, torch.Tensor] = {}
         self.busy = 0.0
+        self.spent: dict[str, list] = {}  # kind -> [seconds, count]
+        self.spans: list[tuple[float, float, Action]] = []
+        self.t0 = 0.0
         self.peak = 0
 
     def blocked(self) -> bool:
@@ -153,6 +215,7 @@ class _Rank:
     def step(self) -> None:
         a = self.actions[self.pc]
         ex = self.ex
+        start = time.perf_counter()
         if a.kind == "SEND":
             ex.transport.send(self.to_send.pop(self._key(a)), self._key(a), self.r, a.peer)
         elif a.kind == "RECV":
@@ -162,10 +225,23 @@ class _Rank:
             else:
                 self.out_grads[(a.stage - 1, a.mb)] = v
         else:
-            t0 = time.perf_counter()
             getattr(self, "_" + a.kind)(a.stage, a.mb)
-            self.busy += time.perf_counter() - t0
+            dt = time.perf_counter() - start
+            self.busy += dt
+            k = self.spent.setdefault(a.kind, [0.0, 0])
+            k[0] += dt
+            k[1] += 1
+        self.spans.append((start - self.t0, time.perf_counter() - self.t0, a))
         self.pc += 1
+        if a.kind == "RECV" or self.pc == 1:
+            self._prefetch()
+
+    def _prefetch(self) -> None:
+        """Post the next receive of this rank's list ahead of it."""
+        for a in self.actions[self.pc:]:
+            if a.kind == "RECV":
+                self.ex.transport.prefetch(self._key(a), a.peer, self.r)
+                return
 
     def _F(self, s: int, i: int) -> None:
         ex = self.ex
@@ -312,7 +388,11 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     split = frozenset((a.stage, a.mb) for r in ranks for a in schedule.actions[r] if a.kind == "I")
     ex = _Run(schedule, stages, params, micro, transport, leaves, {s: [None] * len(leaves[s]) for s in mine}, split,
               Functional() if functional else Autograd())
+    transport.begin(micro[0])
     walkers = [_Rank(r, ex) for r in ranks]
+    t0 = time.perf_counter()
+    for w in walkers:
+        w.t0 = t0
     while True:
         moved = False
         for w in walkers:
@@ -325,6 +405,7 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
             stuck = "; ".join(f"rank {w.r} at {w.actions[w.pc]}" for w in walkers if w.pc < len(w.actions))
             raise RuntimeError(f"pipeline: no rank can go on ({stuck}): the schedule deadlocks")
     transport.finish()
+    wall = time.perf_counter() - t0
     grads = {}
     for s in mine:
         filled = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves[s], ex.grads[s])]
@@ -332,4 +413,6 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     loss = None
     if schedule.rank_of(stages.n - 1) in ranks:
         loss = torch.stack([ex.losses[i] for i in range(schedule.microbatches)]).mean()
-    return Result(loss, grads, {w.r: w.busy for w in walkers}, {w.r: w.peak for w in walkers})
+    return Result(loss, grads, {w.r: w.busy for w in walkers}, {w.r: w.peak for w in walkers},
+                  {w.r: {k: (v[0], v[1]) for k, v in w.spent.items()} for w in walkers}, wall,
+                  {w.r: w.spans for w in walkers})
