@@ -194,3 +194,20 @@ def test_what_each_end_of_a_cut_module_holds():
     assert "transformer.wte.weight" in st.first_keys and "transformer.wte.weight" in st.last_keys
     with pytest.raises(ValueError, match="no block list"):
         fs.nn.pipeline_stages(fs.nn.functional(torch.nn.Linear(2, 2)), 2, C.hf_loss, batch)
+
+
+def test_a_deepspeed_configs_pipeline_block_maps_onto_the_pipe_axis():
+    from fsharded.config import from_deepspeed
+    ds = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "pipeline": {"stages": 2, "partition": "parameters", "seed_layers": False, "pipe_partitioned": True}}
+    cfg = from_deepspeed(ds)
+    # DeepSpeed's engine: 1F1B, gradient_accumulation_steps micro-batches, pipe the outer axis
+    assert cfg.mesh == {"pipe": 2, "data": 2} and cfg.pipeline.schedule == "1f1b"
+    assert (cfg.micro_batch_size, cfg.grad_accum_steps, cfg.train_batch_size) == (2, 8, 32)
+    with pytest.raises(ValueError, match="pipeline.partition = 'uniform'"):
+        from_deepspeed({**ds, "pipeline": {"stages": 2, "partition": "uniform"}})
+    with pytest.raises(ValueError, match="pipeline.activation_checkpoint_interval"):
+        from_deepspeed({**ds, "pipeline": {"stages": 2, "activation_checkpoint_interval": 1}})
+    with pytest.raises(ValueError, match="pipeline.stages: 2, but the mesh's 'pipe' axis is 4"):
+        from_deepspeed(ds, mesh={"pipe": 4})

@@ -177,6 +177,31 @@ class _Reader:
         return walk(self.d, "")[0]
 
 
+def _ds_pipeline(r: _Reader, kw: dict, mesh: dict) -> None:
+    """DeepSpeed's ``pipeline`` block: ``stages`` is the mesh's ``pipe`` axis, run as
+    DeepSpeed's engine runs it (1F1B, ``gradient_accumulation_steps`` micro-batches per
+    step, blocks balanced by parameter count: ``partition`` "parameters")."""
+    if not r.has("pipeline"):
+        return
+    stages = r.get("pipeline.stages", int, None, _int_ge(1))
+    if stages is not None:
+        if mesh.get("pipe", stages) != stages:
+            r.errors.append(f"  pipeline.stages: {stages}, but the mesh's 'pipe' axis is {mesh['pipe']}")
+        if stages > 1:  # the outer axis, as DeepSpeed's topology places it
+            kw["mesh"] = {"pipe": stages, **{k: v for k, v in kw["mesh"].items() if k != "pipe"}}
+    if "pipe" in kw["mesh"]:
+        kw["pipeline"] = {"schedule": "1f1b"}
+    partition = r.get("pipeline.partition", str, "parameters")
+    if partition.lower() != "parameters":
+        r.unsupported.append((f"pipeline.partition = {partition!r}", "fsharded cuts the blocks by parameter count "
+                              "(\"parameters\") or at boundaries given in code (pipeline_stages(boundaries=))"))
+    if r.get("pipeline.activation_checkpoint_interval", int, 0, _int_ge(0)):
+        r.unsupported.append(("pipeline.activation_checkpoint_interval", "activation checkpointing of pipeline "
+                              "stages is not supported yet"))
+    for key in ("seed_layers", "pipe_partitioned", "grad_partitioned"):  # how DeepSpeed builds and sends: no effect here
+        r.get(f"pipeline.{key}", bool, None)
+
+
 def _load_deepspeed(ds_config: Mapping | str | Path) -> dict:
     if isinstance(ds_config, Mapping):
         return dict(ds_config)
@@ -248,6 +273,7 @@ def from_deepspeed(
             r.errors.append(f"  sequence_parallel_size: {sp}, but the mesh's 'seq' axis is {mesh['seq']}")
         kw["mesh"]["seq"] = sp
         kw["model"] = {**overrides.pop("model", {}), "seq_parallel": "ulysses"}
+    _ds_pipeline(r, kw, mesh)
     _ds_precision(r, kw)
     _ds_optimizer(r, kw)
     _ds_scheduler(r, kw)

@@ -111,19 +111,37 @@ class PipelineGradients:
             if res.loss is not None:
                 mode.set(res.loss, self.assumed)
         grads, loss = stages.merge(res.grads, x0), res.loss
-        if self.distributed and sched.ranks > 1:
-            # This rank holds its stages' gradients (zeros for the others') and, on the
-            # last stage's rank, the loss: the psum gives every rank all of them.
-            if loss is None:
-                loss = torch.zeros((), dtype=torch.float32)
-            grads, loss = psum(pvary((grads, loss), axis), axis)
         g_leaves = [t.to(self.reduction_dtype) for t in optree.tree_leaves(grads)]
         del grads, x0
+        if self.distributed and sched.ranks > 1:
+            # This rank holds its stages' gradients (zeros for the others') and, on the
+            # last stage's rank, the loss: one psum of them all gives every rank all of them.
+            if loss is None:
+                loss = torch.zeros((), dtype=torch.float32)
+            mode = _env.current().vma
+            if mode is not None:  # a shard's loss varies over the batch axes, on every pipe rank alike
+                mode.set(loss, frozenset(varying))
+            g_leaves = _psum_flat(g_leaves, axis)
+            loss = psum(pvary(loss, axis), axis)
         return self.reduction(g_leaves), loss, ({}, None)
 
     @property
     def reduction_dtype(self) -> torch.dtype:
         return self.policy.reduce_dtype
+
+
+def _psum_flat(leaves: list[torch.Tensor], axis: str) -> list[torch.Tensor]:
+    """``psum(pvary(leaves))`` over ``axis`` as one collective per dtype and type (the
+    axes a leaf varies over: a buffer is typed as one value): the leaves flattened into
+    one buffer, summed, and cut back."""
+    out: list[torch.Tensor | None] = [None] * len(leaves)
+    kinds = [(t.dtype, varying_axes(t)) for t in leaves]
+    for kind in dict.fromkeys(kinds):
+        idx = [i for i, k in enumerate(kinds) if k == kind]
+        flat = psum(pvary(torch.cat([leaves[i].reshape(-1) for i in idx]), axis), axis)
+        for i, piece in zip(idx, flat.split([leaves[i].numel() for i in idx])):
+            out[i] = piece.view(leaves[i].shape)
+    return out
 
 
 def _assumable(layout: Layout, batch_axes: tuple[str, ...], pipe: str) -> frozenset | None:
