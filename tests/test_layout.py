@@ -21,7 +21,8 @@ OLD = ["cli", "train", "_train_resume", "plot", "timeline", "visualize", "flops"
 
 def test_the_table_is_every_module_of_tools():
     have = sorted(p.stem for p in (ROOT / "tools").glob("*.py") if p.stem != "__init__")
-    assert sorted(OLD) == have
+    # every moved module is here; what tools gained since is private (no old name to keep)
+    assert set(OLD) <= set(have) and all(n.startswith("_") for n in set(have) - set(OLD)), have
     assert _moved.MOVED == {f"fsharded.{n}": f"fsharded.tools.{n}" for n in OLD}
 
 

@@ -248,7 +248,7 @@ def test_activations_that_cannot_fit_are_refused_before_the_model_is_built(capsy
 
 def test_mesh_and_path_mistakes_are_named_before_anything_is_built(tmp_path, capsys):
     cases = [
-        (["--mesh", "data=2,tensr=2"], 1, "mesh axis 'tensr' is not one fsharded train shards over (data, tensor, seq, seq_ring, expert); "
+        (["--mesh", "data=2,tensr=2"], 1, "mesh axis 'tensr' is not one fsharded train shards over (data, tensor, seq, seq_ring, expert, pipe); "
                                           "did you mean 'tensor'? (an axis that should only replicate: "
                                           "--replicate-over tensr)"),
         (["--mesh", "data=2", "--replicate-over", "replica"], 1, "axis 'replica' is not in the mesh"),

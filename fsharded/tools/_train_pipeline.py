@@ -1,18 +1,19 @@
 """``fsharded train`` with a ``pipe`` mesh axis: the bundled GPT cut into stages and run as
-a pipelined loss (``fs.parallel.pipeline.pipelined``) under ``cfg.pipeline``'s schedule."""
+a pipelined loss (``fsharded.parallel.pipeline.pipelined``) under ``cfg.pipeline``'s schedule."""
 
 from __future__ import annotations
 
 import warnings
 from typing import Any
 
-import fsharded as fs
+from fsharded.mesh import Mesh
 from fsharded.models import gpt_stages
+from fsharded.parallel.pipeline import pipelined
 
 __all__ = ["pipeline_loss"]
 
 
-def pipeline_loss(cfg: Any, mesh: fs.Mesh, mcfg: Any, params: Any, seq: Any) -> Any:
+def pipeline_loss(cfg: Any, mesh: Mesh, mcfg: Any, params: Any, seq: Any) -> Any:
     """The job's loss as a pipeline over ``pipe``, or None without that axis. The
     micro-batches are the job's accumulation (``cfg.grad_accum_steps``)."""
     if "pipe" not in mesh.shape:
@@ -34,5 +35,4 @@ def pipeline_loss(cfg: Any, mesh: fs.Mesh, mcfg: Any, params: Any, seq: Any) -> 
                       f"most ranks idle (the bubble of 1F1B is (p-1)/(m+p-1)); give more, e.g. "
                       f"--set pipeline.microbatches={4 * p}", stacklevel=2)
     stages = gpt_stages.pipeline_stages(params, p * v)
-    return fs.parallel.pipeline.pipelined(stages, schedule=cfg.pipeline.schedule,
-                                          microbatches=cfg.grad_accum_steps, virtual=v)
+    return pipelined(stages, schedule=cfg.pipeline.schedule, microbatches=cfg.grad_accum_steps, virtual=v)
