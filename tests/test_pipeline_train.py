@@ -91,9 +91,9 @@ def test_what_the_pipeline_cannot_run_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="micro-batches are the accumulation"):
         step(step.init(params), batch)
     params, tokens = C.setup()
-    step, params, batch = _step({"pipe": 2, "data": 2},
-                                param_specs=fs.parallel.zero(3, min_size=8)(None, params))
-    with pytest.raises(NotImplementedError, match="ZeRO-3"):
+    specs = fs.parallel.zero(3, min_size=8)(gpt.tensor_parallel_specs(params), params)
+    step, params, batch = _step({"pipe": 2, "data": 2, "tensor": 2}, param_specs=specs)
+    with pytest.raises(NotImplementedError, match="ZeRO-3 with tensor parallelism"):
         step(step.init(params), batch)
     step, params, _ = _step({"pipe": 2})
     with pytest.raises(ValueError, match="batch of 3 does not divide into 2 micro-batches"):
@@ -211,3 +211,16 @@ def test_a_deepspeed_configs_pipeline_block_maps_onto_the_pipe_axis():
         from_deepspeed({**ds, "pipeline": {"stages": 2, "activation_checkpoint_interval": 1}})
     with pytest.raises(ValueError, match="pipeline.stages: 2, but the mesh's 'pipe' axis is 4"):
         from_deepspeed(ds, mesh={"pipe": 4})
+
+
+@pytest.mark.parametrize("ranks", [0, 4])
+def test_pipe_by_zero3_data_trains_as_the_single_device_gpt(ranks, reference):
+    # What DeepSpeed's pipeline engine refuses: each rank's stages' weights sharded over
+    # data, gathered once for the step, their gradients reduce-scattered back.
+    mesh = {"pipe": 2, "data": 2}
+    if ranks:
+        outs = run_on_ranks(C.train, ranks, mesh, "1f1b", 1, STEPS, zero=3)
+    else:
+        outs = [C.train(mesh, "zb", 1, STEPS, zero=3), C.train(mesh, "interleaved", 2, STEPS, zero=3)]
+    for out in outs:
+        assert_trains_like(out, reference)

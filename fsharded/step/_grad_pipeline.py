@@ -27,6 +27,7 @@ import torch
 
 from fsharded import comm
 from fsharded.mesh._mesh import Mesh
+from fsharded.parallel import _buckets as B
 from fsharded.parallel.pipeline import Mailbox, Pipelined, PointToPoint, run, split_batch
 from fsharded.precision import cast_tree
 from fsharded.spmd import _env, _manifest, _vma
@@ -52,9 +53,9 @@ def check_pipelined(pipe: Pipelined, layout: Layout, *, scaling: Any, accumulati
         raise NotImplementedError("a pipelined loss under fp16 loss scaling: not supported yet (use bf16 or fp32)")
     if layout.trainable is not None:
         raise NotImplementedError("a pipelined loss with frozen parameters: not supported yet")
-    if any(layout.moves.gather_in_loss):
-        raise NotImplementedError("a pipelined loss under ZeRO-3 (parameters gathered inside the loss): not "
-                                  "supported yet; ZeRO-1 and -2 run")
+    if any(layout.moves.gather_in_loss) and _assumable(layout, (), pipe.axis, gathered=True) is None:
+        raise NotImplementedError("a pipelined loss under ZeRO-3 with tensor parallelism: not supported yet; "
+                                  "ZeRO-3 composes with pipe and data, ZeRO-1 and -2 with tensor too")
     named = [p for p, s in zip(layout.paths, layout.params) if pipe.axis in s.axes]
     if named:
         raise ValueError(f"train_step: a pipelined loss keeps every parameter whole along {pipe.axis!r}; "
@@ -68,12 +69,14 @@ class PipelineGradients:
     this rank's actions only, sending to the other pipe ranks."""
 
     def __init__(self, pipe: Pipelined, inputs: Inputs, reduction: Reduction, layout: Layout, *, policy: Any,
-                 batch_axes: tuple[str, ...], functional: bool, distributed: bool) -> None:
+                 batch_axes: tuple[str, ...], functional: bool, distributed: bool, cap: int) -> None:
         self.pipe, self.inputs, self.reduction, self.mesh = pipe, inputs, reduction, layout.mesh
         self.policy, self.functional, self.distributed = policy, functional, distributed
         self.table = pipe.table(self.mesh.shape[pipe.axis])
         self.assumed = _assumable(layout, batch_axes, pipe.axis)
         self._p2p: PointToPoint | None = None
+        self.layout, self.cap = layout, cap
+        self.held = _held(pipe.stages, layout.paths)
 
     def __call__(self, params: Any, batch: Any, scale: Any, varying: tuple[str, ...], mark: Callable,
                  model_state: Any = None) -> tuple[list, torch.Tensor, tuple]:
@@ -83,10 +86,23 @@ class PipelineGradients:
         x0 = optree.tree_unflatten(tdef, self.inputs.gather(leaves))
         if varying:  # each shard's gradient its own contribution, as in the plain strategy
             x0 = mark(x0, varying)
-        x0 = optree.tree_map(lambda t: cast_tree(t, self.policy.compute_dtype), x0)
         stages, sched, axis = self.pipe.stages, self.table, self.pipe.axis
+        mine = self._mine()
+        # ZeRO-3: this rank's stages' sharded leaves gathered once for the step (released
+        # after it); their gradients come back reduce-scattered by the gather's transpose.
+        x_leaves = optree.tree_leaves(x0)
+        sel = [i for i, g in enumerate(self.layout.moves.gather_in_loss) if g and self.held[i] & set(mine)]
+        untransposed = None
+        if sel:
+            lay = self.layout
+            src, dst = [lay.params[i] for i in sel], [lay.use[i] for i in sel]
+            full, untransposed = torch.func.vjp(
+                lambda xs: B.gather_leaves(list(xs), src, dst, lay.axis, lay.mesh, self.cap), [x_leaves[i] for i in sel])
+            for i, f in zip(sel, full):
+                x_leaves[i] = f
+        x0 = optree.tree_unflatten(tdef, [cast_tree(t, self.policy.compute_dtype) for t in x_leaves])
         micro = split_batch(batch, sched.microbatches)
-        if self.distributed and not _manifest.dry():
+        if self._local():
             g = comm.axis_group(self.mesh, (axis,))
             ranks = [g.index]
             if self._p2p is None:  # kept from step to step: the shapes it learnt carry over
@@ -94,7 +110,6 @@ class PipelineGradients:
             transport = self._p2p
         else:  # the virtual mesh, or a dry run of a real rank's step: every pipe rank here
             ranks, transport = list(range(sched.ranks)), Mailbox()
-        mine = [s for s in range(stages.n) if sched.rank_of(s) in ranks]
         frame = _env.current()
         mode = frame.vma if frame is not None and self.assumed is not None and not _manifest.active() else None
         with mode.assuming(self.assumed) if mode is not None else contextlib.nullcontext():
@@ -105,14 +120,22 @@ class PipelineGradients:
                 raise RuntimeError("pipeline: a stage asked for the varying-axes typing the step assumed "
                                    "away (a collective or a type question inside the model); please "
                                    "report it") from None
+        mode_ = mode
         if mode is not None:
             for t in optree.tree_leaves(res.grads):  # a cotangent has its primal's type
                 mode.set(t, self.assumed)
             if res.loss is not None:
                 mode.set(res.loss, self.assumed)
         grads, loss = stages.merge(res.grads, x0), res.loss
-        g_leaves = [t.to(self.reduction_dtype) for t in optree.tree_leaves(grads)]
+        g_leaves = optree.tree_leaves(grads)
         del grads, x0
+        if untransposed is not None:
+            (sharded,) = untransposed([g_leaves[i].to(x_leaves[i].dtype) for i in sel])
+            for i, g in zip(sel, sharded):
+                if mode_ is not None:
+                    mode_.set(g, self.assumed)
+                g_leaves[i] = g
+        g_leaves = [t.to(self.reduction_dtype) for t in g_leaves]
         if self.distributed and sched.ranks > 1:
             # This rank holds its stages' gradients (zeros for the others') and, on the
             # last stage's rank, the loss: one psum of them all gives every rank all of them.
@@ -125,9 +148,34 @@ class PipelineGradients:
             loss = psum(pvary(loss, axis), axis)
         return self.reduction(g_leaves), loss, ({}, None)
 
+    def _local(self) -> bool:
+        """This rank's actions alone (real ranks, not a dry run), else every pipe rank's."""
+        return self.distributed and not _manifest.dry()
+
+    def _mine(self) -> list[int]:
+        """The stages this process runs."""
+        sched = self.table
+        if self._local():
+            me = comm.axis_group(self.mesh, (self.pipe.axis,)).index
+            return [s for s in range(sched.stages) if sched.rank_of(s) == me]
+        return list(range(sched.stages))
+
     @property
     def reduction_dtype(self) -> torch.dtype:
         return self.policy.reduce_dtype
+
+
+def _held(stages: Any, paths: list[str]) -> list[set[int]]:
+    """Per parameter leaf (by its dotted path), the stages that hold it."""
+    out = []
+    for p in paths:
+        held = set()
+        for s in range(stages.n):
+            if any(p.startswith(f"{stages.blocks}.{i}.") for i in stages.ranges[s]) or \
+                    any(p == k or p.startswith(k + ".") for k in stages.keys(s)):
+                held.add(s)
+        out.append(held)
+    return out
 
 
 def _psum_flat(leaves: list[torch.Tensor], axis: str) -> list[torch.Tensor]:
@@ -144,7 +192,7 @@ def _psum_flat(leaves: list[torch.Tensor], axis: str) -> list[torch.Tensor]:
     return out
 
 
-def _assumable(layout: Layout, batch_axes: tuple[str, ...], pipe: str) -> frozenset | None:
+def _assumable(layout: Layout, batch_axes: tuple[str, ...], pipe: str, *, gathered: bool = False) -> frozenset | None:
     """The axes the stages run assuming every differentiated value varies over (the
     typing off torch's stack, as ``_assume`` does for a plain step): every axis of size > 1
     but the pipe axis, when each parameter varies over all of them once marked varying
@@ -152,6 +200,8 @@ def _assumable(layout: Layout, batch_axes: tuple[str, ...], pipe: str) -> frozen
     mesh = layout.mesh
     full = frozenset(a for a in mesh.axis_names if mesh.shape[a] > 1 and a != pipe)
     marked = {a for a in batch_axes if mesh.shape[a] > 1}
+    if gathered:  # (the ZeRO-3 check: the axes besides the one the leaves are gathered over)
+        full, marked = full - {layout.axis}, set()
     if all(full <= marked | set(s.axes) for s in layout.params):
         return full
     return None

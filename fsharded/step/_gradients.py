@@ -55,7 +55,7 @@ def choose_gradients(layout: Layout, loss_fn: Callable, *, policy: Any, scaling:
         check_pipelined(loss_fn, layout, scaling=scaling, accumulation=accumulation)
         return PipelineGradients(loss_fn, Inputs(layout, cap), Reduction(layout, batch_axes, cap, policy.reduce_dtype),
                                  layout, policy=policy, batch_axes=batch_axes, functional=not eager,
-                                 distributed=distributed)
+                                 distributed=distributed, cap=cap)
     common = dict(policy=policy, scaling=scaling, check_loss=check_loss, cap=cap)
     if gathers_blocks(layout):
         loss: LocalLoss = BlockLoss(layout, loss_fn, distributed=distributed, **common)
