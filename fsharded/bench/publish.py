@@ -63,6 +63,8 @@ HEADLINE = (
              "ZeRO-3 via fs.nn (blocks=fm.blocks) vs FSDP2 fully_shard"),
     Headline("Ulysses attention, 4096 tokens, 2 ranks, vs DeepSpeed-Ulysses", "seq",
              "step time on 2 ranks", "ulysses vs DeepSpeed-Ulysses", "4096 tokens"),
+    Headline("1F1B pipeline step, 2 ranks, vs DeepSpeed's pipeline engine", "pipeline",
+             "step time, GPT on 2 gloo ranks", "ours 1f1b vs DeepSpeed 1F1B"),
     Headline("MoE layer, top-2, 4096 tokens per rank, vs DeepSpeed's MoE", "moe",
              "step time on 2 ranks", "top-2", "4096 tokens/rank"),
     Headline("C++ CPU AdamW, 5e7 parameters, vs torch's fused AdamW", "optim",
