@@ -66,19 +66,16 @@ def train(mesh_axes: dict, name: str, v: int, steps: int, m: int = 2, zero: int 
     specs = gpt_plans.tensor_parallel_specs(params) if tensor else None
     specs = fs.parallel.zero(zero, axis="data", min_size=8)(specs, params) if zero else specs
     kw = {"param_specs": specs} if specs is not None else {}
-    step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, **kw)
-    state = step.init(params)
-    losses = []
-    for i in range(steps):
-        state, metrics = step(state, {"tokens": tokens.roll(i, 0)})
-        losses.append(float(metrics["loss"]))
-    return {"losses": losses, "params": step.params(state)}
+    return _steps(fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, **kw), params, tokens, steps)
 
 
 def train_reference(steps: int, layers: int = 4, batch: int = 8, **cfg) -> dict:
-    cfg = {**TRAIN_CFG, **cfg}
-    params, tokens = setup(layers=layers, batch=batch, **cfg)
-    step = reference_step()
+    params, tokens = setup(layers=layers, batch=batch, **{**TRAIN_CFG, **cfg})
+    return _steps(reference_step(), params, tokens, steps)
+
+
+def _steps(step, params, tokens: torch.Tensor, steps: int) -> dict:
+    """``steps`` steps on the batch rolled by the step number: the losses, the parameters after."""
     state = step.init(params)
     losses = []
     for i in range(steps):
