@@ -261,3 +261,28 @@ def test_a_kept_point_to_point_learns_shapes_per_micro_batch_shape():
         assert r[8] < 1e-6 and r[4] < 1e-6
     assert "act of stage 0 is torch.float32 (3, 3) this time" in out[0]["error"]
     assert out[1]["error"] is None
+
+
+def test_the_measured_timeline_is_drawn_below_the_planned_one(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from fsharded.plot import pipeline_figure
+
+    params, tokens = C.setup()
+    sched = pp.zero_bubble(2, 4)
+    st = gpt_stages.pipeline_stages(params, 2, attention="einsum")
+    res = pp.run(sched, st, {s: st.params_of(params, s) for s in range(2)}, C.micro_batches(tokens, 4))
+    # every action has its span, in order, on the rank that ran it
+    for r in range(2):
+        assert [a for _, _, a in res.spans[r]] == list(sched.actions[r])
+        assert all(b <= e for b, e, _ in res.spans[r])
+        assert all(e0 <= b1 for (_, e0, _), (b1, _, _) in zip(res.spans[r], res.spans[r][1:]))
+    fig = pipeline_figure(sched, measured=res)
+    planned, ran = fig.axes
+    compute = [(r, a) for r in range(2) for a in sched.actions[r] if a.kind in "FBIW"]
+    assert len(planned.patches) == len(ran.patches) == len(compute)
+    assert "measured: idle" in ran.get_title() and "bubble" in planned.get_title()
+    fig.savefig(tmp_path / "zb.png")
+    with pytest.raises(ValueError, match="leave ax= out"):
+        pipeline_figure(sched, ax=planned, measured=res)

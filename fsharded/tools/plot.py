@@ -189,25 +189,51 @@ def collectives_figure(manifests: Any, *, title: str = "bytes sent per rank per 
 _PIPE_COLORS = {"F": "#4c78a8", "B": "#e45756", "I": "#f58518", "W": "#72b7b2"}
 
 
-def pipeline_figure(schedule: Any, *, ax: Any = None, title: str | None = None) -> Any:
+def _pipeline_rows(ax: Any, spans: Any, s: Any, end: float, scale: float) -> None:
+    """One row per rank of ``spans`` (start, end, action), times multiplied by ``scale``."""
+    for r, row in enumerate(spans):
+        for b, e, a in row:
+            b, e = float(b) * scale, float(e) * scale
+            ax.barh(r, e - b, left=b, height=0.8, color=_PIPE_COLORS[a.kind], edgecolor="white")
+            ax.text((b + e) / 2, r, a.label(s.virtual), ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(s.ranks), [f"rank {r}" for r in range(s.ranks)], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, end)
+
+
+def pipeline_figure(schedule: Any, *, ax: Any = None, title: str | None = None, measured: Any = None) -> Any:
     """A pipeline schedule's timeline as the table plans it (``pipeline.check``): one row
     per rank, a box per forward (F), backward (B) or its input- and weight-gradient halves
-    (I, W) labelled with its micro-batch, idle time blank; the bubble in the title."""
+    (I, W) labelled with its micro-batch, idle time blank; the bubble in the title.
+
+    ``measured``: a run of it (``pipeline.run``'s ``Result``, or ``{rank: spans}``), drawn
+    below the plan as it happened, in milliseconds, with its idle fraction in the title."""
     import matplotlib.pyplot as plt
 
     plan = schedule if isinstance(schedule, pipeline.Plan) else pipeline.check(schedule)
     s = plan.schedule
-    fig, ax = (plt.subplots(figsize=(min(2 + 0.35 * float(plan.makespan), 16), 0.6 + 0.45 * s.ranks))
-               if ax is None else (ax.figure, ax))
-    for r, row in enumerate(plan.spans):
-        for b, e, a in row:
-            ax.barh(r, float(e - b), left=float(b), height=0.8, color=_PIPE_COLORS[a.kind], edgecolor="white")
-            ax.text(float(b + e) / 2, r, a.label(s.virtual), ha="center", va="center", fontsize=6, color="white")
-    ax.set_yticks(range(s.ranks), [f"rank {r}" for r in range(s.ranks)], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlim(0, float(plan.makespan))
+    if ax is None:
+        rows = 2 if measured is not None else 1
+        fig, axes = plt.subplots(rows, 1, squeeze=False,
+                                 figsize=(min(2 + 0.35 * float(plan.makespan), 16), rows * (0.6 + 0.45 * s.ranks)))
+        ax = axes[0][0]
+        low = axes[1][0] if measured is not None else None
+    elif measured is not None:
+        raise ValueError("pipeline_figure: measured= draws a second panel below the plan; leave ax= out")
+    else:
+        fig, low = ax.figure, None
+    _pipeline_rows(ax, plan.spans, s, float(plan.makespan), 1.0)
     ax.set_xlabel("time (one forward = 1)", fontsize=8)
     ax.set_title(title or f"{s.name}: p={s.ranks}, v={s.virtual}, m={s.microbatches}, bubble {float(plan.bubble):.3f}",
                  fontsize=9)
+    if low is not None:
+        spans = getattr(measured, "spans", measured)
+        ran = [[(b, e, a) for b, e, a in spans.get(r, []) if a.kind in _PIPE_COLORS] for r in range(s.ranks)]
+        end = max((e for row in ran for _, e, _ in row), default=0.0)
+        busy = sum(e - b for row in ran for b, e, _ in row)
+        _pipeline_rows(low, ran, s, end * 1e3, 1e3)
+        low.set_xlabel("time (ms)", fontsize=8)
+        idle = 1 - busy / (s.ranks * end) if end else 0.0
+        low.set_title(f"measured: idle {idle:.3f}", fontsize=9)
     fig.tight_layout()
     return fig
