@@ -120,7 +120,6 @@ class PipelineGradients:
                 raise RuntimeError("pipeline: a stage asked for the varying-axes typing the step assumed "
                                    "away (a collective or a type question inside the model); please "
                                    "report it") from None
-        mode_ = mode
         if mode is not None:
             for t in optree.tree_leaves(res.grads):  # a cotangent has its primal's type
                 mode.set(t, self.assumed)
@@ -132,18 +131,17 @@ class PipelineGradients:
         if untransposed is not None:
             (sharded,) = untransposed([g_leaves[i].to(x_leaves[i].dtype) for i in sel])
             for i, g in zip(sel, sharded):
-                if mode_ is not None:
-                    mode_.set(g, self.assumed)
+                if mode is not None:
+                    mode.set(g, self.assumed)
                 g_leaves[i] = g
-        g_leaves = [t.to(self.reduction_dtype) for t in g_leaves]
+        g_leaves = [t.to(self.policy.reduce_dtype) for t in g_leaves]
         if self.distributed and sched.ranks > 1:
             # This rank holds its stages' gradients (zeros for the others') and, on the
             # last stage's rank, the loss: one psum of them all gives every rank all of them.
             if loss is None:
                 loss = torch.zeros((), dtype=torch.float32)
-            mode = _env.current().vma
-            if mode is not None:  # a shard's loss varies over the batch axes, on every pipe rank alike
-                mode.set(loss, frozenset(varying))
+            if frame is not None and frame.vma is not None:  # a shard's loss varies over the batch axes,
+                frame.vma.set(loss, frozenset(varying))       # on every pipe rank alike
             g_leaves = _psum_flat(g_leaves, axis)
             loss = psum(pvary(loss, axis), axis)
         return self.reduction(g_leaves), loss, ({}, None)
@@ -159,10 +157,6 @@ class PipelineGradients:
             me = comm.axis_group(self.mesh, (self.pipe.axis,)).index
             return [s for s in range(sched.stages) if sched.rank_of(s) == me]
         return list(range(sched.stages))
-
-    @property
-    def reduction_dtype(self) -> torch.dtype:
-        return self.policy.reduce_dtype
 
 
 def _held(stages: Any, paths: list[str]) -> list[set[int]]:
