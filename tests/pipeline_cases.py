@@ -84,6 +84,36 @@ def _steps(step, params, tokens: torch.Tensor, steps: int) -> dict:
     return {"losses": losses, "params": step.params(state)}
 
 
+def train_mixed(mesh_axes: dict | None, name: str, steps: int, precision: str, *, power: int = 16,
+                trainable=None, m: int = 2, v: int = 1, **cfg) -> dict:
+    """``steps`` steps in ``precision`` (fp16: dynamic loss scaling from ``2**power``),
+    pipelined over ``pipe`` on ``mesh_axes``; or, with ``mesh_axes`` None, the uncut GPT on one
+    device accumulating over the same ``m`` micro-batches. The losses, loss scales and
+    skipped steps, and the parameters after."""
+    import fsharded as fs
+    from fsharded.precision import DynamicLossScale, Policy
+    params, tokens = setup(**{**TRAIN_CFG, **cfg})
+    policy = Policy.fp16(loss_scale=DynamicLossScale(initial_scale_power=power, loss_scale_window=2)) \
+        if precision == "fp16" else precision
+    if mesh_axes is None:
+        mesh, loss, acc = fs.Mesh({"data": 1}), lambda p, b: gpt.loss(p, b, attention="einsum"), m
+    else:
+        mesh, acc = fs.Mesh(mesh_axes), 1
+        loss = pp.pipelined(gpt_stages.pipeline_stages(params, mesh.shape["pipe"] * v, attention="einsum"),
+                            schedule=name, microbatches=m, virtual=v)
+    step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, precision=policy, accumulation=acc,
+                         trainable=trainable)
+    state = step.init(params)
+    out = {"losses": [], "scales": [], "skipped": []}
+    for i in range(steps):
+        state, metrics = step(state, {"tokens": tokens.roll(i, 0)})
+        out["losses"].append(float(metrics["loss"]))
+        out["scales"].append(float(metrics["loss_scale"]))
+        out["skipped"].append(int(metrics["skipped"]))
+    out["params"] = step.params(state)
+    return out
+
+
 def train_saving(mesh_axes: dict, name: str, steps: int, directory: str, *, load: str | None = None,
                  start: int = 0, zero: int = 0, pipelined_run: bool = True) -> list[float]:
     """Train ``steps`` steps from step ``start`` (from the checkpoint ``load`` if given) and

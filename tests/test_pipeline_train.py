@@ -224,3 +224,65 @@ def test_pipe_by_zero3_data_trains_as_the_single_device_gpt(ranks, reference):
         outs = [C.train(mesh, "zb", 1, STEPS, zero=3), C.train(mesh, "interleaved", 2, STEPS, zero=3)]
     for out in outs:
         assert_trains_like(out, reference)
+
+
+# -- precision and frozen leaves ---------------------------------------------------------------
+
+def _same_run(got, ref, tol, atol=1e-5):
+    assert got["skipped"] == ref["skipped"] and got["scales"] == ref["scales"]
+    for a, b in zip(got["losses"], ref["losses"]):
+        assert abs(a - b) <= tol, (got["losses"], ref["losses"])
+    for path, a, b in zip(optree.tree_paths(got["params"]), optree.tree_leaves(got["params"]),
+                          optree.tree_leaves(ref["params"])):
+        assert torch.allclose(a, b, atol=atol, rtol=1e-4), (path, float((a - b).abs().max()))
+
+
+@pytest.mark.parametrize("ranks", [0, 2])
+def test_fp16_takes_one_loss_scale_across_the_stages_and_skips_overflows_as_accumulation_does(ranks):
+    # 2**21 overflows fp16's backward at first: both runs skip the same steps and move the
+    # scale the same way (each micro-batch's loss over m before its backward, as
+    # DeepSpeed's engine does), and train alike in between. Untied embeddings: a tied one
+    # is cast once per stage here, so its two halves add up in fp32, not in fp16.
+    kw = dict(power=21, tied_embeddings=False)
+    ref = C.train_mixed(None, "1f1b", 8, "fp16", **kw)
+    assert 0 < ref["skipped"][-1] < 8 and len(set(ref["scales"])) > 1  # both kinds of step happened
+    if ranks:
+        outs = run_on_ranks(C.train_mixed, ranks, {"pipe": 2}, "1f1b", 8, "fp16", **kw)
+    else:
+        outs = [C.train_mixed({"pipe": 2}, name, 8, "fp16", **kw) for name in ("1f1b", "zb")]
+    for out in outs:  # (on gloo ranks the matmuls sum in another order: fp16's rounding, through Adam)
+        _same_run(out, ref, tol=2e-5, atol=5e-4 if ranks else 1e-5)
+
+
+def test_bf16_stages_compute_in_bf16_and_add_their_gradients_in_fp32():
+    ref = C.train_mixed(None, "1f1b", 6, "bf16", m=4, tied_embeddings=False)
+    fp32 = C.train_mixed(None, "1f1b", 6, "fp32", m=4, tied_embeddings=False)
+    assert max(abs(a - b) for a, b in zip(ref["losses"], fp32["losses"])) > 1e-4  # bf16 did round
+    _same_run(C.train_mixed({"pipe": 2}, "interleaved", 6, "bf16", m=4, v=2, tied_embeddings=False), ref,
+              tol=1e-6)
+
+
+def _frozen(path, _):
+    return not (path.startswith("blocks.0.") or path.startswith("final_norm.") or path == "pos")
+
+
+@pytest.mark.parametrize("ranks", [0, 2])
+def test_frozen_leaves_stay_as_they_are_and_the_rest_trains_as_without_pipelining(ranks):
+    # frozen: a block of the first stage, the final norm on the last, the positions
+    ref = C.train_mixed(None, "1f1b", 6, "fp32", trainable=_frozen)
+    init, _ = C.setup(**C.TRAIN_CFG)
+    if ranks:
+        outs = run_on_ranks(C.train_mixed, ranks, {"pipe": 2}, "zb", 6, "fp32", trainable=_frozen)
+    else:
+        outs = [C.train_mixed({"pipe": 2, "data": 2}, "1f1b", 6, "fp32", trainable=_frozen)]
+    for out in outs:
+        for path, a, b, x in zip(optree.tree_paths(out["params"]), optree.tree_leaves(out["params"]),
+                                 optree.tree_leaves(ref["params"]), optree.tree_leaves(init)):
+            dotted = ".".join(map(str, path))
+            if not _frozen(dotted, None):
+                assert torch.equal(a, x), dotted
+            else:
+                assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), dotted
+                assert not torch.equal(a, x), dotted
+        for a, b in zip(out["losses"], ref["losses"]):
+            assert abs(a - b) < 1e-5

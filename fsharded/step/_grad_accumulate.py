@@ -1,7 +1,7 @@
 """Gradient accumulation (DeepSpeed's gradient_accumulation_steps): each shard's batch is
-split into ``k`` micro-batches along its first dim, each differentiated in turn; their
-gradients are summed in the reduction dtype, averaged, and reduced once as their specs
-say (``_reduce.Reduction``: reducing each micro-batch would cost k times the
+split into ``k`` micro-batches along its first dim, each differentiated in turn (its loss
+over ``k``); their gradients are summed in the reduction dtype and reduced once as their
+specs say (``_reduce.Reduction``: reducing each micro-batch would cost k times the
 communication). The loss and the metrics are the micro-batches' means.
 
 >>> grads = Accumulated(Inputs(layout, cap), LocalLoss(layout, loss_fn, ...),
@@ -37,6 +37,11 @@ def _micro(x: Any, i: int, k: int) -> Any:
     return x[i * m:(i + 1) * m]
 
 
+def _over(f: Callable, k: int, p: Any, micro: Any) -> tuple:
+    out, aux = f(p, micro)
+    return out / k, aux
+
+
 class Accumulated:
     """``__call__(params, batch, scale, varying, mark, model_state=None) -> (placed gradient
     leaves, the mean local loss, the mean (metrics, stats))`` over ``k`` micro-batches."""
@@ -56,6 +61,10 @@ class Accumulated:
     def __call__(self, params: Any, batch: Any, scale: Any, varying: tuple[str, ...], mark: Callable,
                  model_state: Any = None) -> tuple[list, torch.Tensor, tuple]:
         x0, f = self.inputs(params, self.loss.bind(scale, model_state), varying, mark)
+        # Each micro-batch's (scaled) loss is divided by k before its backward, as DeepSpeed
+        # does (and a pipeline schedule): under fp16 the gradients backward carries are
+        # those of the mean loss, so they overflow at the same loss scale.
+        f = functools.partial(_over, f, self.k)
         grads, loss, extra = self._one(f, x0, batch, 0)
         for i in range(1, self.k):
             g, l_i, e_i = self._one(f, x0, batch, i)
@@ -63,7 +72,6 @@ class Accumulated:
             del g
             loss = loss + l_i
             extra = optree.tree_map(torch.add, extra, e_i)
-        grads = [t / self.k for t in grads]
         loss = loss / self.k
         extra = optree.tree_map(lambda t: t / self.k, extra)
         del x0  # the weights gathered for the loss are not needed during the reduction

@@ -29,7 +29,6 @@ from fsharded import comm
 from fsharded.mesh._mesh import Mesh
 from fsharded.parallel import _buckets as B
 from fsharded.parallel.pipeline import Mailbox, Pipelined, PointToPoint, run, split_batch
-from fsharded.precision import cast_tree
 from fsharded.spmd import _env, _manifest, _vma
 from fsharded.spmd.collectives import psum, pvary, varying_axes
 from fsharded.step._differentiate import Inputs
@@ -39,7 +38,7 @@ from fsharded.step._reduce import Reduction
 __all__ = ["PipelineGradients", "check_pipelined"]
 
 
-def check_pipelined(pipe: Pipelined, layout: Layout, *, scaling: Any, accumulation: int) -> None:
+def check_pipelined(pipe: Pipelined, layout: Layout, *, accumulation: int) -> None:
     """Refuse what the pipeline strategy does not run (yet), naming what to change."""
     mesh = layout.mesh
     if pipe.axis not in mesh.shape:
@@ -49,10 +48,6 @@ def check_pipelined(pipe: Pipelined, layout: Layout, *, scaling: Any, accumulati
     if accumulation > 1:
         raise ValueError(f"train_step(accumulation={accumulation}) with a pipelined loss: the pipeline's "
                          f"micro-batches are the accumulation; set pipelined(..., microbatches=) instead")
-    if type(scaling).__name__ != "NoScaling":
-        raise NotImplementedError("a pipelined loss under fp16 loss scaling: not supported yet (use bf16 or fp32)")
-    if layout.trainable is not None:
-        raise NotImplementedError("a pipelined loss with frozen parameters: not supported yet")
     if any(layout.moves.gather_in_loss) and _assumable(layout, (), pipe.axis, gathered=True) is None:
         raise NotImplementedError("a pipelined loss under ZeRO-3 with tensor parallelism: not supported yet; "
                                   "ZeRO-3 composes with pipe and data, ZeRO-1 and -2 with tensor too")
@@ -69,9 +64,9 @@ class PipelineGradients:
     this rank's actions only, sending to the other pipe ranks."""
 
     def __init__(self, pipe: Pipelined, inputs: Inputs, reduction: Reduction, layout: Layout, *, policy: Any,
-                 batch_axes: tuple[str, ...], functional: bool, distributed: bool, cap: int) -> None:
+                 scaling: Any, batch_axes: tuple[str, ...], functional: bool, distributed: bool, cap: int) -> None:
         self.pipe, self.inputs, self.reduction, self.mesh = pipe, inputs, reduction, layout.mesh
-        self.policy, self.functional, self.distributed = policy, functional, distributed
+        self.policy, self.scaling, self.functional, self.distributed = policy, scaling, functional, distributed
         self.table = pipe.table(self.mesh.shape[pipe.axis])
         self.assumed = _assumable(layout, batch_axes, pipe.axis)
         self._p2p: PointToPoint | None = None
@@ -100,8 +95,12 @@ class PipelineGradients:
                 lambda xs: B.gather_leaves(list(xs), src, dst, lay.axis, lay.mesh, self.cap), [x_leaves[i] for i in sel])
             for i, f in zip(sel, full):
                 x_leaves[i] = f
-        x0 = optree.tree_unflatten(tdef, [cast_tree(t, self.policy.compute_dtype) for t in x_leaves])
+        x0 = optree.tree_unflatten(tdef, x_leaves)  # (cast to the compute dtype inside each stage)
         micro = split_batch(batch, sched.microbatches)
+        trained = None
+        if self.layout.trainable is not None:  # frozen leaves enter their stages as constants
+            marks = optree.tree_unflatten(tdef, self.layout.trainable)
+            trained = {s: optree.tree_leaves(stages.params_of(marks, s)) for s in mine}
         if self._local():
             g = comm.axis_group(self.mesh, (axis,))
             ranks = [g.index]
@@ -114,8 +113,12 @@ class PipelineGradients:
         mode = frame.vma if frame is not None and self.assumed is not None and not _manifest.active() else None
         with mode.assuming(self.assumed) if mode is not None else contextlib.nullcontext():
             try:
+                # One loss scale for every stage (fp16): the last stage's losses scaled
+                # before backward, every gradient unscaled by the step's transformation.
                 res = run(sched, stages, {s: stages.params_of(x0, s) for s in mine}, micro, ranks=ranks,
-                          transport=transport, functional=self.functional)
+                          transport=transport, functional=self.functional,
+                          scale=lambda y: self.scaling.scale(y, scale), trained=trained,
+                          compute_dtype=self.policy.compute_dtype)
             except _vma.NeedsTyping:  # the pipe ranks may stand at different actions: no rerun
                 raise RuntimeError("pipeline: a stage asked for the varying-axes typing the step assumed "
                                    "away (a collective or a type question inside the model); please "
@@ -134,6 +137,8 @@ class PipelineGradients:
                 if mode is not None:
                     mode.set(g, self.assumed)
                 g_leaves[i] = g
+        if self.layout.trainable is not None:  # the gradient side sees the trained leaves only
+            g_leaves = [g for g, t in zip(g_leaves, self.layout.trainable) if t]
         g_leaves = [t.to(self.policy.reduce_dtype) for t in g_leaves]
         if self.distributed and sched.ranks > 1:
             # This rank holds its stages' gradients (zeros for the others') and, on the

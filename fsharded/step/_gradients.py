@@ -52,9 +52,9 @@ def choose_gradients(layout: Layout, loss_fn: Callable, *, policy: Any, scaling:
     autograd); ``distributed``: real ranks with plain autograd (reductions in backward,
     ZeRO-3 prefetch); ``cap``: elements per communication bucket."""
     if isinstance(loss_fn, Pipelined):
-        check_pipelined(loss_fn, layout, scaling=scaling, accumulation=accumulation)
+        check_pipelined(loss_fn, layout, accumulation=accumulation)
         return PipelineGradients(loss_fn, Inputs(layout, cap), Reduction(layout, batch_axes, cap, policy.reduce_dtype),
-                                 layout, policy=policy, batch_axes=batch_axes, functional=not eager,
+                                 layout, policy=policy, scaling=scaling, batch_axes=batch_axes, functional=not eager,
                                  distributed=distributed, cap=cap)
     common = dict(policy=policy, scaling=scaling, check_loss=check_loss, cap=cap)
     if gathers_blocks(layout):

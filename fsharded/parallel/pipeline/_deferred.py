@@ -38,10 +38,13 @@ class Deferred:
     def add(self, k: int, eq: str, x: torch.Tensor, g: torch.Tensor) -> None:
         self.parts.append((k, eq, x, g))
 
-    def apply(self, grads: list) -> None:
-        """Add each put-off weight gradient to ``grads[k]`` (None: not yet any)."""
+    def apply(self, grads: list, dtypes: list | None = None) -> None:
+        """Add each put-off weight gradient to ``grads[k]`` (None: not yet any), in
+        ``dtypes[k]`` where given (the leaf's own, when the stage ran on a cast of it)."""
         for k, eq, x, g in self.parts:
             dw = torch.einsum(eq, x, g)
+            if dtypes is not None:
+                dw = dw.to(dtypes[k])
             grads[k] = dw if grads[k] is None else grads[k] + dw
         self.parts = []
 

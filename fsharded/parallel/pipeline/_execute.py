@@ -248,7 +248,7 @@ class _Rank:
         x = self.inputs.pop((s, i)) if s > 0 else None
         # A backward that comes as I then W: the stage's weight products put off.
         sink = Deferred() if (s, i) in ex.split else None
-        y, back = ex.diff.forward(functools.partial(ex.stage_fn, s, i, sink), ex.params[s], x)
+        y, back = ex.diff.forward(functools.partial(ex.stage_fn, s, i, sink), ex.params[s], x, ex.trained.get(s))
         if s == ex.last:
             ex.losses[i] = back.aux
         else:
@@ -269,7 +269,7 @@ class _Rank:
 
     def _W(self, s: int, i: int) -> None:
         _, sink = self.held.pop((s, i))
-        sink.apply(self.ex.grads[s])
+        sink.apply(self.ex.grads[s], [t.dtype for t in self.ex.leaves[s]])
 
     def _backward(self, s: int, i: int, back: Any) -> None:
         ex = self.ex
@@ -301,16 +301,26 @@ class _Run:
     grads: dict[int, list]
     split: frozenset  # the (stage, micro-batch)s whose backward runs as I then W
     diff: Any
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None
+    trained: dict[int, list[bool]] = field(default_factory=dict)
+    compute_dtype: torch.dtype | None = None
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def stage_fn(self, s: int, i: int, sink: Deferred | None, p: Any, x: torch.Tensor | None) -> tuple:
         """Stage ``s`` on micro-batch ``i``: ``(output, aux)``; the last stage's output is its
-        loss over ``m`` (the mean over micro-batches is their sum) and its aux the loss."""
+        loss (in fp32), scaled (fp16's loss scale) and over ``m`` (the mean over
+        micro-batches is their sum), and its aux the loss. The parameters are cast to the
+        compute dtype here, inside what is differentiated, so their gradients come back
+        in their own dtype and add up in it over the micro-batches."""
+        if self.compute_dtype is not None:
+            dt = self.compute_dtype
+            p = optree.tree_map(lambda t: t.to(dt) if t.is_floating_point() else t, p)
         ctx = Deferring(optree.tree_leaves(p), sink) if sink is not None else contextlib.nullcontext()
         with ctx:
             y = self.stages.forward(s, p, x, self.micro[i])
         if s == self.last:
-            return y / self.m, y.detach()
+            y = y.float()
+            return (y if self.scale is None else self.scale(y)) / self.m, y.detach()
         return y, ()
 
     @property
@@ -334,47 +344,72 @@ class _Back:
 
 
 class Autograd:
-    """Differentiate with plain autograd (a process per rank, nothing transformed)."""
+    """Differentiate with plain autograd (a process per rank, nothing transformed).
+    ``trained``: which of the stage's leaves are differentiated (None: all); the others
+    enter as constants and get no gradient (None)."""
 
-    def forward(self, fn: Callable, params: Any, x: torch.Tensor | None) -> tuple[torch.Tensor, _Back]:
+    def forward(self, fn: Callable, params: Any, x: torch.Tensor | None,
+                trained: list[bool] | None = None) -> tuple[torch.Tensor, _Back]:
         leaves, tdef = optree.tree_flatten(params)
-        leaves = [t.detach().requires_grad_() for t in leaves]
+        mask = [True] * len(leaves) if trained is None else trained
+        leaves = [t.detach().requires_grad_(m) for t, m in zip(leaves, mask)]
+        want_p = [t for t, m in zip(leaves, mask) if m]
         xl = None if x is None else x.detach().requires_grad_()
         with torch.enable_grad():  # a step's body runs without grad mode
             y, aux = fn(optree.tree_unflatten(tdef, leaves), xl)
 
         def back(g):
-            want = ([xl] if xl is not None else []) + leaves
+            want = ([xl] if xl is not None else []) + want_p
             with torch.enable_grad():
                 got = torch.autograd.grad(y, want, g, allow_unused=True)
-            return list(got[len(want) - len(leaves):]), (got[0] if xl is not None else None)
+            return _spread(list(got[len(want) - len(want_p):]), mask), (got[0] if xl is not None else None)
         return y.detach(), _Back(back, aux)
 
 
 class Functional:
     """Differentiate with ``torch.func.vjp`` (inside a virtual mesh's vmap levels, where
-    autograd's leaves cannot be made)."""
+    autograd's leaves cannot be made); ``trained`` as for ``Autograd``."""
 
-    def forward(self, fn: Callable, params: Any, x: torch.Tensor | None) -> tuple[torch.Tensor, _Back]:
+    def forward(self, fn: Callable, params: Any, x: torch.Tensor | None,
+                trained: list[bool] | None = None) -> tuple[torch.Tensor, _Back]:
+        leaves, tdef = optree.tree_flatten(params)
+        mask = [True] * len(leaves) if trained is None else trained
+
+        def on(primal: list, *xs):  # the trained leaves as primals, the others constants
+            it = iter(primal)
+            return fn(optree.tree_unflatten(tdef, [next(it) if m else t for t, m in zip(leaves, mask)]), *xs)
+        primal = [t for t, m in zip(leaves, mask) if m]
         if x is None:
-            y, vjp, aux = torch.func.vjp(lambda p: fn(p, None), params, has_aux=True)
+            y, vjp, aux = torch.func.vjp(lambda p: on(p, None), primal, has_aux=True)
         else:
-            y, vjp, aux = torch.func.vjp(fn, params, x, has_aux=True)
+            y, vjp, aux = torch.func.vjp(on, primal, x, has_aux=True)
 
         def back(g):
             out = vjp(torch.ones_like(y) if g is None else g)
-            return optree.tree_leaves(out[0], none_is_leaf=True), (out[1] if x is not None else None)
+            return _spread(list(out[0]), mask), (out[1] if x is not None else None)
         return y, _Back(back, aux)
 
 
+def _spread(got: list, mask: list[bool]) -> list:
+    """The trained leaves' gradients in leaf order, None at the others."""
+    it = iter(got)
+    return [next(it) if m else None for m in mask]
+
+
 def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Sequence[Any], *,
-        ranks: Sequence[int] | None = None, transport: Any = None, functional: bool = False) -> Result:
+        ranks: Sequence[int] | None = None, transport: Any = None, functional: bool = False,
+        scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        trained: dict[int, list[bool]] | None = None, compute_dtype: torch.dtype | None = None) -> Result:
     """Run ``schedule`` for the ranks ``ranks`` (default: all of them, in this process,
     over a ``Mailbox``; on real ranks pass this rank alone and a ``PointToPoint``).
     ``params[s]``: stage ``s``'s parameters (``Stages.params_of``) for every stage the
     ranks hold; ``micro``: the ``m`` micro-batches; ``functional``: differentiate with
-    ``torch.func`` (inside vmap) instead of autograd. The table is checked first
-    (``check``): one that cannot run is refused before any action runs."""
+    ``torch.func`` (inside vmap) instead of autograd; ``scale``: applied to each
+    micro-batch's loss before backward (fp16's loss scale: the gradients come back
+    scaled, the loss does not); ``trained[s]``: which of stage ``s``'s leaves are
+    differentiated (default all; the others' gradients come back as zeros);
+    ``compute_dtype``: the stages run on their parameters cast to it. The table is
+    checked first (``check``): one that cannot run is refused before any action runs."""
     check(schedule)
     if stages.n != schedule.stages:
         raise ValueError(f"pipeline: the schedule has {schedule.stages} stages ({schedule.ranks} ranks x "
@@ -387,7 +422,7 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     leaves = {s: optree.tree_leaves(params[s]) for s in mine}
     split = frozenset((a.stage, a.mb) for r in ranks for a in schedule.actions[r] if a.kind == "I")
     ex = _Run(schedule, stages, params, micro, transport, leaves, {s: [None] * len(leaves[s]) for s in mine}, split,
-              Functional() if functional else Autograd())
+              Functional() if functional else Autograd(), scale, dict(trained or {}), compute_dtype)
     transport.begin(micro[0])
     walkers = [_Rank(r, ex) for r in ranks]
     t0 = time.perf_counter()
@@ -408,7 +443,10 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     wall = time.perf_counter() - t0
     grads = {}
     for s in mine:
-        filled = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves[s], ex.grads[s])]
+        mask = ex.trained.get(s) or [True] * len(leaves[s])
+        # (an untrained leaf's zeros hold no memory: a broadcast 0)
+        filled = [g if g is not None else torch.zeros_like(p) if m else p.new_zeros(()).expand(p.shape)
+                  for p, g, m in zip(leaves[s], ex.grads[s], mask)]
         grads[s] = optree.tree_unflatten(optree.tree_structure(params[s]), filled)
     loss = None
     if schedule.rank_of(stages.n - 1) in ranks:
