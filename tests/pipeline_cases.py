@@ -42,6 +42,23 @@ def run_rank(name: str, p: int, v: int, m: int, untied: bool = False) -> dict:
             "loss": None if res.loss is None else res.loss.detach(), "peak": res.peak_held[me]}
 
 
+def tracked_rank(name: str, p: int, m: int, rows: int = 2, layers: int = 4) -> dict:
+    """This rank's part of a pipelined gradient on ``m`` micro-batches of ``rows`` rows under
+    the memory tracker: the peak bytes of live activations it saw, and the peak number of
+    micro-batches the executor held."""
+    import fsharded as fs
+    params, tokens = setup(layers=layers, batch=rows * m)
+    sched = pp.make(name, p, m)
+    stages = gpt_stages.pipeline_stages(params, p, attention="einsum")
+    me = dist.get_rank()
+    parts = {me: leaves_requiring_grad(stages.params_of(params, me))}
+    transport = pp.PointToPoint(dist.group.WORLD, list(range(p)), m)
+    with fs.memory.track() as mem:
+        res = pp.run(sched, stages, parts, micro_batches(tokens, m), ranks=[me], transport=transport)
+        del res.grads
+    return {"activations": mem.peak_of(["activations"]), "held": res.peak_held[me]}
+
+
 def reference_step():
     import fsharded as fs
     return fs.train_step(lambda p, b: gpt.loss(p, b, attention="einsum"), fs.optim.adamw(1e-2),

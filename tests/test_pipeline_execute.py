@@ -174,6 +174,27 @@ def test_on_gloo_ranks_point_to_point_gives_the_same_numbers(name, p, v):
     assert [r["peak"] for r in out] == [local.peak_held[r] for r in range(p)]
 
 
+@pytest.mark.parametrize("name,p,m", [("gpipe", 2, 4), ("1f1b", 2, 4), ("zb", 2, 4), ("1f1b", 4, 8), ("zb", 4, 8)])
+def test_the_memory_tracker_sees_no_more_live_activations_per_rank_than_the_tables_bound(name, p, m):
+    # One micro-batch's activations per rank (its stage's forward held to its backward),
+    # then the schedule: the tracker's peak of live activations on each rank is at most
+    # the table's bound of held micro-batches times that, and more than one fewer of them
+    # (it holds as many as the table says). The allowance: the receive posted ahead (the
+    # next micro-batch's input) and the small headers of the first sends.
+    one = run_on_ranks(C.tracked_rank, p, "gpipe", p, 1)
+    got = run_on_ranks(C.tracked_rank, p, name, p, m)
+    bound = pp.check(pp.make(name, p, m)).peak_activations
+    cfg = gpt.GPTConfig.tiny(n_layers=4)
+    flight = 2 * cfg.seq_len * cfg.d_model * 4 + 256  # a 2-row micro-batch's input, fp32
+    for r in range(p):
+        a1, peak = one[r]["activations"], got[r]["activations"]
+        assert got[r]["held"] == bound[r]
+        assert peak <= bound[r] * a1 + flight, (r, peak, bound[r], a1)
+        assert peak > (bound[r] - 1) * a1, (r, peak, bound[r], a1)
+    if name != "gpipe":  # 1F1B's bound is p - r, not m
+        assert got[0]["activations"] < (bound[0] + 1) * one[0]["activations"] < m * one[0]["activations"]
+
+
 def test_untied_head_on_gloo_ranks():
     params, tokens = C.setup(tied_embeddings=False)
     out = run_on_ranks(C.run_rank, 2, "1f1b", 2, 1, 2, True)

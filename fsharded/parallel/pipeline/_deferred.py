@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from fsharded import _memory_hooks as memory
+
 __all__ = ["Deferring", "Deferred"]
 
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
@@ -42,9 +44,11 @@ class Deferred:
         """Add each put-off weight gradient to ``grads[k]`` (None: not yet any), in
         ``dtypes[k]`` where given (the leaf's own, when the stage ran on a cast of it)."""
         for k, eq, x, g in self.parts:
-            dw = torch.einsum(eq, x, g)
+            with torch.no_grad():  # (x is an activation that requires grad: no graph of this)
+                dw = torch.einsum(eq, x, g)
             if dtypes is not None:
                 dw = dw.to(dtypes[k])
+            memory.label(dw, "gradients")  # (for a tracker: made outside backward)
             grads[k] = dw if grads[k] is None else grads[k] + dw
         self.parts = []
 

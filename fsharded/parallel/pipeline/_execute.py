@@ -33,6 +33,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from fsharded import _memory_hooks as memory
 from fsharded.parallel.pipeline._check import check
 from fsharded.parallel.pipeline._deferred import Deferred, Deferring
 from fsharded.parallel.pipeline._stages import Stages
@@ -88,8 +89,12 @@ class PointToPoint:
         # ``(encode(value) -> int, decode(received, int) -> tensor)``: a value's type (the
         # mesh axes it varies over, inside shard_map) travels in its header.
         self.types = types
-        self._pending: list[Any] = []
-        self._keep: list[torch.Tensor] = []  # what an unfinished send reads
+        self._pending: list[Any] = []  # unfinished sends (each holds what it reads)
+        # Activations sent, by key, until they are known received: gloo's send is not seen
+        # complete before it is waited on, and the gradient coming back for a micro-batch
+        # means its activation arrived (its wait then returns at once). Else a rank would
+        # hold every activation it sent until the end of the run, past the table's bound.
+        self._acts: dict[tuple, Any] = {}
         self._known: dict[tuple, tuple] = {}  # (what, stage, src, dst, shapes) -> (dtype, shape, code)
         self._posted: dict[tuple, tuple[Any, torch.Tensor]] = {}  # key, src -> (work, buffer)
         self.shapes: tuple = ()  # of the current run's micro-batch (``begin``)
@@ -120,14 +125,16 @@ class PointToPoint:
             head[:2 + value.dim()] = torch.tensor([_DTYPES.index(value.dtype), value.dim(), *value.shape])
             head[9] = code
             self._pending.append(dist.isend(head, peer, group=self.group, tag=tag))
-            self._keep.append(head)
             self._known[kind] = (value.dtype, tuple(value.shape), code)
         elif known != (value.dtype, tuple(value.shape), code):
             raise RuntimeError(f"pipeline: {key[0]} of stage {key[2]} is {value.dtype} {tuple(value.shape)} "
                                f"this time, {known[0]} {known[1]} before, for the same micro-batch shape: a "
                                f"stage whose output shape varies cannot be pipelined")
-        self._pending.append(dist.isend(value, peer, group=self.group, tag=tag + 1))
-        self._keep.append(value)
+        work = dist.isend(value, peer, group=self.group, tag=tag + 1)
+        if key[0] == "act":
+            self._acts[(key, dst)] = work
+        else:
+            self._pending.append(work)
 
     def ready(self, key: tuple, src: int, dst: int) -> bool:
         return True  # a receive waits for its value
@@ -142,6 +149,10 @@ class PointToPoint:
         self._posted[(key, src)] = (work, buf)
 
     def recv(self, key: tuple, src: int, dst: int) -> torch.Tensor:
+        if key[0] == "grad":  # the activation it is the gradient of was received
+            sent = self._acts.pop((("act", key[1], key[2] - 1), src), None)
+            if sent is not None:
+                sent.wait()
         tag, peer, kind = self._tag(key), self.ranks[src], self._kind(key, src, dst)
         if (key, src) in self._posted:
             work, out = self._posted.pop((key, src))
@@ -162,11 +173,11 @@ class PointToPoint:
         return self.types[1](out, code) if self.types is not None else out
 
     def finish(self) -> None:
-        for w in self._pending:
+        for w in [*self._pending, *self._acts.values()]:
             w.wait()
         if self._posted:
             raise RuntimeError(f"pipeline: receives posted and never taken: {sorted(self._posted)}")
-        self._pending, self._keep = [], []
+        self._pending, self._acts = [], {}
 
 
 @dataclass
@@ -223,6 +234,7 @@ class _Rank:
             if a.what == "act":
                 self.inputs[(a.stage + 1, a.mb)] = v
             else:
+                memory.label(v, "gradients")  # (an activation's gradient, for a tracker)
                 self.out_grads[(a.stage - 1, a.mb)] = v
         else:
             getattr(self, "_" + a.kind)(a.stage, a.mb)
@@ -270,6 +282,7 @@ class _Rank:
     def _W(self, s: int, i: int) -> None:
         _, sink = self.held.pop((s, i))
         sink.apply(self.ex.grads[s], [t.dtype for t in self.ex.leaves[s]])
+        memory.label(self.ex.grads[s], "gradients")
 
     def _backward(self, s: int, i: int, back: Any) -> None:
         ex = self.ex
@@ -279,6 +292,7 @@ class _Rank:
         for k, t in enumerate(gp):
             if t is not None:
                 acc[k] = t if acc[k] is None else acc[k] + t
+        memory.label(acc, "gradients")  # (the sums are made outside backward)
         if gx is not None:
             self._pass(("grad", i, s), s - 1, (s - 1, i), gx, self.out_grads)
 
