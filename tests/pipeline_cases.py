@@ -160,14 +160,17 @@ def hf_loss(fm, p, b):
     return fm.apply(p, input_ids=b["input_ids"], labels=b["input_ids"]).loss
 
 
-def hf_train(kind: str, mesh_axes: dict, name: str, steps: int, layers: int = 4, v: int = 1) -> dict:
+def hf_train(kind: str, mesh_axes: dict, name: str, steps: int, layers: int = 4, v: int = 1,
+             dropout: float = 0.0) -> dict:
     """``steps`` steps of a tiny Hugging Face model (``model_zoo.hf_llama`` / ``hf_gpt2``) cut
     by ``fs.nn.pipeline_stages`` over ``pipe`` (without a pipe axis: accumulated over the
-    same 2 micro-batches)."""
+    same 2 micro-batches); ``dropout``: GPT-2's three dropout rates."""
     import model_zoo
 
     import fsharded as fs
-    model = model_zoo.hf_llama(num_hidden_layers=layers) if kind == "llama" else model_zoo.hf_gpt2(n_layer=layers)
+    drop = dict(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    model = model_zoo.hf_llama(num_hidden_layers=layers) if kind == "llama" else \
+        model_zoo.hf_gpt2(n_layer=layers, **drop)
     fm = fs.nn.functional(model)
     ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
     mesh = fs.Mesh(mesh_axes)
@@ -212,3 +215,49 @@ def p2p_shapes() -> dict:
     except RuntimeError as e:
         out["error"] = str(e)
     return out
+
+
+# -- a model of plain Stages that draws (dropout before, inside and after its blocks) ---------
+
+def _drop_first(p, b):
+    return torch.nn.functional.dropout(p["emb"][b["tokens"][:, :-1]], 0.2)
+
+
+def _drop_block(p, x):
+    return x + torch.nn.functional.dropout(torch.tanh(x @ p["w"]), 0.3)
+
+
+def _drop_last(p, x, b):
+    x = torch.nn.functional.dropout(x, 0.1)
+    return torch.nn.functional.cross_entropy((x @ p["head"]).flatten(0, 1), b["tokens"][:, 1:].flatten())
+
+
+def dropout_stages_train(mesh_axes: dict, name: str, steps: int, m: int = 2) -> dict:
+    """``steps`` steps of a small model written as plain ``Stages`` whose ends and blocks
+    draw dropout masks: pipelined over ``pipe`` on ``mesh_axes``, or (without a pipe axis)
+    its uncut loss accumulated over the same ``m`` micro-batches."""
+    import fsharded as fs
+    from fsharded.parallel.blocks import run_block
+    g = torch.Generator().manual_seed(0)
+    params = {"emb": torch.randn(32, 16, generator=g) * 0.5, "head": torch.randn(16, 32, generator=g) * 0.5,
+              "blocks": [{"w": torch.randn(16, 16, generator=g) * 0.3} for _ in range(4)]}
+    tokens = torch.randint(0, 32, (8, 9), generator=g)
+    mesh = fs.Mesh(mesh_axes)
+    if "pipe" in mesh_axes:
+        n = mesh.shape["pipe"]
+        st = pp.Stages(_drop_first, _drop_block, _drop_last, ("emb",), ("head",), pp.cut([1] * 4, n))
+        loss, acc = pp.pipelined(st, schedule=name, microbatches=m), 1
+    else:
+        def loss(p, b):
+            x = _drop_first(p, b)
+            for bp in p["blocks"]:
+                x = run_block(_drop_block, bp, x)
+            return _drop_last(p, x, b)
+        acc = m
+    step = fs.train_step(loss, fs.optim.sgd(0.5), mesh=mesh, accumulation=acc, seed=3)
+    state = step.init(params)
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, {"tokens": tokens.roll(i, 0)})
+        losses.append(float(metrics["loss"]))
+    return {"losses": losses, "params": step.params(state)}

@@ -181,6 +181,39 @@ def test_a_hugging_face_model_cut_through_fs_nn_trains_as_it_does_uncut(kind, me
         assert_trains_like(out, ref)
 
 
+@pytest.mark.parametrize("mesh,name,ranks", [({"pipe": 2}, "1f1b", 0), ({"pipe": 2, "data": 2}, "zb", 0),
+                                            ({"pipe": 2}, "interleaved", 0), ({"pipe": 2}, "zb", 2)])
+def test_dropout_draws_the_keys_it_draws_without_pipelining(mesh, name, ranks):
+    # GPT-2 with its three dropouts on: each stage draws from its micro-batch's key
+    # stream where the stages before it stopped, so every mask is the one accumulation
+    # over the same micro-batches draws, whatever order the schedule runs the stages in.
+    pytest.importorskip("transformers")
+    v = 2 if name == "interleaved" else 1
+    uncut = {"data": mesh.get("data", 1)}  # (each data shard draws from a key of its own)
+    ref = C.hf_train("gpt2", uncut, "", 4, dropout=0.1)
+    off = C.hf_train("gpt2", uncut, "", 4)
+    assert abs(ref["losses"][0] - off["losses"][0]) > 1e-3  # the dropouts did draw
+    if ranks:
+        outs = run_on_ranks(C.hf_train, ranks, "gpt2", mesh, name, 4, v=v, dropout=0.1)
+    else:
+        outs = [C.hf_train("gpt2", mesh, name, 4, v=v, dropout=0.1)]
+    for out in outs:
+        assert_trains_like(out, ref)
+
+
+@pytest.mark.parametrize("name,ranks", [("1f1b", 0), ("gpipe", 0), ("zb", 2)])
+def test_stages_of_ones_own_draw_where_the_stage_before_stopped(name, ranks):
+    # Plain Stages run only their own part: the count of keys drawn so far travels with
+    # the activation (in the header on gloo ranks), and the next stage draws from there.
+    ref = C.dropout_stages_train({"data": 1}, "", 4)
+    if ranks:
+        outs = run_on_ranks(C.dropout_stages_train, ranks, {"pipe": ranks}, name, 4)
+    else:
+        outs = [C.dropout_stages_train({"pipe": 2}, name, 4)]
+    for out in outs:
+        assert_trains_like(out, ref)
+
+
 def test_what_each_end_of_a_cut_module_holds():
     pytest.importorskip("transformers")
     import model_zoo

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import optree
 import torch
@@ -48,6 +48,7 @@ class ModuleStages(Stages):
 
     fm: Any = None
     loss: Callable[..., torch.Tensor] | None = None
+    replays: ClassVar[bool] = True  # every stage runs the module's forward from its start
 
     def forward(self, s: int, params: dict, x: Any, batch: Any) -> torch.Tensor:
         full = self._assemble(params, s)

@@ -11,6 +11,7 @@ communication). The loss and the metrics are the micro-batches' means.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import optree
 import torch
 
+from fsharded import random as R
 from fsharded.step._differentiate import Inputs, LocalLoss
 from fsharded.step._reduce import Reduction
 
@@ -53,9 +55,10 @@ class Accumulated:
         self.inputs, self.loss, self.reduction, self.grad = inputs, loss, reduction, grad
         self.k, self.dtype = k, dtype
 
-    def _one(self, f: Callable, x0: Any, batch: Any, i: int) -> tuple:
+    def _one(self, f: Callable, x0: Any, batch: Any, i: int, streams: list | None) -> tuple:
         micro = optree.tree_map(functools.partial(_micro, i=i, k=self.k), batch)
-        g, (_, (loss, extra)) = self.grad(f, x0, micro)
+        with R.innermost().rekeyed(streams[i]) if streams is not None else contextlib.nullcontext():
+            g, (_, (loss, extra)) = self.grad(f, x0, micro)
         return [t.to(self.dtype) for t in optree.tree_leaves(g)], loss, extra
 
     def __call__(self, params: Any, batch: Any, scale: Any, varying: tuple[str, ...], mark: Callable,
@@ -65,9 +68,13 @@ class Accumulated:
         # does (and a pipeline schedule): under fp16 the gradients backward carries are
         # those of the mean loss, so they overflow at the same loss scale.
         f = functools.partial(_over, f, self.k)
-        grads, loss, extra = self._one(f, x0, batch, 0)
+        # Under the step's key scope each micro-batch draws from a stream of its own,
+        # reserved in order (so a pipeline's stages, run in another order, draw the same).
+        mode = R.innermost()
+        streams = [mode.reserve() for _ in range(self.k)] if mode is not None else None
+        grads, loss, extra = self._one(f, x0, batch, 0, streams)
         for i in range(1, self.k):
-            g, l_i, e_i = self._one(f, x0, batch, i)
+            g, l_i, e_i = self._one(f, x0, batch, i, streams)
             grads = [torch.add(a, b) for a, b in zip(grads, g)]
             del g
             loss = loss + l_i

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from fsharded import _memory_hooks as memory
+from fsharded import random as R
 from fsharded.parallel.pipeline._check import check
 from fsharded.parallel.pipeline._deferred import Deferred, Deferring
 from fsharded.parallel.pipeline._stages import Stages
@@ -47,15 +48,21 @@ class Mailbox:
 
     def __init__(self) -> None:
         self._box: dict[tuple, torch.Tensor] = {}
+        self._draws: dict[tuple, int] = {}
 
-    def send(self, value: torch.Tensor, key: tuple, src: int, dst: int) -> None:
+    def send(self, value: torch.Tensor, key: tuple, src: int, dst: int, draws: int = 0) -> None:
         self._box[(key, src, dst)] = value
+        self._draws[(key, src, dst)] = draws
 
     def ready(self, key: tuple, src: int, dst: int) -> bool:
         return (key, src, dst) in self._box
 
     def recv(self, key: tuple, src: int, dst: int) -> torch.Tensor:
         return self._box.pop((key, src, dst))
+
+    def draws(self, key: tuple, src: int, dst: int) -> int:
+        """The count of keys drawn that came with the value received under ``key``."""
+        return self._draws.pop((key, src, dst), 0)
 
     def begin(self, micro: Any) -> None:
         pass
@@ -111,7 +118,9 @@ class PointToPoint:
     def _kind(self, key: tuple, src: int, dst: int) -> tuple:
         return (key[0], key[2], src, dst, self.shapes)
 
-    def send(self, value: torch.Tensor, key: tuple, src: int, dst: int) -> None:
+    def send(self, value: torch.Tensor, key: tuple, src: int, dst: int, draws: int = 0) -> None:
+        """Send ``value``; ``draws``: the keys its micro-batch's forward has drawn so far
+        (the same for every micro-batch: it goes in the header)."""
         value = value.detach().contiguous()
         if value.dtype not in _DTYPES:
             raise TypeError(f"pipeline: cannot send a {value.dtype} activation between stages")
@@ -121,15 +130,19 @@ class PointToPoint:
         code = self.types[0](value) if self.types is not None else 0
         known = self._known.get(kind)
         if known is None:
-            head = torch.zeros(10, dtype=torch.int64)
+            head = torch.zeros(11, dtype=torch.int64)
             head[:2 + value.dim()] = torch.tensor([_DTYPES.index(value.dtype), value.dim(), *value.shape])
-            head[9] = code
+            head[9], head[10] = code, draws
             self._pending.append(dist.isend(head, peer, group=self.group, tag=tag))
-            self._known[kind] = (value.dtype, tuple(value.shape), code)
-        elif known != (value.dtype, tuple(value.shape), code):
+            self._known[kind] = (value.dtype, tuple(value.shape), code, draws)
+        elif known[:3] != (value.dtype, tuple(value.shape), code):
             raise RuntimeError(f"pipeline: {key[0]} of stage {key[2]} is {value.dtype} {tuple(value.shape)} "
                                f"this time, {known[0]} {known[1]} before, for the same micro-batch shape: a "
                                f"stage whose output shape varies cannot be pipelined")
+        elif known[3] != draws:
+            raise RuntimeError(f"pipeline: the forward up to stage {key[2]} drew {draws} random keys this time, "
+                               f"{known[3]} before: a model whose number of random draws varies from one "
+                               f"micro-batch to the next cannot be pipelined with the same keys as without")
         work = dist.isend(value, peer, group=self.group, tag=tag + 1)
         if key[0] == "act":
             self._acts[(key, dst)] = work
@@ -159,18 +172,22 @@ class PointToPoint:
             work.wait()
             code = self._known[kind][2]
         elif kind in self._known:
-            dtype, shape, code = self._known[kind]
+            dtype, shape, code, _ = self._known[kind]
             out = torch.empty(shape, dtype=dtype)
             dist.recv(out, peer, group=self.group, tag=tag + 1)
         else:
-            head = torch.empty(10, dtype=torch.int64)
+            head = torch.empty(11, dtype=torch.int64)
             dist.recv(head, peer, group=self.group, tag=tag)
             dtype, nd, code = _DTYPES[int(head[0])], int(head[1]), int(head[9])
             shape = tuple(int(x) for x in head[2:2 + nd])
-            self._known[kind] = (dtype, shape, code)
+            self._known[kind] = (dtype, shape, code, int(head[10]))
             out = torch.empty(shape, dtype=dtype)
             dist.recv(out, peer, group=self.group, tag=tag + 1)
         return self.types[1](out, code) if self.types is not None else out
+
+    def draws(self, key: tuple, src: int, dst: int) -> int:
+        """The count of keys drawn that came (in the header) with values of ``key``'s kind."""
+        return self._known[self._kind(key, src, dst)][3]
 
     def finish(self) -> None:
         for w in [*self._pending, *self._acts.values()]:
@@ -208,6 +225,7 @@ class _Rank:
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> its input activation
         self.out_grads: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> gradient of its output
         self.held: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (input leaf, output)
+        self.drawn: dict[tuple[int, int], int] = {}  # (stage, mb) -> keys its micro-batch drew before it
         self.to_send: dict[tuple, torch.Tensor] = {}
         self.busy = 0.0
         self.spent: dict[str, list] = {}  # kind -> [seconds, count]
@@ -228,11 +246,13 @@ class _Rank:
         ex = self.ex
         start = time.perf_counter()
         if a.kind == "SEND":
-            ex.transport.send(self.to_send.pop(self._key(a)), self._key(a), self.r, a.peer)
+            v, n = self.to_send.pop(self._key(a))
+            ex.transport.send(v, self._key(a), self.r, a.peer, n)
         elif a.kind == "RECV":
             v = ex.transport.recv(self._key(a), a.peer, self.r)
             if a.what == "act":
                 self.inputs[(a.stage + 1, a.mb)] = v
+                self.drawn[(a.stage + 1, a.mb)] = ex.transport.draws(self._key(a), a.peer, self.r)
             else:
                 memory.label(v, "gradients")  # (an activation's gradient, for a tracker)
                 self.out_grads[(a.stage - 1, a.mb)] = v
@@ -258,13 +278,15 @@ class _Rank:
     def _F(self, s: int, i: int) -> None:
         ex = self.ex
         x = self.inputs.pop((s, i)) if s > 0 else None
+        before = self.drawn.pop((s, i), 0)
         # A backward that comes as I then W: the stage's weight products put off.
         sink = Deferred() if (s, i) in ex.split else None
-        y, back = ex.diff.forward(functools.partial(ex.stage_fn, s, i, sink), ex.params[s], x, ex.trained.get(s))
+        y, back = ex.diff.forward(functools.partial(ex.stage_fn, s, i, sink, before), ex.params[s], x,
+                                  ex.trained.get(s))
         if s == ex.last:
             ex.losses[i] = back.aux
         else:
-            self._pass(("act", i, s), s + 1, (s + 1, i), y, self.inputs)
+            self._pass(("act", i, s), s + 1, (s + 1, i), y, self.inputs, ex.drawn.pop((s, i)))
         self.held[(s, i)] = (back, sink)
         self.peak = max(self.peak, len(self.held))
 
@@ -296,12 +318,16 @@ class _Rank:
         if gx is not None:
             self._pass(("grad", i, s), s - 1, (s - 1, i), gx, self.out_grads)
 
-    def _pass(self, key: tuple, to_stage: int, slot: tuple, value: torch.Tensor, local: dict) -> None:
-        """Hand ``value`` to stage ``to_stage``: in place if this rank holds it, else by a send."""
+    def _pass(self, key: tuple, to_stage: int, slot: tuple, value: torch.Tensor, local: dict,
+              draws: int = 0) -> None:
+        """Hand ``value`` to stage ``to_stage``: in place if this rank holds it, else by a
+        send (with ``draws``, the keys its micro-batch has drawn so far)."""
         if self.ex.schedule.rank_of(to_stage) == self.r:
             local[slot] = value
+            if key[0] == "act":
+                self.drawn[slot] = draws
         else:
-            self.to_send[key] = value
+            self.to_send[key] = value, draws
 
 
 @dataclass
@@ -318,9 +344,22 @@ class _Run:
     scale: Callable[[torch.Tensor], torch.Tensor] | None = None
     trained: dict[int, list[bool]] = field(default_factory=dict)
     compute_dtype: torch.dtype | None = None
+    keys: Any = None  # (the enclosing KeyScope, one reserved key per micro-batch), or None
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    drawn: dict[tuple[int, int], int] = field(default_factory=dict)  # (stage, mb) -> keys drawn after it
 
-    def stage_fn(self, s: int, i: int, sink: Deferred | None, p: Any, x: torch.Tensor | None) -> tuple:
+    def _keyed(self, s: int, i: int, before: int) -> Any:
+        """Random draws of stage ``s`` on micro-batch ``i`` take the keys they take
+        without pipelining: micro-batch ``i``'s stream (as accumulation reserves one per
+        micro-batch), from where the stages before stopped (``before``; a stage that
+        replays the forward from its start (``Stages.replays``) from the start)."""
+        if self.keys is None:
+            self.drawn[(s, i)] = 0
+            return contextlib.nullcontext()
+        mode, streams = self.keys
+        return _stream(mode, streams[i], 0 if self.stages.replays else before, self.drawn, (s, i))
+
+    def stage_fn(self, s: int, i: int, sink: Deferred | None, before: int, p: Any, x: torch.Tensor | None) -> tuple:
         """Stage ``s`` on micro-batch ``i``: ``(output, aux)``; the last stage's output is its
         loss (in fp32), scaled (fp16's loss scale) and over ``m`` (the mean over
         micro-batches is their sum), and its aux the loss. The parameters are cast to the
@@ -330,7 +369,7 @@ class _Run:
             dt = self.compute_dtype
             p = optree.tree_map(lambda t: t.to(dt) if t.is_floating_point() else t, p)
         ctx = Deferring(optree.tree_leaves(p), sink) if sink is not None else contextlib.nullcontext()
-        with ctx:
+        with ctx, self._keyed(s, i, before):
             y = self.stages.forward(s, p, x, self.micro[i])
         if s == self.last:
             y = y.float()
@@ -344,6 +383,16 @@ class _Run:
     @property
     def last(self) -> int:
         return self.stages.n - 1
+
+
+@contextlib.contextmanager
+def _stream(mode: Any, key: Any, start: int, drawn: dict, at: tuple):
+    """Under ``mode`` (a ``KeyScope``): draw from ``key``'s stream from position ``start``,
+    and note in ``drawn[at]`` where the stream stood after."""
+    with mode.rekeyed(key):
+        mode.calls = start
+        yield
+        drawn[at] = mode.calls
 
 
 class _Back:
@@ -435,8 +484,12 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     mine = [s for s in range(stages.n) if schedule.rank_of(s) in ranks]
     leaves = {s: optree.tree_leaves(params[s]) for s in mine}
     split = frozenset((a.stage, a.mb) for r in ranks for a in schedule.actions[r] if a.kind == "I")
+    # Under a key scope (a step's): one stream per micro-batch, reserved in order, as
+    # gradient accumulation reserves them (derived only if a stage draws).
+    mode = R.innermost()
+    keys = (mode, [mode.reserve() for _ in range(schedule.microbatches)]) if mode is not None else None
     ex = _Run(schedule, stages, params, micro, transport, leaves, {s: [None] * len(leaves[s]) for s in mine}, split,
-              Functional() if functional else Autograd(), scale, dict(trained or {}), compute_dtype)
+              Functional() if functional else Autograd(), scale, dict(trained or {}), compute_dtype, keys)
     transport.begin(micro[0])
     walkers = [_Rank(r, ex) for r in ranks]
     t0 = time.perf_counter()

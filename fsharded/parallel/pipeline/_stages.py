@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import optree
 import torch
@@ -93,6 +93,10 @@ class Stages:
     last_keys: tuple[str, ...]
     ranges: tuple[range, ...]
     blocks: str = "blocks"
+    # Whether stage ``s``'s forward runs the model from its start (skipping the earlier
+    # stages' blocks), so it makes the earlier stages' random draws again (``ModuleStages``);
+    # else it makes its own only, and its draws follow where the stage before stopped.
+    replays: ClassVar[bool] = False
 
     @property
     def n(self) -> int:
