@@ -15,11 +15,13 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["collective_scope", "in_collective", "current", "per_device", "tag", "label", "CURRENT"]
+__all__ = ["collective_scope", "in_collective", "current", "per_device", "tag", "label", "paused", "is_paused",
+           "CURRENT"]
 
 # The active tracker (a ``fsharded._memory_tracker.MemoryTracker``), set by its ``track``.
 CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("fsharded_memory", default=None)
 _IN_COLLECTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("fsharded_in_collective", default=False)
+_PAUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("fsharded_memory_paused", default=False)
 
 
 @contextlib.contextmanager
@@ -30,6 +32,23 @@ def collective_scope() -> Iterator[None]:
         yield
     finally:
         _IN_COLLECTIVE.reset(tok)
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Allocations in the block are not counted (what another device does, run here for
+    its values only: the other pipe ranks' actions in a dry run of one rank's step). A
+    storage counted before still dies when it is freed."""
+    tok = _PAUSED.set(True)
+    try:
+        yield
+    finally:
+        _PAUSED.reset(tok)
+
+
+def is_paused() -> bool:
+    """Whether allocations now go uncounted (``paused``)."""
+    return _PAUSED.get()
 
 
 def in_collective() -> bool:

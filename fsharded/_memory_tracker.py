@@ -24,6 +24,7 @@ from fsharded._memory_hooks import (
     CURRENT,
     current,
     in_collective,
+    is_paused,
     label,
 )
 
@@ -274,6 +275,8 @@ class MemoryTracker(TorchDispatchMode):
         return self._clock
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if is_paused():  # not this device's: run it, count nothing
+            return func(*args, **(kwargs or {}))
         self._clock += 1
         self._in_op = True  # what dies from here to the end of this op dies in its tick
         try:

@@ -261,3 +261,31 @@ def dropout_stages_train(mesh_axes: dict, name: str, steps: int, m: int = 2) -> 
         state, metrics = step(state, {"tokens": tokens.roll(i, 0)})
         losses.append(float(metrics["loss"]))
     return {"losses": losses, "params": step.params(state)}
+
+
+def dry_peaks(name: str = "gpipe", m: int = 4) -> dict:
+    """The peak a train_step's dry run measures on this rank (what its memory check
+    compares with the memory available) for the GPT pipelined over 2 ranks, and the same
+    dry run with every pipe rank's actions counted."""
+    import contextlib
+
+    import fsharded as fs
+    from fsharded import _memory_hooks
+    from fsharded.spmd import _schedule
+    from fsharded.step._batch import local_batch
+    params, tokens = setup(batch=16)
+    stages = gpt_stages.pipeline_stages(params, 2, attention="einsum")
+    step = fs.train_step(pp.pipelined(stages, schedule=name, microbatches=m), fs.optim.adamw(1e-2),
+                         mesh=fs.Mesh({"pipe": 2}))
+    state = step.init(params)
+    sm = step._shard_mapped(state)
+    batch = local_batch(sm, {"tokens": tokens})
+    with torch.no_grad():
+        _, mine = _schedule.dry_run(sm.local, state, batch, peak=True)
+        real = _memory_hooks.paused
+        _memory_hooks.paused = contextlib.nullcontext
+        try:
+            _, every = _schedule.dry_run(sm.local, state, batch, peak=True)
+        finally:
+            _memory_hooks.paused = real
+    return {"mine": mine, "every": every}

@@ -136,6 +136,41 @@ def test_fsharded_train_with_a_pipe_axis_trains_as_accumulation_does(tmp_path):
         assert other == pytest.approx(base, rel=1e-5, abs=1e-5), (other, base)
 
 
+def test_fsharded_train_counts_each_stages_micro_batches_held_in_its_memory_check(capsys, monkeypatch):
+    from fsharded import train
+    from fsharded.step import _estimate as _memory
+
+    # 8 micro-batches of 16 rows: GPipe holds all 8 on each rank (~200 MiB on the virtual
+    # mesh's 2 ranks, in this process), 1F1B 2 and 1 (~40 MiB); 100 MiB fits only 1F1B's.
+    monkeypatch.setattr(_memory, "available_memory", lambda device="cpu": (100 * 2**20, "a test limit"))
+    args = ["--preset", "tiny", "--steps", "1", "--mesh", "pipe=2", "--batch", "16", "--set", "pipeline.microbatches=8"]
+    assert train.main([*args, "--set", "pipeline.schedule=gpipe"]) == 1
+    err = capsys.readouterr().err
+    assert "memory check: the training state and the pipeline's activations" in err, err[-1500:]
+    assert "pipeline.schedule=1f1b holds at most pipe of them; now gpipe" in err
+    assert train.main([*args, "--set", "pipeline.schedule=1f1b"]) == 0
+
+
+def test_estimate_memory_of_a_pipelined_loss_is_the_largest_ranks_bound_of_micro_batches():
+    # Against the memory tracker's peak of live activations on each gloo rank (the
+    # executor's run): at least it, and within 25% of it.
+    from fsharded.parallel.zero import Placement
+    from fsharded.precision import as_policy
+    from fsharded.step._estimate import pipeline_activations
+    for name, p, m in [("gpipe", 2, 4), ("1f1b", 4, 8), ("zb", 4, 8)]:
+        params, tokens = C.setup(batch=2 * m)
+        loss = pp.pipelined(gpt_stages.pipeline_stages(params, p, attention="einsum"), schedule=name, microbatches=m)
+        pl = Placement.replicated(optree.tree_map(lambda _: fs.P(), params))
+        est = pipeline_activations(loss, params, pl, fs.Mesh({"pipe": p}), as_policy("fp32"), {"tokens": tokens},
+                                   fs.P())
+        got = [r["activations"] for r in run_on_ranks(C.tracked_rank, p, name, p, m)]
+        for e, g in zip(est, got):
+            assert g <= e <= 1.25 * g, (name, est, got)
+        whole = fs.estimate_memory(params, fs.P(), fs.optim.adamw(1e-3), mesh=fs.Mesh({"pipe": p}), loss=loss,
+                                   batch={"tokens": tokens}, batch_spec=fs.P())
+        assert whole.activations == max(est) and "pipelined over 'pipe'" in whole.notes[-1]
+
+
 def test_fsharded_train_refuses_a_pipe_it_cannot_run(tmp_path):
     from fsharded.config import TrainConfig
     with pytest.raises(ValueError, match="pipeline.schedule: expected one of gpipe, 1f1b, interleaved, zb"):
@@ -212,6 +247,13 @@ def test_stages_of_ones_own_draw_where_the_stage_before_stopped(name, ranks):
         outs = [C.dropout_stages_train({"pipe": 2}, name, 4)]
     for out in outs:
         assert_trains_like(out, ref)
+
+
+def test_a_ranks_memory_check_counts_its_own_stages():
+    # On real ranks the first step's dry run (run for the collectives and the memory check)
+    # runs every pipe rank's actions; what the other ranks allocate is not this rank's.
+    for out in run_on_ranks(C.dry_peaks, 2):
+        assert out["mine"] < 0.7 * out["every"], out
 
 
 def test_what_each_end_of_a_cut_module_holds():

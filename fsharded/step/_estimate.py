@@ -10,6 +10,7 @@ and precision (and including gathered weights and communication buckets).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,12 +19,14 @@ from typing import Any
 import optree
 import torch
 
+from fsharded import _memory_hooks
 from fsharded import _memory_tracker as memory
 from fsharded.mesh import _tree
 from fsharded.mesh._layout import local_slice
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, shard_shape
 from fsharded.parallel.blocks import handling
+from fsharded.parallel.pipeline import Pipelined, check, split_batch
 from fsharded.parallel.remat import checkpoint
 from fsharded.parallel.zero import Placement, ZeroPlan
 from fsharded.precision import as_policy
@@ -32,7 +35,8 @@ from fsharded.spmd._transfer import backend_for
 from fsharded.step import _trainable as T
 from fsharded.step._layout import Moves
 
-__all__ = ["MemoryEstimate", "estimate_memory", "available_memory", "check_fits", "InsufficientMemoryError"]
+__all__ = ["MemoryEstimate", "estimate_memory", "pipeline_activations", "placement_of", "available_memory",
+           "check_fits", "InsufficientMemoryError"]
 
 
 def _local_numel(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> int:
@@ -141,13 +145,7 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     copy and no optimizer state.
     """
     policy = as_policy(precision)
-    if isinstance(specs, ZeroPlan):
-        pl = specs.resolve(mesh)
-    elif isinstance(specs, Placement):
-        pl = specs
-    else:
-        full = optree.tree_unflatten(optree.tree_structure(params), _tree.broadcast_prefix(specs, params))
-        pl = Placement.replicated(full)
+    pl = placement_of(specs, params, mesh)
     if pl.trainable is None or trainable is not None:
         pl = pl.freeze(T.resolve(trainable, params))
     mask = list(pl.trainable) if pl.trainable is not None else None
@@ -235,6 +233,11 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
                     if isinstance(x, torch.Tensor))
     if activation_bytes is not None:
         activations = int(activation_bytes)
+    elif isinstance(loss, Pipelined):
+        if batch is None:
+            raise ValueError("estimate_memory: loss= needs a batch= (a global batch, as train_step takes)")
+        activations, more = _pipeline_activations(loss, params, pl, mesh, policy, batch, batch_spec)
+        notes += more
     elif loss is not None:
         if batch is None:
             raise ValueError("estimate_memory: loss= needs a batch= (a global batch, as train_step takes)")
@@ -360,6 +363,54 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
             f"({type(e).__name__}: {e}); pass activation_bytes= instead"
         ) from e
     return peak, with_grads, kind.name
+
+
+def placement_of(specs: Any, params: Any, mesh: Mesh) -> Placement:
+    """The ``Placement`` of ``specs`` (a spec tree or prefix, a ZeRO plan, or a placement)."""
+    if isinstance(specs, ZeroPlan):
+        return specs.resolve(mesh)
+    if isinstance(specs, Placement):
+        return specs
+    return Placement.replicated(optree.tree_unflatten(optree.tree_structure(params),
+                                                      _tree.broadcast_prefix(specs, params)))
+
+
+def pipeline_activations(pipe: Pipelined, params: Any, pl: Any, mesh: Mesh, policy: Any, batch: Any,
+                         batch_spec: Any) -> list[int]:
+    """Per rank along the pipe axis, the activation bytes it holds at its peak: the table's
+    bound of micro-batches held at once (``check(...).peak_activations``) times the most
+    one micro-batch of any of its stages holds (each stage measured alone, on meta
+    tensors, from its input as received to its backward)."""
+    if pipe.axis not in mesh.shape:
+        raise ValueError(f"estimate_memory: the loss is pipelined over {pipe.axis!r}, which {mesh!r} does not have")
+    sched = pipe.table(mesh.shape[pipe.axis])
+    bound = check(sched).peak_activations
+    st = pipe.stages
+
+    def stage_loss(s: int, p: Any, shard: Any) -> torch.Tensor:
+        micro = split_batch(shard, sched.microbatches)[0]
+        x = None
+        if s > 0:
+            with _memory_hooks.paused(), torch.no_grad():  # the stages before: not this one's
+                for t in range(s):
+                    x = st.forward(t, st.params_of(p, t), x, micro)
+            x = x.clone().requires_grad_()  # as received: a buffer of this stage's
+        y = st.forward(s, st.params_of(p, s), x, micro)
+        return y.float() if s == st.n - 1 else y.float().sum()
+
+    one = [_measure_activations(functools.partial(stage_loss, s), params, pl, mesh, policy, batch,
+                                batch_spec)[0] for s in range(st.n)]
+    return [bound[r] * max(one[s] for s in range(st.n) if sched.rank_of(s) == r) for r in range(sched.ranks)]
+
+
+def _pipeline_activations(pipe: Pipelined, params: Any, pl: Any, mesh: Mesh, policy: Any, batch: Any,
+                          batch_spec: Any) -> tuple[int, list[str]]:
+    per_rank = pipeline_activations(pipe, params, pl, mesh, policy, batch, batch_spec)
+    worst = max(range(len(per_rank)), key=per_rank.__getitem__)
+    return per_rank[worst], [
+        f"pipelined over {pipe.axis!r}: activations per rank {[f'{b / 2**20:,.2f} MiB' for b in per_rank]} "
+        f"(the schedule's bound of micro-batches held x one micro-batch of the rank's stages); the largest, "
+        f"rank {worst}'s, counted"]
 
 
 _FIX = (_schedule.FIX + " Or pass activation_bytes= to estimate_memory: measure them with "

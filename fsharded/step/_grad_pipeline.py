@@ -109,6 +109,9 @@ class PipelineGradients:
             transport = self._p2p
         else:  # the virtual mesh, or a dry run of a real rank's step: every pipe rank here
             ranks, transport = list(range(sched.ranks)), Mailbox()
+        # A dry run of a real rank's step measures what this rank allocates: the other pipe
+        # ranks' actions run for their values only.
+        counted = [comm.axis_group(self.mesh, (axis,)).index] if self.distributed and not self._local() else None
         frame = _env.current()
         mode = frame.vma if frame is not None and self.assumed is not None and not _manifest.active() else None
         with mode.assuming(self.assumed) if mode is not None else contextlib.nullcontext():
@@ -118,7 +121,7 @@ class PipelineGradients:
                 res = run(sched, stages, {s: stages.params_of(x0, s) for s in mine}, micro, ranks=ranks,
                           transport=transport, functional=self.functional,
                           scale=lambda y: self.scaling.scale(y, scale), trained=trained,
-                          compute_dtype=self.policy.compute_dtype)
+                          compute_dtype=self.policy.compute_dtype, counted=counted)
             except _vma.NeedsTyping:  # the pipe ranks may stand at different actions: no rerun
                 raise RuntimeError("pipeline: a stage asked for the varying-axes typing the step assumed "
                                    "away (a collective or a type question inside the model); please "

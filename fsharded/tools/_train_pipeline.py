@@ -6,11 +6,14 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
+
 from fsharded.mesh import Mesh
 from fsharded.models import gpt_stages
 from fsharded.parallel.pipeline import pipelined
+from fsharded.step import _estimate as _memory
 
-__all__ = ["pipeline_loss"]
+__all__ = ["pipeline_loss", "check_fits_pipelined"]
 
 
 def pipeline_loss(cfg: Any, mesh: Mesh, mcfg: Any, params: Any, seq: Any) -> Any:
@@ -33,3 +36,25 @@ def pipeline_loss(cfg: Any, mesh: Mesh, mcfg: Any, params: Any, seq: Any) -> Any
                       f"--set pipeline.microbatches={4 * p}", stacklevel=2)
     stages = gpt_stages.pipeline_stages(params, p * v)
     return pipelined(stages, schedule=cfg.pipeline.schedule, microbatches=cfg.grad_accum_steps, virtual=v)
+
+
+def check_fits_pipelined(cfg: Any, mcfg: Any, mesh: Mesh, specs: Any, dist_on: bool, seq: Any, piped: Any, meta: Any,
+                         state: Any, kw: dict, what: str) -> None:
+    """``fsharded train``'s memory check with a pipe axis, beside the state (``state``, the
+    estimate without activations): each rank's activations are its schedule's bound of
+    micro-batches held times one micro-batch of its stages (``pipeline_activations``); the
+    virtual mesh's process holds every rank's and every data shard's."""
+    rows = cfg.micro_batch_size * cfg.grad_accum_steps * cfg.data_parallel_size  # the step's batch
+    batch = {"tokens": torch.empty((rows, mcfg.seq_len + 1), dtype=torch.int64, device="meta")}
+    try:
+        per_rank = _memory.pipeline_activations(piped, meta, _memory.placement_of(specs, meta, mesh), mesh,
+                                                cfg.policy(), batch, seq.batch_spec)
+    except Exception as e:  # noqa: BLE001 - the state alone was checked
+        warnings.warn(f"fsharded train: the memory check counted the state only: the activations could "
+                      f"not be measured ({type(e).__name__}: {e})", stacklevel=4)
+        return
+    acts = max(per_rank) if dist_on else sum(per_rank) * cfg.data_parallel_size
+    more = (f"fewer micro-batches held at once (pipeline.schedule=1f1b holds at most pipe of them; now "
+            f"{cfg.pipeline.schedule}, {acts / 2**30:,.2f} GiB of activations)", "a smaller --batch")
+    _memory.check_fits(state.total + acts, what=what.replace("the training state", "the training state and the "
+                                                             "pipeline's activations"), hints=more, **kw)

@@ -38,7 +38,7 @@ from fsharded.parallel import sequence
 from fsharded.step import _estimate as _memory
 from fsharded.tools import _train_resume
 from fsharded.tools import flops as FL
-from fsharded.tools._train_pipeline import pipeline_loss
+from fsharded.tools._train_pipeline import check_fits_pipelined, pipeline_loss
 from fsharded.tools._train_resume import LENGTH_PARAM, RESUME_CHANGES, lr_schedule, schedule_record
 
 # What `fsharded train` runs with no arguments: the "small" GPT (0.84 M parameters) on
@@ -510,6 +510,13 @@ def _check_fits(cfg, mcfg, mesh, specs_for, dist_on: bool, seq: _SeqJob) -> None
                                     activation_bytes=0, blocks="blocks")
     # The state first (arithmetic): a model that cannot fit is refused without a dry run.
     _memory.check_fits(state.total, who="memory check", what=what, processes=processes, device=device, hints=hints)
+    with warnings.catch_warnings():  # (said again when the job builds its loss)
+        warnings.simplefilter("ignore")
+        piped = pipeline_loss(cfg, mesh, mcfg, meta, seq)
+    if piped is not None:  # per pipe rank: its stages' micro-batches held at once
+        check_fits_pipelined(cfg, mcfg, mesh, specs_for(meta), dist_on, seq, piped, meta, state,
+                             dict(who="memory check", processes=processes, device=device, lead="To need less"), what)
+        return
     rows = cfg.micro_batch_size * cfg.data_parallel_size  # one micro-batch, global
     tokens = {"tokens": torch.zeros((rows, mcfg.seq_len + 1), dtype=torch.int64)}
     if dist_on:  # this rank's shard of the batch as the step takes it

@@ -462,7 +462,8 @@ def _spread(got: list, mask: list[bool]) -> list:
 def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Sequence[Any], *,
         ranks: Sequence[int] | None = None, transport: Any = None, functional: bool = False,
         scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        trained: dict[int, list[bool]] | None = None, compute_dtype: torch.dtype | None = None) -> Result:
+        trained: dict[int, list[bool]] | None = None, compute_dtype: torch.dtype | None = None,
+        counted: Sequence[int] | None = None) -> Result:
     """Run ``schedule`` for the ranks ``ranks`` (default: all of them, in this process,
     over a ``Mailbox``; on real ranks pass this rank alone and a ``PointToPoint``).
     ``params[s]``: stage ``s``'s parameters (``Stages.params_of``) for every stage the
@@ -471,7 +472,9 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     micro-batch's loss before backward (fp16's loss scale: the gradients come back
     scaled, the loss does not); ``trained[s]``: which of stage ``s``'s leaves are
     differentiated (default all; the others' gradients come back as zeros);
-    ``compute_dtype``: the stages run on their parameters cast to it. The table is
+    ``compute_dtype``: the stages run on their parameters cast to it; ``counted``: the
+    ranks whose allocations a memory tracker counts (default all; a dry run of one rank's
+    step runs the others' actions for their values only). The table is
     checked first (``check``): one that cannot run is refused before any action runs."""
     check(schedule)
     if stages.n != schedule.stages:
@@ -498,9 +501,10 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     while True:
         moved = False
         for w in walkers:
-            while w.pc < len(w.actions) and not w.blocked():
-                w.step()
-                moved = True
+            with memory.paused() if counted is not None and w.r not in counted else contextlib.nullcontext():
+                while w.pc < len(w.actions) and not w.blocked():
+                    w.step()
+                    moved = True
         if all(w.pc == len(w.actions) for w in walkers):
             break
         if not moved:
