@@ -289,3 +289,33 @@ def dry_peaks(name: str = "gpipe", m: int = 4) -> dict:
         finally:
             _memory_hooks.paused = real
     return {"mine": mine, "every": every}
+
+
+def train_seq(mesh_axes: dict | None, name: str, steps: int, seq_parallel: str = "ulysses", m: int = 2) -> dict:
+    """``steps`` steps of the tiny GPT with its sequence sharded over ``seq`` (``tensor`` for
+    Megatron-SP), pipelined over ``pipe`` on ``mesh_axes``; with ``mesh_axes`` None, the
+    uncut GPT on one device accumulating over the same ``m`` micro-batches."""
+    import fsharded as fs
+    params, tokens = setup(**TRAIN_CFG)
+    batch = gpt.shift({"tokens": tokens})
+    if mesh_axes is None:
+        mesh, loss, acc, spec = fs.Mesh({"data": 1}), (lambda p, b: gpt.loss(p, b, attention="einsum")), m, None
+        specs = None
+    else:
+        mesh, acc = fs.Mesh(mesh_axes), 1
+        megatron = seq_parallel == "megatron"
+        axis = "tensor" if megatron else "seq"
+        stages = gpt_stages.pipeline_stages(params, mesh.shape["pipe"], attention="einsum",
+                                            seq_axis=None if megatron else axis, seq_parallel=seq_parallel)
+        loss = pp.pipelined(stages, schedule=name, microbatches=m)
+        spec = fs.P() if megatron else fs.P(None, axis)
+        specs = gpt_plans.tensor_parallel_specs(params) if megatron else None
+    step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, accumulation=acc,
+                         **({"batch_spec": spec} if spec is not None else {}),
+                         **({"param_specs": specs} if specs is not None else {}))
+    state = step.init(params)
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, {k: v.roll(i, 0) for k, v in batch.items()})
+        losses.append(float(metrics["loss"]))
+    return {"losses": losses, "params": step.params(state)}

@@ -132,7 +132,9 @@ def test_fsharded_train_with_a_pipe_axis_trains_as_accumulation_does(tmp_path):
                  tmp_path, "zb")
     out, ranks = _cli(["--mesh", "pipe=2", "--set", "pipeline.microbatches=4"], tmp_path, "ranks", torchrun=2)
     assert "on the distributed backend" in out
-    for other in (piped, zb, ranks):
+    out, seq = _cli(["--mesh", "pipe=2,seq=2", "--set", "pipeline.microbatches=4"], tmp_path, "seq")
+    assert "sequence over seq=2 (ulysses, contiguous)" in out
+    for other in (piped, zb, ranks, seq):
         assert other == pytest.approx(base, rel=1e-5, abs=1e-5), (other, base)
 
 
@@ -183,9 +185,6 @@ def test_fsharded_train_refuses_a_pipe_it_cannot_run(tmp_path):
     cfg = TrainConfig(mesh={"pipe": 4}, model={"preset": "tiny", "vocab_size": 256}, steps=1,
                       data="stdlib:300000", pipeline={"microbatches": 4})
     with pytest.raises(ValueError, match="pipe=4 x 1 stages per rank = 4 stages, but the model has 2 blocks"):
-        train.run(cfg, progress="off")
-    cfg = cfg.replace(mesh={"pipe": 2, "seq": 2})
-    with pytest.raises(NotImplementedError, match="with sequence parallelism"):
         train.run(cfg, progress="off")
 
 
@@ -286,6 +285,22 @@ def test_a_deepspeed_configs_pipeline_block_maps_onto_the_pipe_axis():
         from_deepspeed({**ds, "pipeline": {"stages": 2, "activation_checkpoint_interval": 1}})
     with pytest.raises(ValueError, match="pipeline.stages: 2, but the mesh's 'pipe' axis is 4"):
         from_deepspeed(ds, mesh={"pipe": 4})
+
+
+@pytest.mark.parametrize("seq_parallel,mesh,name,ranks", [
+    ("ulysses", {"pipe": 2, "seq": 2}, "1f1b", 0), ("ring", {"seq": 2, "pipe": 2}, "zb", 0),
+    ("megatron", {"pipe": 2, "tensor": 2}, "gpipe", 0), ("ulysses", {"pipe": 2, "seq": 2}, "zb", 4),
+    ("ring", {"seq": 2, "pipe": 2}, "1f1b", 4), ("megatron", {"pipe": 2, "tensor": 2}, "1f1b", 4)])
+def test_pipe_by_sequence_parallelism_trains_as_the_single_device_gpt(seq_parallel, mesh, name, ranks):
+    # Each stage's attention exchanges over the seq axis (Ulysses' all-to-alls, the ring's
+    # sends; Megatron-SP over tensor) among the ranks holding that stage.
+    ref = C.train_seq(None, "", 4)
+    if ranks:
+        outs = run_on_ranks(C.train_seq, ranks, mesh, name, 4, seq_parallel)
+    else:
+        outs = [C.train_seq(mesh, name, 4, seq_parallel)]
+    for out in outs:
+        assert_trains_like(out, ref)
 
 
 @pytest.mark.parametrize("ranks", [0, 4])

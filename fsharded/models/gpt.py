@@ -477,19 +477,7 @@ def _forward(params: Params, tokens: torch.Tensor, *, attention: str, block_fn: 
     biases = _routing_biases(params, moe, model_state)
     if attention not in _ATTENTION:
         raise ValueError(f"attention must be one of {list(_ATTENTION)}, got {attention!r}")
-    if seq_parallel not in SEQ_PARALLEL:
-        raise ValueError(f"seq_parallel must be one of {list(SEQ_PARALLEL)}, got {seq_parallel!r}")
-    sequence.check_layout(seq_layout)
-    if seq_layout == "zigzag" and seq_parallel != "ring" and _seq(seq_axis):
-        raise ValueError(f"seq_layout='zigzag' is ring attention's causal balance; {seq_parallel} needs "
-                         f"the contiguous layout")
-    hybrid = seq_parallel == "hybrid" and seq_axis is not None
-    if hybrid and (isinstance(seq_axis, str) or len(tuple(seq_axis)) != 2):
-        raise ValueError(f"seq_parallel='hybrid' shards the sequence over two axes, seq_axis=(ring axis, "
-                         f"Ulysses axis) as in the batch spec P(None, (ring, ulysses)); got {seq_axis!r}")
-    if not hybrid and seq_axis is not None and not isinstance(seq_axis, str):
-        raise ValueError(f"seq_axis={seq_axis!r}: one axis for {seq_parallel} (two only for 'hybrid')")
-    seq_axis = tuple(seq_axis) if hybrid else seq_axis
+    seq_axis = check_seq(seq_axis, seq_parallel, seq_layout)
     if seq_parallel == "megatron":
         seq_axis, tokens = _megatron_chunk(tokens, seq_axis, tensor_axis)
     fn = block if block_fn is None else functools.partial(block_fn, block)
@@ -508,6 +496,23 @@ def _forward(params: Params, tokens: torch.Tensor, *, attention: str, block_fn: 
             x, a = x
             aux.append(a)
     return unembed(params, x), aux
+
+
+def check_seq(seq_axis: Any, seq_parallel: str, seq_layout: str) -> Any:
+    """The sequence-parallel settings checked; the axis (a tuple of two for 'hybrid')."""
+    if seq_parallel not in SEQ_PARALLEL:
+        raise ValueError(f"seq_parallel must be one of {list(SEQ_PARALLEL)}, got {seq_parallel!r}")
+    sequence.check_layout(seq_layout)
+    if seq_layout == "zigzag" and seq_parallel != "ring" and _seq(seq_axis):
+        raise ValueError(f"seq_layout='zigzag' is ring attention's causal balance; {seq_parallel} needs "
+                         f"the contiguous layout")
+    hybrid = seq_parallel == "hybrid" and seq_axis is not None
+    if hybrid and (isinstance(seq_axis, str) or len(tuple(seq_axis)) != 2):
+        raise ValueError(f"seq_parallel='hybrid' shards the sequence over two axes, seq_axis=(ring axis, "
+                         f"Ulysses axis) as in the batch spec P(None, (ring, ulysses)); got {seq_axis!r}")
+    if not hybrid and seq_axis is not None and not isinstance(seq_axis, str):
+        raise ValueError(f"seq_axis={seq_axis!r}: one axis for {seq_parallel} (two only for 'hybrid')")
+    return tuple(seq_axis) if hybrid else seq_axis
 
 
 IGNORE = -100  # a target the loss skips (cross_entropy's ignore_index): padding
@@ -604,20 +609,7 @@ def loss(params: Params, batch: dict[str, torch.Tensor], model_state: Any = None
     logits, aux = _forward(params, inputs, attention=attention, block_fn=block_fn, tensor_axis=tensor_axis,
                            seq_axis=seq_axis, seq_parallel=seq_parallel, seq_layout=seq_layout, moe=moe,
                            expert_axis=expert_axis, train=train, model_state=model_state)  # (B, T, V)
-    megatron = seq_parallel == "megatron"
-    if megatron:  # the logits are this tensor rank's sequence chunk: so are the targets
-        seq_axis, targets = _megatron_chunk(targets, seq_axis, tensor_axis)
-    flat_targets = targets.reshape(-1)
-    sharded = _seq(seq_axis)
-    # Sequence shards may hold different numbers of real tokens (padding, IGNORE targets):
-    # each shard's sum over the mean real-token count of its sequence group, so that the
-    # step's mean over the shards is the mean over the group's real tokens.
-    out = token_loss(logits, targets, reduction="sum" if sharded else "mean")
-    if sharded:
-        count = (flat_targets != IGNORE).sum().to(out.dtype)
-        out = out / (psum(count, seq_axis) / axis_size(seq_axis))
-        # Megatron-SP: the tensor axis is not a batch axis of the step: the mean over it here
-        out = pmean(out, seq_axis) if megatron else out
+    out = shard_loss(logits, targets, seq_axis=seq_axis, seq_parallel=seq_parallel, tensor_axis=tensor_axis)
     if not aux:
         return (out, {"lm_loss": out.detach()}) if metrics else out
     balance, z = sum(a["aux_loss"] for a in aux), sum(a["z_loss"] for a in aux)
@@ -628,6 +620,27 @@ def loss(params: Params, batch: dict[str, torch.Tensor], model_state: Any = None
     if model_state is not None:
         return total, m, {"moe_load": [a["load"].detach() for a in aux]}
     return (total, m) if metrics else total
+
+
+def shard_loss(logits: torch.Tensor, targets: torch.Tensor, *, seq_axis: Any = None, seq_parallel: str = "ulysses",
+               tensor_axis: str | None = TENSOR) -> torch.Tensor:
+    """The language-model loss of this shard's ``logits`` (B, T, V) against its ``targets``
+    (B, T) (``loss``'s, without the mixture-of-experts terms); sequence parallel as ``loss``
+    takes it."""
+    megatron = seq_parallel == "megatron"
+    if megatron:  # the logits are this tensor rank's sequence chunk: so are the targets
+        seq_axis, targets = _megatron_chunk(targets, seq_axis, tensor_axis)
+    sharded = _seq(seq_axis)
+    # Sequence shards may hold different numbers of real tokens (padding, IGNORE targets):
+    # each shard's sum over the mean real-token count of its sequence group, so that the
+    # step's mean over the shards is the mean over the group's real tokens.
+    out = token_loss(logits, targets, reduction="sum" if sharded else "mean")
+    if sharded:
+        count = (targets.reshape(-1) != IGNORE).sum().to(out.dtype)
+        out = out / (psum(count, seq_axis) / axis_size(seq_axis))
+        # Megatron-SP: the tensor axis is not a batch axis of the step: the mean over it here
+        out = pmean(out, seq_axis) if megatron else out
+    return out
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor, *, reduction: str = "mean") -> torch.Tensor:

@@ -17,11 +17,13 @@ Params = dict[str, Any]
 
 
 def pipeline_stages(params: Params, stages: int, *, boundaries: list[int] | None = None,
-                    attention: str = "auto", tensor_axis: str | None = TENSOR) -> Stages:
+                    attention: str = "auto", tensor_axis: str | None = TENSOR, seq_axis: Any = None,
+                    seq_parallel: str = "ulysses", seq_layout: str = "contiguous") -> Stages:
     """The GPT cut into ``stages`` pipeline stages: the embeddings (and learned positions)
     on the first, the final norm and head on the last (tied embeddings: on both), the
     blocks balanced by parameter count or cut at ``boundaries`` (the first block of each
-    stage after the first). The stages' losses are ``gpt.loss``'s.
+    stage after the first). The stages' losses are ``gpt.loss``'s, sequence parallel
+    (``seq_axis``, ``seq_parallel``, ``seq_layout``) as ``gpt.loss`` takes it.
 
     >>> from fsharded.models import gpt
     >>> s = pipeline_stages(gpt.init(gpt.GPTConfig.tiny(n_layers=4)), 2)
@@ -38,14 +40,27 @@ def pipeline_stages(params: Params, stages: int, *, boundaries: list[int] | None
                  first=sum(size(params[k]) for k in first_keys),
                  last=sum(size(params[k]) for k in last_keys))
     rotary = "pos" not in params
+    seq_axis = gpt.check_seq(seq_axis, seq_parallel, seq_layout)
+    megatron = seq_parallel == "megatron"
+
+    def axis() -> Any:  # the axis the blocks see the sequence sharded over (Megatron-SP: tensor's, when bound)
+        if not megatron:
+            return seq_axis
+        return tensor_axis if tensor_axis is not None and gpt._seq(tensor_axis) else None
 
     def first(p: Params, batch: Any):
-        return gpt.embed(p, gpt._split_batch(batch)[0])
+        tokens = gpt._split_batch(batch)[0]
+        if megatron:
+            _, tokens = gpt._megatron_chunk(tokens, seq_axis, tensor_axis)
+        return gpt.embed(p, tokens, seq_axis=axis(), seq_layout=seq_layout)
 
     def block(p: Params, x):
-        return gpt.block(p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis)
+        a = axis()
+        seq = {"seq_axis": a, "seq_parallel": seq_parallel, "seq_layout": seq_layout} if a is not None else {}
+        return gpt.block(p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis, **seq)
 
     def last(p: Params, x, batch: Any):
-        return gpt.token_loss(gpt.unembed(p, x), gpt._split_batch(batch)[1])
+        return gpt.shard_loss(gpt.unembed(p, x), gpt._split_batch(batch)[1], seq_axis=seq_axis,
+                              seq_parallel=seq_parallel, tensor_axis=tensor_axis)
 
     return Stages(first, block, last, first_keys, last_keys, ranges)

@@ -21,9 +21,6 @@ def pipeline_loss(cfg: Any, mesh: Mesh, mcfg: Any, params: Any, seq: Any) -> Any
     micro-batches are the job's accumulation (``cfg.grad_accum_steps``)."""
     if "pipe" not in mesh.shape:
         return None
-    if seq.n > 1 or seq.megatron:
-        raise NotImplementedError("fsharded train: a pipe axis with sequence parallelism is not supported yet; "
-                                  "pipe composes with data (and ZeRO-1/2) and tensor for now")
     if mcfg.moe is not None:
         raise NotImplementedError("fsharded train: a pipe axis with a mixture-of-experts GPT is not supported yet")
     p, v = mesh.shape["pipe"], cfg.pipeline.stages_per_rank
@@ -34,7 +31,10 @@ def pipeline_loss(cfg: Any, mesh: Mesh, mcfg: Any, params: Any, seq: Any) -> Any
         warnings.warn(f"fsharded train: pipe={p} with {cfg.grad_accum_steps} micro-batch(es) per step keeps "
                       f"most ranks idle (the bubble of 1F1B is (p-1)/(m+p-1)); give more, e.g. "
                       f"--set pipeline.microbatches={4 * p}", stacklevel=2)
-    stages = gpt_stages.pipeline_stages(params, p * v)
+    kw = getattr(seq.loss, "keywords", {})  # the job's sequence parallelism, as its loss takes it
+    stages = gpt_stages.pipeline_stages(params, p * v, seq_axis=kw.get("seq_axis"),
+                                        seq_parallel=kw.get("seq_parallel", "ulysses"),
+                                        seq_layout=kw.get("seq_layout", "contiguous"))
     return pipelined(stages, schedule=cfg.pipeline.schedule, microbatches=cfg.grad_accum_steps, virtual=v)
 
 
