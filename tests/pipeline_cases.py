@@ -319,3 +319,31 @@ def train_seq(mesh_axes: dict | None, name: str, steps: int, seq_parallel: str =
         state, metrics = step(state, {k: v.roll(i, 0) for k, v in batch.items()})
         losses.append(float(metrics["loss"]))
     return {"losses": losses, "params": step.params(state)}
+
+
+def train_moe(mesh_axes: dict, name: str, steps: int, m: int = 2, v: int = 1) -> dict:
+    """``steps`` steps of the tiny GPT with mixture-of-experts blocks (their balancing and
+    z-losses in the loss; the experts over ``expert`` where the mesh has it, the rows
+    too), pipelined over ``pipe`` where ``mesh_axes`` has it, else uncut accumulating
+    over the same ``m`` micro-batches."""
+    import fsharded as fs
+    from fsharded.models.gpt import MoEConfig
+    moe = MoEConfig(experts=4, top_k=2, every=1, capacity_factor=None, aux_loss_weight=0.1, z_loss_weight=0.01)
+    params, tokens = setup(moe=moe, **TRAIN_CFG)
+    mesh = fs.Mesh(mesh_axes)
+    if "pipe" not in mesh_axes:
+        loss, acc = (lambda p, b: gpt.loss(p, b, attention="einsum", moe=moe)), m
+    else:
+        acc = 1
+        stages = gpt_stages.pipeline_stages(params, mesh.shape["pipe"] * v, attention="einsum", moe=moe)
+        loss = pp.pipelined(stages, schedule=name, microbatches=m, virtual=v)
+    specs = gpt_plans.expert_parallel_specs(params) if "expert" in mesh_axes else None
+    # The rows over the expert axis too (expert parallelism inside data parallelism).
+    kw = {"param_specs": specs, "batch_spec": fs.P("expert")} if specs is not None else {}
+    step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, accumulation=acc, **kw)
+    state = step.init(params)
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, {"tokens": tokens.roll(i, 0)})
+        losses.append(float(metrics["loss"]))
+    return {"losses": losses, "params": step.params(state)}

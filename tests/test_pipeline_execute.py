@@ -74,7 +74,7 @@ def test_gpt_stages_hold_the_embeddings_first_and_the_head_last():
     assert set(gpt_stages.pipeline_stages(untied, 2).params_of(untied, 1)) == {"final_norm", "head", "blocks"}
     with pytest.raises(ValueError, match="5 pipeline stages .* 4 blocks"):
         gpt_stages.pipeline_stages(params, 5)
-    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+    with pytest.raises(ValueError, match="mixture-of-experts blocks; pass its routing config"):
         gpt_stages.pipeline_stages(gpt.init(gpt.GPTConfig.tiny(moe={"experts": 2})), 2)
 
 

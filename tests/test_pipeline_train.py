@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fsharded as fs
-from fsharded.models import gpt, gpt_stages
+from fsharded.models import gpt, gpt_plans, gpt_stages
 from fsharded.parallel import pipeline as pp
 from fsharded.testing import run_on_ranks
 
@@ -136,6 +136,10 @@ def test_fsharded_train_with_a_pipe_axis_trains_as_accumulation_does(tmp_path):
     assert "sequence over seq=2 (ulysses, contiguous)" in out
     for other in (piped, zb, ranks, seq):
         assert other == pytest.approx(base, rel=1e-5, abs=1e-5), (other, base)
+    moe = ["--set", "model.moe.experts=4", "--set", "model.moe.top_k=2"]
+    _, moe_base = _cli(["--mesh", "expert=2", "--set", "grad_accum_steps=4", *moe], tmp_path, "moe_base")
+    _, moe_piped = _cli(["--mesh", "pipe=2,expert=2", "--set", "pipeline.microbatches=4", *moe], tmp_path, "moe")
+    assert moe_piped == pytest.approx(moe_base, rel=1e-5, abs=1e-5), (moe_piped, moe_base)
 
 
 def test_fsharded_train_counts_each_stages_micro_batches_held_in_its_memory_check(capsys, monkeypatch):
@@ -171,6 +175,14 @@ def test_estimate_memory_of_a_pipelined_loss_is_the_largest_ranks_bound_of_micro
         whole = fs.estimate_memory(params, fs.P(), fs.optim.adamw(1e-3), mesh=fs.Mesh({"pipe": p}), loss=loss,
                                    batch={"tokens": tokens}, batch_spec=fs.P())
         assert whole.activations == max(est) and "pipelined over 'pipe'" in whole.notes[-1]
+    # stages that return their own loss terms beside the activation (MoE blocks)
+    from fsharded.models.gpt import MoEConfig
+    moe = MoEConfig(experts=4, top_k=2, every=1, capacity_factor=None)
+    params, tokens = C.setup(moe=moe, batch=8)
+    loss = pp.pipelined(gpt_stages.pipeline_stages(params, 2, attention="einsum", moe=moe), microbatches=4)
+    pl = Placement.replicated(optree.tree_map(lambda _: fs.P(), params))
+    est = pipeline_activations(loss, params, pl, fs.Mesh({"pipe": 2}), as_policy("fp32"), {"tokens": tokens}, fs.P())
+    assert len(est) == 2 and all(e > 0 for e in est)
 
 
 def test_fsharded_train_refuses_a_pipe_it_cannot_run(tmp_path):
@@ -301,6 +313,35 @@ def test_pipe_by_sequence_parallelism_trains_as_the_single_device_gpt(seq_parall
         outs = [C.train_seq(mesh, name, 4, seq_parallel)]
     for out in outs:
         assert_trains_like(out, ref)
+
+
+@pytest.mark.parametrize("mesh,name,v,ranks", [({"pipe": 2}, "interleaved", 2, 0), ({"pipe": 2}, "zb", 1, 2),
+                                              ({"pipe": 2, "expert": 2}, "1f1b", 1, 0),
+                                              ({"pipe": 2, "expert": 2}, "zb", 1, 4)])
+def test_a_mixture_of_experts_gpt_trains_as_it_does_uncut(mesh, name, v, ranks):
+    # Each stage adds its MoE blocks' balancing and z-losses to the loss where they run
+    # (its own backward seeds them); the experts' all-to-alls run over the expert axis
+    # among the ranks holding the stage. The uncut run: the same mesh without pipe.
+    ref = C.train_moe({a: n for a, n in mesh.items() if a != "pipe"}, "", 4)
+    if ranks:
+        outs = run_on_ranks(C.train_moe, ranks, mesh, name, 4, v=v)
+    else:
+        outs = [C.train_moe(mesh, name, 4, v=v)]
+    for out in outs:
+        assert_trains_like(out, ref)
+
+
+def test_a_stages_loss_that_varies_over_a_non_batch_axis_is_refused_as_train_step_refuses_it():
+    # Experts split over 'expert' with the rows not split over it: each shard's loss is a
+    # partial piece of a different model, with a pipeline as without.
+    from fsharded.models.gpt import MoEConfig
+    moe = MoEConfig(experts=4, top_k=2, every=1, capacity_factor=None)
+    params, tokens = C.setup(moe=moe)
+    loss = pp.pipelined(gpt_stages.pipeline_stages(params, 2, attention="einsum", moe=moe), microbatches=2)
+    step = fs.train_step(loss, fs.optim.adamw(1e-3), mesh=fs.Mesh({"pipe": 2, "expert": 2}),
+                         param_specs=gpt_plans.expert_parallel_specs(params), batch_spec=fs.P())
+    with pytest.raises(ValueError, match="the loss varies over mesh axis 'expert'"):
+        step(step.init(params), {"tokens": tokens})
 
 
 @pytest.mark.parametrize("ranks", [0, 4])

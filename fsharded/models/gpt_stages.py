@@ -8,7 +8,7 @@ from typing import Any
 import optree
 
 from fsharded.models import gpt
-from fsharded.models._gpt_config import TENSOR
+from fsharded.models._gpt_config import EXPERT, TENSOR, MoEConfig
 from fsharded.parallel.pipeline import Stages, cut
 
 __all__ = ["pipeline_stages"]
@@ -18,21 +18,24 @@ Params = dict[str, Any]
 
 def pipeline_stages(params: Params, stages: int, *, boundaries: list[int] | None = None,
                     attention: str = "auto", tensor_axis: str | None = TENSOR, seq_axis: Any = None,
-                    seq_parallel: str = "ulysses", seq_layout: str = "contiguous") -> Stages:
+                    seq_parallel: str = "ulysses", seq_layout: str = "contiguous", moe: MoEConfig | None = None,
+                    expert_axis: str | None = EXPERT) -> Stages:
     """The GPT cut into ``stages`` pipeline stages: the embeddings (and learned positions)
     on the first, the final norm and head on the last (tied embeddings: on both), the
     blocks balanced by parameter count or cut at ``boundaries`` (the first block of each
     stage after the first). The stages' losses are ``gpt.loss``'s, sequence parallel
-    (``seq_axis``, ``seq_parallel``, ``seq_layout``) as ``gpt.loss`` takes it.
+    (``seq_axis``, ``seq_parallel``, ``seq_layout``) and mixture of experts (``moe``, the
+    experts over ``expert_axis``) as ``gpt.loss`` takes them: a stage's MoE blocks add
+    their weighted balancing and z-losses to the loss where they run.
 
     >>> from fsharded.models import gpt
     >>> s = pipeline_stages(gpt.init(gpt.GPTConfig.tiny(n_layers=4)), 2)
     >>> s.ranges, s.first_keys, s.last_keys
     ((range(0, 2), range(2, 4)), ('emb', 'pos'), ('final_norm', 'emb'))
     """
-    if any(gpt._is_moe(p) for p in params["blocks"]):
-        raise NotImplementedError("pipeline stages of a mixture-of-experts GPT: not supported yet "
-                                  "(its blocks return auxiliary losses to carry between stages)")
+    if moe is None and any(gpt._is_moe(p) for p in params["blocks"]):
+        raise ValueError("pipeline_stages: this GPT has mixture-of-experts blocks; pass its routing config, "
+                         "pipeline_stages(params, n, moe=config.moe), as gpt.loss takes it")
     size = lambda t: sum(x.numel() for x in optree.tree_leaves(t))  # noqa: E731
     first_keys = ("emb", "pos") if "pos" in params else ("emb",)
     last_keys = ("final_norm", "head") if "head" in params else ("final_norm", "emb")
@@ -57,7 +60,11 @@ def pipeline_stages(params: Params, stages: int, *, boundaries: list[int] | None
     def block(p: Params, x):
         a = axis()
         seq = {"seq_axis": a, "seq_parallel": seq_parallel, "seq_layout": seq_layout} if a is not None else {}
-        return gpt.block(p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis, **seq)
+        if not gpt._is_moe(p):
+            return gpt.block(p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis, **seq)
+        x, aux = gpt.block(p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis, moe=moe,
+                           expert_axis=expert_axis, **seq)
+        return x, moe.aux_loss_weight * aux["aux_loss"].float() + moe.z_loss_weight * aux["z_loss"].float()
 
     def last(p: Params, x, batch: Any):
         return gpt.shard_loss(gpt.unembed(p, x), gpt._split_batch(batch)[1], seq_axis=seq_axis,

@@ -31,6 +31,7 @@ from fsharded.parallel import _buckets as B
 from fsharded.parallel.pipeline import Mailbox, Pipelined, PointToPoint, run, split_batch
 from fsharded.spmd import _env, _manifest, _vma
 from fsharded.spmd.collectives import psum, pvary, varying_axes
+from fsharded.step._checks import _check_loss_type
 from fsharded.step._differentiate import Inputs
 from fsharded.step._layout import Layout
 from fsharded.step._reduce import Reduction
@@ -69,6 +70,7 @@ class PipelineGradients:
         self.policy, self.scaling, self.functional, self.distributed = policy, scaling, functional, distributed
         self.table = pipe.table(self.mesh.shape[pipe.axis])
         self.assumed = _assumable(layout, batch_axes, pipe.axis)
+        self.batch_axes = batch_axes
         self._p2p: PointToPoint | None = None
         self.layout, self.cap = layout, cap
         self.held = _held(pipe.stages, layout.paths)
@@ -131,6 +133,9 @@ class PipelineGradients:
                 mode.set(t, self.assumed)
             if res.loss is not None:
                 mode.set(res.loss, self.assumed)
+        elif res.loss is not None and frame is not None and frame.vma is not None:
+            # The stages' loss may vary over the batch axes only (as train_step checks a loss).
+            _check_loss_type(res.loss, self.batch_axes, self.mesh)
         grads, loss = stages.merge(res.grads, x0), res.loss
         g_leaves = optree.tree_leaves(grads)
         del grads, x0

@@ -21,8 +21,10 @@ def pipeline_loss(cfg: Any, mesh: Mesh, mcfg: Any, params: Any, seq: Any) -> Any
     micro-batches are the job's accumulation (``cfg.grad_accum_steps``)."""
     if "pipe" not in mesh.shape:
         return None
-    if mcfg.moe is not None:
-        raise NotImplementedError("fsharded train: a pipe axis with a mixture-of-experts GPT is not supported yet")
+    if mcfg.moe is not None and mcfg.moe.bias_update_rate is not None:
+        raise NotImplementedError("fsharded train: a pipe axis with aux-loss-free balancing (model.moe."
+                                  "bias_update_rate: routing biases updated each step) is not supported yet; "
+                                  "the balancing losses (moe.aux_loss_weight) are")
     p, v = mesh.shape["pipe"], cfg.pipeline.stages_per_rank
     if p * v > mcfg.n_layers:
         raise ValueError(f"fsharded train: pipe={p} x {v} stages per rank = {p * v} stages, but the model has "
@@ -34,7 +36,7 @@ def pipeline_loss(cfg: Any, mesh: Mesh, mcfg: Any, params: Any, seq: Any) -> Any
     kw = getattr(seq.loss, "keywords", {})  # the job's sequence parallelism, as its loss takes it
     stages = gpt_stages.pipeline_stages(params, p * v, seq_axis=kw.get("seq_axis"),
                                         seq_parallel=kw.get("seq_parallel", "ulysses"),
-                                        seq_layout=kw.get("seq_layout", "contiguous"))
+                                        seq_layout=kw.get("seq_layout", "contiguous"), moe=mcfg.moe)
     return pipelined(stages, schedule=cfg.pipeline.schedule, microbatches=cfg.grad_accum_steps, virtual=v)
 
 

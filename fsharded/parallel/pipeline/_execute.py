@@ -199,8 +199,9 @@ class PointToPoint:
 
 @dataclass
 class Result:
-    """What ``run`` leaves: ``loss`` (the mean over the micro-batches, on the rank that
-    holds the last stage, else None), ``grads[s]`` (stage ``s``'s parameter gradients,
+    """What ``run`` leaves: ``loss`` (the mean over the micro-batches of the terms of the
+    loss the ranks run computed: the last stage's loss, and the extra terms other stages
+    return; None where they computed none), ``grads[s]`` (stage ``s``'s parameter gradients,
     for the stages of the ranks run), and per rank: the seconds spent in compute actions
     (``busy_s``; by kind, with their count, in ``spent``), the peak number of
     micro-batches whose activations it held at once; and the run's wall time."""
@@ -286,6 +287,8 @@ class _Rank:
         if s == ex.last:
             ex.losses[i] = back.aux
         else:
+            if isinstance(back.aux, torch.Tensor):  # the stage's own terms of the loss (balancing losses)
+                ex.extras[(s, i)] = back.aux
             self._pass(("act", i, s), s + 1, (s + 1, i), y, self.inputs, ex.drawn.pop((s, i)))
         self.held[(s, i)] = (back, sink)
         self.peak = max(self.peak, len(self.held))
@@ -346,6 +349,7 @@ class _Run:
     compute_dtype: torch.dtype | None = None
     keys: Any = None  # (the enclosing KeyScope, one reserved key per micro-batch), or None
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    extras: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (stage, mb) -> its loss terms
     drawn: dict[tuple[int, int], int] = field(default_factory=dict)  # (stage, mb) -> keys drawn after it
 
     def _keyed(self, s: int, i: int, before: int) -> Any:
@@ -362,7 +366,9 @@ class _Run:
     def stage_fn(self, s: int, i: int, sink: Deferred | None, before: int, p: Any, x: torch.Tensor | None) -> tuple:
         """Stage ``s`` on micro-batch ``i``: ``(output, aux)``; the last stage's output is its
         loss (in fp32), scaled (fp16's loss scale) and over ``m`` (the mean over
-        micro-batches is their sum), and its aux the loss. The parameters are cast to the
+        micro-batches is their sum), and its aux the loss. Another stage's output is its
+        activation, or ``(activation, its extra loss terms so scaled)`` with aux those
+        terms (``()`` without). The parameters are cast to the
         compute dtype here, inside what is differentiated, so their gradients come back
         in their own dtype and add up in it over the micro-batches."""
         if self.compute_dtype is not None:
@@ -374,7 +380,11 @@ class _Run:
         if s == self.last:
             y = y.float()
             return (y if self.scale is None else self.scale(y)) / self.m, y.detach()
-        return y, ()
+        if isinstance(y, tuple):
+            y, extra = y
+            extra = extra.float()
+            return (y, (extra if self.scale is None else self.scale(extra)) / self.m), extra.detach()
+        return y, ()  # (torch.func's aux takes no None)
 
     @property
     def m(self) -> int:
@@ -423,10 +433,11 @@ class Autograd:
 
         def back(g):
             want = ([xl] if xl is not None else []) + want_p
+            outs, seeds = _seeds(y, g)
             with torch.enable_grad():
-                got = torch.autograd.grad(y, want, g, allow_unused=True)
+                got = torch.autograd.grad(outs, want, seeds, allow_unused=True)
             return _spread(list(got[len(want) - len(want_p):]), mask), (got[0] if xl is not None else None)
-        return y.detach(), _Back(back, aux)
+        return _activation(y).detach(), _Back(back, aux)
 
 
 class Functional:
@@ -448,9 +459,22 @@ class Functional:
             y, vjp, aux = torch.func.vjp(on, primal, x, has_aux=True)
 
         def back(g):
-            out = vjp(torch.ones_like(y) if g is None else g)
+            _, seeds = _seeds(y, g)
+            out = vjp(tuple(seeds) if isinstance(y, tuple) else seeds[0])
             return _spread(list(out[0]), mask), (out[1] if x is not None else None)
-        return y, _Back(back, aux)
+        return _activation(y), _Back(back, aux)
+
+
+def _seeds(y: Any, g: torch.Tensor | None) -> tuple[list, list]:
+    """What a stage's backward differentiates and with which cotangents: its output with
+    ``g`` (None: the loss's own, 1), and its extra loss terms, if any, with 1."""
+    if isinstance(y, tuple):
+        return list(y), [g, torch.ones_like(y[1])]
+    return [y], [torch.ones_like(y) if g is None else g]
+
+
+def _activation(y: Any) -> torch.Tensor:
+    return y[0] if isinstance(y, tuple) else y
 
 
 def _spread(got: list, mask: list[bool]) -> list:
@@ -522,6 +546,9 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     loss = None
     if schedule.rank_of(stages.n - 1) in ranks:
         loss = torch.stack([ex.losses[i] for i in range(schedule.microbatches)]).mean()
+    if ex.extras:  # the other stages' terms of the loss, meant over the micro-batches as well
+        extra = torch.stack(list(ex.extras.values())).sum() / schedule.microbatches
+        loss = extra if loss is None else loss + extra
     return Result(loss, grads, {w.r: w.busy for w in walkers}, {w.r: w.peak for w in walkers},
                   {w.r: {k: (v[0], v[1]) for k, v in w.spent.items()} for w in walkers}, wall,
                   {w.r: w.spans for w in walkers})

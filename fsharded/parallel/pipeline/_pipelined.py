@@ -57,10 +57,13 @@ class Pipelined:
     def __call__(self, params: Any, batch: Any) -> torch.Tensor:
         losses = []
         for micro in split_batch(batch, self.microbatches):
-            x = None
+            x, extra = None, 0
             for s in range(self.stages.n):
                 x = self.stages.forward(s, self.stages.params_of(params, s), x, micro)
-            losses.append(x)
+                if isinstance(x, tuple):  # (activation, the stage's extra loss terms)
+                    x, e = x
+                    extra = extra + e
+            losses.append(x + extra)
         return torch.stack(losses).mean()
 
 

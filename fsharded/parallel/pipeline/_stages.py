@@ -128,17 +128,24 @@ class Stages:
         return optree.tree_unflatten(tdef, [got[p] if p in got else torch.zeros_like(x)
                                             for p, x in zip(paths, leaves)])
 
-    def forward(self, s: int, params: dict, x: Any, batch: Any) -> torch.Tensor:
+    def forward(self, s: int, params: dict, x: Any, batch: Any) -> Any:
         """Stage ``s`` on its part of the parameters: from the batch (the first stage) or
         the previous stage's activation ``x``, to the next stage's activation or (the last
-        stage) the loss."""
+        stage) the loss. A block may return ``(x, extra)``, ``extra`` a 0-d term of the
+        loss (a mixture-of-experts layer's weighted balancing losses): the last stage adds
+        its blocks' to the loss, another stage returns ``(activation, their sum)``."""
         if s == 0:
             x = self.first(params, batch)
+        extra = None
         for p in params[self.blocks]:
             x = run_block(self.block, p, x)
+            if isinstance(x, tuple):
+                x, e = x
+                extra = e if extra is None else extra + e
         if s == self.n - 1:
-            return self.last(params, x, batch)
-        return x
+            loss = self.last(params, x, batch)
+            return loss if extra is None else loss + extra.to(loss.dtype)
+        return x if extra is None else (x, extra)
 
 
 def _put(got: dict, prefix: str, tree: Any) -> None:
