@@ -90,11 +90,6 @@ def test_what_the_pipeline_cannot_run_is_refused_with_the_fix():
     step, params, batch = _step({"pipe": 2}, accumulation=2)
     with pytest.raises(ValueError, match="micro-batches are the accumulation"):
         step(step.init(params), batch)
-    params, tokens = C.setup()
-    specs = fs.parallel.zero(3, min_size=8)(gpt.tensor_parallel_specs(params), params)
-    step, params, batch = _step({"pipe": 2, "data": 2, "tensor": 2}, param_specs=specs)
-    with pytest.raises(NotImplementedError, match="ZeRO-3 with tensor parallelism"):
-        step(step.init(params), batch)
     step, params, _ = _step({"pipe": 2})
     with pytest.raises(ValueError, match="batch of 3 does not divide into 2 micro-batches"):
         step(step.init(params), {"tokens": torch.zeros(3, 17, dtype=torch.long)})
@@ -342,6 +337,20 @@ def test_a_stages_loss_that_varies_over_a_non_batch_axis_is_refused_as_train_ste
                          param_specs=gpt_plans.expert_parallel_specs(params), batch_spec=fs.P())
     with pytest.raises(ValueError, match="the loss varies over mesh axis 'expert'"):
         step(step.init(params), {"tokens": tokens})
+
+
+@pytest.mark.parametrize("ranks", [0, 8])
+def test_pipe_by_zero3_data_by_tensor_trains_as_the_single_device_gpt(ranks, reference):
+    # Megatron's plans inside each stage, every leaf's tensor shard sharded again over data
+    # for storage (ZeRO-3) and gathered once for the step.
+    mesh = {"pipe": 2, "data": 2, "tensor": 2}
+    if ranks:
+        outs = run_on_ranks(C.train, ranks, mesh, "zb", 1, STEPS, zero=3, tensor=True)
+    else:
+        outs = [C.train(mesh, "1f1b", 1, STEPS, zero=3, tensor=True),
+                C.train({"tensor": 2, "pipe": 2, "data": 2}, "interleaved", 2, STEPS, zero=3, tensor=True)]
+    for out in outs:
+        assert_trains_like(out, reference)
 
 
 @pytest.mark.parametrize("ranks", [0, 4])

@@ -453,8 +453,14 @@ class TrainStep:
         process per device, or a one-device mesh (nothing vmapped)."""
         pl = self.placement(state.params, self._mask(state))
         layout = Layout(pl, state.params, self.blocks, self.mesh)
+        scaling = DynamicScaling(self._scaler) if self._scaler is not None else NoScaling()
+        gradients = choose_gradients(layout, self.loss_fn, policy=self.policy, scaling=scaling,
+                                     batch_axes=self.batch_axes, accumulation=self.accumulation,
+                                     eager=eager, distributed=self.distributed and eager, cap=self.bucket_elems,
+                                     check_loss=functools.partial(_check_loss, self.batch_axes, self.mesh,
+                                                                  with_stats=self.update_model_state is not None))
         if any(layout.moves.gather_in_loss) and self.blocks is None and not self._warned_blocks \
-                and self.mesh.shape.get(layout.axis, 1) > 1:
+                and self.mesh.shape.get(layout.axis, 1) > 1 and not getattr(gradients, "gathers_by_stage", False):
             self._warned_blocks = True
             warnings.warn(
                 "train_step: ZeRO stage 3 without blocks= gathers every parameter up front, "
@@ -463,12 +469,6 @@ class TrainStep:
                 "blocks='<path of the block list>') (the bundled GPT: blocks='blocks'; an "
                 "nn.Module: fs.nn.functional(module).blocks) to gather one block at a time",
                 stacklevel=4)
-        scaling = DynamicScaling(self._scaler) if self._scaler is not None else NoScaling()
-        gradients = choose_gradients(layout, self.loss_fn, policy=self.policy, scaling=scaling,
-                                     batch_axes=self.batch_axes, accumulation=self.accumulation,
-                                     eager=eager, distributed=self.distributed and eager, cap=self.bucket_elems,
-                                     check_loss=functools.partial(_check_loss, self.batch_axes, self.mesh,
-                                                                  with_stats=self.update_model_state is not None))
         transform = GradientTransform(scaling, self._clipping, layout.t_master, self.mesh.axis_names)
         update = choose_update(self.optimizer, donate=self.donate, eager=eager,
                                params=T.view(state.params, layout.trainable))

@@ -49,9 +49,6 @@ def check_pipelined(pipe: Pipelined, layout: Layout, *, accumulation: int) -> No
     if accumulation > 1:
         raise ValueError(f"train_step(accumulation={accumulation}) with a pipelined loss: the pipeline's "
                          f"micro-batches are the accumulation; set pipelined(..., microbatches=) instead")
-    if any(layout.moves.gather_in_loss) and _assumable(layout, (), pipe.axis, gathered=True) is None:
-        raise NotImplementedError("a pipelined loss under ZeRO-3 with tensor parallelism: not supported yet; "
-                                  "ZeRO-3 composes with pipe and data, ZeRO-1 and -2 with tensor too")
     named = [p for p, s in zip(layout.paths, layout.params) if pipe.axis in s.axes]
     if named:
         raise ValueError(f"train_step: a pipelined loss keeps every parameter whole along {pipe.axis!r}; "
@@ -63,6 +60,8 @@ class PipelineGradients:
     leaves, this shard's loss, (metrics, stats))`` by the pipeline's executor.
     ``functional``: differentiate with torch.func (the virtual mesh); ``distributed``: run
     this rank's actions only, sending to the other pipe ranks."""
+
+    gathers_by_stage = True  # ZeRO-3 gathers this rank's stages' weights, not the model's: no blocks= needed
 
     def __init__(self, pipe: Pipelined, inputs: Inputs, reduction: Reduction, layout: Layout, *, policy: Any,
                  scaling: Any, batch_axes: tuple[str, ...], functional: bool, distributed: bool, cap: int) -> None:
@@ -199,7 +198,7 @@ def _psum_flat(leaves: list[torch.Tensor], axis: str) -> list[torch.Tensor]:
     return out
 
 
-def _assumable(layout: Layout, batch_axes: tuple[str, ...], pipe: str, *, gathered: bool = False) -> frozenset | None:
+def _assumable(layout: Layout, batch_axes: tuple[str, ...], pipe: str) -> frozenset | None:
     """The axes the stages run assuming every differentiated value varies over (the
     typing off torch's stack, as ``_assume`` does for a plain step): every axis of size > 1
     but the pipe axis, when each parameter varies over all of them once marked varying
@@ -207,8 +206,6 @@ def _assumable(layout: Layout, batch_axes: tuple[str, ...], pipe: str, *, gather
     mesh = layout.mesh
     full = frozenset(a for a in mesh.axis_names if mesh.shape[a] > 1 and a != pipe)
     marked = {a for a in batch_axes if mesh.shape[a] > 1}
-    if gathered:  # (the ZeRO-3 check: the axes besides the one the leaves are gathered over)
-        full, marked = full - {layout.axis}, set()
     if all(full <= marked | set(s.axes) for s in layout.params):
         return full
     return None
