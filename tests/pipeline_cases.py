@@ -332,7 +332,7 @@ def train_moe(mesh_axes: dict, name: str, steps: int, m: int = 2, v: int = 1) ->
     params, tokens = setup(moe=moe, **TRAIN_CFG)
     mesh = fs.Mesh(mesh_axes)
     if "pipe" not in mesh_axes:
-        loss, acc = (lambda p, b: gpt.loss(p, b, attention="einsum", moe=moe)), m
+        loss, acc = (lambda p, b: gpt.loss(p, b, attention="einsum", moe=moe, metrics=True)), m
     else:
         acc = 1
         stages = gpt_stages.pipeline_stages(params, mesh.shape["pipe"] * v, attention="einsum", moe=moe)
@@ -342,8 +342,9 @@ def train_moe(mesh_axes: dict, name: str, steps: int, m: int = 2, v: int = 1) ->
     kw = {"param_specs": specs, "batch_spec": fs.P("expert")} if specs is not None else {}
     step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, accumulation=acc, **kw)
     state = step.init(params)
-    losses = []
+    losses, reported = [], []
     for i in range(steps):
         state, metrics = step(state, {"tokens": tokens.roll(i, 0)})
         losses.append(float(metrics["loss"]))
-    return {"losses": losses, "params": step.params(state)}
+        reported.append({k: float(v) for k, v in metrics.items() if k.startswith(("moe_", "lm_"))})
+    return {"losses": losses, "params": step.params(state), "metrics": reported}

@@ -324,6 +324,12 @@ def test_a_mixture_of_experts_gpt_trains_as_it_does_uncut(mesh, name, v, ranks):
         outs = [C.train_moe(mesh, name, 4, v=v)]
     for out in outs:
         assert_trains_like(out, ref)
+        # and reports gpt.loss(metrics=True)'s metrics: every stage's MoE blocks', summed over the pipe
+        for got, want in zip(out["metrics"], ref["metrics"]):
+            assert set(got) == set(want) == {"lm_loss", "moe_aux_loss", "moe_z_loss", "moe_drop_fraction",
+                                             "moe_load_imbalance"}
+            for k in want:
+                assert abs(got[k] - want[k]) < 1e-5, (k, got, want)
 
 
 def test_a_stages_loss_that_varies_over_a_non_batch_axis_is_refused_as_train_step_refuses_it():

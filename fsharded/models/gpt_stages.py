@@ -64,10 +64,17 @@ def pipeline_stages(params: Params, stages: int, *, boundaries: list[int] | None
             return gpt.block(p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis, **seq)
         x, aux = gpt.block(p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis, moe=moe,
                            expert_axis=expert_axis, **seq)
-        return x, moe.aux_loss_weight * aux["aux_loss"].float() + moe.z_loss_weight * aux["z_loss"].float()
+        extra = moe.aux_loss_weight * aux["aux_loss"].float() + moe.z_loss_weight * aux["z_loss"].float()
+        # gpt.loss(metrics=True)'s: the losses summed over the MoE blocks, the rest their mean
+        return x, extra, {"moe_aux_loss": aux["aux_loss"].detach(), "moe_z_loss": aux["z_loss"].detach(),
+                          "moe_drop_fraction": aux["drop_fraction"].detach() / n_moe,
+                          "moe_load_imbalance": (aux["load"].max() / aux["load"].mean()).detach() / n_moe}
 
     def last(p: Params, x, batch: Any):
-        return gpt.shard_loss(gpt.unembed(p, x), gpt._split_batch(batch)[1], seq_axis=seq_axis,
-                              seq_parallel=seq_parallel, tensor_axis=tensor_axis)
+        out = gpt.shard_loss(gpt.unembed(p, x), gpt._split_batch(batch)[1], seq_axis=seq_axis,
+                             seq_parallel=seq_parallel, tensor_axis=tensor_axis)
+        return (out, {"lm_loss": out.detach()}) if n_moe else out
 
-    return Stages(first, block, last, first_keys, last_keys, ranges)
+    n_moe = sum(gpt._is_moe(p) for p in params["blocks"])
+    metrics = ("lm_loss", "moe_aux_loss", "moe_z_loss", "moe_drop_fraction", "moe_load_imbalance") if n_moe else ()
+    return Stages(first, block, last, first_keys, last_keys, ranges, metrics=metrics)

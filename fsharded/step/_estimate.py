@@ -394,11 +394,13 @@ def pipeline_activations(pipe: Pipelined, params: Any, pl: Any, mesh: Mesh, poli
             with _memory_hooks.paused(), torch.no_grad():  # the stages before: not this one's
                 for t in range(s):
                     x = st.forward(t, st.params_of(p, t), x, micro)
-                    x = x[0] if isinstance(x, tuple) else x  # (its own loss terms aside)
+                    x = x[0] if isinstance(x, tuple) else x  # (its own loss terms and metrics aside)
             x = x.clone().requires_grad_()  # as received: a buffer of this stage's
         y = st.forward(s, st.params_of(p, s), x, micro)
-        if isinstance(y, tuple):  # (activation, the stage's own loss terms)
-            return y[0].float().sum() + y[1].float()
+        if isinstance(y, tuple):  # (activation or loss, the stage's own loss terms, metrics)
+            y, extra, _ = y
+            if extra is not None:
+                return y.float().sum() + extra.float()
         return y.float() if s == st.n - 1 else y.float().sum()
 
     one = [_measure_activations(functools.partial(stage_loss, s), params, pl, mesh, policy, batch,

@@ -127,11 +127,15 @@ class PipelineGradients:
                 raise RuntimeError("pipeline: a stage asked for the varying-axes typing the step assumed "
                                    "away (a collective or a type question inside the model); please "
                                    "report it") from None
+        names = stages.metrics  # what every rank reports, in one order (zeros for stages not its own)
+        metrics = torch.stack([res.metrics[k].reshape(()) if k in res.metrics else torch.zeros(()) for k in names]) \
+            if names else None
         if mode is not None:
             for t in optree.tree_leaves(res.grads):  # a cotangent has its primal's type
                 mode.set(t, self.assumed)
-            if res.loss is not None:
-                mode.set(res.loss, self.assumed)
+            for t in (res.loss, metrics):
+                if t is not None:
+                    mode.set(t, self.assumed)
         elif res.loss is not None and frame is not None and frame.vma is not None:
             # The stages' loss may vary over the batch axes only (as train_step checks a loss).
             _check_loss_type(res.loss, self.batch_axes, self.mesh)
@@ -154,9 +158,13 @@ class PipelineGradients:
                 loss = torch.zeros((), dtype=torch.float32)
             if frame is not None and frame.vma is not None:  # a shard's loss varies over the batch axes,
                 frame.vma.set(loss, frozenset(varying))       # on every pipe rank alike
+                if metrics is not None:
+                    frame.vma.set(metrics, frozenset(varying))
             g_leaves = _psum_flat(g_leaves, axis)
             loss = psum(pvary(loss, axis), axis)
-        return self.reduction(g_leaves), loss, ({}, None)
+            metrics = psum(pvary(metrics, axis), axis) if metrics is not None else None
+        reported = dict(zip(names, metrics.unbind())) if metrics is not None else {}
+        return self.reduction(g_leaves), loss, (reported, None)
 
     def _local(self) -> bool:
         """This rank's actions alone (real ranks, not a dry run), else every pipe rank's."""

@@ -215,6 +215,9 @@ class Result:
     spans: dict[int, list[tuple[float, float, Action]]] = field(default_factory=dict)
     """Per rank, each action with its start and end (seconds from the run's start): the
     measured timeline, as ``check``'s plan has the planned one."""
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """What the stages the ranks run reported (``Stages.metrics``), summed over them and
+    meant over the micro-batches."""
 
 
 class _Rank:
@@ -284,11 +287,14 @@ class _Rank:
         sink = Deferred() if (s, i) in ex.split else None
         y, back = ex.diff.forward(functools.partial(ex.stage_fn, s, i, sink, before), ex.params[s], x,
                                   ex.trained.get(s))
+        extra, metrics = back.aux
+        if metrics:
+            ex.metrics[(s, i)] = metrics
         if s == ex.last:
-            ex.losses[i] = back.aux
+            ex.losses[i] = extra
         else:
-            if isinstance(back.aux, torch.Tensor):  # the stage's own terms of the loss (balancing losses)
-                ex.extras[(s, i)] = back.aux
+            if isinstance(extra, torch.Tensor):  # the stage's own terms of the loss (balancing losses)
+                ex.extras[(s, i)] = extra
             self._pass(("act", i, s), s + 1, (s + 1, i), y, self.inputs, ex.drawn.pop((s, i)))
         self.held[(s, i)] = (back, sink)
         self.peak = max(self.peak, len(self.held))
@@ -350,6 +356,7 @@ class _Run:
     keys: Any = None  # (the enclosing KeyScope, one reserved key per micro-batch), or None
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     extras: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (stage, mb) -> its loss terms
+    metrics: dict[tuple[int, int], dict] = field(default_factory=dict)  # (stage, mb) -> what it reported
     drawn: dict[tuple[int, int], int] = field(default_factory=dict)  # (stage, mb) -> keys drawn after it
 
     def _keyed(self, s: int, i: int, before: int) -> Any:
@@ -366,9 +373,9 @@ class _Run:
     def stage_fn(self, s: int, i: int, sink: Deferred | None, before: int, p: Any, x: torch.Tensor | None) -> tuple:
         """Stage ``s`` on micro-batch ``i``: ``(output, aux)``; the last stage's output is its
         loss (in fp32), scaled (fp16's loss scale) and over ``m`` (the mean over
-        micro-batches is their sum), and its aux the loss. Another stage's output is its
-        activation, or ``(activation, its extra loss terms so scaled)`` with aux those
-        terms (``()`` without). The parameters are cast to the
+        micro-batches is their sum), and its aux ``(the loss, its metrics)``. Another
+        stage's output is its activation, or ``(activation, its extra loss terms so
+        scaled)``, with aux ``(those terms or (), its metrics)``. The parameters are cast to the
         compute dtype here, inside what is differentiated, so their gradients come back
         in their own dtype and add up in it over the micro-batches."""
         if self.compute_dtype is not None:
@@ -377,14 +384,15 @@ class _Run:
         ctx = Deferring(optree.tree_leaves(p), sink) if sink is not None else contextlib.nullcontext()
         with ctx, self._keyed(s, i, before):
             y = self.stages.forward(s, p, x, self.micro[i])
+        y, extra, metrics = y if isinstance(y, tuple) else (y, None, {})
+        metrics = {k: v.detach().float() for k, v in metrics.items()}
         if s == self.last:
             y = y.float()
-            return (y if self.scale is None else self.scale(y)) / self.m, y.detach()
-        if isinstance(y, tuple):
-            y, extra = y
+            return (y if self.scale is None else self.scale(y)) / self.m, (y.detach(), metrics)
+        if extra is not None:
             extra = extra.float()
-            return (y, (extra if self.scale is None else self.scale(extra)) / self.m), extra.detach()
-        return y, ()  # (torch.func's aux takes no None)
+            return (y, (extra if self.scale is None else self.scale(extra)) / self.m), (extra.detach(), metrics)
+        return y, ((), metrics)  # (torch.func's aux takes no None)
 
     @property
     def m(self) -> int:
@@ -549,6 +557,10 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     if ex.extras:  # the other stages' terms of the loss, meant over the micro-batches as well
         extra = torch.stack(list(ex.extras.values())).sum() / schedule.microbatches
         loss = extra if loss is None else loss + extra
+    metrics: dict[str, torch.Tensor] = {}
+    for m in ex.metrics.values():
+        for k, v in m.items():
+            metrics[k] = v / schedule.microbatches + metrics.get(k, 0)
     return Result(loss, grads, {w.r: w.busy for w in walkers}, {w.r: w.peak for w in walkers},
                   {w.r: {k: (v[0], v[1]) for k, v in w.spent.items()} for w in walkers}, wall,
-                  {w.r: w.spans for w in walkers})
+                  {w.r: w.spans for w in walkers}, metrics)

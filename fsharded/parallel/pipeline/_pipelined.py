@@ -60,9 +60,9 @@ class Pipelined:
             x, extra = None, 0
             for s in range(self.stages.n):
                 x = self.stages.forward(s, self.stages.params_of(params, s), x, micro)
-                if isinstance(x, tuple):  # (activation, the stage's extra loss terms)
-                    x, e = x
-                    extra = extra + e
+                if isinstance(x, tuple):  # (activation or loss, the stage's extra loss terms, metrics)
+                    x, e, _ = x
+                    extra = extra + (0 if e is None else e)
             losses.append(x + extra)
         return torch.stack(losses).mean()
 

@@ -93,6 +93,9 @@ class Stages:
     last_keys: tuple[str, ...]
     ranges: tuple[range, ...]
     blocks: str = "blocks"
+    # The metrics the stages report beside the loss (train_step's (loss, metrics)): each a
+    # sum over the stages of 0-d values per micro-batch, meant over the micro-batches.
+    metrics: tuple[str, ...] = ()
     # Whether stage ``s``'s forward runs the model from its start (skipping the earlier
     # stages' blocks), so it makes the earlier stages' random draws again (``ModuleStages``);
     # else it makes its own only, and its draws follow where the stage before stopped.
@@ -131,21 +134,34 @@ class Stages:
     def forward(self, s: int, params: dict, x: Any, batch: Any) -> Any:
         """Stage ``s`` on its part of the parameters: from the batch (the first stage) or
         the previous stage's activation ``x``, to the next stage's activation or (the last
-        stage) the loss. A block may return ``(x, extra)``, ``extra`` a 0-d term of the
-        loss (a mixture-of-experts layer's weighted balancing losses): the last stage adds
-        its blocks' to the loss, another stage returns ``(activation, their sum)``."""
+        stage) the loss; or ``(that, extra, metrics)``. A block may return ``(x, extra)``
+        or ``(x, extra, metrics)``: ``extra`` a 0-d term of the loss (a mixture-of-experts
+        layer's weighted balancing losses), ``metrics`` a dict of 0-d values named in
+        ``self.metrics``; ``last`` may return ``(loss, metrics)``. The last stage adds its
+        blocks' extra terms to the loss (``extra`` None), another stage returns their sum;
+        ``metrics`` are summed over the stage's blocks and its ``last``."""
         if s == 0:
             x = self.first(params, batch)
-        extra = None
+        extra, metrics = None, {}
         for p in params[self.blocks]:
             x = run_block(self.block, p, x)
             if isinstance(x, tuple):
-                x, e = x
+                x, e, *m = x
                 extra = e if extra is None else extra + e
+                _add(metrics, m[0] if m else {})
         if s == self.n - 1:
             loss = self.last(params, x, batch)
-            return loss if extra is None else loss + extra.to(loss.dtype)
-        return x if extra is None else (x, extra)
+            if isinstance(loss, tuple):
+                loss, m = loss
+                _add(metrics, m)
+            loss = loss if extra is None else loss + extra.to(loss.dtype)
+            return (loss, None, metrics) if metrics else loss
+        return (x, extra, metrics) if extra is not None or metrics else x
+
+
+def _add(into: dict, metrics: dict) -> None:
+    for k, v in metrics.items():
+        into[k] = v if k not in into else into[k] + v
 
 
 def _put(got: dict, prefix: str, tree: Any) -> None:
