@@ -254,13 +254,8 @@ def dropout_stages_train(mesh_axes: dict, name: str, steps: int, m: int = 2) -> 
                 x = run_block(_drop_block, bp, x)
             return _drop_last(p, x, b)
         acc = m
-    step = fs.train_step(loss, fs.optim.sgd(0.5), mesh=mesh, accumulation=acc, seed=3)
-    state = step.init(params)
-    losses = []
-    for i in range(steps):
-        state, metrics = step(state, {"tokens": tokens.roll(i, 0)})
-        losses.append(float(metrics["loss"]))
-    return {"losses": losses, "params": step.params(state)}
+    return _steps(fs.train_step(loss, fs.optim.sgd(0.5), mesh=mesh, accumulation=acc, seed=3), params, tokens,
+                  steps)
 
 
 def dry_peaks(name: str = "gpipe", m: int = 4) -> dict:

@@ -8,6 +8,7 @@ bucket's leaves are concatenated, and one collective moves the whole bucket.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -126,9 +127,15 @@ def reduce_leaves(grads: list, param_specs: list, grad_specs: list, batch_axes: 
     The list is consumed: each gradient is dropped from it once copied into its bucket,
     so a caller that holds no other reference frees it there.
     """
-    shapes = [g.shape for g in grads]
-    numels = [g.numel() for g in grads]
-    dtypes = [g.dtype for g in grads]
+    # The per-leaf bookkeeping (sizes, flattening, cutting back) runs untyped, each result
+    # typed as what it is cut from (the varying-axes mode would cost more per leaf than the
+    # copies do); the collectives are typed as always.
+    mode = _typing()
+    quiet = mode.paused if mode is not None else contextlib.nullcontext
+    with quiet():
+        shapes = [g.shape for g in grads]
+        numels = [g.numel() for g in grads]
+        dtypes = [g.dtype for g in grads]
     out = list(grads)
     allreduce: dict[tuple, list[int]] = {}
     scatter: dict[tuple, list[tuple[int, int]]] = {}
@@ -159,13 +166,23 @@ def reduce_leaves(grads: list, param_specs: list, grad_specs: list, batch_axes: 
 
     for (over, _, _), idx in allreduce.items():
         for b in buckets(idx, [numels[i] for i in idx], cap):
-            flat = torch.cat([out[i].reshape(-1) for i in b])
+            # (as cat types it: the union of its operands')
+            ty = frozenset().union(*(mode.get(out[i]) for i in b)) if mode is not None else None
+            with quiet():
+                flat = torch.cat([out[i].reshape(-1) for i in b])
+            if mode is not None:
+                mode.set(flat, ty)
             memory.label(flat, "gradients")  # the bucket (reduced out of place on the virtual mesh)
             drop(b)
             flat = pmean_owned(flat, over)
             memory.label(flat, "gradients")
-            for i, piece in zip(b, flat.split([numels[i] for i in b])):
-                out[i] = piece.view(shapes[i])
+            ty = mode.get(flat) if mode is not None else None
+            with quiet():
+                pieces = [piece.view(shapes[i]) for i, piece in zip(b, flat.split([numels[i] for i in b]))]
+            for i, piece in zip(b, pieces):
+                if mode is not None:
+                    mode.set(piece, ty)
+                out[i] = piece
     for (a, others, _, _), items in scatter.items():
         n = mesh.shape[a]
         dims = dict(items)
@@ -184,6 +201,12 @@ def reduce_leaves(grads: list, param_specs: list, grad_specs: list, batch_axes: 
                 moved[0] //= n
                 out[i] = _unmoved(piece.reshape(moved), d)
     return out
+
+
+def _typing() -> Any:
+    """The varying-axes mode typing the body here, if any."""
+    frame = _env.current()
+    return frame.vma if frame is not None and frame.vma is not None and not frame.vma.dispatching else None
 
 
 def _divided(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -41,7 +41,11 @@ class Plain:
             g, (_, (loss, extra)) = self.grad(f, x0, batch, reducer=reducer)
             return self.reduction.place(optree.tree_leaves(g)), loss, extra
         g, (_, (loss, extra)) = self.grad(f, x0, batch)
-        leaves = [t.to(self.dtype) for t in optree.tree_leaves(g)]
+        leaves = optree.tree_leaves(g)
+        with torch._C.DisableTorchFunction():  # (a dtype read is no typed op)
+            cast = any(t.dtype != self.dtype for t in leaves)
+        if cast:
+            leaves = [t.to(self.dtype) for t in leaves]
         # The reduction consumes the list (each gradient freed once bucketed); the weights
         # gathered for the loss are not needed during it.
         del g, x0
