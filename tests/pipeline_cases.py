@@ -343,3 +343,21 @@ def train_moe(mesh_axes: dict, name: str, steps: int, m: int = 2, v: int = 1) ->
         losses.append(float(metrics["loss"]))
         reported.append({k: float(v) for k, v in metrics.items() if k.startswith(("moe_", "lm_"))})
     return {"losses": losses, "params": step.params(state), "metrics": reported}
+
+
+def timed_rank(name: str, p: int, m: int, layers: int = 8, rows: int = 4, runs: int = 3) -> list:
+    """This rank's measured timeline of a pipelined gradient of a GPT big enough that an
+    action takes milliseconds (the last of ``runs``, after warm-up): (start, end, action)
+    per compute action, seconds from the run's start, the ranks started together."""
+    config = gpt.GPTConfig.tiny(n_layers=layers, d_model=128, n_heads=4, seq_len=64)
+    params = gpt.init(config, 0)
+    tokens = torch.randint(0, config.vocab_size, (rows * m, config.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    stages = gpt_stages.pipeline_stages(params, p, attention="einsum")
+    sched = pp.make(name, p, m)
+    me = dist.get_rank()
+    transport = pp.PointToPoint(dist.group.WORLD, list(range(p)), m)
+    parts = {s: leaves_requiring_grad(stages.params_of(params, s)) for s in range(stages.n) if sched.rank_of(s) == me}
+    for _ in range(runs):
+        dist.barrier()
+        res = pp.run(sched, stages, parts, micro_batches(tokens, m), ranks=[me], transport=transport)
+    return [(b, e, a) for b, e, a in res.spans[me] if a.kind not in ("SEND", "RECV")]

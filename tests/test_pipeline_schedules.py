@@ -116,3 +116,17 @@ def test_the_timeline_picture_draws_every_compute_action_where_the_plan_puts_it(
     assert f"bubble {float(plan.bubble):.3f}" in fig.axes[0].get_title()
     fig.savefig(tmp_path / "zb.png")
     assert (tmp_path / "zb.png").stat().st_size > 1000
+
+
+def test_a_plan_under_costs_per_action_measured_or_given():
+    # costs as a function of (rank, action), e.g. the durations a run measured
+    s = pp.make("1f1b", 2, 4)
+    by_kind = pp.check(s, {"F": 1, "B": 2})
+    same = pp.check(s, lambda r, a: {"F": 1, "B": 2}[a.kind])
+    assert same.spans == by_kind.spans and same.bubble == by_kind.bubble
+    doubled = pp.check(s, lambda r, a: 2 * {"F": 1, "B": 2}[a.kind])
+    assert doubled.makespan == 2 * by_kind.makespan and doubled.bubble == by_kind.bubble
+    # a slower last stage (its actions 3x): the first rank waits on it, the makespan grows by
+    # the last rank's extra work at least, and the bubble with it
+    slow = pp.check(s, lambda r, a: (3 if r == 1 else 1) * {"F": 1, "B": 2}[a.kind])
+    assert slow.makespan >= by_kind.makespan + 2 * 4 * 3 and slow.bubble > by_kind.bubble

@@ -15,9 +15,10 @@ communication takes no time, so 1F1B's bubble is exactly ``(p - 1) / (m + p - 1)
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 from fsharded.parallel.pipeline._table import COMMS, COMPUTE, Action, Schedule, ScheduleError
 
@@ -45,9 +46,14 @@ def _bad(r: int, k: int, a: Action, why: str) -> ScheduleError:
     return ScheduleError(f"rank {r}, action {k} ({a}): {why}")
 
 
-def check(s: Schedule, costs: Mapping[str, Fraction | int] | None = None) -> Plan:
-    """The ``Plan`` of ``s``, or ``ScheduleError`` naming the first action that cannot run."""
-    costs = {k: Fraction(v) for k, v in {**COSTS, **(costs or {})}.items()}
+def check(s: Schedule, costs: Mapping[str, Fraction | int] | Callable[[int, Action], float] | None = None) -> Plan:
+    """The ``Plan`` of ``s``, or ``ScheduleError`` naming the first action that cannot run.
+    ``costs``: each compute action's duration, by kind (``COSTS``: a forward is 1, a
+    backward 2), or a function of (rank, action), e.g. the durations a run measured
+    (``Result.spans``): the plan is then the table's timeline under those costs."""
+    if not callable(costs):
+        by_kind = {k: Fraction(v) for k, v in {**COSTS, **(costs or {})}.items()}
+        costs = lambda r, a: by_kind[a.kind]  # noqa: E731
     p, S, m = s.ranks, s.stages, s.microbatches
     if len(s.actions) != p:
         raise ScheduleError(f"{s.name}: {len(s.actions)} rows of actions for {p} ranks")
@@ -140,7 +146,7 @@ def _check_comm(s: Schedule, r: int, k: int, a: Action, seen: dict, sends: dict,
         seen[(f"RECV {a.what}", a.stage, a.mb)] = (r, k)
 
 
-def _simulate(s: Schedule, costs: Mapping[str, Fraction]) -> Plan:
+def _simulate(s: Schedule, costs: Callable[[int, Action], Any]) -> Plan:
     """Run the ranks against each other: each its list in order, a receive waiting for its
     send. Ranks that all wait are a deadlock, named by what each waits for."""
     p = s.ranks
@@ -163,7 +169,7 @@ def _simulate(s: Schedule, costs: Mapping[str, Fraction]) -> Plan:
                     sent[(a.what, a.stage, a.mb)] = clock[r]
                 else:
                     start = clock[r]
-                    clock[r] += costs[a.kind]
+                    clock[r] += costs(r, a)
                     spans[r].append((start, clock[r], a))
                     if a.kind == "F":
                         live[r] += 1
