@@ -128,18 +128,26 @@ class PipelineGradients:
                                    "away (a collective or a type question inside the model); please "
                                    "report it") from None
         names = stages.metrics  # what every rank reports, in one order (zeros for stages not its own)
-        metrics = torch.stack([res.metrics[k].reshape(()) if k in res.metrics else torch.zeros(()) for k in names]) \
-            if names else None
+        unknown = sorted(set(res.metrics) - set(names))
+        if unknown:
+            raise ValueError(f"pipeline: the stages report metrics {unknown} their Stages do not name; add them to "
+                             f"Stages(..., metrics=...) (now {list(names)})")
+        metrics = torch.stack([res.metrics[k].reshape(()).float() if k in res.metrics else torch.zeros(())
+                               for k in names]) if names else None
         if mode is not None:
             for t in optree.tree_leaves(res.grads):  # a cotangent has its primal's type
                 mode.set(t, self.assumed)
             for t in (res.loss, metrics):
                 if t is not None:
                     mode.set(t, self.assumed)
-        elif res.loss is not None and frame is not None and frame.vma is not None:
-            # The stages' loss may vary over the batch axes only (as train_step checks a loss).
+        elif res.loss is not None and frame is not None and frame.vma is not None and not self._local():
+            # The stages' loss may vary over the batch axes only (as train_step checks a loss),
+            # checked where every pipe rank runs here (a rank alone would stop without its peers).
             _check_loss_type(res.loss, self.batch_axes, self.mesh)
-        grads, loss = stages.merge(res.grads, x0), res.loss
+        # A dry run measuring one rank's memory keeps that rank's gradients alone: the others'
+        # are zeros it makes, as it does running alone.
+        held = res.grads if counted is None else {s: g for s, g in res.grads.items() if sched.rank_of(s) in counted}
+        grads, loss = stages.merge(held, x0), res.loss
         g_leaves = optree.tree_leaves(grads)
         del grads, x0
         if untransposed is not None:

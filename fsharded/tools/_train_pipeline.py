@@ -55,7 +55,8 @@ def check_fits_pipelined(cfg: Any, mcfg: Any, mesh: Mesh, specs: Any, dist_on: b
         warnings.warn(f"fsharded train: the memory check counted the state only: the activations could "
                       f"not be measured ({type(e).__name__}: {e})", stacklevel=4)
         return
-    acts = max(per_rank) if dist_on else sum(per_rank) * cfg.data_parallel_size
+    # (the virtual mesh's process: every pipe rank's, times every device of each)
+    acts = max(per_rank) if dist_on else sum(per_rank) * (mesh.size // mesh.shape["pipe"])
     more = (f"fewer micro-batches held at once (pipeline.schedule=1f1b holds at most pipe of them; now "
             f"{cfg.pipeline.schedule}, {acts / 2**30:,.2f} GiB of activations)", "a smaller --batch")
     _memory.check_fits(state.total + acts, what=what.replace("the training state", "the training state and the "

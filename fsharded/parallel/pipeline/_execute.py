@@ -85,7 +85,8 @@ class PointToPoint:
     values between the same ranks cannot be mixed up.
 
     The first value of each kind (an activation or a gradient of a stage) for a shape of
-    micro-batch goes with a small header (its dtype, shape and type); later ones go bare,
+    micro-batch goes with a small header (its dtype, shape and type, and for an activation
+    the count of random keys its micro-batch drew before it); later ones go bare,
     their shape known on both sides, and a receive the executor sees coming is posted
     ahead (``prefetch``), so the data arrives while the rank computes. Keep one transport
     for a run of steps: what it learnt of the shapes carries over."""
@@ -96,13 +97,16 @@ class PointToPoint:
         # ``(encode(value) -> int, decode(received, int) -> tensor)``: a value's type (the
         # mesh axes it varies over, inside shard_map) travels in its header.
         self.types = types
-        self._pending: list[Any] = []  # unfinished sends (each holds what it reads)
+        # Unfinished sends of headers and gradients (each holds what it reads), waited on
+        # at ``finish``: a rank holds the gradients it sent until the end of the run.
+        self._pending: list[Any] = []
         # Activations sent, by key, until they are known received: gloo's send is not seen
         # complete before it is waited on, and the gradient coming back for a micro-batch
         # means its activation arrived (its wait then returns at once). Else a rank would
         # hold every activation it sent until the end of the run, past the table's bound.
         self._acts: dict[tuple, Any] = {}
-        self._known: dict[tuple, tuple] = {}  # (what, stage, src, dst, shapes) -> (dtype, shape, code)
+        # (what, stage, src, dst, shapes) -> (dtype, shape, code, keys drawn before it)
+        self._known: dict[tuple, tuple] = {}
         self._posted: dict[tuple, tuple[Any, torch.Tensor]] = {}  # key, src -> (work, buffer)
         self.shapes: tuple = ()  # of the current run's micro-batch (``begin``)
 
@@ -254,6 +258,8 @@ class _Rank:
             ex.transport.send(v, self._key(a), self.r, a.peer, n)
         elif a.kind == "RECV":
             v = ex.transport.recv(self._key(a), a.peer, self.r)
+            if ex.counted is not None and self.r in ex.counted and a.peer not in ex.counted:
+                v = v.clone()  # made by a rank not counted: a real rank receives into a buffer of its own
             if a.what == "act":
                 self.inputs[(a.stage + 1, a.mb)] = v
                 self.drawn[(a.stage + 1, a.mb)] = ex.transport.draws(self._key(a), a.peer, self.r)
@@ -322,6 +328,8 @@ class _Rank:
         acc = ex.grads[s]
         for k, t in enumerate(gp):
             if t is not None:
+                # (in the leaf's own dtype: the stage ran on its compute-dtype copy)
+                t = t.to(ex.leaves[s][k].dtype)
                 acc[k] = t if acc[k] is None else acc[k] + t
         memory.label(acc, "gradients")  # (the sums are made outside backward)
         if gx is not None:
@@ -352,8 +360,8 @@ class _Run:
     diff: Any
     scale: Callable[[torch.Tensor], torch.Tensor] | None = None
     trained: dict[int, list[bool]] = field(default_factory=dict)
-    compute_dtype: torch.dtype | None = None
     keys: Any = None  # (the enclosing KeyScope, one reserved key per micro-batch), or None
+    counted: Any = None  # the ranks a memory tracker counts (None: all)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     extras: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (stage, mb) -> its loss terms
     metrics: dict[tuple[int, int], dict] = field(default_factory=dict)  # (stage, mb) -> what it reported
@@ -375,12 +383,7 @@ class _Run:
         loss (in fp32), scaled (fp16's loss scale) and over ``m`` (the mean over
         micro-batches is their sum), and its aux ``(the loss, its metrics)``. Another
         stage's output is its activation, or ``(activation, its extra loss terms so
-        scaled)``, with aux ``(those terms or (), its metrics)``. The parameters are cast to the
-        compute dtype here, inside what is differentiated, so their gradients come back
-        in their own dtype and add up in it over the micro-batches."""
-        if self.compute_dtype is not None:
-            dt = self.compute_dtype
-            p = optree.tree_map(lambda t: t.to(dt) if t.is_floating_point() else t, p)
+        scaled)``, with aux ``(those terms or (), its metrics)``."""
         ctx = Deferring(optree.tree_leaves(p), sink) if sink is not None else contextlib.nullcontext()
         with ctx, self._keyed(s, i, before):
             y = self.stages.forward(s, p, x, self.micro[i])
@@ -406,12 +409,18 @@ class _Run:
 @contextlib.contextmanager
 def _stream(mode: Any, key: Any, start: int, drawn: dict, at: tuple):
     """Under ``mode`` (a ``KeyScope``): draw from ``key``'s stream from position ``start``,
-    and note in ``drawn[at]`` where the stream stood after."""
+    and note in ``drawn[at]`` where the stream stood after. ``key`` an int: the scope's
+    own stream, from that position on (one micro-batch: the loss draws as it does
+    unpipelined)."""
+    if isinstance(key, int):
+        mode.calls = key + start
+        yield
+        drawn[at] = mode.calls - key
+        return
     with mode.rekeyed(key):
         mode.calls = start
         yield
         drawn[at] = mode.calls
-
 
 class _Back:
     """What a forward keeps for its backward: ``back(g) -> (parameter gradients in leaf
@@ -441,6 +450,8 @@ class Autograd:
 
         def back(g):
             want = ([xl] if xl is not None else []) + want_p
+            if not want:  # a first stage whose every leaf is frozen: nothing to differentiate
+                return [None] * len(mask), None
             outs, seeds = _seeds(y, g)
             with torch.enable_grad():
                 got = torch.autograd.grad(outs, want, seeds, allow_unused=True)
@@ -461,6 +472,9 @@ class Functional:
             it = iter(primal)
             return fn(optree.tree_unflatten(tdef, [next(it) if m else t for t, m in zip(leaves, mask)]), *xs)
         primal = [t for t, m in zip(leaves, mask) if m]
+        if x is None and not primal:  # a first stage whose every leaf is frozen
+            y, aux = fn(params, None)
+            return _activation(y), _Back(lambda g: ([None] * len(mask), None), aux)
         if x is None:
             y, vjp, aux = torch.func.vjp(lambda p: on(p, None), primal, has_aux=True)
         else:
@@ -518,13 +532,20 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     transport = Mailbox() if transport is None else transport
     mine = [s for s in range(stages.n) if schedule.rank_of(s) in ranks]
     leaves = {s: optree.tree_leaves(params[s]) for s in mine}
+    if compute_dtype is not None:  # one copy per stage in the compute dtype for the run, not one per micro-batch
+        params = {s: optree.tree_map(lambda t: t.to(compute_dtype) if t.is_floating_point() else t, params[s])
+                  for s in mine}
     split = frozenset((a.stage, a.mb) for r in ranks for a in schedule.actions[r] if a.kind == "I")
     # Under a key scope (a step's): one stream per micro-batch, reserved in order, as
     # gradient accumulation reserves them (derived only if a stage draws).
     mode = R.innermost()
-    keys = (mode, [mode.reserve() for _ in range(schedule.microbatches)]) if mode is not None else None
+    keys = None
+    if mode is not None:  # (one micro-batch draws from the scope's own stream, as an unpipelined loss does)
+        keys = (mode, [mode.calls] if schedule.microbatches == 1 else
+                [mode.reserve() for _ in range(schedule.microbatches)])
     ex = _Run(schedule, stages, params, micro, transport, leaves, {s: [None] * len(leaves[s]) for s in mine}, split,
-              Functional() if functional else Autograd(), scale, dict(trained or {}), compute_dtype, keys)
+              Functional() if functional else Autograd(), scale, dict(trained or {}), keys,
+              None if counted is None else set(counted))
     transport.begin(micro[0])
     walkers = [_Rank(r, ex) for r in ranks]
     t0 = time.perf_counter()
