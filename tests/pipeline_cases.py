@@ -59,10 +59,10 @@ def tracked_rank(name: str, p: int, m: int, rows: int = 2, layers: int = 4) -> d
     return {"activations": mem.peak_of(["activations"]), "held": res.peak_held[me]}
 
 
-def reference_step():
+def reference_step(clip: float | None = None):
     import fsharded as fs
     return fs.train_step(lambda p, b: gpt.loss(p, b, attention="einsum"), fs.optim.adamw(1e-2),
-                         mesh=fs.Mesh({"data": 1}))
+                         mesh=fs.Mesh({"data": 1}), clip=clip)
 
 
 # Training compares parameters after Adam steps: without biases, whose key bias has a
@@ -86,19 +86,21 @@ def train(mesh_axes: dict, name: str, v: int, steps: int, m: int = 2, zero: int 
     return _steps(fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, **kw), params, tokens, steps)
 
 
-def train_reference(steps: int, layers: int = 4, batch: int = 8, **cfg) -> dict:
+def train_reference(steps: int, layers: int = 4, batch: int = 8, clip: float | None = None, **cfg) -> dict:
     params, tokens = setup(layers=layers, batch=batch, **{**TRAIN_CFG, **cfg})
-    return _steps(reference_step(), params, tokens, steps)
+    return _steps(reference_step(clip), params, tokens, steps)
 
 
 def _steps(step, params, tokens: torch.Tensor, steps: int) -> dict:
-    """``steps`` steps on the batch rolled by the step number: the losses, the parameters after."""
+    """``steps`` steps on the batch rolled by the step number: the losses, the gradient
+    norms and the parameters after."""
     state = step.init(params)
-    losses = []
+    losses, norms = [], []
     for i in range(steps):
         state, metrics = step(state, {"tokens": tokens.roll(i, 0)})
         losses.append(float(metrics["loss"]))
-    return {"losses": losses, "params": step.params(state)}
+        norms.append(float(metrics["grad_norm"]))
+    return {"losses": losses, "norms": norms, "params": step.params(state)}
 
 
 def train_mixed(mesh_axes: dict | None, name: str, steps: int, precision: str, *, power: int = 16,
@@ -132,9 +134,10 @@ def train_mixed(mesh_axes: dict | None, name: str, steps: int, precision: str, *
 
 
 def train_saving(mesh_axes: dict, name: str, steps: int, directory: str, *, load: str | None = None,
-                 start: int = 0, zero: int = 0, pipelined_run: bool = True) -> list[float]:
+                 start: int = 0, zero: int = 0, pipelined_run: bool = True, in_background: bool = False) -> list[float]:
     """Train ``steps`` steps from step ``start`` (from the checkpoint ``load`` if given) and
-    save to ``directory``: pipelined over ``pipe`` or, without it, the plain GPT."""
+    save to ``directory`` (``in_background``: with ``save_async``): pipelined over ``pipe``
+    or, without it, the plain GPT."""
     import fsharded as fs
     params, tokens = setup(**TRAIN_CFG)
     mesh = fs.Mesh(mesh_axes)
@@ -150,7 +153,10 @@ def train_saving(mesh_axes: dict, name: str, steps: int, directory: str, *, load
     for i in range(start, start + steps):
         state, metrics = step(state, {"tokens": tokens.roll(i, 0)})
         losses.append(float(metrics["loss"]))
-    step.save(state, directory)
+    if in_background:
+        step.save_async(state, directory).wait()
+    else:
+        step.save(state, directory)
     return losses
 
 
@@ -361,3 +367,37 @@ def timed_rank(name: str, p: int, m: int, layers: int = 8, rows: int = 4, runs: 
         dist.barrier()
         res = pp.run(sched, stages, parts, micro_batches(tokens, m), ranks=[me], transport=transport)
     return [(b, e, a) for b, e, a in res.spans[me] if a.kind not in ("SEND", "RECV")]
+
+
+def stored_bytes(tree) -> int:
+    """Bytes of the distinct storages under ``tree``'s tensors (a placeholder: one element)."""
+    seen = {}
+    for x in optree.tree_leaves(tree):
+        if isinstance(x, torch.Tensor):
+            seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def train_stored(mesh_axes: dict, name: str, steps: int, zero: int = 0, m: int = 2, v: int = 1,
+                 clip: float | None = None, **cfg) -> dict:
+    """``train``, and what this rank stores: the bytes of its parameters and optimizer
+    state, and which parameter paths it holds (not placeholders)."""
+    import fsharded as fs
+    cfg = {**TRAIN_CFG, **cfg}
+    params, tokens = setup(**cfg)
+    mesh = fs.Mesh(mesh_axes)
+    stages = gpt_stages.pipeline_stages(params, mesh.shape["pipe"] * v, attention="einsum")
+    loss = pp.pipelined(stages, schedule=name, microbatches=m, virtual=v)
+    specs = fs.parallel.zero(zero, axis="data", min_size=8)(None, params) if zero else None
+    kw = {"param_specs": specs} if specs is not None else {}
+    step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, clip=clip, **kw)
+    state = step.init(params)
+    losses, norms = [], []
+    for i in range(steps):
+        state, metrics = step(state, {"tokens": tokens.roll(i, 0)})
+        losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["grad_norm"]))
+    paths, leaves, _ = fs.mesh._tree.tree_flatten_with_paths(state.params)
+    held = [p for p, x in zip(paths, leaves) if x.numel() <= 1 or any(s != 0 for s in x.stride())]
+    return {"losses": losses, "norms": norms, "params": step.params(state), "held": held,
+            "param_bytes": stored_bytes(state.params), "opt_bytes": stored_bytes(state.opt_state)}

@@ -196,13 +196,16 @@ def test_fsharded_train_refuses_a_pipe_it_cannot_run(tmp_path):
 
 
 def test_a_pipelined_runs_checkpoint_loads_into_other_layouts_and_back(tmp_path, reference):
-    # 3 steps pipelined (pipe x data, ZeRO-1, on gloo ranks), 3 more without a pipeline
-    # (data=2, ZeRO-2, virtual), 4 more pipelined on the virtual mesh: the straight run.
-    a, b, c = (str(tmp_path / n) for n in "abc")
+    # 3 steps pipelined (pipe x data, ZeRO-1, on gloo ranks, each pipe rank writing its own
+    # stages' leaves), 3 more without a pipeline (data=2, ZeRO-2, virtual): the straight run.
+    # Then 2 on gloo ranks again (each loads its own stages' leaves, saves them in the
+    # background) and 2 on the virtual mesh from what they saved.
+    a, b, c, d = (str(tmp_path / n) for n in "abcd")
     first = run_on_ranks(C.train_saving, 4, {"pipe": 2, "data": 2}, "1f1b", 3, a, zero=1)[0]
     second = C.train_saving({"data": 2}, "", 3, b, load=a, start=3, zero=2, pipelined_run=False)
-    third = C.train_saving({"pipe": 2}, "zb", 4, c, load=b, start=6)
-    assert first + second + third == pytest.approx(reference["losses"], abs=1e-5)
+    third = run_on_ranks(C.train_saving, 2, {"pipe": 2}, "zb", 2, c, load=b, start=6, in_background=True)[0]
+    fourth = C.train_saving({"pipe": 2}, "gpipe", 2, d, load=c, start=8)
+    assert first + second + third + fourth == pytest.approx(reference["losses"], abs=1e-5)
 
 
 # -- Hugging Face models cut through fs.nn --------------------------------------------------------
@@ -438,3 +441,62 @@ def test_frozen_leaves_stay_as_they_are_and_the_rest_trains_as_without_pipelinin
                 assert not torch.equal(a, x), dotted
         for a, b in zip(out["losses"], ref["losses"]):
             assert abs(a - b) < 1e-5
+
+
+# -- per-stage storage ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def clipped_reference():
+    return C.train_reference(6, clip=0.5)
+
+
+@pytest.mark.parametrize("mesh,name,v,zero", [
+    ({"pipe": 2}, "1f1b", 1, 0), ({"pipe": 4}, "gpipe", 1, 0), ({"pipe": 2}, "interleaved", 2, 0),
+    ({"pipe": 2, "data": 2}, "zb", 1, 1), ({"pipe": 2, "data": 2}, "1f1b", 1, 3)])
+def test_each_pipe_rank_stores_its_own_stages_state_and_trains_as_the_single_device_gpt(
+        mesh, name, v, zero, clipped_reference):
+    # Clipped: the global norm adds every pipe rank's part once (the tied embedding's two
+    # copies counted once); the losses, norms and parameters are the single device's.
+    world = 1
+    for n in mesh.values():
+        world *= n
+    outs = run_on_ranks(C.train_stored, world, mesh, name, 6, zero=zero, v=v, clip=0.5)
+    params, _ = C.setup(**C.TRAIN_CFG)
+    paths, leaves, _ = fs.mesh._tree.tree_flatten_with_paths(params)
+    loss = pp.pipelined(gpt_stages.pipeline_stages(params, mesh["pipe"] * v), schedule=name, microbatches=2,
+                        virtual=v)
+    owners = loss.owners(paths, mesh["pipe"])
+    full = sum(x.numel() * x.element_size() for x in leaves)
+    for rank, out in enumerate(outs):
+        me = fs.Mesh(mesh).coords(rank)["pipe"]
+        held = [p for p, o in zip(paths, owners) if me in o]
+        assert sorted(out["held"]) == sorted(held)
+        last = mesh["pipe"] - 1  # the tied embedding on both ends
+        assert ("emb" in held) == (me in (0, last)) and ("pos" in held) == (me == 0)
+        assert ("final_norm.w" in held) == (me == last)
+        mine = sum(x.numel() * x.element_size() for x, o in zip(leaves, owners) if me in o)
+        if "data" not in mesh:  # exactly its leaves, and one element per placeholder
+            assert out["param_bytes"] == mine + 4 * (len(paths) - len(held))
+        else:  # its leaves, sharded over data (the smallest kept whole)
+            assert mine / 2 <= out["param_bytes"] <= mine * 0.6
+        assert out["param_bytes"] < full * (0.75 if mesh["pipe"] == 2 else 0.5)
+        # Adam's two moments of the same leaves (and its step counter)
+        assert 2 * out["param_bytes"] - 64 <= out["opt_bytes"] <= 2 * out["param_bytes"] + 64
+        assert out["losses"] == pytest.approx(clipped_reference["losses"], abs=1e-5)
+        assert out["norms"] == pytest.approx(clipped_reference["norms"], rel=1e-5)
+        assert_trains_like(out, clipped_reference)
+
+
+def test_estimate_memory_counts_the_state_of_the_rank_that_stores_most():
+    params, _ = C.setup(**C.TRAIN_CFG)
+    paths, leaves, _ = fs.mesh._tree.tree_flatten_with_paths(params)
+    loss = pp.pipelined(gpt_stages.pipeline_stages(params, 2), schedule="1f1b", microbatches=2)
+    owners = loss.owners(paths, 2)
+    per_rank = [sum(x.numel() * 4 for x, o in zip(leaves, owners) if r in o) for r in range(2)]
+    est = fs.estimate_memory(params, None, fs.optim.adamw(1e-2), mesh=fs.Mesh({"pipe": 2}), loss=loss,
+                                    activation_bytes=0)
+    whole = fs.estimate_memory(params, None, fs.optim.adamw(1e-2), mesh=fs.Mesh({"pipe": 2}),
+                                      activation_bytes=0)
+    assert est.master == max(per_rank) < whole.master == sum(x.numel() * 4 for x in leaves)
+    assert 2 * max(per_rank) <= est.optimizer <= 2 * max(per_rank) + 64  # (and its counters)
+    assert any("rank" in n and "stores its stages' state" in n for n in est.notes)

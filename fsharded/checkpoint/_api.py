@@ -58,14 +58,17 @@ __all__ = ["save", "save_async", "PendingSave", "Staging", "load", "tree_like", 
 
 
 def save(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, *,
-         backend: str | None = None, overwrite: bool = False) -> str:
+         backend: str | None = None, overwrite: bool = False, owners: list | None = None) -> str:
     """Write ``tree`` (laid out by ``specs`` on ``mesh``) to ``directory``; returns its path.
 
     On real ranks every rank calls it with its own shards (each writes its blocks, in
     parallel; rank 0 the manifest); elsewhere the values are global. ``directory`` must
     not exist unless ``overwrite`` (then it is replaced once the new one is complete).
-    ``save_async`` does the same in the background."""
-    job = _Job(directory, tree, specs, mesh, backend, overwrite)
+    ``save_async`` does the same in the background. ``owners``: one entry per leaf
+    (flatten order), None or ``(axis, coordinates)``: the leaf is held only by the devices
+    at those coordinates along ``axis`` (a pipeline stage's), the first of them writes it
+    (on real ranks the others' copies are placeholders, never read)."""
+    job = _Job(directory, tree, specs, mesh, backend, overwrite, owners)
     try:
         _write_data(job.tmp, job.rank, job.pieces)
     except BaseException:
@@ -88,7 +91,7 @@ class _Job:
     its name), the manifest's leaf entries and the blocks this writer writes."""
 
     def __init__(self, directory: Any, tree: Any, specs: Any, mesh: Mesh, backend: str | None,
-                 overwrite: bool) -> None:
+                 overwrite: bool, owners: list | None = None) -> None:
         self.directory = directory = os.fspath(directory)
         paths, leaves, tdef = _flatten(tree)
         flat_specs = _flat_specs(specs, tree, tdef)
@@ -96,7 +99,7 @@ class _Job:
         self.rank = comm.rank() if self.dist else 0
         self.writers = comm.world_size() if self.dist else 1
         self.layout, self.entries, self.pieces = _layout(paths, leaves, flat_specs, mesh, self.dist,
-                                                         self.rank, tdef)
+                                                         self.rank, tdef, _owned(owners, leaves, mesh))
         self.tdef = tdef  # its structure is described by rank 0 as it publishes (in save_async's thread)
         if os.path.exists(directory) and not overwrite:
             raise FileExistsError(f"checkpoint.save: {directory} exists; pass overwrite=True to replace it")
@@ -384,7 +387,7 @@ class PendingSave:
 def save_async(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, *,
                backend: str | None = None, overwrite: bool = False,
                max_staged_bytes: int | None = None, staging: Staging | None = None,
-               timeout_s: float | None = None) -> PendingSave:
+               timeout_s: float | None = None, owners: list | None = None) -> PendingSave:
     """``save`` in the background: returns once every block this device writes is copied
     (the caller may then change ``tree`` — a donated step may overwrite it), while a
     thread writes the copies, checksums and publishes the checkpoint as ``save`` does.
@@ -412,7 +415,7 @@ def save_async(directory: str | os.PathLike, tree: Any, specs: Any, mesh: Mesh, 
     if staging is not None and not isinstance(staging, Staging):
         raise TypeError(f"checkpoint.save_async: staging must be a checkpoint.Staging or None, "
                         f"got {type(staging).__name__}")
-    job = _Job(directory, tree, specs, mesh, backend, overwrite)
+    job = _Job(directory, tree, specs, mesh, backend, overwrite, owners)
     total = job.layout.total
     arena = None
     if max_staged_bytes is None or max_staged_bytes >= total:
@@ -498,12 +501,14 @@ def tree_like(directory: str | os.PathLike, prefix: str = "") -> Any:
 
 
 def load(directory: str | os.PathLike, like: Any, specs: Any, mesh: Mesh, *,
-         backend: str | None = None) -> Any:
+         backend: str | None = None, owners: list | None = None) -> Any:
     """The checkpoint at ``directory`` as a tree shaped like ``like``, laid out by ``specs``
     on ``mesh`` (on real ranks: this rank's shards, read from only the blocks that hold
     them). ``like`` gives the structure, shapes and dtypes (tensors of any device, meta
     included; on real ranks this rank's shards); the checkpoint must hold exactly its
-    leaves. ``like=None``: the tree as it was saved (``tree_like(directory)``)."""
+    leaves. ``like=None``: the tree as it was saved (``tree_like(directory)``).
+    ``owners`` (as ``save``'s): on real ranks a leaf held elsewhere is not read, and comes
+    back as a placeholder (zeros broadcast to its shard's shape)."""
     directory = os.fspath(directory)
     manifest = read_manifest(directory)
     saved = {e["path"]: e for e in manifest["leaves"]}
@@ -543,8 +548,9 @@ def load(directory: str | os.PathLike, like: Any, specs: Any, mesh: Mesh, *,
     blocks = _blocks(directory, manifest)
     reader = _Reader(directory)
     out = []
+    held = _owned(owners, leaves, mesh)
     try:
-        for path, x, spec in zip(paths, leaves, flat_specs):
+        for path, x, spec, owner in zip(paths, leaves, flat_specs, held):
             e = saved[path]
             if not isinstance(x, torch.Tensor):
                 out.append(e.get("value", x))
@@ -553,6 +559,10 @@ def load(directory: str | os.PathLike, like: Any, specs: Any, mesh: Mesh, *,
             shape = tuple(e["shape"])
             dtype = _dtype(e["dtype"])
             start, size = _box(spec, shape, mesh, coords) if dist else ([0] * len(shape), list(shape))
+            if dist and owner is not None and coords[owner[0]] not in owner[1]:  # held elsewhere
+                where = torch.device("cpu") if x.device.type == "meta" else x.device
+                out.append(torch.zeros((), dtype=dtype, device=where).expand(tuple(size)))
+                continue
             try:
                 out.append(_assemble(reader, path, blocks.get(path, []), start, size, dtype, x.device))
             except CheckpointError:
@@ -565,6 +575,29 @@ def load(directory: str | os.PathLike, like: Any, specs: Any, mesh: Mesh, *,
     finally:
         reader.close()
     return optree.tree_unflatten(tdef, out)
+
+
+def _owned(owners: list | None, leaves: list, mesh: Mesh) -> list:
+    """``owners`` checked (one entry per leaf: None or ``(axis, coordinates)`` along a mesh
+    axis), as a list of None or ``(axis, frozenset)``."""
+    if owners is None:
+        return [None] * len(leaves)
+    owners = list(owners)
+    if len(owners) != len(leaves):
+        raise ValueError(f"checkpoint: owners has {len(owners)} entries for a tree of {len(leaves)} leaves; "
+                         f"give one per leaf, in flatten order")
+    out = []
+    for o in owners:
+        if o is None:
+            out.append(None)
+            continue
+        axis, where = o
+        coords = frozenset(int(c) for c in where)
+        if axis not in mesh.shape or not coords or not all(0 <= c < mesh.shape[axis] for c in coords):
+            raise ValueError(f"checkpoint: owners entry {o!r}: give (axis, coordinates) with an axis of "
+                             f"{mesh!r} and coordinates along it")
+        out.append((axis, coords))
+    return out
 
 
 # -- a directory of checkpoints -------------------------------------------------------------------

@@ -31,9 +31,16 @@ def _box(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, coords: dict) 
     return start, size
 
 
-def _writes(spec: PartitionSpec, coords: dict) -> bool:
-    """Whether this device writes its shard: coordinate 0 along the axes the spec leaves out."""
+def _writes(spec: PartitionSpec, coords: dict, owner: tuple | None = None) -> bool:
+    """Whether this device writes its shard: coordinate 0 along the axes the spec leaves out,
+    but along an ``owner``'s axis (``(axis, coordinates)``: only those hold the leaf) the
+    first of its coordinates."""
     named = set(spec.axes)
+    if owner is not None:
+        axis, where = owner
+        if coords[axis] != min(where):
+            return False
+        named.add(axis)
     return all(c == 0 for a, c in coords.items() if a not in named)
 
 
@@ -48,7 +55,7 @@ class _Layout:
     __slots__ = ("entries", "blocks", "nbytes", "offsets", "total")
 
     def __init__(self, paths: list, leaves: list, flat_specs: list, mesh: Mesh, dist: bool,
-                 rank: int) -> None:
+                 rank: int, owners: list | None = None) -> None:
         self.entries: list[dict | None] = []
         self.blocks: list[tuple] = []
         self.nbytes: list[int] = []
@@ -57,7 +64,8 @@ class _Layout:
         flat_specs = [s if isinstance(s, PartitionSpec) else PartitionSpec() for s in flat_specs]
         _check_specs(paths, leaves, flat_specs, mesh, dist)
         writers = [mesh.coords(rank)] if dist else [mesh.coords(i) for i in range(mesh.size)]
-        for i, (path, x, spec) in enumerate(zip(paths, leaves, flat_specs)):
+        owners = owners if owners is not None else [None] * len(leaves)
+        for i, (path, x, spec, owner) in enumerate(zip(paths, leaves, flat_specs, owners)):
             if not isinstance(x, torch.Tensor):
                 self.entries.append(None)
                 continue
@@ -65,7 +73,7 @@ class _Layout:
             self.entries.append({"path": path, "shape": list(shape), "dtype": str(x.dtype),
                                  "spec": _spec_json(spec)})
             for coords in writers:
-                if _writes(spec, coords):
+                if _writes(spec, coords, owner):
                     start, size = _box(spec, shape, mesh, coords)
                     self.blocks.append((path, start, size, i, None if dist else (spec, coords)))
                     self.offsets.append(self.total)
@@ -97,19 +105,19 @@ _LAYOUTS: dict = {}  # the layouts of the trees saved lately (a step saves the s
 
 
 def _layout(paths: list, leaves: list, flat_specs: list, mesh: Mesh, dist: bool, rank: int,
-            tdef: Any) -> tuple[_Layout, list[dict], list[tuple]]:
+            tdef: Any, owners: list | None = None) -> tuple[_Layout, list[dict], list[tuple]]:
     """The layout of a save (remembered by ``tdef`` and the paths, the leaves' shapes and
     dtypes, the specs, the mesh and the writer), the manifest's leaf entries and this
     writer's blocks: (path, start, shape, tensor)."""
     key = (tdef, tuple(paths), mesh, dist, rank,  # the paths: {1: x} and {True: x} have equal treespecs
            tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in leaves))
     try:
-        key = (key, tuple(flat_specs))
+        key = (key, tuple(flat_specs), tuple(owners) if owners is not None else None)
         layout = _LAYOUTS.get(key)
     except TypeError:  # an unhashable spec
         key = layout = None
     if layout is None:
-        layout = _Layout(paths, leaves, flat_specs, mesh, dist, rank)
+        layout = _Layout(paths, leaves, flat_specs, mesh, dist, rank, owners)
         if key is not None:
             if len(_LAYOUTS) >= 16:
                 _LAYOUTS.clear()

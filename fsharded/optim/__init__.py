@@ -62,6 +62,7 @@ from fsharded.optim._base import (
     get_lr,
     get_lr_schedule,
     identity,
+    moments_like,
     scale,
     scale_by_learning_rate,
     scheduled_lrs,
@@ -72,6 +73,7 @@ from fsharded.optim._clip import (
     clip_by_global_norm,
     clip_factor,
     global_norm,
+    global_sq_norm,
     leaf_sq_norms,
 )
 from fsharded.optim._fused import FusedForm, fused_update_, has_fused
@@ -110,6 +112,7 @@ __all__ = [
     "as_schedule",
     "scheduled_lrs",
     "state_specs",
+    "moments_like",
     # fused in-place steps (fsharded.kernels)
     "fused_update_",
     "has_fused",
@@ -133,6 +136,7 @@ __all__ = [
     "decay_mask",
     # norms and clipping
     "global_norm",
+    "global_sq_norm",
     "leaf_sq_norms",
     "clip_by_global_norm",
     "clip_factor",

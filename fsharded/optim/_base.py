@@ -344,6 +344,12 @@ def state_specs(state: State, params: Params, param_specs: Any) -> Any:
     >>> state_specs(adam(0.1).init(params), params, {"w": P("data")})
     (EmptyState(), ScaleByAdamState(count=PartitionSpec(), mu={'w': PartitionSpec('data')}, nu={'w': PartitionSpec('data')}), ScaleByScheduleState(count=PartitionSpec()))
     """
+    return moments_like(state, params, param_specs, PartitionSpec())
+
+
+def moments_like(state: State, params: Params, moments: Any, other: Any) -> Any:
+    """``state`` with every subtree shaped like ``params`` (the same structure and shapes:
+    moments, accumulators) replaced by ``moments`` and every other leaf by ``other``."""
     ptree = optree.tree_structure(params)
     pshapes = [tuple(x.shape) for x in optree.tree_leaves(params)]
 
@@ -355,9 +361,9 @@ def state_specs(state: State, params: Params, param_specs: Any) -> Any:
 
     def walk(node: Any) -> Any:
         if like_params(node):
-            return param_specs
+            return moments
         if optree.treespec_is_leaf(optree.tree_structure(node)):
-            return PartitionSpec()
+            return other
         children, meta, _, unflatten = optree.tree_flatten_one_level(node)
         return unflatten(meta, [walk(c) for c in children])
 

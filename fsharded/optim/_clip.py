@@ -53,6 +53,12 @@ def global_norm(tree: Any, specs: Any = None, *, flat_specs: list | None = None)
     >>> float(global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}))
     5.0
     """
+    return torch.sqrt(global_sq_norm(tree, specs, flat_specs=flat_specs))
+
+
+def global_sq_norm(tree: Any, specs: Any = None, *, flat_specs: list | None = None) -> torch.Tensor:
+    """The squared L2 norm of all leaves of ``tree`` together, mesh-aware: ``global_norm``
+    before its square root (for a caller that adds parts held elsewhere first)."""
     leaves = optree.tree_leaves(tree)
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
@@ -74,7 +80,7 @@ def global_norm(tree: Any, specs: Any = None, *, flat_specs: list | None = None)
         part = torch.stack(qs).sum() if len(qs) > 1 else qs[0]
         part = collectives.psum(part, axes) if axes else part
         total = part if total is None else total + part
-    return torch.sqrt(total)
+    return total
 
 
 def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:

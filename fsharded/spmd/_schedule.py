@@ -392,6 +392,33 @@ def run_shard(sm: Any, args: tuple, kind: Kind, *, rank: int = 0) -> None:
 # -- the schedule ---------------------------------------------------------------------------
 
 
+def _axes(label: str) -> tuple[str, ...]:
+    """The axes of a schedule entry's axis label (``"data"`` or ``"(data,tensor)"``)."""
+    return tuple(label.strip("()").split(",")) if label.startswith("(") else (label,)
+
+
+def _group_differences(lists: list[list[tuple]], mesh: Any) -> list[str]:
+    """Where ranks of one group (the ranks that share their coordinates off a set of axes)
+    run different collectives over those axes: one line per difference found."""
+    lines = []
+    for r, mine in enumerate(lists):
+        coords = mesh.coords(r)
+        for label in dict.fromkeys(e[2] for e in mine):
+            axes = set(_axes(label))
+            sub = [e for e in mine if e[2] == label]
+            for q in range(r + 1, len(lists)):
+                other = mesh.coords(q)
+                if any(coords[a] != other[a] for a in coords if a not in axes):
+                    continue  # not in this group
+                theirs = [e for e in lists[q] if e[2] == label]
+                if sub != theirs:
+                    i = next((k for k, (a, b) in enumerate(zip(sub, theirs)) if a != b), min(len(sub), len(theirs)))
+                    a = sub[i] if i < len(sub) else f"(nothing: rank {r} stops here)"
+                    b = theirs[i] if i < len(theirs) else f"(nothing: rank {q} stops here)"
+                    lines.append(f"  collective #{i} over {label}: rank {r} runs {a}, rank {q} runs {b}")
+    return lines[:8]
+
+
 def dry_run(fn: Any, *args: Any, what: str = "train_step's schedule check",
             fix: str = FIX + " Or pass check_schedule=False to train_step, which skips the "
                              "cross-rank check.", peak: bool = False) -> Any:
@@ -414,8 +441,12 @@ def dry_run(fn: Any, *args: Any, what: str = "train_step's schedule check",
     return (schedule, most) if peak else schedule
 
 
-def agree(schedule: list[tuple], what: str) -> None:
-    """Raise on every rank unless every rank's ``schedule`` is the same."""
+def agree(schedule: list[tuple], what: str, mesh: Any = None) -> None:
+    """Raise on every rank unless every rank's ``schedule`` is the same, or, with a
+    ``mesh`` (the ranks laid out on it), unless every group of ranks runs the same
+    collectives over its axes: where the ranks' schedules differ (a pipeline's stages,
+    each reducing its own leaves over the data axis), the collectives over each set of
+    axes must be the same, in order, on every rank of each group they join."""
     if not comm.is_initialized() or dist.get_world_size() == 1:
         return
     digest = int.from_bytes(hashlib.sha256(repr(schedule).encode()).digest()[:8], "little", signed=True)
@@ -428,15 +459,20 @@ def agree(schedule: list[tuple], what: str) -> None:
     lists: list = [None] * dist.get_world_size()
     dist.all_gather_object(lists, schedule)
     me = dist.get_rank()
-    lines = []
-    for r, other in enumerate(lists):
-        if other == lists[0]:
-            continue
-        i = next((k for k, (a, b) in enumerate(zip(lists[0], other)) if a != b),
-                 min(len(lists[0]), len(other)))
-        a = lists[0][i] if i < len(lists[0]) else "(nothing: rank 0 stops here)"
-        b = other[i] if i < len(other) else f"(nothing: rank {r} stops here)"
-        lines.append(f"  collective #{i}: rank 0 runs {a}, rank {r} runs {b}")
+    if mesh is not None and mesh.size == len(lists):
+        lines = _group_differences(lists, mesh)
+        if not lines:
+            return
+    else:
+        lines = []
+        for r, other in enumerate(lists):
+            if other == lists[0]:
+                continue
+            i = next((k for k, (a, b) in enumerate(zip(lists[0], other)) if a != b),
+                     min(len(lists[0]), len(other)))
+            a = lists[0][i] if i < len(lists[0]) else "(nothing: rank 0 stops here)"
+            b = other[i] if i < len(other) else f"(nothing: rank {r} stops here)"
+            lines.append(f"  collective #{i}: rank 0 runs {a}, rank {r} runs {b}")
     raise RuntimeError(
         f"{what}: the ranks would run different collectives (rank {me} of "
         f"{dist.get_world_size()}; {len(schedule)} collectives here), which hangs or mixes "

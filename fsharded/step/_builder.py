@@ -33,6 +33,7 @@ from fsharded.comm import _trace
 from fsharded.mesh import Mesh, _tree
 from fsharded.mesh._layout import dims
 from fsharded.mesh._spec import PartitionSpec
+from fsharded.parallel.pipeline import Pipelined
 from fsharded.parallel.zero import Placement, ZeroPlan
 from fsharded.precision import as_policy, cast_tree
 from fsharded.spmd import _env, _schedule, _vma
@@ -40,6 +41,7 @@ from fsharded.spmd._transfer import backend_for, local_shards, unshard
 from fsharded.spmd.collectives import mark_varying, pmean
 from fsharded.spmd.shard_map import shard_map
 from fsharded.step import _agree as _step_agree
+from fsharded.step import _held
 from fsharded.step import _memory_guard as _step_memory
 from fsharded.step import _trainable as T
 from fsharded.step._batch import _batch_axes, _count_tokens, local_batch
@@ -198,6 +200,7 @@ class TrainStep:
         self.seed = seed
         self._warned_blocks = False
         self._placements: dict = {}
+        self._holdings: dict = {}  # per parameter structure: which pipe ranks hold each leaf
         self._local_shapes: dict = {}
         self.batch_axes = _batch_axes(batch_spec, self.mesh)
         self._scaler = self.policy.loss_scaler()
@@ -284,7 +287,11 @@ class TrainStep:
         else:  # validates every leaf against the mesh
             shard_map(lambda p: p, mesh=self.mesh, in_specs=(pl.master,),
                       out_specs=pl.master)._flat_in((master,))
-        opt_state = self.optimizer.init(T.view(master, mask))  # for the trained leaves only
+        holding = self._holding(master)
+        if holding is not None and holding.partial:  # per-stage storage: this rank's stages' leaves
+            master, opt_state = _held.init_held(self.optimizer, master, mask, holding.here)
+        else:
+            opt_state = self.optimizer.init(T.view(master, mask))  # for the trained leaves only
         scale = self._scaler.init() if self._scaler is not None else None
         self._local_shapes[optree.tree_structure(master)] = [tuple(x.shape) for x in optree.tree_leaves(master)]
         rng = R.key(self.seed) if self.seed is not None else None
@@ -296,8 +303,25 @@ class TrainStep:
         ``fs.nn.functional`` marks them (``step.init`` of them trains the same leaves)."""
         mask = self._mask(state)
         if self.distributed:
-            return T.mark(unshard(state.params, self.placement(state.params, mask).master, self.mesh), mask)
+            full = unshard(state.params, self.placement(state.params, mask).master, self.mesh)
+            holding = self._holding(state.params)
+            if holding is not None and holding.partial:  # each leaf from a pipe rank that holds it
+                leaves, tdef = optree.tree_flatten(full)
+                full = optree.tree_unflatten(tdef, holding.broadcast(leaves))
+            return T.mark(full, mask)
         return T.mark(state.params, mask)
+
+    def _holding(self, params: Any) -> _held.Holding | None:
+        """Which pipe ranks hold each leaf of ``params`` (a pipelined loss over an axis of
+        size > 1; else None): on real ranks a rank keeps its own stages' state only."""
+        pipe = self.loss_fn
+        if not isinstance(pipe, Pipelined) or self.mesh.shape.get(pipe.axis, 1) < 2:
+            return None
+        key = optree.tree_structure(params)
+        if key not in self._holdings:
+            owners = pipe.owners(_tree.tree_flatten_with_paths(params)[0], self.mesh.shape[pipe.axis])
+            self._holdings[key] = _held.Holding(owners, pipe.axis, self.mesh, self.distributed)
+        return self._holdings[key]
 
     def model_state(self, state: TrainState) -> Any:
         """The full (global) model state (``update_model_state``), on every rank."""
@@ -323,13 +347,22 @@ class TrainStep:
 
     # -- checkpoints ---------------------------------------------------------------------
 
+    def _owners(self, state: TrainState) -> list | None:
+        """``checkpoint.save``'s ``owners`` of ``state``'s leaves (per-stage storage: a
+        pipelined loss's leaves and their moments are held by their stages' pipe ranks);
+        None where every rank holds every leaf."""
+        holding = self._holding(state.params)
+        if holding is None:
+            return None
+        return _held.state_owners(state, holding.checkpoint_owners(), self._mask(state))
+
     def save(self, state: TrainState, directory: Any, *, overwrite: bool = False) -> str:
         """Write ``state`` to ``directory`` (``fsharded.checkpoint``): every leaf under its
         path with its global shape and spec; on real ranks each rank writes its own shards
         (call it on every rank). Returns the directory."""
         with _step_agree.saving("save", int(state.step), directory, self.distributed):
             return checkpoint.save(directory, state, self.state_specs(state), self.mesh,
-                                   overwrite=overwrite)
+                                   overwrite=overwrite, owners=self._owners(state))
 
     def save_async(self, state: TrainState, directory: Any, *, overwrite: bool = False,
                    max_staged_bytes: int | None = None) -> checkpoint.PendingSave:
@@ -342,7 +375,7 @@ class TrainStep:
         with _step_agree.saving("save_async", int(state.step), directory, self.distributed):
             return checkpoint.save_async(directory, state, self.state_specs(state), self.mesh,
                                          overwrite=overwrite, max_staged_bytes=max_staged_bytes,
-                                         staging=self.staging)
+                                         staging=self.staging, owners=self._owners(state))
 
     def load(self, directory: Any, like: Any = None) -> TrainState:
         """The state saved at ``directory``, laid out for this step's mesh and placement,
@@ -375,10 +408,13 @@ class TrainStep:
     def _update(self, plan: _Plan, state: TrainState, g_leaves: list, loss: torch.Tensor,
                 extra: dict, stats: Any) -> tuple[TrainState, dict]:
         """The gradients' transformation and the update, the new state typed by its specs."""
-        mask = plan.layout.trainable
-        # Master weights, in the master placement: the trained leaves (a view of the tree
-        # with None at the frozen ones, which pass through untouched).
+        mask = plan.layout.updated
+        # Master weights, in the master placement: the trained leaves this process holds (a
+        # view of the tree with None at the others, which pass through untouched).
         params = T.view(state.params, mask)
+        opt_in = state.opt_state
+        if plan.layout.held_trained is not None:  # per-stage storage: the moments of those leaves
+            opt_in = _held.view_state(opt_in, T.view(state.params, plan.layout.trainable), plan.layout.held_trained)
         new_ms = new_model_state(state.model_state, stats, self.update_model_state, self.model_state_specs,
                                  self.mesh, self.batch_axes) if state.model_state is not None else None
         grads = optree.tree_unflatten(optree.tree_structure(params), g_leaves)
@@ -392,9 +428,12 @@ class TrainStep:
         with vma.paused() if vma is not None else contextlib.nullcontext():
             loss = pmean(loss, self.batch_axes) if self.batch_axes else loss
             t = plan.transform(grads, params, state.loss_scale)
-            new_params, opt_state = plan.update(t.grads, t.factor, state.opt_state, params,
+            new_params, opt_state = plan.update(t.grads, t.factor, opt_in, params,
                                                 ok=self.guard.verdict(loss, t))
             new_params = T.merge(new_params, state.params, mask)
+            if plan.layout.held_trained is not None:
+                opt_state = _held.merge_state(opt_state, state.opt_state, T.view(state.params, plan.layout.trainable),
+                                              plan.layout.held_trained)
             label(new_params, "parameters")
             label(opt_state, "optimizer state")
             (new_params, opt_state, new_ms), new_scale, scale_metrics = plan.scaling.select(
@@ -452,7 +491,9 @@ class TrainStep:
         """The step's pieces for this state layout and backend, chosen once. ``eager``: one
         process per device, or a one-device mesh (nothing vmapped)."""
         pl = self.placement(state.params, self._mask(state))
-        layout = Layout(pl, state.params, self.blocks, self.mesh)
+        # A real rank holds its own stages' leaves (per-stage storage); the virtual mesh all.
+        holding = self._holding(state.params) if eager and self.distributed else None
+        layout = Layout(pl, state.params, self.blocks, self.mesh, held=holding)
         scaling = DynamicScaling(self._scaler) if self._scaler is not None else NoScaling()
         gradients = choose_gradients(layout, self.loss_fn, policy=self.policy, scaling=scaling,
                                      batch_axes=self.batch_axes, accumulation=self.accumulation,
@@ -469,9 +510,12 @@ class TrainStep:
                 "blocks='<path of the block list>') (the bundled GPT: blocks='blocks'; an "
                 "nn.Module: fs.nn.functional(module).blocks) to gather one block at a time",
                 stacklevel=4)
-        transform = GradientTransform(scaling, self._clipping, layout.t_master, self.mesh.axis_names)
+        partial = None
+        if holding is not None and holding.partial:  # the norm: each pipe rank's part, summed
+            partial = (holding.axis, T.pick([holding.counted(i) for i in range(len(layout.paths))], layout.updated))
+        transform = GradientTransform(scaling, self._clipping, layout.t_master, self.mesh.axis_names, partial=partial)
         update = choose_update(self.optimizer, donate=self.donate, eager=eager,
-                               params=T.view(state.params, layout.trainable))
+                               params=T.view(state.params, layout.updated))
         specs = _tree.broadcast_prefix(self.state_specs(state), state)
         # The loss unscoped once it drew nothing, where a redone run has no peers (one process).
         keys = Keys(watch=not self.distributed)
@@ -543,7 +587,7 @@ class TrainStep:
                 with torch.no_grad():
                     schedule, most = _schedule.dry_run(sm.local, state, batch, peak=True) \
                         if self.check_memory else (_schedule.dry_run(sm.local, state, batch), 0)
-                _schedule.agree(schedule, "train_step")
+                _schedule.agree(schedule, "train_step", self.mesh)
                 if self.check_memory:  # the same dry run measured what the step allocates
                     _step_memory.check_step_memory(self, most, state, batch)
                 self._agreed.add(key)

@@ -22,6 +22,7 @@ from fsharded.comm import _trace
 from fsharded.parallel import _buckets as B
 from fsharded.precision import cast_tree
 from fsharded.spmd import _manifest
+from fsharded.step import _held
 from fsharded.step._layout import Layout
 
 __all__ = ["Inputs", "LocalLoss", "differentiator", "gatherer", "label"]
@@ -125,8 +126,20 @@ class _Gather:
 
     def __call__(self, leaves: list) -> list:
         lay = self.layout
+        here = lay.holding.here if lay.holding is not None else None
+        if here is not None and not all(here):  # per-stage storage: the leaves held here
+            return _held.on_held(self, leaves, here)
         out = B.gather_leaves(list(leaves), self.src, self.dst, lay.axis, lay.mesh, self.cap, frozen=lay.frozen)
         label(out, "parameters")  # the gathered weights are parameters, too
+        return out
+
+    def part(self, leaves: list, idx: list[int]) -> list:
+        """The gather of the leaves at ``idx`` alone."""
+        lay = self.layout
+        frozen = [lay.frozen[i] for i in idx] if lay.frozen is not None else None
+        out = B.gather_leaves(list(leaves), [self.src[i] for i in idx], [self.dst[i] for i in idx], lay.axis,
+                              lay.mesh, self.cap, frozen=frozen)
+        label(out, "parameters")
         return out
 
 

@@ -10,6 +10,7 @@ and precision (and including gathered weights and communication buckets).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import Iterator
@@ -143,11 +144,54 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     own flags: see ``fsharded.step._trainable.resolve``; a ``Placement`` from a step carries
     its own). A frozen leaf counts as stored in its own dtype, with no gradient, no master
     copy and no optimizer state.
+
+    A pipelined ``loss`` (``parallel.pipeline.pipelined``) over an axis of size > 1: each
+    rank along it stores the state of its own stages' leaves (``train_step`` on real
+    ranks) and holds its schedule's bound of micro-batches; the estimate is that of the
+    rank with the largest total, the notes give every rank's.
     """
     policy = as_policy(precision)
     pl = placement_of(specs, params, mesh)
     if pl.trainable is None or trainable is not None:
         pl = pl.freeze(T.resolve(trainable, params))
+    kw = dict(policy=policy, mesh=mesh, bucket_elems=bucket_elems, blocks=blocks)
+    if isinstance(loss, Pipelined) and mesh.shape.get(loss.axis, 1) > 1:
+        if activation_bytes is None and batch is None:
+            raise ValueError("estimate_memory: loss= needs a batch= (a global batch, as train_step takes)")
+        n = mesh.shape[loss.axis]
+        acts = [int(activation_bytes)] * n if activation_bytes is not None else \
+            pipeline_activations(loss, params, pl, mesh, policy, batch, batch_spec)
+        owners = loss.owners(_tree.tree_flatten_with_paths(params)[0], n)
+        ests = [_estimate(params, pl, optimizer, here=[r in o for o in owners], activations=acts[r], **kw)
+                for r in range(n)]
+        worst = max(range(n), key=lambda r: ests[r].total)
+        note = (f"pipelined over {loss.axis!r}: each rank stores its stages' state and holds the schedule's bound "
+                f"of micro-batches (activations per rank {[f'{a / 2**20:,.2f} MiB' for a in acts]}, totals "
+                f"{[f'{e.total / 2**20:,.2f} MiB' for e in ests]}); the largest, rank {worst}'s, counted")
+        return dataclasses.replace(ests[worst], notes=ests[worst].notes + (note,))
+    if activation_bytes is not None:
+        activations = int(activation_bytes)
+        notes = []
+    elif isinstance(loss, Pipelined):
+        if batch is None:
+            raise ValueError("estimate_memory: loss= needs a batch= (a global batch, as train_step takes)")
+        activations, notes = _pipeline_activations(loss, params, pl, mesh, policy, batch, batch_spec)
+    elif loss is not None:
+        if batch is None:
+            raise ValueError("estimate_memory: loss= needs a batch= (a global batch, as train_step takes)")
+        return _estimate(params, pl, optimizer, measure=(loss, batch, batch_spec), **kw)
+    else:
+        activations, notes = 0, []
+    est = _estimate(params, pl, optimizer, activations=activations, **kw)
+    return dataclasses.replace(est, notes=est.notes + tuple(notes))
+
+
+def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, bucket_elems: int,
+              blocks: str | None, activations: int = 0, measure: tuple | None = None,
+              here: list[bool] | None = None) -> MemoryEstimate:
+    """``estimate_memory`` of one device: ``activations`` as given, or measured on a dry
+    run of ``measure`` (``(loss, batch, batch_spec)``); ``here``: the leaves it stores
+    (per-stage storage; None: all)."""
     mask = list(pl.trainable) if pl.trainable is not None else None
     paths, leaves, tdef = _tree.tree_flatten_with_paths(params)
     # What the step does with the leaves, read off the specs as the step reads them.
@@ -158,9 +202,10 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     mb = _itemsize(policy.master_dtype)
     rb = _itemsize(policy.reduce_dtype)
     shapes = [tuple(x.shape) for x in leaves]
-    master_n = [_local_numel(s, m, mesh) for s, m in zip(shapes, master)]
-    use_n = [_local_numel(s, u, mesh) for s, u in zip(shapes, use)]
-    grad_n = [_local_numel(s, g, mesh) for s, g in zip(shapes, grads)]
+    stored = here if here is not None else [True] * len(shapes)
+    master_n = [_local_numel(s, m, mesh) if h else 0 for s, m, h in zip(shapes, master, stored)]
+    use_n = [_local_numel(s, u, mesh) if h else 0 for s, u, h in zip(shapes, use, stored)]
+    grad_n = [_local_numel(s, g, mesh) if h else 0 for s, g, h in zip(shapes, grads, stored)]
     notes = []
     frozen_bytes = 0
     if mask is not None:  # frozen leaves: stored as given, no gradient or master copy
@@ -228,19 +273,12 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
         torch.empty(shard_shape(m, s, mesh), dtype=policy.master_dtype, device="meta")
         for s, m in zip(shapes, master)
     ])
-    meta = T.view(meta, mask)  # the optimizer holds state for the trained leaves only
+    # The optimizer holds state for the trained leaves (that this device stores) only.
+    meta = T.view(meta, [t and h for t, h in zip(mask or stored, stored)])
     opt_bytes = sum(x.numel() * x.element_size() for x in optree.tree_leaves(optimizer.init(meta))
                     if isinstance(x, torch.Tensor))
-    if activation_bytes is not None:
-        activations = int(activation_bytes)
-    elif isinstance(loss, Pipelined):
-        if batch is None:
-            raise ValueError("estimate_memory: loss= needs a batch= (a global batch, as train_step takes)")
-        activations, more = _pipeline_activations(loss, params, pl, mesh, policy, batch, batch_spec)
-        notes += more
-    elif loss is not None:
-        if batch is None:
-            raise ValueError("estimate_memory: loss= needs a batch= (a global batch, as train_step takes)")
+    if measure is not None:
+        loss, batch, batch_spec = measure
         activations, with_grads, ran_on = _measure_activations(loss, params, pl, mesh, policy, batch,
                                                                batch_spec)
         if not in_loss and backend_for(mesh, None) == "virtual":
@@ -251,8 +289,6 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
             notes.append("virtual mesh: gradients reduced after backward (the peak of activations "
                          "and gradients together, measured)")
         notes.append(f"activations measured on one device's forward + backward, run on {ran_on}")
-    else:
-        activations = 0
     return MemoryEstimate(
         master=sum(master_n) * mb + frozen_bytes, compute_params=compute, grads=grad_peak, optimizer=opt_bytes,
         activations=activations, buffers=buffers, placed_grads=placed, notes=tuple(notes),
@@ -267,8 +303,6 @@ def _as_device_0(mesh: Mesh, coords: dict) -> Iterator[Any]:
     collectives answer locally, with this device's shapes (an all-to-all's buffer, a
     psum's result), and send nothing; yields the varying-axes table (None on a mesh of one
     device)."""
-    import dataclasses
-
     frame = _env.AxisFrame(mesh, "distributed", coords=coords)
     with _manifest.recording(dry=True):
         if mesh.size == 1:

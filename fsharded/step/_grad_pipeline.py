@@ -31,6 +31,7 @@ from fsharded.parallel import _buckets as B
 from fsharded.parallel.pipeline import Mailbox, Pipelined, PointToPoint, run, split_batch
 from fsharded.spmd import _env, _manifest, _vma
 from fsharded.spmd.collectives import psum, pvary, varying_axes
+from fsharded.step import _held
 from fsharded.step._checks import _check_loss_type
 from fsharded.step._differentiate import Inputs
 from fsharded.step._layout import Layout
@@ -72,7 +73,7 @@ class PipelineGradients:
         self.batch_axes = batch_axes
         self._p2p: PointToPoint | None = None
         self.layout, self.cap = layout, cap
-        self.held = _held(pipe.stages, layout.paths)
+        self.held = pipe.stages.holders(layout.paths)
 
     def __call__(self, params: Any, batch: Any, scale: Any, varying: tuple[str, ...], mark: Callable,
                  model_state: Any = None) -> tuple[list, torch.Tensor, tuple]:
@@ -87,7 +88,14 @@ class PipelineGradients:
         # ZeRO-3: this rank's stages' sharded leaves gathered once for the step (released
         # after it); their gradients come back reduce-scattered by the gather's transpose.
         x_leaves = optree.tree_leaves(x0)
-        sel = [i for i, g in enumerate(self.layout.moves.gather_in_loss) if g and self.held[i] & set(mine)]
+        # A dry run of a real rank's step gathers what that rank does; the other stages run
+        # on zeros of the gathered shapes (their values are not counted).
+        counted = self._counted_rank()
+        own = set(mine) if counted is None else {s for s in mine if sched.rank_of(s) == counted}
+        sel = [i for i, g in enumerate(self.layout.moves.gather_in_loss) if g and self.held[i] & own]
+        for i, g in enumerate(self.layout.moves.gather_in_loss):
+            if g and i not in sel and self.held[i] & set(mine):
+                x_leaves[i] = _held.stand_in(x_leaves[i], self.layout.params[i], self.layout.use[i], self.mesh)
         untransposed = None
         if sel:
             lay = self.layout
@@ -112,7 +120,7 @@ class PipelineGradients:
             ranks, transport = list(range(sched.ranks)), Mailbox()
         # A dry run of a real rank's step measures what this rank allocates: the other pipe
         # ranks' actions run for their values only.
-        counted = [comm.axis_group(self.mesh, (axis,)).index] if self.distributed and not self._local() else None
+        counted = [counted] if counted is not None else None
         frame = _env.current()
         mode = frame.vma if frame is not None and self.assumed is not None and not _manifest.active() else None
         with mode.assuming(self.assumed) if mode is not None else contextlib.nullcontext():
@@ -156,23 +164,53 @@ class PipelineGradients:
                 if mode is not None:
                     mode.set(g, self.assumed)
                 g_leaves[i] = g
-        if self.layout.trainable is not None:  # the gradient side sees the trained leaves only
-            g_leaves = [g for g, t in zip(g_leaves, self.layout.trainable) if t]
+        # The gradient side sees the trained leaves this rank holds (all of them on the
+        # virtual mesh); on a real rank the others' gradients are zeros it never stores.
+        shared = self._shared_sum(g_leaves, mode) if self.distributed and sched.ranks > 1 else {}
+        g_leaves = [shared.get(i, g) for i, g in enumerate(g_leaves)]
+        if self.layout.updated is not None:
+            g_leaves = [g for g, t in zip(g_leaves, self.layout.updated) if t]
         g_leaves = [t.to(self.policy.reduce_dtype) for t in g_leaves]
         if self.distributed and sched.ranks > 1:
-            # This rank holds its stages' gradients (zeros for the others') and, on the
-            # last stage's rank, the loss: one psum of them all gives every rank all of them.
+            # The loss is the last stage's: one psum gives every pipe rank the loss and metrics.
             if loss is None:
                 loss = torch.zeros((), dtype=torch.float32)
             if frame is not None and frame.vma is not None:  # a shard's loss varies over the batch axes,
                 frame.vma.set(loss, frozenset(varying))       # on every pipe rank alike
                 if metrics is not None:
                     frame.vma.set(metrics, frozenset(varying))
-            g_leaves = _psum_flat(g_leaves, axis)
             loss = psum(pvary(loss, axis), axis)
             metrics = psum(pvary(metrics, axis), axis) if metrics is not None else None
         reported = dict(zip(names, metrics.unbind())) if metrics is not None else {}
         return self.reduction(g_leaves), loss, (reported, None)
+
+    def _shared_sum(self, g_leaves: list, mode: Any) -> dict[int, torch.Tensor]:
+        """The gradients of the trained leaves several pipe ranks hold (a tied embedding on
+        the first and the last stage), each the sum of its holders' parts: one psum over the
+        pipe axis of them all in one buffer, zeros from the ranks that do not hold a leaf.
+        Untyped (every pipe rank sends the same buffer whatever its stages' types); each
+        holder's sum takes the type of its own part."""
+        hold = self.layout.holding
+        trained = self.layout.trainable
+        idx = [i for i, sh in enumerate(hold.shared) if sh and (trained is None or trained[i])]
+        if not idx:
+            return {}
+        dtype = self.policy.reduce_dtype
+        parts = [g_leaves[i].to(dtype).reshape(-1) for i in idx]  # (zeros where not held here)
+        vma = _env.current().vma if _env.current() is not None else None
+        with vma.paused() if vma is not None else contextlib.nullcontext():
+            flat = psum(torch.cat(parts), self.pipe.axis)
+        out = {}
+        for i, piece in zip(idx, flat.split([p.numel() for p in parts])):
+            g = piece.view(g_leaves[i].shape)
+            if vma is not None:
+                vma.set(g, varying_axes(g_leaves[i]) if mode is None else self.assumed)
+            out[i] = g
+        return out
+
+    def _counted_rank(self) -> int | None:
+        """In a dry run of a real rank's step, that rank's index along the pipe axis."""
+        return comm.axis_group(self.mesh, (self.pipe.axis,)).index if self.distributed and not self._local() else None
 
     def _local(self) -> bool:
         """This rank's actions alone (real ranks, not a dry run), else every pipe rank's."""
@@ -185,33 +223,6 @@ class PipelineGradients:
             me = comm.axis_group(self.mesh, (self.pipe.axis,)).index
             return [s for s in range(sched.stages) if sched.rank_of(s) == me]
         return list(range(sched.stages))
-
-
-def _held(stages: Any, paths: list[str]) -> list[set[int]]:
-    """Per parameter leaf (by its dotted path), the stages that hold it."""
-    out = []
-    for p in paths:
-        held = set()
-        for s in range(stages.n):
-            if any(p.startswith(f"{stages.blocks}.{i}.") for i in stages.ranges[s]) or \
-                    any(p == k or p.startswith(k + ".") for k in stages.keys(s)):
-                held.add(s)
-        out.append(held)
-    return out
-
-
-def _psum_flat(leaves: list[torch.Tensor], axis: str) -> list[torch.Tensor]:
-    """``psum(pvary(leaves))`` over ``axis`` as one collective per dtype and type (the
-    axes a leaf varies over: a buffer is typed as one value): the leaves flattened into
-    one buffer, summed, and cut back."""
-    out: list[torch.Tensor | None] = [None] * len(leaves)
-    kinds = [(t.dtype, varying_axes(t)) for t in leaves]
-    for kind in dict.fromkeys(kinds):
-        idx = [i for i, k in enumerate(kinds) if k == kind]
-        flat = psum(pvary(torch.cat([leaves[i].reshape(-1) for i in idx]), axis), axis)
-        for i, piece in zip(idx, flat.split([leaves[i].numel() for i in idx])):
-            out[i] = piece.view(leaves[i].shape)
-    return out
 
 
 def _assumable(layout: Layout, batch_axes: tuple[str, ...], pipe: str) -> frozenset | None:

@@ -16,7 +16,8 @@ them leaf by leaf, never a stage number:
 
 ``Moves.of(placement)`` holds those predicates (``estimate_memory`` reads the same, so
 the estimate and the step cannot disagree); ``Layout`` adds what a step needs besides:
-the parameter paths, the block list, the trainable leaves.
+the parameter paths, the block list, the trainable leaves and, with per-stage storage
+(``_held``), the leaves this process holds.
 """
 
 from __future__ import annotations
@@ -76,9 +77,9 @@ class Layout:
     """One state layout of a step: its placement's specs and moves, flat (one per parameter
     leaf), the parameter paths, where the block list is, and which leaves train. The
     gradient side (``t_*``: reductions, clipping, the update) sees only the trainable
-    leaves; the loss sees every leaf."""
+    leaves this process holds (``updated``); the loss sees every leaf."""
 
-    def __init__(self, pl: Any, params: Any, blocks: str | None, mesh: Mesh) -> None:
+    def __init__(self, pl: Any, params: Any, blocks: str | None, mesh: Mesh, held: Any = None) -> None:
         mv = self.moves = Moves.of(pl)
         self.use, self.params, self.grads, self.master = (list(s) for s in mv[:4])
         self.axis, self.reshard = mv.axis, pl.reshard_after_forward
@@ -88,9 +89,20 @@ class Layout:
         self.mesh = mesh
         self.trainable = list(pl.trainable) if pl.trainable is not None else None  # None: all
         self.frozen = [not t for t in self.trainable] if self.trainable is not None else None
+        # Per-stage storage (``_held.Holding``, or None): this process updates the trained
+        # leaves it holds, ``updated`` (None: every trained leaf), and the moments of those.
+        self.holding = held
+        here = held.here if held is not None else None
+        if here is None or all(here):
+            self.updated = self.trainable
+        else:
+            self.updated = [h and (self.trainable is None or t) for h, t in
+                            zip(here, self.trainable or [True] * len(here))]
+        # The held leaves among the trained ones (what the optimizer state's moments cover).
+        self.held_trained = None if self.updated is self.trainable else T.pick(here, self.trainable)
         self.t_use, self.t_params, self.t_grads, self.t_master = (
-            T.pick(x, self.trainable) for x in (self.use, self.params, self.grads, self.master))
-        self.t_paths = T.pick(self.paths, self.trainable)
+            T.pick(x, self.updated) for x in (self.use, self.params, self.grads, self.master))
+        self.t_paths = T.pick(self.paths, self.updated)
 
 
 def block_mask(params: Any, path: str | None) -> list[bool] | None:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from fsharded import _tree
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec
+from fsharded.parallel.pipeline import Pipelined
 from fsharded.parallel.zero import zero
 from fsharded.step import _estimate as _memory
 from fsharded.step._layout import Moves
@@ -32,9 +33,13 @@ def check_init_memory(step: Any, params: Any, pl: Any) -> None:
     def trains(path: str, _leaf: Any) -> bool:  # the step's choice (its placement holds it)
         return flags.get(path, True)
 
+    # A pipelined loss: each pipe rank stores its own stages' state (the largest rank's counted).
+    pipe = step.loss_fn if isinstance(step.loss_fn, Pipelined) else None
+
     def need(specs: Any, mesh: Mesh) -> int:
         return _memory.estimate_memory(meta, specs, step.optimizer, precision=step.policy, mesh=mesh,
-                                       activation_bytes=0, blocks=step.blocks, trainable=trains).total
+                                       activation_bytes=0, blocks=step.blocks, trainable=trains,
+                                       loss=pipe if pipe is not None and pipe.axis in mesh.shape else None).total
 
     if step.distributed:
         here = need(pl, step.mesh)

@@ -43,12 +43,12 @@ class Reduction:
     def __init__(self, layout: Layout, batch_axes: tuple[str, ...], cap: int, dtype: torch.dtype) -> None:
         self.src, self.grads, self.master = layout.t_params, layout.t_grads, layout.t_master
         self.batch_axes, self.mesh, self.cap, self.dtype = batch_axes, layout.mesh, cap, dtype
-        sliced = T.pick(layout.moves.slice, layout.trainable)
+        sliced = T.pick(layout.moves.slice, layout.updated)
         self.place = functools.partial(B.slice_leaves, from_specs=self.grads, to_specs=self.master,
                                        axis=layout.axis, mesh=self.mesh) if any(sliced) else _as_is
         # The reduction can run in backward where no gradient comes back summed already
         # (a leaf gathered inside the loss is reduce-scattered by the gather's transpose).
-        self.in_backward = not any(T.pick(layout.moves.gather_in_loss, layout.trainable))
+        self.in_backward = not any(T.pick(layout.moves.gather_in_loss, layout.updated))
 
     def __call__(self, grads: list) -> list:
         with _trace.phase("reduce"):

@@ -29,6 +29,7 @@ import optree
 import torch
 
 from fsharded import optim
+from fsharded.spmd.collectives import psum
 
 __all__ = ["Transformed", "NoClip", "ClipByGlobalNorm", "GradientTransform"]
 
@@ -67,14 +68,24 @@ class GradientTransform:
     state layout (``scaling``: ``_scaling.NoScaling`` or ``DynamicScaling``; ``clip``:
     ``NoClip`` or ``ClipByGlobalNorm``). ``specs``: one spec per gradient leaf (their
     master placement), so the norm counts every element once; ``axes``: the mesh axes fp16's
-    finite verdict is agreed over."""
+    finite verdict is agreed over. ``partial``: None, or ``(axis, counted)`` where each
+    process holds some of the leaves along ``axis`` (per-stage storage, ``_held``): its
+    part of the squared norm (the leaves ``counted`` marks) is summed over that axis."""
 
-    def __init__(self, scaling: Any, clip: NoClip | ClipByGlobalNorm, specs: list, axes: tuple[str, ...]) -> None:
+    def __init__(self, scaling: Any, clip: NoClip | ClipByGlobalNorm, specs: list, axes: tuple[str, ...],
+                 partial: tuple[str, list[bool]] | None = None) -> None:
         self.scaling, self.clip, self.specs, self.axes = scaling, clip, specs, axes
+        self.partial = partial
 
     def __call__(self, grads: Any, params: Any, loss_scale: Any) -> Transformed:
         grads = self.scaling.unscale(grads, loss_scale)
         grads = optree.tree_map(lambda g, p: g.to(p.dtype), grads, params)
-        norm = optim.global_norm(grads, flat_specs=self.specs)
+        if self.partial is None:
+            norm = optim.global_norm(grads, flat_specs=self.specs)
+        else:
+            axis, counted = self.partial
+            mine = [g for g, c in zip(optree.tree_leaves(grads), counted) if c]
+            sq = optim.global_sq_norm(mine, flat_specs=[s for s, c in zip(self.specs, counted) if c])
+            norm = torch.sqrt(psum(sq, axis))
         return Transformed(grads, norm, self.clip.factor(norm), self.scaling.finite(grads, self.axes))
 

@@ -41,23 +41,30 @@ def pipeline_loss(cfg: Any, mesh: Mesh, mcfg: Any, params: Any, seq: Any) -> Any
 
 
 def check_fits_pipelined(cfg: Any, mcfg: Any, mesh: Mesh, specs: Any, dist_on: bool, seq: Any, piped: Any, meta: Any,
-                         state: Any, kw: dict, what: str) -> None:
-    """``fsharded train``'s memory check with a pipe axis, beside the state (``state``, the
-    estimate without activations): each rank's activations are its schedule's bound of
-    micro-batches held times one micro-batch of its stages (``pipeline_activations``); the
-    virtual mesh's process holds every rank's and every data shard's."""
+                         state: Any, kw: dict, what: str, optimizer: Any) -> None:
+    """``fsharded train``'s memory check with a pipe axis: on real ranks the rank that
+    needs most, its own stages' state and its schedule's bound of micro-batches held times
+    one micro-batch of its stages (``estimate_memory`` of the pipelined loss); the virtual
+    mesh's process holds the whole state (``state``) and every rank's and every data
+    shard's activations."""
     rows = cfg.micro_batch_size * cfg.grad_accum_steps * cfg.data_parallel_size  # the step's batch
     batch = {"tokens": torch.empty((rows, mcfg.seq_len + 1), dtype=torch.int64, device="meta")}
     try:
-        per_rank = _memory.pipeline_activations(piped, meta, _memory.placement_of(specs, meta, mesh), mesh,
-                                                cfg.policy(), batch, seq.batch_spec)
+        if dist_on:
+            est = _memory.estimate_memory(meta, specs, optimizer, precision=cfg.policy(), mesh=mesh, loss=piped,
+                                          batch=batch, batch_spec=seq.batch_spec, blocks="blocks")
+            need, acts = est.total, est.activations
+        else:
+            per_rank = _memory.pipeline_activations(piped, meta, _memory.placement_of(specs, meta, mesh), mesh,
+                                                    cfg.policy(), batch, seq.batch_spec)
+            # (the virtual mesh's process: every pipe rank's, times every device of each)
+            acts = sum(per_rank) * (mesh.size // mesh.shape["pipe"])
+            need = state.total + acts
     except Exception as e:  # noqa: BLE001 - the state alone was checked
         warnings.warn(f"fsharded train: the memory check counted the state only: the activations could "
                       f"not be measured ({type(e).__name__}: {e})", stacklevel=4)
         return
-    # (the virtual mesh's process: every pipe rank's, times every device of each)
-    acts = max(per_rank) if dist_on else sum(per_rank) * (mesh.size // mesh.shape["pipe"])
     more = (f"fewer micro-batches held at once (pipeline.schedule=1f1b holds at most pipe of them; now "
             f"{cfg.pipeline.schedule}, {acts / 2**30:,.2f} GiB of activations)", "a smaller --batch")
-    _memory.check_fits(state.total + acts, what=what.replace("the training state", "the training state and the "
+    _memory.check_fits(need, what=what.replace("the training state", "the training state and the "
                                                              "pipeline's activations"), hints=more, **kw)

@@ -506,16 +506,18 @@ def _check_fits(cfg, mcfg, mesh, specs_for, dist_on: bool, seq: _SeqJob) -> None
     opt, device = build_optimizer(cfg), "cuda" if torch.cuda.is_available() else "cpu"
     hints = ("ZeRO-3 on more ranks (--set zero_stage=3 under torchrun --nproc_per_node N: each rank "
              "holds 1/N of the state)",) if cfg.zero_stage < 3 else ()
-    state = _memory.estimate_memory(meta, specs, opt, precision=cfg.policy(), mesh=est_mesh,
-                                    activation_bytes=0, blocks="blocks")
-    # The state first (arithmetic): a model that cannot fit is refused without a dry run.
-    _memory.check_fits(state.total, who="memory check", what=what, processes=processes, device=device, hints=hints)
     with warnings.catch_warnings():  # (said again when the job builds its loss)
         warnings.simplefilter("ignore")
         piped = pipeline_loss(cfg, mesh, mcfg, meta, seq)
+    # (real ranks along a pipe axis each store their own stages' state: the largest's)
+    state = _memory.estimate_memory(meta, specs, opt, precision=cfg.policy(), mesh=est_mesh,
+                                    activation_bytes=0, blocks="blocks", loss=piped if dist_on else None)
+    # The state first (arithmetic): a model that cannot fit is refused without a dry run.
+    _memory.check_fits(state.total, who="memory check", what=what, processes=processes, device=device, hints=hints)
     if piped is not None:  # per pipe rank: its stages' micro-batches held at once
         check_fits_pipelined(cfg, mcfg, mesh, specs_for(meta), dist_on, seq, piped, meta, state,
-                             dict(who="memory check", processes=processes, device=device, lead="To need less"), what)
+                             dict(who="memory check", processes=processes, device=device, lead="To need less"), what,
+                             opt)
         return
     rows = cfg.micro_batch_size * cfg.data_parallel_size  # one micro-batch, global
     tokens = {"tokens": torch.zeros((rows, mcfg.seq_len + 1), dtype=torch.int64)}

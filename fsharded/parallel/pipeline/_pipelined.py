@@ -54,6 +54,13 @@ class Pipelined:
                              f"{s.stages} (e.g. gpt_stages.pipeline_stages(params, {s.stages}))")
         return s
 
+    def owners(self, paths: list[str], ranks: int) -> list[frozenset[int]]:
+        """Per parameter leaf (by its dotted path), the ranks along the axis whose stages
+        hold it; a leaf no stage reads is held by every rank."""
+        sched = self.table(ranks)
+        every = frozenset(range(ranks))
+        return [frozenset(sched.rank_of(s) for s in held) or every for held in self.stages.holders(paths)]
+
     def __call__(self, params: Any, batch: Any) -> torch.Tensor:
         losses = []
         for micro in split_batch(batch, self.microbatches):

@@ -117,10 +117,24 @@ class Stages:
         out[self.blocks] = [blocks[i] for i in self.ranges[s]]
         return out
 
+    def holders(self, paths: Sequence[str]) -> list[frozenset[int]]:
+        """Per parameter leaf (by its dotted path), the stages that hold it: one for a
+        block's leaf, the first and the last for a tied embedding, none for a leaf no stage
+        reads."""
+        out = []
+        for p in paths:
+            held = set()
+            for s in range(self.n):
+                if any(p.startswith(f"{self.blocks}.{i}.") for i in self.ranges[s]) or \
+                        any(p == k or p.startswith(k + ".") for k in self.keys(s)):
+                    held.add(s)
+            out.append(frozenset(held))
+        return out
+
     def merge(self, parts: dict[int, dict], like: Any) -> Any:
         """The whole tree (shaped as ``like``) from the stages' parts: blocks in order, a
         path held by two stages (tied embeddings) summed, and zeros for what no part holds
-        (the stages of other ranks)."""
+        (the stages of other ranks: a zero broadcast to the shape, which allocates nothing)."""
         got: dict[str, torch.Tensor] = {}
         for s, part in sorted(parts.items()):
             for i, b in zip(self.ranges[s], part[self.blocks]):
@@ -128,7 +142,7 @@ class Stages:
             for k in self.keys(s):
                 _put(got, k, part[k])
         paths, leaves, tdef = _tree.tree_flatten_with_paths(like)
-        return optree.tree_unflatten(tdef, [got[p] if p in got else torch.zeros_like(x)
+        return optree.tree_unflatten(tdef, [got[p] if p in got else x.new_zeros(()).expand(x.shape)
                                             for p, x in zip(paths, leaves)])
 
     def forward(self, s: int, params: dict, x: Any, batch: Any) -> Any:
