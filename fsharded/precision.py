@@ -482,6 +482,8 @@ def tree_where(cond: torch.Tensor | bool, new: Any, old: Any) -> Any:
                     f"tree_where: leaf {path} is a tensor on one side only "
                     f"(new: {type(n).__name__}, old: {type(o).__name__})"
                 )
+            if n is o:  # passed through (a frozen leaf, one a pipe rank does not hold): as it is
+                return o
             return torch.where(cond, n, o).to(o.dtype)
         if n is not o and n != o:
             raise TypeError(

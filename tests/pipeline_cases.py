@@ -104,7 +104,7 @@ def _steps(step, params, tokens: torch.Tensor, steps: int) -> dict:
 
 
 def train_mixed(mesh_axes: dict | None, name: str, steps: int, precision: str, *, power: int = 16,
-                trainable=None, m: int = 2, v: int = 1, **cfg) -> dict:
+                trainable=None, m: int = 2, v: int = 1, stored: bool = False, **cfg) -> dict:
     """``steps`` steps in ``precision`` (fp16: dynamic loss scaling from ``2**power``),
     pipelined over ``pipe`` on ``mesh_axes``; or, with ``mesh_axes`` None, the uncut GPT on one
     device accumulating over the same ``m`` micro-batches. The losses, loss scales and
@@ -129,6 +129,9 @@ def train_mixed(mesh_axes: dict | None, name: str, steps: int, precision: str, *
         out["losses"].append(float(metrics["loss"]))
         out["scales"].append(float(metrics["loss_scale"]))
         out["skipped"].append(int(metrics["skipped"]))
+    if stored:  # what this rank stores, and the whole parameters' bytes
+        out.update(param_bytes=stored_bytes(state.params), opt_bytes=stored_bytes(state.opt_state),
+                   full_bytes=sum(x.numel() * x.element_size() for x in optree.tree_leaves(params)))
     out["params"] = step.params(state)
     return out
 
@@ -401,3 +404,41 @@ def train_stored(mesh_axes: dict, name: str, steps: int, zero: int = 0, m: int =
     held = [p for p, x in zip(paths, leaves) if x.numel() <= 1 or any(s != 0 for s in x.stride())]
     return {"losses": losses, "norms": norms, "params": step.params(state), "held": held,
             "param_bytes": stored_bytes(state.params), "opt_bytes": stored_bytes(state.opt_state)}
+
+
+def nonfinite_stage(mesh_axes: dict, on_nonfinite: str) -> str:
+    """One step with a NaN in ``blocks.2.mlp.w_in`` (the second stage's), on per-stage
+    storage: what the step says (``raise``) or its skipped count (``skip``)."""
+    import fsharded as fs
+    params, tokens = setup(**TRAIN_CFG)
+    params["blocks"][2]["mlp"]["w_in"] = params["blocks"][2]["mlp"]["w_in"].clone()
+    params["blocks"][2]["mlp"]["w_in"][0, 0] = float("nan")
+    mesh = fs.Mesh(mesh_axes)
+    loss = pp.pipelined(gpt_stages.pipeline_stages(params, mesh.shape["pipe"], attention="einsum"), microbatches=2)
+    step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, on_nonfinite=on_nonfinite)
+    state = step.init(params)
+    try:
+        state, metrics = step(state, {"tokens": tokens})
+    except FloatingPointError as e:
+        return str(e)
+    return f"skipped {int(metrics['skipped'])}"
+
+
+def saved_elsewhere(directory: str) -> str:
+    """A pipelined state saved by checkpoint.save without owners (its placeholders would be
+    written as zeros): the error."""
+    import fsharded as fs
+    params, tokens = setup(**TRAIN_CFG)
+    mesh = fs.Mesh({"pipe": 2})
+    loss = pp.pipelined(gpt_stages.pipeline_stages(params, 2, attention="einsum"), microbatches=2)
+    step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh)
+    state = step.init(params)
+    out = []
+    for save in (lambda: fs.checkpoint.save(directory, state, step.state_specs(state), mesh),
+                 lambda: fs.checkpoint.dcp_state_dict(state, step.state_specs(state), mesh)):
+        try:
+            save()
+            out.append("saved")
+        except ValueError as e:
+            out.append(str(e))
+    return "\n".join(out)

@@ -500,3 +500,54 @@ def test_estimate_memory_counts_the_state_of_the_rank_that_stores_most():
     assert est.master == max(per_rank) < whole.master == sum(x.numel() * 4 for x in leaves)
     assert 2 * max(per_rank) <= est.optimizer <= 2 * max(per_rank) + 64  # (and its counters)
     assert any("rank" in n and "stores its stages' state" in n for n in est.notes)
+
+
+def test_fp16_keeps_the_placeholders_of_the_leaves_a_rank_does_not_hold():
+    # the overflow's select passes the leaves a rank does not hold through as they are
+    outs = run_on_ranks(C.train_mixed, 2, {"pipe": 2}, "1f1b", 3, "fp16", power=21, tied_embeddings=False,
+                        stored=True)
+    for out in outs:
+        assert out["skipped"][-1] > 0
+        assert out["param_bytes"] < 0.75 * out["full_bytes"] and out["opt_bytes"] < 1.5 * out["full_bytes"]
+
+
+@pytest.mark.parametrize("on_nonfinite", ["raise", "skip"])
+def test_a_nan_gradient_in_one_stage_is_named_or_skipped_on_every_pipe_rank(on_nonfinite):
+    # The NaN weight of the second stage makes every gradient NaN (backward runs through its
+    # NaN activations): every rank names the same leaves, each stage's among them, or skips.
+    outs = run_on_ranks(C.nonfinite_stage, 2, {"pipe": 2}, on_nonfinite)
+    n = len(optree.tree_leaves(C.setup(**C.TRAIN_CFG)[0]))
+    for out in outs:
+        if on_nonfinite == "skip":
+            assert out == "skipped 1"
+        else:
+            named = out.split("It was not applied")[0]
+            assert named == outs[0].split("It was not applied")[0]
+            assert "non-finite gradients in params.blocks.0." in named and f"and {n - 5} more" in named, out
+    if on_nonfinite == "raise":  # the rank that holds the NaN weight says so
+        assert "non-finite values on rank 1 in params.blocks.2.mlp.w_in" in outs[1]
+        assert "non-finite values" not in outs[0]
+
+
+def test_a_state_of_placeholders_is_not_saved_without_its_owners(tmp_path):
+    for out in run_on_ranks(C.saved_elsewhere, 2, str(tmp_path / "ck")):
+        save, dcp = out.split("\n", 1)
+        assert "placeholders" in save and "step.save" in save
+        assert "placeholders" in dcp and "step.params" in dcp
+
+
+def test_the_schedule_check_compares_the_collectives_of_each_group_of_ranks():
+    from fsharded.spmd._schedule import _group_differences
+    mesh = fs.Mesh({"pipe": 2, "data": 2})  # ranks 0, 1 at pipe 0; 2, 3 at pipe 1
+    d = [("backward", "psum", "data", "float32", (8,))]
+    p = [("update", "psum", "pipe", "float32", ())]
+    other = [("backward", "psum", "data", "float32", (6,))]
+    # each pipe coordinate reduces its own leaves over data: fine
+    assert _group_differences([d + p, d + p, other + p, other + p], mesh) == []
+    # one rank of a data group runs a collective its peer does not, either way round
+    for lists in ([d + p, d + d + p, other + p, other + p], [d + d + p, d + p, other + p, other + p]):
+        lines = _group_differences(lists, mesh)
+        assert lines and "over data" in lines[0] and "rank 0" in lines[0] and "rank 1" in lines[0]
+    # ranks of one pipe group that disagree over pipe
+    lines = _group_differences([d + p, d + p, other, other + p], mesh)
+    assert any("over pipe" in x and "rank 0" in x and "rank 2" in x for x in lines)

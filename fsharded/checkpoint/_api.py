@@ -31,6 +31,7 @@ from fsharded.checkpoint._common import (
     _flat_specs,
     _flatten,
     _Reader,
+    refuse_placeholders,
 )
 from fsharded.checkpoint._deepspeed import DeepSpeedCheckpoint, load_deepspeed, read_deepspeed
 from fsharded.checkpoint._dir import DirectoryInUseError, damage, lock_job, restore, settle_all
@@ -98,8 +99,11 @@ class _Job:
         self.mesh, self.dist = mesh, _distributed(mesh, backend)
         self.rank = comm.rank() if self.dist else 0
         self.writers = comm.world_size() if self.dist else 1
+        owned = _owned(owners, leaves, mesh)
+        if self.dist:
+            refuse_placeholders(paths, leaves, owned, "checkpoint.save")
         self.layout, self.entries, self.pieces = _layout(paths, leaves, flat_specs, mesh, self.dist,
-                                                         self.rank, tdef, _owned(owners, leaves, mesh))
+                                                         self.rank, tdef, owned)
         self.tdef = tdef  # its structure is described by rank 0 as it publishes (in save_async's thread)
         if os.path.exists(directory) and not overwrite:
             raise FileExistsError(f"checkpoint.save: {directory} exists; pass overwrite=True to replace it")

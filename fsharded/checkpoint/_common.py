@@ -189,3 +189,19 @@ def _assemble(reader: _Reader, path: str, blocks: Iterable[dict], start: list, s
             f"checkpoint: {reader.directory}: the blocks of {path!r} cover {covered} of the "
             f"{math.prod(size)} elements this device needs: {DAMAGED}")
     return t.to(device)
+
+
+def refuse_placeholders(paths: list, leaves: list, owned: list, what: str) -> None:
+    """Refuse to store a leaf that is a placeholder on this rank (a zero broadcast to its
+    shape: a pipeline stage's leaf on another pipe rank, ``train_step``'s per-stage
+    storage) without ``owners`` saying who holds it: its zeros would be written as the
+    leaf's values."""
+    bad = [p for p, x, o in zip(paths, leaves, owned)
+           if o is None and isinstance(x, torch.Tensor) and x.numel() > 1 and all(st == 0 for st in x.stride())]
+    if bad:
+        raise ValueError(
+            f"{what}: on this rank these leaves are placeholders (zeros broadcast to their shape: "
+            f"with a pipelined loss each pipe rank stores its own stages' leaves only): {bad[:6]}"
+            f"{' ...' if len(bad) > 6 else ''}. Save a train step's state with step.save / step.save_async "
+            f"(or Manager.save_state), which name each leaf's holders (owners=); for other formats take "
+            f"the whole parameters first: step.params(state)")

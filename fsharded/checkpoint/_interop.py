@@ -26,6 +26,7 @@ from fsharded.checkpoint._common import (
     _flat_specs,
     _flatten,
     _Reader,
+    refuse_placeholders,
 )
 from fsharded.checkpoint._index import _blocks, read_manifest
 from fsharded.mesh import Mesh, PartitionSpec
@@ -48,6 +49,8 @@ def dcp_state_dict(tree: Any, specs: Any, mesh: Mesh, *, backend: str | None = N
     paths, leaves, tdef = _flatten(tree)
     flat_specs = _flat_specs(specs, tree, tdef)
     dist = _distributed(mesh, backend)
+    if dist:  # a replicated DTensor whose ranks hold different values would be read wrong
+        refuse_placeholders(paths, leaves, [None] * len(leaves), "checkpoint.dcp_state_dict")
     out = {}
     for path, x, spec in zip(paths, leaves, flat_specs):
         spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()

@@ -398,18 +398,20 @@ def _axes(label: str) -> tuple[str, ...]:
 
 
 def _group_differences(lists: list[list[tuple]], mesh: Any) -> list[str]:
-    """Where ranks of one group (the ranks that share their coordinates off a set of axes)
-    run different collectives over those axes: one line per difference found."""
+    """Where two ranks of one group (the ranks that share their coordinates off a set of
+    axes) run different collectives over those axes: one line per difference found. (The
+    order of collectives over different sets of axes is not compared.)"""
     lines = []
-    for r, mine in enumerate(lists):
+    labels = [dict.fromkeys(e[2] for e in mine) for mine in lists]
+    for r in range(len(lists)):
         coords = mesh.coords(r)
-        for label in dict.fromkeys(e[2] for e in mine):
-            axes = set(_axes(label))
-            sub = [e for e in mine if e[2] == label]
-            for q in range(r + 1, len(lists)):
-                other = mesh.coords(q)
+        for q in range(r + 1, len(lists)):
+            other = mesh.coords(q)
+            for label in dict.fromkeys([*labels[r], *labels[q]]):
+                axes = set(_axes(label))
                 if any(coords[a] != other[a] for a in coords if a not in axes):
-                    continue  # not in this group
+                    continue  # not in one group over these axes
+                sub = [e for e in lists[r] if e[2] == label]
                 theirs = [e for e in lists[q] if e[2] == label]
                 if sub != theirs:
                     i = next((k for k, (a, b) in enumerate(zip(sub, theirs)) if a != b), min(len(sub), len(theirs)))

@@ -9,11 +9,12 @@ ranks along the pipe axis on this shard's batch, cut into micro-batches:
   neighbours on the pipe axis' group and plain autograd (a dry run of the step, which
   checks the ranks' collectives agree, runs every pipe rank here, sending nothing).
 
-Each parameter is stored on every pipe rank (its specs do not name the pipe axis): a rank
-computes the gradients of its own stages, and one psum over the pipe axis gives every
-rank every gradient (a tied embedding's two halves summed), and the last stage's loss.
-The gradients are then reduced over the batch axes as their specs say, as the plain
-strategy's are.
+On real ranks each pipe rank stores the state of its own stages' leaves (``_held``): it
+computes, reduces and updates their gradients only. A leaf several pipe ranks hold (a tied
+embedding) has its gradient parts summed over the pipe axis; the last stage's loss and
+the metrics are summed over it too. The gradients are then reduced over the batch axes as
+their specs say, as the plain strategy's are. On the virtual mesh the process holds every
+leaf and the merged gradients are every stage's.
 """
 
 from __future__ import annotations
@@ -166,12 +167,14 @@ class PipelineGradients:
                 g_leaves[i] = g
         # The gradient side sees the trained leaves this rank holds (all of them on the
         # virtual mesh); on a real rank the others' gradients are zeros it never stores.
-        shared = self._shared_sum(g_leaves, mode) if self.distributed and sched.ranks > 1 else {}
-        g_leaves = [shared.get(i, g) for i, g in enumerate(g_leaves)]
         if self.layout.updated is not None:
             g_leaves = [g for g, t in zip(g_leaves, self.layout.updated) if t]
         g_leaves = [t.to(self.policy.reduce_dtype) for t in g_leaves]
+        # Reduced over the batch axes first: a rank that is done reduces while the pipe
+        # ranks before it are still in their cooldown; the sums over the pipe axis after.
+        placed = self.reduction(g_leaves)
         if self.distributed and sched.ranks > 1:
+            placed = self._shared_sum(placed, leaves)
             # The loss is the last stage's: one psum gives every pipe rank the loss and metrics.
             if loss is None:
                 loss = torch.zeros((), dtype=torch.float32)
@@ -182,30 +185,35 @@ class PipelineGradients:
             loss = psum(pvary(loss, axis), axis)
             metrics = psum(pvary(metrics, axis), axis) if metrics is not None else None
         reported = dict(zip(names, metrics.unbind())) if metrics is not None else {}
-        return self.reduction(g_leaves), loss, (reported, None)
+        return placed, loss, (reported, None)
 
-    def _shared_sum(self, g_leaves: list, mode: Any) -> dict[int, torch.Tensor]:
-        """The gradients of the trained leaves several pipe ranks hold (a tied embedding on
-        the first and the last stage), each the sum of its holders' parts: one psum over the
-        pipe axis of them all in one buffer, zeros from the ranks that do not hold a leaf.
-        Untyped (every pipe rank sends the same buffer whatever its stages' types); each
-        holder's sum takes the type of its own part."""
-        hold = self.layout.holding
+    def _shared_sum(self, placed: list, master: list) -> list:
+        """``placed`` (the reduced gradients of the leaves this rank updates) with those of
+        the trained leaves several pipe ranks hold (a tied embedding on the first and the
+        last stage) each the sum of its holders' parts: one psum over the pipe axis of them
+        all in one buffer, zeros (of the leaf's shard, ``master``) from the ranks that do
+        not hold a leaf. Untyped (every pipe rank sends the same buffer whatever its
+        stages' types); each holder's sum takes the type of its own part."""
+        hold, updated = self.layout.holding, self.layout.updated
         trained = self.layout.trainable
         idx = [i for i, sh in enumerate(hold.shared) if sh and (trained is None or trained[i])]
         if not idx:
-            return {}
+            return placed
+        at = {i: k for k, i in enumerate(i for i, u in enumerate(updated or [True] * len(master)) if u)}
         dtype = self.policy.reduce_dtype
-        parts = [g_leaves[i].to(dtype).reshape(-1) for i in idx]  # (zeros where not held here)
+        parts = [placed[at[i]].to(dtype).reshape(-1) if i in at else torch.zeros(master[i].numel(), dtype=dtype)
+                 for i in idx]
         vma = _env.current().vma if _env.current() is not None else None
         with vma.paused() if vma is not None else contextlib.nullcontext():
             flat = psum(torch.cat(parts), self.pipe.axis)
-        out = {}
+        out = list(placed)
         for i, piece in zip(idx, flat.split([p.numel() for p in parts])):
-            g = piece.view(g_leaves[i].shape)
-            if vma is not None:
-                vma.set(g, varying_axes(g_leaves[i]) if mode is None else self.assumed)
-            out[i] = g
+            if i in at:
+                own = placed[at[i]]
+                g = piece.view(own.shape).to(own.dtype)
+                if vma is not None:
+                    vma.set(g, varying_axes(own))
+                out[at[i]] = g
         return out
 
     def _counted_rank(self) -> int | None:

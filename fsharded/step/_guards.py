@@ -128,6 +128,13 @@ def choose_guard(check_finite: bool, on_nonfinite: str) -> Unguarded:
     return Skip() if on_nonfinite == "skip" else Refuse()
 
 
+def _slots(layout: Any) -> list[int]:
+    """Per gradient leaf a layout's step computes (the trained leaves this process holds),
+    its index among the trained leaves."""
+    trained = [i for i in range(len(layout.paths)) if layout.trainable is None or layout.trainable[i]]
+    return [k for k, i in enumerate(trained) if layout.updated is None or layout.updated[i]]
+
+
 def kept(step: Any, state: Any) -> str:
     """What a refused step leaves the caller: the state passed in, unchanged — and, if that
     state already holds inf or nan (it did not come from a checked step: a checkpoint, a
@@ -159,7 +166,13 @@ def nonfinite_leaves(step: Any, state: Any, batch: Any) -> list[str]:
             g_leaves, _, _ = step._gradients(plan, s, b)
             vma = _env.current().vma
             with vma.paused() if vma is not None else contextlib.nullcontext():
-                flags = torch.stack([(~torch.isfinite(g)).any().to(torch.float32) for g in g_leaves])
+                # One flag per trained leaf (0 for those a pipe rank does not hold), so every
+                # rank's vector names the same leaves.
+                slots = _slots(plan.layout)
+                n = len(T.pick(plan.layout.paths, plan.layout.trainable))
+                flags = torch.zeros(n, dtype=torch.float32)
+                for k, g in zip(slots, g_leaves):
+                    flags[k] = (~torch.isfinite(g)).any().to(torch.float32)
                 return pmax(flags, axes) if axes else flags
 
         step._compiled[key] = shard_map(body, mesh=step.mesh, in_specs=(step.state_specs(state), step.batch_spec),
