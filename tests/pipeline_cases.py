@@ -325,18 +325,20 @@ def train_seq(mesh_axes: dict | None, name: str, steps: int, seq_parallel: str =
     return {"losses": losses, "params": step.params(state)}
 
 
-def train_moe(mesh_axes: dict, name: str, steps: int, m: int = 2, v: int = 1) -> dict:
+def train_moe(mesh_axes: dict, name: str, steps: int, m: int = 2, v: int = 1, biased: bool = False) -> dict:
     """``steps`` steps of the tiny GPT with mixture-of-experts blocks (their balancing and
     z-losses in the loss; the experts over ``expert`` where the mesh has it, the rows
     too), pipelined over ``pipe`` where ``mesh_axes`` has it, else uncut accumulating
-    over the same ``m`` micro-batches."""
+    over the same ``m`` micro-batches. ``biased``: aux-loss-free balancing too, routing
+    biases in the model state (the biases after are returned)."""
     import fsharded as fs
     from fsharded.models.gpt import MoEConfig
-    moe = MoEConfig(experts=4, top_k=2, every=1, capacity_factor=None, aux_loss_weight=0.1, z_loss_weight=0.01)
+    moe = MoEConfig(experts=4, top_k=2, every=1, capacity_factor=None, aux_loss_weight=0.1, z_loss_weight=0.01,
+                    bias_update_rate=0.05 if biased else None)
     params, tokens = setup(moe=moe, **TRAIN_CFG)
     mesh = fs.Mesh(mesh_axes)
     if "pipe" not in mesh_axes:
-        loss, acc = (lambda p, b: gpt.loss(p, b, attention="einsum", moe=moe, metrics=True)), m
+        loss, acc = (lambda p, b, *ms: gpt.loss(p, b, *ms, attention="einsum", moe=moe, metrics=True)), m
     else:
         acc = 1
         stages = gpt_stages.pipeline_stages(params, mesh.shape["pipe"] * v, attention="einsum", moe=moe)
@@ -344,14 +346,19 @@ def train_moe(mesh_axes: dict, name: str, steps: int, m: int = 2, v: int = 1) ->
     specs = gpt_plans.expert_parallel_specs(params) if "expert" in mesh_axes else None
     # The rows over the expert axis too (expert parallelism inside data parallelism).
     kw = {"param_specs": specs, "batch_spec": fs.P("expert")} if specs is not None else {}
+    if biased:
+        kw["update_model_state"] = gpt.model_state_updater(moe)
     step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, accumulation=acc, **kw)
-    state = step.init(params)
+    state = step.init(params, gpt.init_model_state(params) if biased else None)
     losses, reported = [], []
     for i in range(steps):
         state, metrics = step(state, {"tokens": tokens.roll(i, 0)})
         losses.append(float(metrics["loss"]))
         reported.append({k: float(v) for k, v in metrics.items() if k.startswith(("moe_", "lm_"))})
-    return {"losses": losses, "params": step.params(state), "metrics": reported}
+    out = {"losses": losses, "params": step.params(state), "metrics": reported}
+    if biased:
+        out["biases"] = step.model_state(state)["moe_bias"]
+    return out
 
 
 def timed_rank(name: str, p: int, m: int, layers: int = 8, rows: int = 4, runs: int = 3) -> list:

@@ -131,7 +131,8 @@ def test_fsharded_train_with_a_pipe_axis_trains_as_accumulation_does(tmp_path):
     assert "sequence over seq=2 (ulysses, contiguous)" in out
     for other in (piped, zb, ranks, seq):
         assert other == pytest.approx(base, rel=1e-5, abs=1e-5), (other, base)
-    moe = ["--set", "model.moe.experts=4", "--set", "model.moe.top_k=2"]
+    # mixture of experts, with aux-loss-free routing biases (the model state) too
+    moe = ["--set", "model.moe.experts=4", "--set", "model.moe.top_k=2", "--set", "model.moe.bias_update_rate=0.05"]
     _, moe_base = _cli(["--mesh", "expert=2", "--set", "grad_accum_steps=4", *moe], tmp_path, "moe_base")
     _, moe_piped = _cli(["--mesh", "pipe=2,expert=2", "--set", "pipeline.microbatches=4", *moe], tmp_path, "moe")
     assert moe_piped == pytest.approx(moe_base, rel=1e-5, abs=1e-5), (moe_piped, moe_base)
@@ -333,6 +334,25 @@ def test_a_mixture_of_experts_gpt_trains_as_it_does_uncut(mesh, name, v, ranks):
                                              "moe_load_imbalance"}
             for k in want:
                 assert abs(got[k] - want[k]) < 1e-5, (k, got, want)
+
+
+
+@pytest.mark.parametrize("mesh,name,v,ranks", [({"pipe": 2}, "interleaved", 2, 0), ({"pipe": 2}, "zb", 1, 2),
+                                              ({"pipe": 2, "expert": 2}, "1f1b", 1, 4)])
+def test_aux_loss_free_routing_biases_move_as_they_do_uncut(mesh, name, v, ranks):
+    # The model state: each stage's MoE blocks read their routing biases and report their
+    # loads per expert; summed over the pipe, the loads move every bias as without a pipeline.
+    ref = C.train_moe({a: n for a, n in mesh.items() if a != "pipe"}, "", 4, biased=True)
+    assert any(float(b.abs().max()) > 0 for b in ref["biases"])  # they did move
+    if ranks:
+        outs = run_on_ranks(C.train_moe, ranks, mesh, name, 4, v=v, biased=True)
+    else:
+        outs = [C.train_moe(mesh, name, 4, v=v, biased=True)]
+    for out in outs:
+        assert_trains_like(out, ref)
+        assert len(out["biases"]) == len(ref["biases"])
+        for a, b in zip(out["biases"], ref["biases"]):
+            assert torch.allclose(a, b, atol=1e-6), (a, b)
 
 
 def test_a_stages_loss_that_varies_over_a_non_batch_axis_is_refused_as_train_step_refuses_it():

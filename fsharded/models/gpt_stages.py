@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import optree
+import torch
 
 from fsharded.models import gpt
 from fsharded.models._gpt_config import EXPERT, TENSOR, MoEConfig
@@ -57,18 +58,21 @@ def pipeline_stages(params: Params, stages: int, *, boundaries: list[int] | None
             _, tokens = gpt._megatron_chunk(tokens, seq_axis, tensor_axis)
         return gpt.embed(p, tokens, seq_axis=axis(), seq_layout=seq_layout)
 
-    def block(p: Params, x):
+    def block(p: Params, x, selection_bias=None, load_name=None):
         a = axis()
         seq = {"seq_axis": a, "seq_parallel": seq_parallel, "seq_layout": seq_layout} if a is not None else {}
         if not gpt._is_moe(p):
             return gpt.block(p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis, **seq)
         x, aux = gpt.block(p, x, rotary=rotary, attention=attention, tensor_axis=tensor_axis, moe=moe,
-                           expert_axis=expert_axis, **seq)
+                           expert_axis=expert_axis, selection_bias=selection_bias, **seq)
         extra = moe.aux_loss_weight * aux["aux_loss"].float() + moe.z_loss_weight * aux["z_loss"].float()
         # gpt.loss(metrics=True)'s: the losses summed over the MoE blocks, the rest their mean
-        return x, extra, {"moe_aux_loss": aux["aux_loss"].detach(), "moe_z_loss": aux["z_loss"].detach(),
-                          "moe_drop_fraction": aux["drop_fraction"].detach() / n_moe,
-                          "moe_load_imbalance": (aux["load"].max() / aux["load"].mean()).detach() / n_moe}
+        reported = {"moe_aux_loss": aux["aux_loss"].detach(), "moe_z_loss": aux["z_loss"].detach(),
+                    "moe_drop_fraction": aux["drop_fraction"].detach() / n_moe,
+                    "moe_load_imbalance": (aux["load"].max() / aux["load"].mean()).detach() / n_moe}
+        if load_name is not None:  # with routing biases: the block's tokens per expert, a stat
+            reported[load_name] = aux["load"].detach()
+        return x, extra, reported
 
     def last(p: Params, x, batch: Any):
         out = gpt.shard_loss(gpt.unembed(p, x), gpt._split_batch(batch)[1], seq_axis=seq_axis,
@@ -77,4 +81,16 @@ def pipeline_stages(params: Params, stages: int, *, boundaries: list[int] | None
 
     n_moe = sum(gpt._is_moe(p) for p in params["blocks"])
     metrics = ("lm_loss", "moe_aux_loss", "moe_z_loss", "moe_drop_fraction", "moe_load_imbalance") if n_moe else ()
-    return Stages(first, block, last, first_keys, last_keys, ranges, metrics=metrics)
+    # The k-th MoE block's routing bias is model_state["moe_bias"][k] (gpt.init_model_state).
+    ordinal = {i: k for k, i in enumerate(i for i, p in enumerate(params["blocks"]) if gpt._is_moe(p))}
+
+    def block_state(ms: Any, i: int) -> dict:
+        if i not in ordinal:
+            return {}
+        return {"selection_bias": ms["moe_bias"][ordinal[i]], "load_name": f"moe_load.{ordinal[i]}"}
+
+    def stats(ms: Any, reported: dict) -> dict:  # gpt.loss's stats: each MoE block's load, in order
+        return {"moe_load": [reported.get(f"moe_load.{k}", torch.zeros_like(b)) for k, b in enumerate(ms["moe_bias"])]}
+
+    hooks = {"block_state": block_state, "stats": stats} if n_moe and moe.bias_update_rate is not None else {}
+    return Stages(first, block, last, first_keys, last_keys, ranges, metrics=metrics, **hooks)

@@ -50,7 +50,11 @@ class ModuleStages(Stages):
     loss: Callable[..., torch.Tensor] | None = None
     replays: ClassVar[bool] = True  # every stage runs the module's forward from its start
 
-    def forward(self, s: int, params: dict, x: Any, batch: Any) -> torch.Tensor:
+    def forward(self, s: int, params: dict, x: Any, batch: Any, state: Any = None) -> torch.Tensor:
+        if state is not None:
+            raise NotImplementedError("pipeline: a model state (train_step's update_model_state) with the stages "
+                                      "of an nn.Module: not supported; cut the model into Stages of your own "
+                                      "(Stages(..., block_state=, stats=))")
         full = self._assemble(params, s)
         first, stop = self.ranges[s].start, self.ranges[s].stop
         last = s == self.n - 1

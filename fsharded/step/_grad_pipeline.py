@@ -78,8 +78,10 @@ class PipelineGradients:
 
     def __call__(self, params: Any, batch: Any, scale: Any, varying: tuple[str, ...], mark: Callable,
                  model_state: Any = None) -> tuple[list, torch.Tensor, tuple]:
-        if model_state is not None:
-            raise NotImplementedError("a pipelined loss with a model state: not supported yet")
+        if model_state is not None and self.pipe.stages.block_state is None:
+            raise ValueError("train_step: a model state (update_model_state) with a pipelined loss whose Stages read "
+                             "none: give Stages(..., block_state=, stats=) (gpt_stages.pipeline_stages does for a "
+                             "GPT with routing biases, MoEConfig(bias_update_rate=...))")
         leaves, tdef = optree.tree_flatten(params)
         x0 = optree.tree_unflatten(tdef, self.inputs.gather(leaves))
         if varying:  # each shard's gradient its own contribution, as in the plain strategy
@@ -131,22 +133,25 @@ class PipelineGradients:
                 res = run(sched, stages, {s: stages.params_of(x0, s) for s in mine}, micro, ranks=ranks,
                           transport=transport, functional=self.functional,
                           scale=lambda y: self.scaling.scale(y, scale), trained=trained,
-                          compute_dtype=self.policy.compute_dtype, counted=counted)
+                          compute_dtype=self.policy.compute_dtype, counted=counted, state=model_state)
             except _vma.NeedsTyping:  # the pipe ranks may stand at different actions: no rerun
                 raise RuntimeError("pipeline: a stage asked for the varying-axes typing the step assumed "
                                    "away (a collective or a type question inside the model); please "
                                    "report it") from None
         names = stages.metrics  # what every rank reports, in one order (zeros for stages not its own)
         unknown = sorted(set(res.metrics) - set(names))
-        if unknown:
+        if unknown and model_state is None:
             raise ValueError(f"pipeline: the stages report metrics {unknown} their Stages do not name; add them to "
                              f"Stages(..., metrics=...) (now {list(names)})")
         metrics = torch.stack([res.metrics[k].reshape(()).float() if k in res.metrics else torch.zeros(())
                                for k in names]) if names else None
+        # With a model state the rest is the blocks' stats (mean over the micro-batches):
+        # the tree update_model_state takes, zeros for the blocks of other pipe ranks.
+        stats = stages.stats(model_state, {k: res.metrics[k] for k in unknown}) if model_state is not None else None
         if mode is not None:
             for t in optree.tree_leaves(res.grads):  # a cotangent has its primal's type
                 mode.set(t, self.assumed)
-            for t in (res.loss, metrics):
+            for t in (res.loss, metrics, *optree.tree_leaves(stats)):
                 if t is not None:
                     mode.set(t, self.assumed)
         elif res.loss is not None and frame is not None and frame.vma is not None and not self._local():
@@ -182,10 +187,13 @@ class PipelineGradients:
                 frame.vma.set(loss, frozenset(varying))       # on every pipe rank alike
                 if metrics is not None:
                     frame.vma.set(metrics, frozenset(varying))
+                for t in optree.tree_leaves(stats):
+                    frame.vma.set(t, frozenset(varying))
             loss = psum(pvary(loss, axis), axis)
             metrics = psum(pvary(metrics, axis), axis) if metrics is not None else None
+            stats = optree.tree_map(lambda t: psum(pvary(t, axis), axis), stats) if stats is not None else None
         reported = dict(zip(names, metrics.unbind())) if metrics is not None else {}
-        return placed, loss, (reported, None)
+        return placed, loss, (reported, stats)
 
     def _shared_sum(self, placed: list, master: list) -> list:
         """``placed`` (the reduced gradients of the leaves this rank updates) with those of

@@ -21,10 +21,6 @@ def pipeline_loss(cfg: Any, mesh: Mesh, mcfg: Any, params: Any, seq: Any) -> Any
     micro-batches are the job's accumulation (``cfg.grad_accum_steps``)."""
     if "pipe" not in mesh.shape:
         return None
-    if mcfg.moe is not None and mcfg.moe.bias_update_rate is not None:
-        raise NotImplementedError("fsharded train: a pipe axis with aux-loss-free balancing (model.moe."
-                                  "bias_update_rate: routing biases updated each step) is not supported yet; "
-                                  "the balancing losses (moe.aux_loss_weight) are")
     p, v = mesh.shape["pipe"], cfg.pipeline.stages_per_rank
     if p * v > mcfg.n_layers:
         raise ValueError(f"fsharded train: pipe={p} x {v} stages per rank = {p * v} stages, but the model has "

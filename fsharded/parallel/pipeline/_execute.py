@@ -362,6 +362,7 @@ class _Run:
     trained: dict[int, list[bool]] = field(default_factory=dict)
     keys: Any = None  # (the enclosing KeyScope, one reserved key per micro-batch), or None
     counted: Any = None  # the ranks a memory tracker counts (None: all)
+    state: Any = None  # the model state the stages read (Stages.block_state), or None
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     extras: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (stage, mb) -> its loss terms
     metrics: dict[tuple[int, int], dict] = field(default_factory=dict)  # (stage, mb) -> what it reported
@@ -386,7 +387,7 @@ class _Run:
         scaled)``, with aux ``(those terms or (), its metrics)``."""
         ctx = Deferring(optree.tree_leaves(p), sink) if sink is not None else contextlib.nullcontext()
         with ctx, self._keyed(s, i, before):
-            y = self.stages.forward(s, p, x, self.micro[i])
+            y = self.stages.forward(s, p, x, self.micro[i], state=self.state)
         y, extra, metrics = y if isinstance(y, tuple) else (y, None, {})
         metrics = {k: v.detach().float() for k, v in metrics.items()}
         if s == self.last:
@@ -509,7 +510,7 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
         ranks: Sequence[int] | None = None, transport: Any = None, functional: bool = False,
         scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
         trained: dict[int, list[bool]] | None = None, compute_dtype: torch.dtype | None = None,
-        counted: Sequence[int] | None = None) -> Result:
+        counted: Sequence[int] | None = None, state: Any = None) -> Result:
     """Run ``schedule`` for the ranks ``ranks`` (default: all of them, in this process,
     over a ``Mailbox``; on real ranks pass this rank alone and a ``PointToPoint``).
     ``params[s]``: stage ``s``'s parameters (``Stages.params_of``) for every stage the
@@ -520,7 +521,9 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     differentiated (default all; the others' gradients come back as zeros);
     ``compute_dtype``: the stages run on their parameters cast to it; ``counted``: the
     ranks whose allocations a memory tracker counts (default all; a dry run of one rank's
-    step runs the others' actions for their values only). The table is
+    step runs the others' actions for their values only); ``state``: a model state the
+    stages' blocks read (``Stages.block_state``: aux-loss-free routing biases), their
+    stats reported beside the metrics. The table is
     checked first (``check``): one that cannot run is refused before any action runs."""
     check(schedule)
     if stages.n != schedule.stages:
@@ -545,7 +548,7 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
                 [mode.reserve() for _ in range(schedule.microbatches)])
     ex = _Run(schedule, stages, params, micro, transport, leaves, {s: [None] * len(leaves[s]) for s in mine}, split,
               Functional() if functional else Autograd(), scale, dict(trained or {}), keys,
-              None if counted is None else set(counted))
+              None if counted is None else set(counted), state)
     transport.begin(micro[0])
     walkers = [_Rank(r, ex) for r in ranks]
     t0 = time.perf_counter()

@@ -96,6 +96,14 @@ class Stages:
     # The metrics the stages report beside the loss (train_step's (loss, metrics)): each a
     # sum over the stages of 0-d values per micro-batch, meant over the micro-batches.
     metrics: tuple[str, ...] = ()
+    # A model state the blocks read (train_step's update_model_state: aux-loss-free routing
+    # biases): ``block_state(model_state, i)`` the keyword arguments block ``i`` takes from
+    # it; the blocks then report their stats among their metrics (names not in
+    # ``metrics``), and ``stats(model_state, reported)`` makes the stats tree
+    # ``update_model_state`` takes from them (zeros for what ``reported`` lacks: the
+    # blocks of other pipe ranks).
+    block_state: Callable[[Any, int], dict] | None = None
+    stats: Callable[[Any, dict], Any] | None = None
     # Whether stage ``s``'s forward runs the model from its start (skipping the earlier
     # stages' blocks), so it makes the earlier stages' random draws again (``ModuleStages``);
     # else it makes its own only, and its draws follow where the stage before stopped.
@@ -145,20 +153,26 @@ class Stages:
         return optree.tree_unflatten(tdef, [got[p] if p in got else x.new_zeros(()).expand(x.shape)
                                             for p, x in zip(paths, leaves)])
 
-    def forward(self, s: int, params: dict, x: Any, batch: Any) -> Any:
+    def forward(self, s: int, params: dict, x: Any, batch: Any, state: Any = None) -> Any:
         """Stage ``s`` on its part of the parameters: from the batch (the first stage) or
         the previous stage's activation ``x``, to the next stage's activation or (the last
         stage) the loss; or ``(that, extra, metrics)``. A block may return ``(x, extra)``
         or ``(x, extra, metrics)``: ``extra`` a 0-d term of the loss (a mixture-of-experts
         layer's weighted balancing losses), ``metrics`` a dict of 0-d values named in
-        ``self.metrics``; ``last`` may return ``(loss, metrics)``. The last stage adds its
-        blocks' extra terms to the loss (``extra`` None), another stage returns their sum;
-        ``metrics`` are summed over the stage's blocks and its ``last``."""
+        ``self.metrics`` (and, with a model ``state``, its stats); ``last`` may return
+        ``(loss, metrics)``. The last stage adds its blocks' extra terms to the loss
+        (``extra`` None), another stage returns their sum; ``metrics`` are summed over the
+        stage's blocks and its ``last``. ``state``: the model state, each block given its
+        part (``block_state``)."""
+        if state is not None and self.block_state is None:
+            raise ValueError("pipeline: a model state was given, but these Stages read none: give Stages("
+                             "..., block_state=, stats=) (gpt_stages.pipeline_stages does for routing biases)")
         if s == 0:
             x = self.first(params, batch)
         extra, metrics = None, {}
-        for p in params[self.blocks]:
-            x = run_block(self.block, p, x)
+        for i, p in zip(self.ranges[s], params[self.blocks]):
+            kw = self.block_state(state, i) if state is not None else {}
+            x = run_block(self.block, p, x, **kw)
             if isinstance(x, tuple):
                 x, e, *m = x
                 extra = e if extra is None else extra + e
