@@ -417,7 +417,7 @@ def _group_differences(lists: list[list[tuple]], mesh: Any) -> list[str]:
                     i = next((k for k, (a, b) in enumerate(zip(sub, theirs)) if a != b), min(len(sub), len(theirs)))
                     a = sub[i] if i < len(sub) else f"(nothing: rank {r} stops here)"
                     b = theirs[i] if i < len(theirs) else f"(nothing: rank {q} stops here)"
-                    lines.append(f"  collective #{i} over {label}: rank {r} runs {a}, rank {q} runs {b}")
+                    lines.append(f"  collective #{i}: rank {r} runs {a}, rank {q} runs {b} (of those over {label})")
     return lines[:8]
 
 
