@@ -45,12 +45,26 @@ class Deferred:
         ``dtypes[k]`` where given (the leaf's own, when the stage ran on a cast of it)."""
         for k, eq, x, g in self.parts:
             with torch.no_grad():  # (x is an activation that requires grad: no graph of this)
-                dw = torch.einsum(eq, x, g)
+                dw = _weight_grad(eq, x, g)
             if dtypes is not None:
                 dw = dw.to(dtypes[k])
             memory.label(dw, "gradients")  # (for a tracker: made outside backward)
             grads[k] = dw if grads[k] is None else grads[k] + dw
         self.parts = []
+
+
+# The products of a matrix multiply (x @ w) and of F.linear (x @ w.T): their weight
+# gradients as one matrix product of the rows flattened, not a general einsum.
+_MM, _LINEAR = "...k,kn->...n", "...k,nk->...n"
+
+
+def _weight_grad(eq: str, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``w``'s gradient for ``y = einsum(eq, x, w)`` given ``g``, ``y``'s gradient."""
+    if eq == _MM:
+        return torch.mm(x.reshape(-1, x.shape[-1]).t(), g.reshape(-1, g.shape[-1]))
+    if eq == _LINEAR:
+        return torch.mm(g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+    return torch.einsum(_EQS[eq][1], x, g)
 
 
 class _Product(torch.autograd.Function):
@@ -59,25 +73,45 @@ class _Product(torch.autograd.Function):
     generate_vmap_rule = True  # inside a virtual mesh's vmap levels: the rule from its ops
 
     @staticmethod
-    def forward(x, w, eq, dx_eq, dw_eq, sink, k):
+    def forward(x, w, eq, sink, k):
+        if eq == _MM:
+            return torch.matmul(x, w)
+        if eq == _LINEAR:
+            return F.linear(x, w)
         return torch.einsum(eq, x, w)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, w, _, dx_eq, dw_eq, sink, k = inputs
+        x, w, eq, sink, k = inputs
         ctx.save_for_backward(x, w)
-        ctx.dx_eq, ctx.dw_eq, ctx.sink, ctx.k = dx_eq, dw_eq, sink, k
+        ctx.eq, ctx.sink, ctx.k = eq, sink, k
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        dx = torch.einsum(ctx.dx_eq, g, w) if ctx.needs_input_grad[0] else None
-        ctx.sink.add(ctx.k, ctx.dw_eq, x, g)
-        return dx, None, None, None, None, None, None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            if ctx.eq == _MM:
+                dx = torch.matmul(g, w.t())
+            elif ctx.eq == _LINEAR:
+                dx = torch.matmul(g, w)
+            else:
+                dx = torch.einsum(_EQS[ctx.eq][0], g, w)
+        ctx.sink.add(ctx.k, ctx.eq, x, g)
+        return dx, None, None, None, None
+
+
+_EQS: dict[str, tuple[str, str] | None] = {}  # eq -> (dx_eq, dw_eq), or None where the rule fails
 
 
 def _equations(eq: str) -> tuple[str, str] | None:
     """``(dx_eq, dw_eq)`` for ``y = einsum(eq, x, w)``, or None where the rule does not hold."""
+    if eq not in _EQS:
+        _EQS[eq] = _derive(eq)
+    return _EQS[eq]
+
+
+def _derive(eq: str) -> tuple[str, str] | None:
     eq = eq.replace(" ", "")
     if "->" not in eq:
         return None
@@ -109,10 +143,9 @@ class Deferring(TorchFunctionMode):
         return self.ids.get(id(w)) if isinstance(w, torch.Tensor) and w.requires_grad else None
 
     def _product(self, eq: str, x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor | None:
-        eqs = _equations(eq)
-        if eqs is None or not torch.is_grad_enabled():
+        if _equations(eq) is None or not torch.is_grad_enabled():
             return None
-        return _Product.apply(x, w, eq, eqs[0], eqs[1], self.sink, k)
+        return _Product.apply(x, w, eq, self.sink, k)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -121,13 +154,13 @@ class Deferring(TorchFunctionMode):
             x, w = args
             k = self._leaf(w)
             if k is not None and w.dim() == 2 and isinstance(x, torch.Tensor) and x.dim() >= 2:
-                out = self._product("...k,kn->...n", x, w, k)
+                out = self._product(_MM, x, w, k)
         elif func is F.linear:
             x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             k = self._leaf(w)
             if k is not None and w.dim() == 2 and x.dim() >= 2:
-                out = self._product("...k,nk->...n", x, w, k)
+                out = self._product(_LINEAR, x, w, k)
                 if out is not None and b is not None:
                     out = out + b
         elif func is torch.einsum and len(args) == 3 and isinstance(args[0], str) and not kwargs:
