@@ -1,6 +1,7 @@
 """Smoke test of `fsharded bench pipeline` (ours and torch.distributed.pipelining on 2 gloo
 ranks; no timing asserted): every framework trains the same cut GPT from the same weights,
-so the first-step losses agree, and the bubble table is made."""
+so the first-step losses agree; the bubble, memory and bytes tables are made, and pipe x
+ZeRO-3 runs on 4 ranks with ZeRO-0's losses."""
 
 import os
 import subprocess
@@ -30,3 +31,18 @@ def test_bench_pipeline_quick_runs():
         assert row in out, out
     assert "DeepSpeed" not in out.split("###", 1)[1].split("first-step losses")[1].split("\n")[0]
     assert "first-step losses: fsharded gpipe 5." in out and "MISMATCH" not in out
+    # each framework's peak memory per rank, beside the same peers
+    memory = out.split("### peak memory of the rank that needs most")[1].split("###")[0]
+    assert "| ours 1f1b vs torch Schedule1F1B |" in memory
+    # the bytes our transport sent: the table's sends of one micro-batch's activation each,
+    # and a header of 88 bytes with the first of each kind
+    sent = out.split("### our point-to-point bytes per step")[1].split("###")[0]
+    for name in ("gpipe", "1f1b", "interleaved", "zb"):
+        line = next(x for x in sent.splitlines() if x.startswith(f"| {name}: bytes sent"))
+        ratio = float(line.rstrip(" |").rsplit("|", 1)[1])
+        assert 1.0 <= ratio <= 1.01, line
+    # pipe x ZeRO-3 runs, with the losses of ZeRO-0
+    zero = out.split("### pipe x ZeRO-3")[1]
+    assert "| step time, ZeRO-3 vs ZeRO-0 |" in zero
+    z0, z3 = (float(x.split()[-1].rstrip(",")) for x in zero.split("first-step losses: ")[1].split("\n")[0].split(", "))
+    assert abs(z0 - z3) < 1e-4, (z0, z3)

@@ -99,6 +99,40 @@ def test_a_later_op_the_scope_refuses_is_refused_not_drawn_unkeyed():
     assert seen == [True, False, False, True]
 
 
+def _ranked(draw_from: int, only: int | None, scoped: bool) -> tuple:
+    """On a gloo rank of data=2: ``_train`` of a loss that draws from call ``draw_from``
+    (on rank ``only`` alone, where given); ``scoped``: the reference, scoped at every step."""
+    import torch.distributed as dist
+    seen: list = []
+    draws = draw_from if only is None or only == dist.get_rank() else None
+    with pytest.MonkeyPatch.context() as mp:  # (the ranks' processes are reused: undone after)
+        if scoped:
+            mp.setattr(_keys.Keys, "__init__", lambda self, watch, ranks=False: self.__dict__.update(
+                watch=watch, ranks=ranks, draws=True))
+        losses, params = _train(_loss(seen, draw_from=draws), mesh={"data": 2})
+    return seen, losses, params
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("only", [None, 1])
+def test_on_real_ranks_every_rank_redoes_a_run_any_of_them_drew_unscoped(only):
+    # Calls: the schedule check's dry run (scoped), step 1 (scoped: nothing drew on any
+    # rank), step 2 (unscoped), step 3 (unscoped; a rank drew: every rank redoes it
+    # scoped, also one that drew nothing), steps 4-5 scoped. The numbers of a step scoped
+    # throughout, on every rank.
+    from fsharded.testing import run_on_ranks
+    got = run_on_ranks(_ranked, 2, 4, only, False)
+    ref = run_on_ranks(_ranked, 2, 4, only, True)
+    for (seen, losses, params), (ref_seen, ref_losses, ref_params) in zip(got, ref):
+        assert seen == [True, True, False, False, True, True, True]
+        assert ref_seen == [True] * 6
+        assert losses == ref_losses
+        assert all(torch.equal(params[k], ref_params[k]) for k in params)
+    # a loss that never draws runs unscoped on every rank after its first step
+    for seen, _, _ in run_on_ranks(_ranked, 2, None, None, False):
+        assert seen == [True, True, False, False, False, False]
+
+
 def test_keys_alone():
     calls = []
 
@@ -113,6 +147,6 @@ def test_keys_alone():
     assert keys.draws is True and calls == [1]
     with R.scope(R.key(0)):
         assert torch.equal(a, torch.rand(3))
-    never = _keys.Keys(watch=False)  # real ranks: scoped every time
+    never = _keys.Keys(watch=False)  # scoped every time
     never.run(key, lambda: None)
     assert never.draws is True

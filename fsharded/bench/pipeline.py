@@ -25,7 +25,9 @@ slowest rank's time, median over rounds. The losses of the first step are compar
 second table runs our executor alone (``fs.parallel.pipeline.run``, point to point on the
 ranks) and sets each schedule's measured idle fraction (one minus the ranks' compute time
 over their wall time) beside the table's bubble under the measured mean cost of each kind
-of action.
+of action, and the bytes it sent beside the table's sends. Each framework's peak memory
+per rank is measured on one more step. On 4 ranks, our 1F1B on pipe=2 x data=2 also runs
+under ZeRO-3 (each stage's state sharded over data), beside ZeRO-0.
 """
 
 from __future__ import annotations
@@ -95,20 +97,25 @@ def _virtual(name: str) -> int:
 
 
 class _Ours:
-    def __init__(self, job: Job, schedule: str, params: dict) -> None:
+    def __init__(self, job: Job, schedule: str, params: dict, *, mesh: dict | None = None, zero: int = 0) -> None:
         import fsharded as fs
         from fsharded.models import gpt_stages
 
-        v = _virtual(schedule)
-        loss = fs.parallel.pipeline.pipelined(gpt_stages.pipeline_stages(params, job.ranks * v), schedule=schedule,
-                                              microbatches=job.m, virtual=v)
-        self.step = fs.train_step(loss, fs.optim.adamw(job.lr, weight_decay=0.0), mesh=fs.Mesh({"pipe": job.ranks}),
-                                  donate=True)
+        v, mesh = _virtual(schedule), fs.Mesh(mesh or {"pipe": job.ranks})
+        loss = fs.parallel.pipeline.pipelined(gpt_stages.pipeline_stages(params, mesh.shape["pipe"] * v),
+                                              schedule=schedule, microbatches=job.m * mesh.shape["pipe"] // mesh.size,
+                                              virtual=v)
+        specs = {"param_specs": fs.parallel.zero(zero, axis="data")(fs.P(), params)} if zero else {}
+        self.step = fs.train_step(loss, fs.optim.adamw(job.lr, weight_decay=0.0), mesh=mesh, donate=True, **specs)
         self.state = self.step.init(params)
 
     def __call__(self, batch: dict) -> torch.Tensor:
         self.state, metrics = self.step(self.state, batch)
         return metrics["loss"]
+
+    def kept(self) -> list:
+        """The tensors this rank keeps between steps (its stages' weights and moments)."""
+        return [self.state.params, self.state.opt_state]
 
 
 class _Torch:
@@ -147,6 +154,9 @@ class _Torch:
         self.opt.zero_grad(set_to_none=True)
         return torch.stack(losses).mean().detach() if losses else torch.tensor(float("nan"))
 
+    def kept(self) -> list:
+        return [[p for mod in self.mods for p in mod.parameters()], list(self.opt.state.values())]
+
 
 class _DeepSpeed:
     def __init__(self, job: Job, params: dict) -> None:
@@ -161,6 +171,11 @@ class _DeepSpeed:
         t, k = batch["tokens"], self.job.micro
         data = iter([(t[i * k:(i + 1) * k, :-1], t[i * k:(i + 1) * k, 1:]) for i in range(self.job.m)])
         return self.engine.train_batch(data_iter=data).detach()
+
+    def kept(self) -> list:
+        opt = self.engine.optimizer
+        opt = getattr(opt, "optimizer", opt)  # (a wrapper's torch optimizer)
+        return [list(self.engine.module.parameters()), list(opt.state.values())]
 
 
 def _build(job: Job, name: str) -> Any:
@@ -207,7 +222,32 @@ def time_worker(job: Job) -> dict:
             float(out)
             dist.barrier()
             times[n].append((time.perf_counter() - t0) / job.iters)
-    return {"times": times, "losses": losses}
+    memory = {}
+    for n in names:  # one more step each under the memory tracker (not timed)
+        dist.barrier()
+        memory[n] = _peak_bytes(runners[n], job.batch(0))
+    return {"times": times, "losses": losses, "memory": memory}
+
+
+def _stored(tree: Any) -> int:
+    """Bytes of the distinct storages under ``tree``'s tensors."""
+    import optree
+
+    seen = {}
+    for x in optree.tree_leaves(tree):
+        if isinstance(x, torch.Tensor):
+            seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _peak_bytes(runner: Any, batch: dict) -> int:
+    """A rank's peak in one step: what it keeps between steps (weights, optimizer state)
+    and the most the step allocated beyond it at once (``fs.memory.track``)."""
+    import fsharded as fs
+
+    with fs.memory.track() as mem:
+        runner(batch)
+    return _stored(runner.kept()) + mem.peak_bytes
 
 
 def bubble_worker(job: Job) -> dict:
@@ -231,11 +271,15 @@ def bubble_worker(job: Job) -> dict:
         for i in range(job.warmup + job.rounds):
             micro = pp.split_batch(job.batch(i), job.m)
             dist.barrier()
-            res = pp.run(sched, stages, parts, micro, ranks=[me],
-                         transport=pp.PointToPoint(dist.group.WORLD, list(range(job.ranks)), job.m))
+            transport = pp.PointToPoint(dist.group.WORLD, list(range(job.ranks)), job.m)
+            res = pp.run(sched, stages, parts, micro, ranks=[me], transport=transport)
             if i >= job.warmup:
                 runs.append({"wall": res.wall_s, "busy": res.busy_s[me], "spent": res.spent[me],
-                             "spans": [(e - b, a) for b, e, a in res.spans[me] if a.kind not in ("SEND", "RECV")]})
+                             "spans": [(e - b, a) for b, e, a in res.spans[me] if a.kind not in ("SEND", "RECV")],
+                             "sent": transport.sent_bytes,
+                             "sends": sum(a.kind == "SEND" for a in sched.actions[me]),
+                             "value": micro[0]["tokens"].shape[0] * (micro[0]["tokens"].shape[1] - 1)
+                             * job.model["d_model"] * 4})
         out[name] = runs
     return out
 
@@ -293,6 +337,76 @@ def _bubble_section(job: Job, runs: list[dict], size: str) -> Section:
                           f"one run of the schedule; median over {job.rounds} runs",))
 
 
+def _memory_section(job: Job, timing: list[dict], size: str) -> Section:
+    names = job.frameworks()
+    most = {n: max(t["memory"][n] for t in timing) for n in names}  # the rank that needs most
+    peers = [(s, f"torch {TORCH[s]}") for s in OURS if job.torch_pp]
+    if job.deepspeed:
+        peers.insert(0, ("1f1b", DS))
+    rows = tuple(Qty(f"ours {'ZB-H1' if o == 'zb' else o} vs {p}", size, most[f"fsharded {o}"], most[p], unit="B")
+                 for o, p in peers)
+    return Section(title=f"peak memory of the rank that needs most, {job.ranks} gloo ranks, {job.m} micro-batches",
+                   peer="the same peers, the same step", rows=rows,
+                   notes=("per rank: the bytes it keeps between steps (its stages' weights and optimizer state) "
+                          "plus the most one step allocated beyond them at once (fs.memory.track, a dispatch "
+                          "mode counting tensor storages); the largest rank's",))
+
+
+def _bytes_section(job: Job, runs: list[dict], size: str) -> Section:
+    rows = []
+    for name in OURS:
+        per_rank = [r[name][-1] for r in runs]
+        rows.append(Qty(f"{name}: bytes sent per step by the rank that sends most", size,
+                        max(x["sent"] for x in per_rank), max(x["sends"] * x["value"] for x in per_rank), unit="B"))
+    return Section(title=f"our point-to-point bytes per step, {job.ranks} gloo ranks, {job.m} micro-batches",
+                   peer="the table's sends times one micro-batch's activation (fp32)", rows=tuple(rows),
+                   notes=("measured: every byte PointToPoint sent in one run of the schedule (values, and the "
+                          "small header that goes with the first value of each kind)",))
+
+
+def zero_worker(job: Job) -> dict:
+    """Our 1F1B on pipe=2 x data=2, the stages' state replicated over data (ZeRO-0) and
+    sharded over it (ZeRO-3: gathered for the step, reduce-scattered back): step times in
+    alternating order, and each rank's peak bytes."""
+    import torch.distributed as dist
+
+    _quiet()
+    torch.set_num_threads(1)
+    params = job.params()
+    runners = {zero: _Ours(job, "1f1b", params, mesh={"pipe": 2, "data": 2}, zero=zero) for zero in (0, 3)}
+    losses = {k: [float(r(job.batch(i))) for i in range(job.warmup)] for k, r in runners.items()}
+    times: dict = {k: [] for k in runners}
+    for rd in range(job.rounds):
+        for k in (list(runners) if rd % 2 == 0 else list(runners)[::-1]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for i in range(job.iters):
+                out = runners[k](job.batch(job.warmup + rd * job.iters + i))
+            float(out)
+            dist.barrier()
+            times[k].append((time.perf_counter() - t0) / job.iters)
+    memory = {}
+    for k, r in runners.items():
+        dist.barrier()
+        memory[k] = _peak_bytes(r, job.batch(0))
+    return {"times": times, "losses": losses, "memory": memory}
+
+
+def _zero_section(job: Job, out: list[dict], size: str) -> Section:
+    per_round = {k: [max(t["times"][k][r] for t in out) for r in range(job.rounds)] for k in (0, 3)}
+    most = {k: max(t["memory"][k] for t in out) for k in (0, 3)}
+    first = {k: out[-1]["losses"][k][0] for k in (0, 3)}
+    return Section(title="pipe x ZeRO-3: our 1F1B on 4 gloo ranks, pipe=2 x data=2",
+                   peer="the same pipeline with each stage's state replicated over data (ZeRO-0); no peer "
+                        "runs a pipeline under ZeRO-3",
+                   rows=(Row.from_samples("step time, ZeRO-3 vs ZeRO-0", size, per_round[3], per_round[0]),
+                         Qty("peak bytes of the rank that needs most, ZeRO-3 vs ZeRO-0", size, most[3], most[0],
+                             unit="B")),
+                   notes=(f"first-step losses: ZeRO-0 {first[0]:.5f}, ZeRO-3 {first[3]:.5f}",
+                          f"{job.m // 2} micro-batches of {job.micro} rows per data shard; {job.rounds} rounds of "
+                          f"{job.iters} steps, alternating; per round the slowest rank's time, median"))
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog or "fsharded bench pipeline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -334,9 +448,16 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         _log(f"pipe={p}: every framework ...")
         timing = run_on_new_ranks(time_worker, p, job)
         report.sections.append(_step_section(job, timing, size)[0])
+        report.sections.append(_memory_section(job, timing, size))
         _log(f"pipe={p}: our executor's bubble ...")
         runs = run_on_new_ranks(bubble_worker, p, replace(job, deepspeed=False, torch_pp=False))
         report.sections.append(_bubble_section(job, runs, size))
+        report.sections.append(_bytes_section(job, runs, size))
+    if 4 in ranks or args.quick:
+        _log("pipe=2 x data=2: ZeRO-3 ...")
+        job = Job(model=model, ranks=4, batches=batches, micro=rows // m, m=m, rounds=rounds, iters=iters,
+                  deepspeed=False, torch_pp=False)
+        report.sections.append(_zero_section(job, run_on_new_ranks(zero_worker, 4, job), size))
     report.finish()
     report.emit(args)
     return 0

@@ -517,8 +517,9 @@ class TrainStep:
         update = choose_update(self.optimizer, donate=self.donate, eager=eager,
                                params=T.view(state.params, layout.updated))
         specs = _tree.broadcast_prefix(self.state_specs(state), state)
-        # The loss unscoped once it drew nothing, where a redone run has no peers (one process).
-        keys = Keys(watch=not self.distributed)
+        # The loss unscoped once it drew nothing (a run that drew after all redone scoped; on
+        # real ranks by every rank together).
+        keys = Keys(watch=True, ranks=True) if self.distributed and eager else Keys(watch=True)
         return _Plan(layout, gradients, scaling, transform, update, eager, specs, keys)
 
     def _shard_mapped(self, state: TrainState):

@@ -10,8 +10,11 @@ generator, the generators are put back, the run is redone scoped (the same keys 
 had been scoped from the start) and the plan stays scoped.
 
 Redoing a run is safe where nothing else took part in it: one process, the virtual mesh
-included, where vmap refuses an unscoped draw (``watch``). On real ranks a redo would be
-one rank's alone, so there the loss is always scoped.
+included, where vmap refuses an unscoped draw (``watch``). On real ranks (``ranks``) every
+rank decides alike: after each run the ranks agree, in one small all-reduce, whether any
+of them drew (the first, scoped, run: whether any derived the key or drew), and if one did
+every rank redoes the run scoped, its collectives again in the same order on all of them.
+A dry run (the schedule check's) runs scoped and decides nothing.
 
 >>> keys = Keys(watch=True)
 >>> grads = keys.run(lambda: fs.random.key(0), lambda: loss_and_grads())
@@ -23,7 +26,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from fsharded import comm
 from fsharded import random as R
 from fsharded.spmd import _manifest
 
@@ -54,11 +59,24 @@ class Keys:
     (``key``: a function giving the step's key, called at the first draw). ``watch``:
     whether a run may go unscoped once the first one drew nothing (it can be redone)."""
 
-    def __init__(self, watch: bool) -> None:
-        self.watch = watch
+    ranks = False  # real ranks deciding together (see the module's docstring)
+
+    def __init__(self, watch: bool, ranks: bool = False) -> None:
+        self.watch, self.ranks = watch, ranks
         self.draws: bool | None = None if watch else True  # None: not known yet
 
+    def _any(self, drew: bool) -> bool:
+        """Whether any rank drew (``drew`` here): the same answer on every rank."""
+        if not self.ranks:
+            return drew
+        flag = torch.tensor([int(drew)], device="cuda" if comm.default_device_type() == "cuda" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def run(self, key: Callable[[], torch.Tensor], fn: Callable[[], Any]) -> Any:
+        if self.ranks and _manifest.dry():  # a dry run of a rank's step: scoped, deciding nothing
+            with R.scope(key):
+                return fn()
         if self.draws is False:
             before, at = _generators(), _manifest.mark()
             try:
@@ -68,7 +86,7 @@ class Keys:
                     raise
                 out = None
             else:
-                if _same(before, _generators()):
+                if not self._any(not _same(before, _generators())):
                     return out
             # It drew (from a global generator): undo that, and redo it under the key.
             del out
@@ -87,5 +105,5 @@ class Keys:
         before = _generators()
         with R.scope(noted):
             out = fn()
-        self.draws = bool(derived) or not _same(before, _generators())
+        self.draws = self._any(bool(derived) or not _same(before, _generators()))
         return out

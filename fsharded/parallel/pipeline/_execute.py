@@ -64,7 +64,7 @@ class Mailbox:
         """The count of keys drawn that came with the value received under ``key``."""
         return self._draws.pop((key, src, dst), 0)
 
-    def begin(self, micro: Any) -> None:
+    def begin(self, micro: Any, keyed: bool = False) -> None:
         pass
 
     def prefetch(self, key: tuple, src: int, dst: int) -> None:
@@ -109,11 +109,14 @@ class PointToPoint:
         self._known: dict[tuple, tuple] = {}
         self._posted: dict[tuple, tuple[Any, torch.Tensor]] = {}  # key, src -> (work, buffer)
         self.shapes: tuple = ()  # of the current run's micro-batch (``begin``)
+        self.sent_bytes = 0  # every byte this rank has sent (values and headers)
 
-    def begin(self, micro: Any) -> None:
-        """A run on micro-batches like ``micro``: values of a kind are shaped alike per shape."""
-        self.shapes = tuple((tuple(x.shape), x.dtype) for x in optree.tree_leaves(micro)
-                            if isinstance(x, torch.Tensor))
+    def begin(self, micro: Any, keyed: bool = False) -> None:
+        """A run on micro-batches like ``micro``: values of a kind are shaped alike per shape.
+        ``keyed``: under a key scope (every pipe rank alike), the keys drawn counted; a
+        run without one draws none, so its values are kinds of their own."""
+        self.shapes = (tuple((tuple(x.shape), x.dtype) for x in optree.tree_leaves(micro)
+                             if isinstance(x, torch.Tensor)), keyed)
 
     def _tag(self, key: tuple) -> int:
         what, mb, stage = key
@@ -138,6 +141,7 @@ class PointToPoint:
             head[:2 + value.dim()] = torch.tensor([_DTYPES.index(value.dtype), value.dim(), *value.shape])
             head[9], head[10] = code, draws
             self._pending.append(dist.isend(head, peer, group=self.group, tag=tag))
+            self.sent_bytes += head.numel() * head.element_size()
             self._known[kind] = (value.dtype, tuple(value.shape), code, draws)
         elif known[:3] != (value.dtype, tuple(value.shape), code):
             raise RuntimeError(f"pipeline: {key[0]} of stage {key[2]} is {value.dtype} {tuple(value.shape)} "
@@ -148,6 +152,7 @@ class PointToPoint:
                                f"{known[3]} before: a model whose number of random draws varies from one "
                                f"micro-batch to the next cannot be pipelined with the same keys as without")
         work = dist.isend(value, peer, group=self.group, tag=tag + 1)
+        self.sent_bytes += value.numel() * value.element_size()
         if key[0] == "act":
             self._acts[(key, dst)] = work
         else:
@@ -549,7 +554,7 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     ex = _Run(schedule, stages, params, micro, transport, leaves, {s: [None] * len(leaves[s]) for s in mine}, split,
               Functional() if functional else Autograd(), scale, dict(trained or {}), keys,
               None if counted is None else set(counted), state)
-    transport.begin(micro[0])
+    transport.begin(micro[0], keys is not None)
     walkers = [_Rank(r, ex) for r in ranks]
     t0 = time.perf_counter()
     for w in walkers:
