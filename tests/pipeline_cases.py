@@ -91,16 +91,18 @@ def train_reference(steps: int, layers: int = 4, batch: int = 8, clip: float | N
     return _steps(reference_step(clip), params, tokens, steps)
 
 
-def _steps(step, params, tokens: torch.Tensor, steps: int) -> dict:
+def _steps(step, params, tokens: torch.Tensor, steps: int, state: list | None = None) -> dict:
     """``steps`` steps on the batch rolled by the step number: the losses, the gradient
-    norms and the parameters after."""
-    state = step.init(params)
+    norms and the parameters after (and the state, appended to ``state`` where given)."""
+    st = step.init(params)
     losses, norms = [], []
     for i in range(steps):
-        state, metrics = step(state, {"tokens": tokens.roll(i, 0)})
+        st, metrics = step(st, {"tokens": tokens.roll(i, 0)})
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))
-    return {"losses": losses, "norms": norms, "params": step.params(state)}
+    if state is not None:
+        state.append(st)
+    return {"losses": losses, "norms": norms, "params": step.params(st)}
 
 
 def train_mixed(mesh_axes: dict | None, name: str, steps: int, precision: str, *, power: int = 16,
@@ -400,17 +402,12 @@ def train_stored(mesh_axes: dict, name: str, steps: int, zero: int = 0, m: int =
     loss = pp.pipelined(stages, schedule=name, microbatches=m, virtual=v)
     specs = fs.parallel.zero(zero, axis="data", min_size=8)(None, params) if zero else None
     kw = {"param_specs": specs} if specs is not None else {}
-    step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, clip=clip, **kw)
-    state = step.init(params)
-    losses, norms = [], []
-    for i in range(steps):
-        state, metrics = step(state, {"tokens": tokens.roll(i, 0)})
-        losses.append(float(metrics["loss"]))
-        norms.append(float(metrics["grad_norm"]))
+    kept: list = []
+    out = _steps(fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, clip=clip, **kw), params, tokens, steps, kept)
+    (state,) = kept
     paths, leaves, _ = fs.mesh._tree.tree_flatten_with_paths(state.params)
     held = [p for p, x in zip(paths, leaves) if x.numel() <= 1 or any(s != 0 for s in x.stride())]
-    return {"losses": losses, "norms": norms, "params": step.params(state), "held": held,
-            "param_bytes": stored_bytes(state.params), "opt_bytes": stored_bytes(state.opt_state)}
+    return {**out, "held": held, "param_bytes": stored_bytes(state.params), "opt_bytes": stored_bytes(state.opt_state)}
 
 
 def nonfinite_stage(mesh_axes: dict, on_nonfinite: str) -> str:

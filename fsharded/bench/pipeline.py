@@ -198,7 +198,6 @@ def _quiet() -> None:
 
 def time_worker(job: Job) -> dict:
     """Every framework in these processes: first-step losses, then step times in rotating order."""
-    import torch.distributed as dist
 
     _quiet()
     torch.set_num_threads(1)
@@ -210,11 +209,19 @@ def time_worker(job: Job) -> dict:
         deepspeed.utils.logger.setLevel(logging.WARNING)
         deepspeed.init_distributed(dist_backend="gloo")
     runners = {n: _build(job, n) for n in names}
-    losses = {n: [float(runners[n](job.batch(i))) for i in range(job.warmup)] for n in names}
-    times: dict[str, list[float]] = {n: [] for n in names}
+    return _timed(job, runners, lambda rd: names[rd % len(names):] + names[:rd % len(names)])
+
+
+def _timed(job: Job, runners: dict, order: Any) -> dict:
+    """``runners`` after ``job.warmup`` steps each (their first-step losses): ``job.rounds``
+    rounds of ``job.iters`` steps, the runners of a round in ``order(round)``; then one more
+    step each under the memory tracker (not timed)."""
+    import torch.distributed as dist
+
+    losses = {n: [float(r(job.batch(i))) for i in range(job.warmup)] for n, r in runners.items()}
+    times: dict = {n: [] for n in runners}
     for rd in range(job.rounds):
-        k = rd % len(names)
-        for n in names[k:] + names[:k]:
+        for n in order(rd):
             dist.barrier()
             t0 = time.perf_counter()
             for i in range(job.iters):
@@ -223,9 +230,9 @@ def time_worker(job: Job) -> dict:
             dist.barrier()
             times[n].append((time.perf_counter() - t0) / job.iters)
     memory = {}
-    for n in names:  # one more step each under the memory tracker (not timed)
+    for n, r in runners.items():
         dist.barrier()
-        memory[n] = _peak_bytes(runners[n], job.batch(0))
+        memory[n] = _peak_bytes(r, job.batch(0))
     return {"times": times, "losses": losses, "memory": memory}
 
 
@@ -368,28 +375,12 @@ def zero_worker(job: Job) -> dict:
     """Our 1F1B on pipe=2 x data=2, the stages' state replicated over data (ZeRO-0) and
     sharded over it (ZeRO-3: gathered for the step, reduce-scattered back): step times in
     alternating order, and each rank's peak bytes."""
-    import torch.distributed as dist
 
     _quiet()
     torch.set_num_threads(1)
     params = job.params()
     runners = {zero: _Ours(job, "1f1b", params, mesh={"pipe": 2, "data": 2}, zero=zero) for zero in (0, 3)}
-    losses = {k: [float(r(job.batch(i))) for i in range(job.warmup)] for k, r in runners.items()}
-    times: dict = {k: [] for k in runners}
-    for rd in range(job.rounds):
-        for k in (list(runners) if rd % 2 == 0 else list(runners)[::-1]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for i in range(job.iters):
-                out = runners[k](job.batch(job.warmup + rd * job.iters + i))
-            float(out)
-            dist.barrier()
-            times[k].append((time.perf_counter() - t0) / job.iters)
-    memory = {}
-    for k, r in runners.items():
-        dist.barrier()
-        memory[k] = _peak_bytes(r, job.batch(0))
-    return {"times": times, "losses": losses, "memory": memory}
+    return _timed(job, runners, lambda rd: (0, 3) if rd % 2 == 0 else (3, 0))
 
 
 def _zero_section(job: Job, out: list[dict], size: str) -> Section:
