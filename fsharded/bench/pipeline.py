@@ -236,25 +236,16 @@ def _timed(job: Job, runners: dict, order: Any) -> dict:
     return {"times": times, "losses": losses, "memory": memory}
 
 
-def _stored(tree: Any) -> int:
-    """Bytes of the distinct storages under ``tree``'s tensors."""
-    import optree
-
-    seen = {}
-    for x in optree.tree_leaves(tree):
-        if isinstance(x, torch.Tensor):
-            seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
 def _peak_bytes(runner: Any, batch: dict) -> int:
-    """A rank's peak in one step: what it keeps between steps (weights, optimizer state)
-    and the most the step allocated beyond it at once (``fs.memory.track``)."""
+    """A rank's peak in one step (``fs.memory.track``, counting each storage once): what it
+    keeps between steps (weights, optimizer state; registered first, for every framework
+    alike: our step registers its state itself) and what the step allocates."""
     import fsharded as fs
 
     with fs.memory.track() as mem:
+        mem.register(runner.kept(), "parameters")
         runner(batch)
-    return _stored(runner.kept()) + mem.peak_bytes
+    return mem.peak_bytes
 
 
 def bubble_worker(job: Job) -> dict:
@@ -354,9 +345,10 @@ def _memory_section(job: Job, timing: list[dict], size: str) -> Section:
                  for o, p in peers)
     return Section(title=f"peak memory of the rank that needs most, {job.ranks} gloo ranks, {job.m} micro-batches",
                    peer="the same peers, the same step", rows=rows,
-                   notes=("per rank: the bytes it keeps between steps (its stages' weights and optimizer state) "
-                          "plus the most one step allocated beyond them at once (fs.memory.track, a dispatch "
-                          "mode counting tensor storages); the largest rank's",))
+                   notes=("per rank: the most bytes alive at once in one step, counting what it keeps between "
+                          "steps (its stages' weights and optimizer state) and what the step allocates "
+                          "(fs.memory.track, a dispatch mode counting each tensor storage once); the largest "
+                          "rank's",))
 
 
 def _bytes_section(job: Job, runs: list[dict], size: str) -> Section:

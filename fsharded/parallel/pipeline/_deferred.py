@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from fsharded import _memory_hooks as memory
 
-__all__ = ["Deferring", "Deferred"]
+__all__ = ["Deferring", "Deferred", "add_into"]
 
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 
@@ -40,17 +40,34 @@ class Deferred:
     def add(self, k: int, eq: str, x: torch.Tensor, g: torch.Tensor) -> None:
         self.parts.append((k, eq, x, g))
 
-    def apply(self, grads: list, dtypes: list | None = None) -> None:
+    def apply(self, grads: list, dtypes: list | None = None, summed: set | None = None) -> None:
         """Add each put-off weight gradient to ``grads[k]`` (None: not yet any), in
-        ``dtypes[k]`` where given (the leaf's own, when the stage ran on a cast of it)."""
+        ``dtypes[k]`` where given (the leaf's own, when the stage ran on a cast of it);
+        ``summed``: as ``add_into`` takes it."""
         for k, eq, x, g in self.parts:
             with torch.no_grad():  # (x is an activation that requires grad: no graph of this)
                 dw = _weight_grad(eq, x, g)
             if dtypes is not None:
                 dw = dw.to(dtypes[k])
             memory.label(dw, "gradients")  # (for a tracker: made outside backward)
-            grads[k] = dw if grads[k] is None else grads[k] + dw
+            add_into(grads, k, dw, summed if summed is not None else set())
         self.parts = []
+
+
+def add_into(grads: list, k: int, t: torch.Tensor, summed: set) -> None:
+    """``grads[k] += t`` (``grads[k]`` None: ``t``): in place where ``grads[k]`` is a sum
+    made here (its id in ``summed``), else a new sum, which is then. A gradient autograd
+    hands back may be a view or a broadcast (of a sum's ones), never added to in place."""
+    acc = grads[k]
+    if acc is None:
+        grads[k] = t
+    elif id(acc) in summed:
+        with torch.no_grad():
+            acc.add_(t)
+    else:
+        with torch.no_grad():
+            grads[k] = acc + t
+        summed.add(id(grads[k]))
 
 
 # The products of a matrix multiply (x @ w) and of F.linear (x @ w.T): their weight

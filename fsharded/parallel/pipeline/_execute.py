@@ -36,7 +36,7 @@ import torch.distributed as dist
 from fsharded import _memory_hooks as memory
 from fsharded import random as R
 from fsharded.parallel.pipeline._check import check
-from fsharded.parallel.pipeline._deferred import Deferred, Deferring
+from fsharded.parallel.pipeline._deferred import Deferred, Deferring, add_into
 from fsharded.parallel.pipeline._stages import Stages
 from fsharded.parallel.pipeline._table import Action, Schedule
 
@@ -323,7 +323,7 @@ class _Rank:
 
     def _W(self, s: int, i: int) -> None:
         _, sink = self.held.pop((s, i))
-        sink.apply(self.ex.grads[s], [t.dtype for t in self.ex.leaves[s]])
+        sink.apply(self.ex.grads[s], [t.dtype for t in self.ex.leaves[s]], self.ex.summed)
         memory.label(self.ex.grads[s], "gradients")
 
     def _backward(self, s: int, i: int, back: Any) -> None:
@@ -335,7 +335,7 @@ class _Rank:
             if t is not None:
                 # (in the leaf's own dtype: the stage ran on its compute-dtype copy)
                 t = t.to(ex.leaves[s][k].dtype)
-                acc[k] = t if acc[k] is None else acc[k] + t
+                add_into(acc, k, t, ex.summed)
         memory.label(acc, "gradients")  # (the sums are made outside backward)
         if gx is not None:
             self._pass(("grad", i, s), s - 1, (s - 1, i), gx, self.out_grads)
@@ -368,6 +368,7 @@ class _Run:
     keys: Any = None  # (the enclosing KeyScope, one reserved key per micro-batch), or None
     counted: Any = None  # the ranks a memory tracker counts (None: all)
     state: Any = None  # the model state the stages read (Stages.block_state), or None
+    summed: set = field(default_factory=set)  # ids of the gradient sums made here (added to in place)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     extras: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (stage, mb) -> its loss terms
     metrics: dict[tuple[int, int], dict] = field(default_factory=dict)  # (stage, mb) -> what it reported
