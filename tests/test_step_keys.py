@@ -107,7 +107,7 @@ def _ranked(draw_from: int, only: int | None, scoped: bool) -> tuple:
     draws = draw_from if only is None or only == dist.get_rank() else None
     with pytest.MonkeyPatch.context() as mp:  # (the ranks' processes are reused: undone after)
         if scoped:
-            mp.setattr(_keys.Keys, "__init__", lambda self, watch, ranks=False: self.__dict__.update(
+            mp.setattr(_keys.Keys, "__init__", lambda self, watch, ranks=None: self.__dict__.update(
                 watch=watch, ranks=ranks, draws=True))
         losses, params = _train(_loss(seen, draw_from=draws), mesh={"data": 2})
     return seen, losses, params

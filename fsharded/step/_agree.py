@@ -30,7 +30,7 @@ import torch.distributed as dist
 from fsharded import _tree, comm, optim
 from fsharded.comm import _peers, _shm
 
-__all__ = ["agree", "settings", "save_error"]
+__all__ = ["agree", "any_rank", "settings", "save_error"]
 
 _SAMPLE = 4096  # elements of each batch leaf that go into its CRC
 _LR_STEPS = (0, 1, 10, 100, 1000, 10_000, 100_000)  # where the learning rate is compared
@@ -163,6 +163,15 @@ def agree(step: Any, state: Any, batch: Any) -> None:
     views: list = [None] * dist.get_world_size()
     dist.all_gather_object(views, (mine[0], count, shapes, content))
     raise RuntimeError(_differences(views, _shm._caller()))
+
+
+def any_rank(mesh: Any, flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank of ``mesh``: one word from every rank, exchanged
+    as ``agree``'s are (a check of the step's own over shared memory where the ranks have
+    it, not one of the program's collectives: out of its manifest, timelines and byte
+    counts)."""
+    words = torch.tensor([int(flag)], dtype=torch.int64, device="cuda" if comm.default_device_type() == "cuda" else "cpu")
+    return bool(_shm.gather_check(words, comm.axis_group(mesh, mesh.axis_names)).any())
 
 
 def _differences(views: list, where: str) -> str:

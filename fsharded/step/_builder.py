@@ -519,7 +519,8 @@ class TrainStep:
         specs = _tree.broadcast_prefix(self.state_specs(state), state)
         # The loss unscoped once it drew nothing (a run that drew after all redone scoped; on
         # real ranks by every rank together).
-        keys = Keys(watch=True, ranks=True) if self.distributed and eager else Keys(watch=True)
+        keys = Keys(watch=True, ranks=functools.partial(_step_agree.any_rank, self.mesh)) \
+            if self.distributed and eager else Keys(watch=True)
         return _Plan(layout, gradients, scaling, transform, update, eager, specs, keys)
 
     def _shard_mapped(self, state: TrainState):

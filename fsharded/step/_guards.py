@@ -168,11 +168,10 @@ def nonfinite_leaves(step: Any, state: Any, batch: Any) -> list[str]:
             with vma.paused() if vma is not None else contextlib.nullcontext():
                 # One flag per trained leaf (0 for those a pipe rank does not hold), so every
                 # rank's vector names the same leaves.
-                slots = _slots(plan.layout)
-                n = len(T.pick(plan.layout.paths, plan.layout.trainable))
-                flags = torch.zeros(n, dtype=torch.float32)
-                for k, g in zip(slots, g_leaves):
-                    flags[k] = (~torch.isfinite(g)).any().to(torch.float32)
+                every = [torch.zeros((), dtype=torch.float32)] * len(T.pick(plan.layout.paths, plan.layout.trainable))
+                for k, g in zip(_slots(plan.layout), g_leaves):
+                    every[k] = (~torch.isfinite(g)).any().to(torch.float32)
+                flags = torch.stack(every)
                 return pmax(flags, axes) if axes else flags
 
         step._compiled[key] = shard_map(body, mesh=step.mesh, in_specs=(step.state_specs(state), step.batch_spec),

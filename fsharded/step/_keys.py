@@ -11,8 +11,9 @@ had been scoped from the start) and the plan stays scoped.
 
 Redoing a run is safe where nothing else took part in it: one process, the virtual mesh
 included, where vmap refuses an unscoped draw (``watch``). On real ranks (``ranks``) every
-rank decides alike: after each run the ranks agree, in one small all-reduce, whether any
-of them drew (the first, scoped, run: whether any derived the key or drew), and if one did
+rank decides alike: after each run the ranks agree whether any of them drew (a word each,
+exchanged as ``train_step``'s call check exchanges its words: not a collective of the
+step's) (the first, scoped, run: whether any derived the key or drew), and if one did
 every rank redoes the run scoped, its collectives again in the same order on all of them.
 A dry run (the schedule check's) runs scoped and decides nothing.
 
@@ -26,9 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from fsharded import comm
 from fsharded import random as R
 from fsharded.spmd import _manifest
 
@@ -59,22 +58,18 @@ class Keys:
     (``key``: a function giving the step's key, called at the first draw). ``watch``:
     whether a run may go unscoped once the first one drew nothing (it can be redone)."""
 
-    ranks = False  # real ranks deciding together (see the module's docstring)
+    ranks = None  # real ranks deciding together: ``ranks(drew) -> whether any rank drew``
 
-    def __init__(self, watch: bool, ranks: bool = False) -> None:
+    def __init__(self, watch: bool, ranks: Callable[[bool], bool] | None = None) -> None:
         self.watch, self.ranks = watch, ranks
         self.draws: bool | None = None if watch else True  # None: not known yet
 
     def _any(self, drew: bool) -> bool:
         """Whether any rank drew (``drew`` here): the same answer on every rank."""
-        if not self.ranks:
-            return drew
-        flag = torch.tensor([int(drew)], device="cuda" if comm.default_device_type() == "cuda" else "cpu")
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return self.ranks(drew) if self.ranks is not None else drew
 
     def run(self, key: Callable[[], torch.Tensor], fn: Callable[[], Any]) -> Any:
-        if self.ranks and _manifest.dry():  # a dry run of a rank's step: scoped, deciding nothing
+        if self.ranks is not None and _manifest.dry():  # a dry run of a rank's step: scoped, deciding nothing
             with R.scope(key):
                 return fn()
         if self.draws is False:
