@@ -25,6 +25,11 @@ OPTIMIZERS = {
                                     weight_decay=0.1),
     "adam": lambda: fs.optim.adam(1e-2, weight_decay=0.1),
     "lion": lambda: fs.optim.lion(1e-3, weight_decay=0.1),
+    # decay_mask: "w" decayed, the bias and the scalar not (two groups of the kernel)
+    "adamw-masked": lambda: fs.optim.adamw(fs.optim.WarmupLR(warmup_max_lr=1e-2, warmup_num_steps=3),
+                                           weight_decay=0.1, mask=fs.optim.decay_mask),
+    "lion-masked": lambda: fs.optim.lion(1e-3, weight_decay=0.1, mask=fs.optim.decay_mask),
+    "adamw-bool-mask": lambda: fs.optim.adamw(1e-2, weight_decay=0.1, mask={"w": False, "b": True, "s": True}),
 }
 
 
@@ -93,12 +98,44 @@ def test_fused_check_finite_false_is_passed_through(name, impl):
     assert int(s[-1].count) == 1
 
 
-def test_fused_refuses_what_it_cannot_run():
-    masked = fs.optim.adamw(1e-3, mask=fs.optim.decay_mask)
-    assert not fs.optim.has_fused(masked) and not fs.optim.has_fused(fs.optim.sgd(0.1))
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bad_leaf", ["w", "b"])  # in the decayed group, in the other
+def test_fused_masked_skips_a_non_finite_step_in_either_group(bad_leaf, impl):
+    """With a decay mask the leaves run as two kernel groups: a nan in either leaves every
+    leaf and counter untouched (the check runs over both groups before either updates)."""
+    opt = OPTIMIZERS["adamw-masked"]()
     p = _params()
+    s = opt.init(p)
+    s, _ = fs.optim.fused_update_(opt, {k: torch.ones_like(v) for k, v in p.items()}, s, p, impl=impl)
+    snap = {k: v.clone() for k, v in p.items()}
+    moments = [x.clone() for x in optree.tree_leaves(s)]
+    bad = {k: torch.ones_like(v) for k, v in p.items()}
+    bad[bad_leaf].view(-1)[0] = float("nan")
+    s2, found = fs.optim.fused_update_(opt, bad, s, p, impl=impl)
+    assert bool(found)
+    for k in p:
+        assert torch.equal(p[k], snap[k]), k
+    for a, b in zip(optree.tree_leaves(s2), moments):
+        assert torch.equal(a, b)
+
+
+def test_fused_decay_flags_are_read_as_the_mask_reads_them():
+    """``decay_flags``: the mask on the parameters given (the virtual step passes those of
+    the logical leaves, its kernel runs on the tensors beneath the vmap levels)."""
+    p = _params()
+    assert fs.optim.decay_flags(fs.optim.adamw(1e-3, mask=fs.optim.decay_mask), p) == [False, False, True]  # b, s, w
+    assert fs.optim.decay_flags(fs.optim.adamw(1e-3), p) is None
+    opt = fs.optim.adamw(1e-3, mask=fs.optim.decay_mask)
+    with pytest.raises(ValueError, match="2 decay flags, params 3"):
+        fs.optim.fused_update_(opt, p, opt.init(p), p, decay=[True, False])
+
+
+def test_fused_refuses_what_it_cannot_run():
+    assert not fs.optim.has_fused(fs.optim.sgd(0.1))
+    p = _params()
+    sgd = fs.optim.sgd(0.1)
     with pytest.raises(ValueError, match="no fused form"):
-        fs.optim.fused_update_(masked, p, masked.init(p), p)
+        fs.optim.fused_update_(sgd, p, sgd.init(p), p)
     opt = fs.optim.adamw(1e-3)
     with pytest.raises(ValueError, match="grads has 2 leaves"):
         fs.optim.fused_update_(opt, {"w": p["w"], "b": p["b"]}, opt.init(p), p)

@@ -33,13 +33,17 @@ def _run(donate: bool, stage: int, clip, opt, steps=4):
     return step, state, losses
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("clip", [None, 0.5])
-def test_donated_virtual_update_equals_the_pure_one(stage, clip):
-    opt = fs.optim.adamw(3e-3)
+@pytest.mark.parametrize("stage,clip,masked", [(s, c, False) for s in range(4) for c in (None, 0.5)]
+                         + [(s, 0.5, True) for s in (0, 2, 3)])
+def test_donated_virtual_update_equals_the_pure_one(stage, clip, masked):
+    """``masked``: AdamW with ``decay_mask`` (no decay for biases and norms), whose fused
+    form runs the decayed leaves and the others as two groups."""
+    opt = fs.optim.adamw(3e-3, weight_decay=0.1, mask=fs.optim.decay_mask) if masked else fs.optim.adamw(3e-3)
     step, donated, l_d = _run(True, stage, clip, opt)
     assert any(isinstance(p.update, StackedFusedUpdate) for p in [step._plan(donated, False)])
-    _, pure, l_p = _run(False, stage, clip, opt)
+    # The reference: the same optimizer without its fused form (optimizer.update per leaf)
+    ref_step, pure, l_p = _run(False, stage, clip, fs.optim.Optimizer(opt.init, opt.update, opt.lr))
+    assert type(ref_step._plan(pure, False).update).__name__ == "PureUpdate"
     # The kernel evaluates AdamW's formulas in another order: rounding apart, the same.
     # (The key bias has a zero gradient up to rounding, which Adam scales up to ~lr-sized
     # noise of either sign: it stays within atol, the other leaves agree to ~1e-7.)

@@ -36,7 +36,7 @@ scheduler after the optimizer, so update ``k`` runs at the scheduler's ``get_lr(
 ``last_batch_iteration = k - 1`` (the constructor's value for ``k = 0``).
 
 Fused steps. ``fused_update_(opt, grads, state, params)`` runs ``adamw``, ``adam`` or
-``lion`` (without a mask) as one in-place multi-tensor kernel: Triton on CUDA, the C++
+``lion`` (a decay mask makes two groups of leaves) as one in-place multi-tensor kernel: Triton on CUDA, the C++
 optimizer on CPU (``fsharded.kernels``); same state, same numbers to float rounding.
 ``train_step(..., donate=True)`` uses it where it applies.
 
@@ -76,7 +76,7 @@ from fsharded.optim._clip import (
     global_sq_norm,
     leaf_sq_norms,
 )
-from fsharded.optim._fused import FusedForm, fused_update_, has_fused
+from fsharded.optim._fused import FusedForm, decay_flags, fused_update_, has_fused
 from fsharded.optim._lamb import lamb, scale_by_trust_ratio
 from fsharded.optim._lion import ScaleByLionState, lion, scale_by_lion
 from fsharded.optim._schedules import (
@@ -116,6 +116,7 @@ __all__ = [
     # fused in-place steps (fsharded.kernels)
     "fused_update_",
     "has_fused",
+    "decay_flags",
     "FusedForm",
     # optimizers
     "adamw",

@@ -129,8 +129,7 @@ def adamw(
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(lr, who="adamw"),
     )
-    if mask is None:  # one decay for every leaf: fused_update_ can run it
-        opt.fused = FusedForm("adamw", dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay), 0)
+    opt.fused = FusedForm("adamw", dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay), 0, mask)
     return opt
 
 

@@ -25,8 +25,9 @@ import torch
 
 from fsharded.kernels import fused_optim
 from fsharded.optim._base import ScaleByScheduleState, get_lr_schedule, plain
+from fsharded.optim._weight_decay import resolve_mask
 
-__all__ = ["FusedForm", "has_fused", "fused_update_"]
+__all__ = ["FusedForm", "has_fused", "fused_update_", "decay_flags"]
 
 
 class FusedForm(NamedTuple):
@@ -34,16 +35,19 @@ class FusedForm(NamedTuple):
 
     ``kind``: ``"adamw"`` (decoupled decay), ``"adam"`` (L2) or ``"lion"``; ``hyper``: its
     betas, eps and weight decay; ``moments``: the index of the moment state in the
-    optimizer's chain state; the learning-rate schedule's state is the last entry."""
+    optimizer's chain state; the learning-rate schedule's state is the last entry;
+    ``mask``: which leaves the weight decay applies to (``add_decayed_weights``' mask; None:
+    all)."""
 
     kind: str
     hyper: dict
     moments: int
+    mask: Any = None
 
 
 def has_fused(optimizer: Any) -> bool:
     """Whether ``fused_update_`` can run ``optimizer`` (``adamw``, ``adam`` or ``lion`` as
-    built by this package, without a decay mask, not wrapped in another chain)."""
+    built by this package, with or without a decay mask, not wrapped in another chain)."""
     return isinstance(getattr(optimizer, "fused", None), FusedForm)
 
 
@@ -52,9 +56,18 @@ def _check(name: str, leaves: list, ref: list[torch.Tensor]) -> None:
         raise ValueError(f"fused_update_: {name} has {len(leaves)} leaves, params {len(ref)}")
 
 
+def decay_flags(optimizer: Any, params: Any) -> list[bool] | None:
+    """Per leaf of ``params``, whether ``optimizer``'s fused form decays it (its mask read
+    on these parameters, as its ``update`` reads it); None: every leaf."""
+    form = getattr(optimizer, "fused", None)
+    if not isinstance(form, FusedForm) or form.mask is None:
+        return None
+    return resolve_mask(form.mask, params, f"{form.kind} (fused)")
+
+
 def fused_update_(optimizer: Any, grads: Any, state: Any, params: Any, *,
                   inv_scale: float | torch.Tensor = 1.0, check_finite: bool = True,
-                  impl: str | None = None) -> tuple[Any, torch.Tensor]:
+                  impl: str | None = None, decay: list[bool] | None = None) -> tuple[Any, torch.Tensor]:
     """One in-place step of ``optimizer`` on ``params`` (see the module doc).
 
     Returns ``(new_state, found_inf)``; ``params`` and the moments inside ``state`` are
@@ -62,13 +75,16 @@ def fused_update_(optimizer: Any, grads: Any, state: Any, params: Any, *,
     ``check_finite=False`` skips the inf/nan check (one read of the gradients less, what
     pays off when nothing needs it, i.e. without fp16 loss scaling): ``found_inf`` is then
     always false and a non-finite gradient propagates into the parameters and moments, as
-    with ``optimizer.update`` or ``torch.optim``.
+    with ``optimizer.update`` or ``torch.optim``. ``decay``: per leaf, whether the weight
+    decay applies (``decay_flags`` of the parameters as the optimizer's mask sees them,
+    for a caller whose ``params`` are another view of them); by default the mask is read
+    on ``params``. The decayed and the other leaves run as two groups of the kernel.
     """
     form = getattr(optimizer, "fused", None)
     if not isinstance(form, FusedForm):
         raise ValueError(
-            "fused_update_: this optimizer has no fused form (adamw, adam and lion without a "
-            "mask have one); use optimizer.update and apply_updates"
+            "fused_update_: this optimizer has no fused form (adamw, adam and lion have one); "
+            "use optimizer.update and apply_updates"
         )
     if not plain((grads, state, params)):
         raise RuntimeError(
@@ -87,23 +103,44 @@ def fused_update_(optimizer: Any, grads: Any, state: Any, params: Any, *,
         inv_scale = float(inv_scale)
     lr = float(get_lr_schedule(optimizer)(sched.count))
     h = form.hyper
+    if decay is None:
+        decay = decay_flags(optimizer, params)
+    if decay is not None and len(decay) != len(p):
+        raise ValueError(f"fused_update_: {len(decay)} decay flags, params {len(p)}")
+    # The leaves by weight decay: one group, or the decayed and the others.
+    groups = [(list(range(len(p))), h["weight_decay"])] if decay is None or all(decay) else \
+        [(idx, wd) for idx, wd in (([i for i, d in enumerate(decay) if d], h["weight_decay"]),
+                                   ([i for i, d in enumerate(decay) if not d], 0.0)) if idx]
+    if check_finite and len(groups) > 1:  # nothing modified when any gradient is inf or nan
+        bad = not bool(torch.stack([torch.isfinite(x).all() for x in g]).all())
+        if bad:
+            return tuple(state), torch.ones((), dtype=torch.bool, device=sched.count.device)
+        check_finite = False
     if form.kind in ("adamw", "adam"):
         mu, nu = optree.tree_leaves(moments.mu), optree.tree_leaves(moments.nu)
         _check("the first moments", mu, p)
         _check("the second moments", nu, p)
         count = moments.count + 1
-        found = _in_groups(g, check_finite, lambda i, j, gs: fused_optim.fused_adamw_(
-            p[i:j], gs, mu[i:j], nu[i:j], lr=lr, beta1=h["b1"], beta2=h["b2"], eps=h["eps"],
-            weight_decay=h["weight_decay"], step=int(count), decoupled=form.kind == "adamw",
-            inv_scale=inv_scale, check_finite=check_finite, impl=impl))
+        found = None
+        for idx, wd in groups:
+            ps, gs, ms, ns = ([xs[k] for k in idx] for xs in (p, g, mu, nu))
+            f = _in_groups(gs, check_finite, lambda i, j, gg, ps=ps, ms=ms, ns=ns, wd=wd: fused_optim.fused_adamw_(
+                ps[i:j], gg, ms[i:j], ns[i:j], lr=lr, beta1=h["b1"], beta2=h["b2"], eps=h["eps"],
+                weight_decay=wd, step=int(count), decoupled=form.kind == "adamw",
+                inv_scale=inv_scale, check_finite=check_finite, impl=impl))
+            found = f if found is None else found | f
         found = found.to(count.device)
         moments = type(moments)(torch.where(found, moments.count, count), moments.mu, moments.nu)
     elif form.kind == "lion":
         mu = optree.tree_leaves(moments.mu)
         _check("the momentum", mu, p)
-        found = _in_groups(g, check_finite, lambda i, j, gs: fused_optim.fused_lion_(
-            p[i:j], gs, mu[i:j], lr=lr, beta1=h["b1"], beta2=h["b2"], weight_decay=h["weight_decay"],
-            inv_scale=inv_scale, check_finite=check_finite, impl=impl))
+        found = None
+        for idx, wd in groups:
+            ps, gs, ms = ([xs[k] for k in idx] for xs in (p, g, mu))
+            f = _in_groups(gs, check_finite, lambda i, j, gg, ps=ps, ms=ms, wd=wd: fused_optim.fused_lion_(
+                ps[i:j], gg, ms[i:j], lr=lr, beta1=h["b1"], beta2=h["b2"], weight_decay=wd,
+                inv_scale=inv_scale, check_finite=check_finite, impl=impl))
+            found = f if found is None else found | f
     else:  # pragma: no cover - FusedForm is only built below
         raise NotImplementedError(form.kind)
     found = found.to(sched.count.device)

@@ -64,6 +64,5 @@ def lion(
     >>> opt = lion(1e-4, weight_decay=0.1)
     """
     opt = chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask), scale_by_learning_rate(lr, who="lion"))
-    if mask is None:  # one decay for every leaf: fused_update_ can run it
-        opt.fused = FusedForm("lion", dict(b1=b1, b2=b2, weight_decay=weight_decay), 0)
+    opt.fused = FusedForm("lion", dict(b1=b1, b2=b2, weight_decay=weight_decay), 0, mask)
     return opt

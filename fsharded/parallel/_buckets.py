@@ -19,7 +19,7 @@ from fsharded import comm
 from fsharded.comm import _shm
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, _entry_axes
-from fsharded.spmd import _env, _manifest, _prims
+from fsharded.spmd import _env, _manifest, _prims, _virtual
 from fsharded.spmd.collectives import (
     all_gather,
     axis_index,
@@ -166,6 +166,13 @@ def reduce_leaves(grads: list, param_specs: list, grad_specs: list, batch_axes: 
 
     for (over, _, _), idx in allreduce.items():
         for b in buckets(idx, [numels[i] for i in idx], cap):
+            reduced = _virtual.pmean_beneath([out[i] for i in b], _env.bind(over, "pmean"))
+            if reduced is not None:  # the virtual mesh: summed beneath the vmap levels
+                memory.label(reduced, "gradients")
+                drop(b)
+                for i, y in zip(b, reduced):
+                    out[i] = y
+                continue
             # (as cat types it: the union of its operands')
             ty = frozenset().union(*(mode.get(out[i]) for i in b)) if mode is not None else None
             with quiet():

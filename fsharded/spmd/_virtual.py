@@ -16,7 +16,7 @@ import torch
 
 from fsharded import _memory_hooks as memory
 from fsharded.mesh._layout import from_stacked, to_stacked
-from fsharded.spmd import _env, _prims, _vma
+from fsharded.spmd import _env, _manifest, _prims, _vma
 from fsharded.spmd._env import Axes
 
 _F = torch._C._functorch
@@ -122,6 +122,8 @@ def beneath(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     levels it is one tensor holding all of them (for a shard_map input, a view of the
     global value's storage). An elementwise in-place update written there updates every
     device's shard, as each device would its own (``step._update.StackedFusedUpdate``)."""
+    if not _F.is_batchedtensor(t):  # a value the same on every device (the common case)
+        return t, ()
     chain = []  # (level, bdim), innermost (highest) level first
     while _F.is_batchedtensor(t):
         chain.append((_F.maybe_get_level(t), _F.maybe_get_bdim(t)))
@@ -135,3 +137,43 @@ def beneath(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     lead = [order.index(("level", lv)) for lv in levels]
     rest = [i for i, d in enumerate(order) if not isinstance(d, tuple)]
     return t.permute(lead + rest), tuple(levels)
+
+
+
+def pmean_beneath(xs: list[torch.Tensor], axes: Axes) -> list[torch.Tensor] | None:
+    """Each of ``xs`` averaged over ``axes``, computed beneath the vmap levels: plain
+    tensors (the same on every device, which is what an unbatched value inside the body
+    is). What ``pmean`` of the flat bucket of ``xs`` gives, without a vmapped op per leaf
+    and without the bucket: one sum per leaf over its level's dim (the collective's own
+    rule, ``_prims._Psum.virtual``), one division for all. Recorded in an open manifest as
+    that one collective over the bucket.
+
+    None where it does not apply, and the caller runs the collective: a reduction over
+    several axes, operands batched at other levels than ``axes``' alone (the result would
+    still vary), typed otherwise than varying over ``axes`` alone, differentiated, inside
+    other torch.func wrappers, in a dry run, or under a per-device memory tracker (which
+    counts the vmapped form)."""
+    frame = axes.frame
+    mode = frame.vma
+    if (len(axes.names) != 1 or not axes.virtual or frame.mesh.size == 1 or _manifest.dry()
+            or memory.per_device() is not None or mode is None or mode.dispatching or mode.assumed is not None
+            or (torch.is_grad_enabled() and any(x.requires_grad for x in xs))):
+        return None
+    want = frozenset(axes.names)
+    level = next((lv for lv, a in mode.levels.items() if a == axes.names[0]), None)
+    plain = []
+    for x in xs:
+        if not _F.is_batchedtensor(x) or _F.maybe_get_level(x) != level or mode.get(x) != want:
+            return None
+        b = _F.get_unwrapped(x)
+        if _F.is_functorch_wrapped_tensor(b):
+            return None
+        plain.append((b, _F.maybe_get_bdim(x)))
+    with torch._C.DisableTorchFunction():  # the collective's own ops: not the program's, untyped
+        out = [b.sum(d, dtype=b.dtype) for b, d in plain]
+        torch._foreach_div_(out, axes.size)
+        bucket = torch.empty(sum(y.numel() for y in out), dtype=out[0].dtype, device="meta")
+    _manifest.record(_prims.PSUM, (), axes, bucket)
+    for y in out:
+        mode.set(y, frozenset())
+    return out

@@ -130,7 +130,8 @@ class StackedFusedUpdate(FusedUpdate):
         inv_scale = 1.0 if factor is None else float(beneath(factor)[0].reshape(-1)[0])
         new_s, _ = optim.fused_update_(
             self.optimizer, optree.tree_unflatten(p_def, g_base), optree.tree_unflatten(s_def, plain_s),
-            optree.tree_unflatten(p_def, plain_p), inv_scale=inv_scale, check_finite=False)
+            optree.tree_unflatten(p_def, plain_p), inv_scale=inv_scale, check_finite=False,
+            decay=optim.decay_flags(self.optimizer, params))  # read on the leaves as the mask sees them
         for b, c in back:
             b.copy_(c)
         # Hand back the wrappers of what was updated in place, and the new counters.
@@ -167,6 +168,8 @@ def _aligned(g: tuple[torch.Tensor, tuple[int, ...]], p: tuple[torch.Tensor, tup
     """The gradient beneath its levels, with its parameter's levels (a view: the fused
     update copies strided gradients a group at a time)."""
     (gb, g_lv), (pb, p_lv) = g, p
+    if not g_lv and not p_lv and gb.shape == pb.shape:  # both the same on every device
+        return gb
     for i in reversed(range(len(g_lv))):
         if g_lv[i] not in p_lv:  # copies of an invariant gradient: one of them
             gb = gb.select(i, 0)
