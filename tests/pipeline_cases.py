@@ -71,9 +71,10 @@ TRAIN_CFG = {"bias": False}
 
 
 def train(mesh_axes: dict, name: str, v: int, steps: int, m: int = 2, zero: int = 0, layers: int = 4,
-          batch: int = 8, tensor: bool = False, **cfg) -> dict:
+          batch: int = 8, tensor: bool = False, manifest: bool = False, **cfg) -> dict:
     """``steps`` steps of the tiny GPT pipelined over ``pipe`` (on the virtual mesh, or on
-    this process's rank under torch.distributed): the losses, and the parameters after."""
+    this process's rank under torch.distributed): the losses, and the parameters after;
+    ``manifest``: also the step's collectives, as (op, axis) pairs in order."""
     import fsharded as fs
     cfg = {**TRAIN_CFG, **cfg}
     params, tokens = setup(layers=layers, batch=batch, **cfg)
@@ -83,7 +84,12 @@ def train(mesh_axes: dict, name: str, v: int, steps: int, m: int = 2, zero: int 
     specs = gpt_plans.tensor_parallel_specs(params) if tensor else None
     specs = fs.parallel.zero(zero, axis="data", min_size=8)(specs, params) if zero else specs
     kw = {"param_specs": specs} if specs is not None else {}
-    return _steps(fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, **kw), params, tokens, steps)
+    step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, **kw)
+    kept: list = []
+    out = _steps(step, params, tokens, steps, state=kept)
+    if manifest:
+        out["manifest"] = [(e.op, e.axis) for e in step.collectives(kept[0], {"tokens": tokens})]
+    return out
 
 
 def train_reference(steps: int, layers: int = 4, batch: int = 8, clip: float | None = None, **cfg) -> dict:

@@ -202,6 +202,14 @@ def _check_pipeline_schedules(ns: dict, out: str) -> None:
     assert ns["mine"].ranks == 2 and "F0" in out.split("\n", 1)[1]
 
 
+def _check_pipeline_gathers(ns: dict, out: str) -> None:
+    # Each rank gathers and releases both of its chunks once; the timeline shows them.
+    assert ns["plan"].peak_gathered == (2, 2)
+    kinds = [a.kind for row in ns["table"].actions for a in row]
+    assert kinds.count("GATHER") == kinds.count("RELEASE") == 4
+    assert "4 gathers, peak stages gathered per rank [2, 2]" in out
+
+
 def _check_pipeline_training(ns: dict, out: str) -> None:
     # The pipelined step's losses are accumulation's over the same micro-batches.
     first, second = (float(v) for v in out.split())
@@ -283,6 +291,7 @@ man3 = man1
     # docs/guides/pipeline.md
     "plan = pipeline.check(pipeline.one_f_one_b(4, 8))": dict(before="", replace={}, check=_check_pipeline_schedules),
     "piped = fs.train_step(loss": dict(before="", replace={}, check=_check_pipeline_training),
+    "table = pp.with_gathers(pp.interleaved(2, 4, 2))": dict(before="", replace={}, check=_check_pipeline_gathers),
     "skipping = fs.train_step(": dict(before="", replace={}, check=_check_faults),
     # docs/migration/deepspeed.md: a DeepSpeed config read into the step it describes.
     "fs.optim.adamw(o.lr, *o.betas, eps=o.eps": dict(

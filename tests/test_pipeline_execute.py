@@ -307,3 +307,51 @@ def test_the_measured_timeline_is_drawn_below_the_planned_one(tmp_path):
     fig.savefig(tmp_path / "zb.png")
     with pytest.raises(ValueError, match="leave ax= out"):
         pipeline_figure(sched, ax=planned, measured=res)
+
+
+@pytest.mark.parametrize("name,p,v", [("1f1b", 2, 1), ("zb", 2, 1), ("interleaved", 2, 2), ("gpipe", 4, 1)])
+def test_weight_actions_gather_at_their_action_and_transpose_at_their_release(name, p, v):
+    """``run(weights=)`` on a table with weight actions: each stage's weights come from
+    ``weights`` at its GATHER (here stored halved, gathered doubled: the transpose doubles
+    the gradients), are used until its RELEASE, and its gradients are the transposes':
+    those of the uncut model, halved-stored params' gradients doubled. A gather in flight
+    (an object with ``wait()``) is waited for at its stage's first use."""
+    params, tokens = C.setup()
+    m = 4
+    sched = pp.with_gathers(pp.make(name, p, m, v))
+    st = gpt_stages.pipeline_stages(params, p * v, attention="einsum")
+    stored = {s: optree.tree_map(lambda t: t / 2, st.params_of(params, s)) for s in range(st.n)}
+    calls, waited, live = [], [], set()
+
+    class Arriving:
+        def __init__(self, whole):
+            self.whole = whole
+
+        def wait(self):
+            waited.append(1)
+            return self.whole
+
+    def weights(s, kept):
+        calls.append(("gather", s))
+        assert s not in live  # gathered once
+        live.add(s)
+        whole = optree.tree_map(lambda t: 2 * t, kept)
+
+        def transpose(grads):
+            calls.append(("release", s))
+            live.discard(s)
+            return [None if g is None else 2 * g for g in grads]
+        return (Arriving(whole) if s % 2 else whole), transpose
+
+    res = pp.run(sched, st, stored, C.micro_batches(tokens, m), weights=weights)
+    ref_loss, ref_grads = reference(params, tokens)
+    got = st.merge(res.grads, params)
+    assert abs(float(res.loss) - float(ref_loss)) < 1e-5
+    for path, a, b in zip(optree.tree_paths(got), optree.tree_leaves(got), ref_grads):
+        assert torch.allclose(a, 2 * b, atol=1e-5, rtol=1e-4), path
+    kinds = [a.kind for row in sched.actions for a in row]
+    assert [c for c, _ in calls].count("gather") == kinds.count("GATHER")
+    assert [c for c, _ in calls].count("release") == kinds.count("RELEASE") and not live
+    assert waited and len(waited) == sum(1 for c, s in calls if c == "gather" and s % 2)
+    with pytest.raises(ValueError, match="has none: make it with with_gathers"):
+        pp.run(pp.make(name, p, m, v), st, stored, C.micro_batches(tokens, m), weights=weights)

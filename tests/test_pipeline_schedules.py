@@ -130,3 +130,93 @@ def test_a_plan_under_costs_per_action_measured_or_given():
     # the last rank's extra work at least, and the bubble with it
     slow = pp.check(s, lambda r, a: (3 if r == 1 else 1) * {"F": 1, "B": 2}[a.kind])
     assert slow.makespan >= by_kind.makespan + 2 * 4 * 3 and slow.bubble > by_kind.bubble
+
+
+# -- ZeRO-3's weight actions -----------------------------------------------------------------
+
+def _weights(row):
+    return [(a.kind, a.stage) for a in row if a.kind in ("GATHER", "RELEASE")]
+
+
+@pytest.mark.parametrize("p,m", [(1, 1), (2, 4), (3, 5), (4, 8)])
+def test_with_gathers_gathers_each_stage_once_a_step_ahead_and_releases_it_after_its_last_use(p, m):
+    """One stage per rank: one gather before everything, one release after the last backward
+    (the last W under ZB-H1); the bubble and the activations are the table's own."""
+    for make in (pp.one_f_one_b, pp.zero_bubble, pp.gpipe):
+        s = make(p, m)
+        g = pp.with_gathers(s)
+        plan, base = pp.check(g), pp.check(s)
+        assert (plan.bubble, plan.peak_activations) == (base.bubble, base.peak_activations)
+        assert plan.peak_gathered == (1,) * p
+        for r, row in enumerate(g.actions):
+            assert _weights(row) == [("GATHER", r), ("RELEASE", r)]
+            assert row[0].kind == "GATHER"
+            last = max(k for k, a in enumerate(row) if a.kind in pp._table.COMPUTE)
+            assert row[-1].kind == "RELEASE" and all(a.kind == "SEND" for a in row[last + 1:-1])
+            assert [a for a in row if a.kind not in ("GATHER", "RELEASE")] == list(s.actions[r])
+
+
+def test_with_gathers_on_interleaved_prefetches_each_chunk_and_releases_it_when_done():
+    s = pp.interleaved(2, 4, 2)
+    g = pp.with_gathers(s)  # both chunks once per step; the one finished first released first
+    assert pp.check(g).peak_gathered == (2, 2)
+    assert pp.check(g).bubble == pp.check(s).bubble
+    for r, row in enumerate(g.actions):
+        assert sorted(_weights(row)) == sorted([("GATHER", r), ("GATHER", r + 2), ("RELEASE", r), ("RELEASE", r + 2)])
+        compute = [k for k, a in enumerate(row) if a.kind in pp._table.COMPUTE]
+        # the second chunk's gather comes one compute action before its first use
+        first = next(j for j, k in enumerate(compute) if row[k].stage == r + 2)
+        at = next(k for k, a in enumerate(row) if a.kind == "GATHER" and a.stage == r + 2)
+        assert compute[first - 2] < at < compute[first - 1]
+        # a chunk's release follows its last compute action (and the sends after it)
+        for st in (r, r + 2):
+            last = max(k for k in compute if row[k].stage == st)
+            rel = next(k for k, a in enumerate(row) if a.kind == "RELEASE" and a.stage == st)
+            assert rel > last and all(row[k].kind in ("SEND", "RELEASE") for k in range(last + 1, rel))
+    # rank 0's chunk 2 finishes before its chunk 0: released while chunk 0 still computes
+    row = g.actions[0]
+    rel2 = next(k for k, a in enumerate(row) if a.kind == "RELEASE" and a.stage == 2)
+    assert any(a.kind in pp._table.COMPUTE and a.stage == 0 for a in row[rel2:])
+    with pytest.raises(pp.ScheduleError, match="already gathers"):
+        pp.with_gathers(g)
+    with pytest.raises(pp.ScheduleError, match="ahead >= 0"):
+        pp.with_gathers(s, ahead=-1)
+    # no prefetch: each gather right before (the receives of) its stage's first action
+    now = pp.with_gathers(s, ahead=0)
+    for r, row in enumerate(now.actions):
+        for st in (r, r + 2):
+            at = next(k for k, a in enumerate(row) if a.kind == "GATHER" and a.stage == st)
+            nxt = next(a for a in row[at + 1:] if a.kind in pp._table.COMPUTE)
+            assert nxt.stage == st
+
+
+def test_a_release_between_a_forward_and_its_backward_is_refused():
+    """The graph of a micro-batch in flight holds the stage's weights: releasing them there
+    would free nothing (and a gather after it would hold a second copy)."""
+    s = pp.one_f_one_b(2, 2)
+    rows = [list(r) for r in pp.with_gathers(s).actions]
+    row = [a for a in rows[1] if a.kind not in ("GATHER", "RELEASE")]
+    f0 = next(k for k, a in enumerate(row) if a.kind == "F")
+    row = [Action("GATHER", 0, 1)] + row[:f0 + 1] + [Action("RELEASE", 0, 1), Action("GATHER", 0, 1)] \
+        + row[f0 + 1:] + [Action("RELEASE", 1, 1)]
+    rows[1] = row
+    bad = pp.Schedule("t", 2, 1, 2, tuple(tuple(r) for r in rows))
+    with pytest.raises(pp.ScheduleError, match=r"micro-batches \[0\] are between their forward and their backward"):
+        pp.check(bad)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda rows: [[a for a in rows[0] if a.kind != "GATHER"], rows[1]], "weights are not gathered here"),
+    (lambda rows: [[rows[0][0]] + rows[0], rows[1]], "gathered already"),
+    (lambda rows: [[a for a in rows[0] if a.kind != "RELEASE"], rows[1]], "never released"),
+    (lambda rows: [rows[0] + [Action("RELEASE", 3, 0)], rows[1]], "not gathered here"),
+    (lambda rows: [[Action("GATHER", 0, 1)] + rows[0], rows[1]], "stage 1 lives on rank 1"),
+    (lambda rows: [rows[0], [a for a in rows[1] if a.kind not in ("GATHER", "RELEASE")]],
+     "weights are not gathered here"),
+])
+def test_broken_weight_actions_are_refused_naming_the_action(edit, message):
+    g = pp.with_gathers(pp.one_f_one_b(2, 4))
+    rows = edit([list(r) for r in g.actions])
+    bad = pp.Schedule(g.name, 2, 1, 4, tuple(tuple(r) for r in rows))
+    with pytest.raises(pp.ScheduleError, match=message):
+        pp.check(bad)

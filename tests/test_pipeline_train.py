@@ -395,6 +395,28 @@ def test_pipe_by_zero3_data_trains_as_the_single_device_gpt(ranks, reference):
         assert_trains_like(out, reference)
 
 
+@pytest.mark.parametrize("ranks", [0, 4])
+def test_zero3_gathers_and_releases_each_chunk_at_its_table_actions(ranks, reference):
+    # Interleaved under ZeRO-3: each chunk's weights gathered at its GATHER action (on gloo
+    # ranks issued one compute action ahead and waited for at the chunk's first use) and
+    # reduce-scattered at its RELEASE, each chunk once per step.
+    mesh = {"pipe": 2, "data": 2}
+    if ranks:
+        outs = run_on_ranks(C.train, ranks, mesh, "interleaved", 2, STEPS, zero=3, m=4, batch=16)
+    else:
+        outs = [C.train(mesh, "interleaved", 2, STEPS, zero=3, m=4, batch=16, manifest=True)]
+        table = pp.pipelined(gpt_stages.pipeline_stages(C.setup(**C.TRAIN_CFG)[0], 4), schedule="interleaved",
+                             microbatches=4, virtual=2).gathers_table(2)
+        kinds = [a.kind for row in table.actions for a in row]
+        assert kinds.count("GATHER") == kinds.count("RELEASE") == 4  # 2 ranks x 2 chunks
+        ops = outs[0]["manifest"]
+        # one bucketed all-gather per GATHER, one reduce-scatter per RELEASE, over data
+        assert ops.count(("all_gather", "data")) == kinds.count("GATHER")
+        assert ops.count(("psum_scatter", "data")) == kinds.count("RELEASE")
+    for out in outs:
+        assert_trains_like(out, C.train_reference(STEPS, batch=16))
+
+
 # -- precision and frozen leaves ---------------------------------------------------------------
 
 def _same_run(got, ref, tol, atol=1e-5):

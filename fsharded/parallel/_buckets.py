@@ -29,7 +29,7 @@ from fsharded.spmd.collectives import (
     psum_scatter,
 )
 
-__all__ = ["buckets", "split_dim", "gather_leaves", "reduce_leaves", "slice_leaves",
+__all__ = ["buckets", "split_dim", "gather_leaves", "scatter_leaves", "reduce_leaves", "slice_leaves",
            "InBackward", "InFlight", "issue"]
 
 
@@ -114,6 +114,37 @@ def gather_leaves(leaves: list, from_specs: list, to_specs: list, axis: str, mes
                 moved = _moved(tuple(x.shape), d)  # (s_d, rest...)
                 moved[0] *= n
                 out[i] = _unmoved(piece.reshape(moved), d)  # (n * s_d, rest...) with dim d back
+    return out
+
+
+def scatter_leaves(grads: list, from_specs: list, to_specs: list, axis: str, mesh: Mesh, cap: int) -> list:
+    """The transpose of ``gather_leaves(leaves, from_specs, to_specs, axis, mesh, cap)``:
+    the gradients of the gathered leaves reduce-scattered over ``axis`` back to the shards
+    (in the same buckets); the others as they are. For a gather whose transpose is run by
+    hand (an asynchronous one, ``zero3.PendingGather``)."""
+    out = list(grads)
+    n = mesh.shape[axis]
+    todo = []
+    for i, (fs_, ts) in enumerate(zip(from_specs, to_specs)):
+        d = split_dim(fs_, ts, axis) if axis in fs_.axes and axis not in ts.axes else None
+        if d is not None:
+            todo.append((i, d))
+    if not todo or n == 1 or not is_bound(axis):
+        return out
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for i, d in todo:
+        groups.setdefault((grads[i].dtype, frozenset(from_specs[i].axes)), []).append((i, d))
+    for items in groups.values():
+        dims = dict(items)
+        for b in buckets([i for i, _ in items], [grads[i].numel() for i, _ in items], cap):
+            rows = torch.cat([_rows(grads[i], dims[i], n) for i in b], dim=1)  # (n, bucket)
+            memory.label(rows, "gradients")
+            mine = psum_scatter(rows, axis, dim=0, tiled=False)
+            del rows
+            for i, piece in zip(b, mine.split([grads[i].numel() // n for i in b])):
+                moved = _moved(tuple(grads[i].shape), dims[i])
+                moved[0] //= n
+                out[i] = _unmoved(piece.reshape(moved), dims[i])
     return out
 
 

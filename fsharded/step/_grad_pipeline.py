@@ -20,6 +20,7 @@ leaf and the merged gradients are every stage's.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,14 @@ import torch
 from fsharded import comm
 from fsharded.mesh._mesh import Mesh
 from fsharded.parallel import _buckets as B
-from fsharded.parallel.pipeline import Mailbox, Pipelined, PointToPoint, run, split_batch
+from fsharded.parallel.pipeline import (
+    Mailbox,
+    Pipelined,
+    PointToPoint,
+    run,
+    split_batch,
+)
+from fsharded.parallel.zero3 import PendingGather
 from fsharded.spmd import _env, _manifest, _vma
 from fsharded.spmd.collectives import psum, pvary, varying_axes
 from fsharded.step import _held
@@ -88,26 +96,15 @@ class PipelineGradients:
             x0 = mark(x0, varying)
         stages, sched, axis = self.pipe.stages, self.table, self.pipe.axis
         mine = self._mine()
-        # ZeRO-3: this rank's stages' sharded leaves gathered once for the step (released
-        # after it); their gradients come back reduce-scattered by the gather's transpose.
-        x_leaves = optree.tree_leaves(x0)
-        # A dry run of a real rank's step gathers what that rank does; the other stages run
-        # on zeros of the gathered shapes (their values are not counted).
         counted = self._counted_rank()
-        own = set(mine) if counted is None else {s for s in mine if sched.rank_of(s) == counted}
-        sel = [i for i, g in enumerate(self.layout.moves.gather_in_loss) if g and self.held[i] & own]
-        for i, g in enumerate(self.layout.moves.gather_in_loss):
-            if g and i not in sel and self.held[i] & set(mine):
-                x_leaves[i] = _held.stand_in(x_leaves[i], self.layout.params[i], self.layout.use[i], self.mesh)
-        untransposed = None
-        if sel:
-            lay = self.layout
-            src, dst = [lay.params[i] for i in sel], [lay.use[i] for i in sel]
-            full, untransposed = torch.func.vjp(
-                lambda xs: B.gather_leaves(list(xs), src, dst, lay.axis, lay.mesh, self.cap), [x_leaves[i] for i in sel])
-            for i, f in zip(sel, full):
-                x_leaves[i] = f
-        x0 = optree.tree_unflatten(tdef, x_leaves)  # (cast to the compute dtype inside each stage)
+        # ZeRO-3: a stage's sharded leaves are gathered at its GATHER action of the table
+        # and their gradients reduce-scattered at its RELEASE (``with_gathers``).
+        weights = None
+        if any(g and self.held[i] & set(mine) for i, g in enumerate(self.layout.moves.gather_in_loss)):
+            sched = self.gathers_table
+            index = optree.tree_unflatten(tdef, list(range(len(leaves))))  # each stage's leaves by index
+            weights = functools.partial(self._gather_stage, counted,
+                                        {s: optree.tree_leaves(stages.params_of(index, s)) for s in mine})
         micro = split_batch(batch, sched.microbatches)
         trained = None
         if self.layout.trainable is not None:  # frozen leaves enter their stages as constants
@@ -133,7 +130,8 @@ class PipelineGradients:
                 res = run(sched, stages, {s: stages.params_of(x0, s) for s in mine}, micro, ranks=ranks,
                           transport=transport, functional=self.functional,
                           scale=lambda y: self.scaling.scale(y, scale), trained=trained,
-                          compute_dtype=self.policy.compute_dtype, counted=counted, state=model_state)
+                          compute_dtype=self.policy.compute_dtype, counted=counted, state=model_state,
+                          weights=weights)
             except _vma.NeedsTyping:  # the pipe ranks may stand at different actions: no rerun
                 raise RuntimeError("pipeline: a stage asked for the varying-axes typing the step assumed "
                                    "away (a collective or a type question inside the model); please "
@@ -164,12 +162,6 @@ class PipelineGradients:
         grads, loss = stages.merge(held, x0), res.loss
         g_leaves = optree.tree_leaves(grads)
         del grads, x0
-        if untransposed is not None:
-            (sharded,) = untransposed([g_leaves[i].to(x_leaves[i].dtype) for i in sel])
-            for i, g in zip(sel, sharded):
-                if mode is not None:
-                    mode.set(g, self.assumed)
-                g_leaves[i] = g
         # The gradient side sees the trained leaves this rank holds (all of them on the
         # virtual mesh); on a real rank the others' gradients are zeros it never stores.
         if self.layout.updated is not None:
@@ -194,6 +186,73 @@ class PipelineGradients:
             stats = optree.tree_map(lambda t: psum(pvary(t, axis), axis), stats) if stats is not None else None
         reported = dict(zip(names, metrics.unbind())) if metrics is not None else {}
         return placed, loss, (reported, stats)
+
+    @functools.cached_property
+    def gathers_table(self) -> Any:
+        """The table with ZeRO-3's weight actions (``Pipelined.gathers_table``)."""
+        return self.pipe.gathers_table(self.mesh.shape[self.pipe.axis])
+
+    def _gather_stage(self, counted: int | None, index: dict[int, list[int]], s: int, params: Any
+                      ) -> tuple[Any, Callable | None]:
+        """Stage ``s``'s weights whole, and the transpose of that (``run(weights=)``): its
+        leaves sharded over the ZeRO axis all-gathered (bucketed, differentiable: the
+        transpose reduce-scatters their gradients). ``index[s]``: the stage's leaves' indices
+        among the parameters'. In a dry run of one rank's step, the other pipe ranks' stages
+        get zeros of the gathered shapes and communicate nothing."""
+        lay = self.layout
+        leaves, stdef = optree.tree_flatten(params)
+        glob = index[s]
+        pos = [k for k, i in enumerate(glob) if lay.moves.gather_in_loss[i]]
+        if not pos:
+            return params, None
+        whole = list(leaves)
+        if counted is not None and self.table.rank_of(s) != counted:
+            for k in pos:
+                i = glob[k]
+                whole[k] = _held.stand_in(leaves[k], lay.params[i], lay.use[i], self.mesh)
+
+            def dropped(grads: list) -> list:
+                return [None] * len(grads)
+            return optree.tree_unflatten(stdef, whole), dropped
+        src, dst = [lay.params[glob[k]] for k in pos], [lay.use[glob[k]] for k in pos]
+        frame = _env.current()
+        mode = frame.vma if frame is not None else None
+        if self._local() and not self.functional:
+            # Real ranks: the all-gather issued now, one compute action ahead, and waited for
+            # at the stage's first use; its transpose (a reduce-scatter in the same buckets)
+            # run by hand at the release.
+            typed = mode is not None and mode.assumed is None  # (assumed: every stage value varies over all)
+            types = [mode.get(leaves[k]) | {lay.axis} for k in pos] if typed else [None] * len(pos)
+            arriving = _Arriving(PendingGather([leaves[k] for k in pos], src, dst, lay.axis, lay.mesh),
+                                 leaves, pos, stdef, types, mode)
+
+            def scattered(grads: list) -> list:
+                g = [grads[k].to(leaves[k].dtype) if grads[k] is not None else
+                     leaves[k].new_zeros(_held.gathered_shape(leaves[k], a, b, self.mesh))
+                     for k, a, b in zip(pos, src, dst)]
+                return self._placed(grads, pos, B.scatter_leaves(g, src, dst, lay.axis, lay.mesh, self.cap), mode)
+            return arriving, scattered
+        full, untransposed = torch.func.vjp(
+            lambda xs: B.gather_leaves(list(xs), src, dst, lay.axis, lay.mesh, self.cap), [leaves[k] for k in pos])
+        for k, f in zip(pos, full):
+            whole[k] = f
+
+        def transpose(grads: list) -> list:
+            g = [grads[k].to(leaves[k].dtype) if grads[k] is not None else torch.zeros_like(full[j])
+                 for j, k in enumerate(pos)]
+            (sharded,) = untransposed(g)
+            return self._placed(grads, pos, sharded, mode)
+        return optree.tree_unflatten(stdef, whole), transpose
+
+    def _placed(self, grads: list, pos: list[int], sharded: list, mode: Any) -> list:
+        """``grads`` with the reduce-scattered ones at ``pos``, typed as the stages run
+        (varying over the assumed axes) where the typing is assumed."""
+        out = list(grads)
+        for k, t in zip(pos, sharded):
+            if mode is not None and self.assumed is not None:
+                mode.set(t, self.assumed)
+            out[k] = t
+        return out
 
     def _shared_sum(self, placed: list, master: list) -> list:
         """``placed`` (the reduced gradients of the leaves this rank updates) with those of
@@ -239,6 +298,24 @@ class PipelineGradients:
             me = comm.axis_group(self.mesh, (self.pipe.axis,)).index
             return [s for s in range(sched.stages) if sched.rank_of(s) == me]
         return list(range(sched.stages))
+
+
+class _Arriving:
+    """A stage's gather in flight on a real rank: ``wait()`` gives its whole weights, the
+    gathered leaves typed as ``all_gather``'s result would be (``types``: the shard's axes
+    and the gather's; None: untyped, where the typing is assumed)."""
+
+    def __init__(self, pending: PendingGather, leaves: list, pos: list[int], tdef: Any, types: list, mode: Any):
+        self.pending, self.leaves, self.pos, self.tdef, self.types, self.mode = pending, leaves, pos, tdef, types, mode
+
+    def wait(self) -> Any:
+        whole = list(self.leaves)
+        for k, full, ty in zip(self.pos, self.pending.wait(), self.types):
+            if ty is not None:
+                self.mode.set(full, ty)
+            whole[k] = full
+        self.pending = None
+        return optree.tree_unflatten(self.tdef, whole)
 
 
 def _assumable(layout: Layout, batch_axes: tuple[str, ...], pipe: str) -> frozenset | None:

@@ -5,8 +5,11 @@ action (``ScheduleError``): an action on a rank that does not hold its stage, a 
 action missing or twice, a backward before its forward, a value used before it is
 received, a send without its receive (or the reverse), or ranks that wait for each other
 (found by running the ranks against each other: sends do not wait, a receive waits for
-its send). It returns the ``Plan``: when each action runs with the given costs, the
-bubble fraction and the peak number of micro-batches' activations alive per rank.
+its send), and, in a table with ZeRO-3's weight actions, a compute action on weights
+that are not gathered, a gather of gathered weights, a release of weights that are not
+or that a pending backward still holds, or weights never released. It returns the ``Plan``: when each action runs with the given
+costs, the bubble fraction, the peak number of micro-batches' activations alive per rank
+and the peak number of stages whose weights a rank holds whole.
 
 Costs are in units of one forward: ``F`` 1, ``B`` 2, ``I`` 1, ``W`` 1 by default, and
 communication takes no time, so 1F1B's bubble is exactly ``(p - 1) / (m + p - 1)``.
@@ -20,7 +23,14 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from fsharded.parallel.pipeline._table import COMMS, COMPUTE, Action, Schedule, ScheduleError
+from fsharded.parallel.pipeline._table import (
+    COMMS,
+    COMPUTE,
+    WEIGHTS,
+    Action,
+    Schedule,
+    ScheduleError,
+)
 
 __all__ = ["check", "Plan", "COSTS", "timeline"]
 
@@ -32,7 +42,9 @@ class Plan:
     """What a checked table implies: ``spans[r]``, each compute action of rank ``r`` with
     its start and end; ``makespan``; ``busy[r]``; ``bubble``, the idle fraction of all
     ranks' time; ``peak_activations[r]``, the most micro-batches whose activations rank
-    ``r`` holds at once (from a stage's forward to the end of its backward)."""
+    ``r`` holds at once (from a stage's forward to the end of its backward);
+    ``peak_gathered[r]``, the most stages whose weights rank ``r`` holds whole at once
+    (ZeRO-3's weight actions; 0 in a table without them)."""
 
     schedule: Schedule
     spans: tuple[tuple[tuple[Fraction, Fraction, Action], ...], ...]
@@ -40,6 +52,7 @@ class Plan:
     busy: tuple[Fraction, ...]
     bubble: Fraction
     peak_activations: tuple[int, ...]
+    peak_gathered: tuple[int, ...] = ()
 
 
 def _bad(r: int, k: int, a: Action, why: str) -> ScheduleError:
@@ -74,8 +87,11 @@ def check(s: Schedule, costs: Mapping[str, Fraction | int] | Callable[[int, Acti
                 _check_order(s, r, k, a, seen)
             elif a.kind in COMMS:
                 _check_comm(s, r, k, a, seen, sends, recvs)
-            else:
-                raise _bad(r, k, a, f"unknown kind {a.kind!r}; one of {COMPUTE + COMMS}")
+            elif a.kind not in WEIGHTS:
+                raise _bad(r, k, a, f"unknown kind {a.kind!r}; one of {COMPUTE + COMMS + WEIGHTS}")
+    if any(a.kind in WEIGHTS for row in s.actions for a in row):
+        for r, row in enumerate(s.actions):
+            _check_weights(s, r, row)
     for stage in range(S):
         for i in range(m):
             whole, split = ("B", stage, i) in seen, (("I", stage, i) in seen, ("W", stage, i) in seen)
@@ -120,6 +136,44 @@ def _check_order(s: Schedule, r: int, k: int, a: Action, seen: dict) -> None:
             raise _bad(r, k, a, f"its output's gradient (from stage {a.stage + 1}) is not here yet")
 
 
+def _check_weights(s: Schedule, r: int, row: tuple[Action, ...]) -> None:
+    """ZeRO-3's weight actions on rank ``r``: each compute action runs on its stage's
+    gathered weights (a ``GATHER`` before it with no ``RELEASE`` between), a stage is not
+    gathered twice nor released unless gathered nor while a micro-batch's backward on it
+    is pending (its graph holds the weights), and every gather is released (its weights'
+    gradients are reduce-scattered there). A table with weight actions has them on every
+    rank."""
+    whole: dict[int, int] = {}  # stage -> the index of its gather
+    open_: dict[int, set[int]] = {}  # stage -> micro-batches whose forward ran and backward has not
+    for k, a in enumerate(row):
+        if a.kind == "F":
+            open_.setdefault(a.stage, set()).add(a.mb)
+        elif a.kind in ("B", "W"):
+            open_.get(a.stage, set()).discard(a.mb)
+        if a.kind == "GATHER":
+            if s.rank_of(a.stage) != r:
+                raise _bad(r, k, a, f"stage {a.stage} lives on rank {s.rank_of(a.stage)}")
+            if a.stage in whole:
+                raise _bad(r, k, a, f"stage {a.stage}'s weights are gathered already (at action {whole[a.stage]}), "
+                                    f"with no release between")
+            whole[a.stage] = k
+        elif a.kind == "RELEASE":
+            if a.stage not in whole:
+                raise _bad(r, k, a, f"stage {a.stage}'s weights are not gathered here")
+            if open_.get(a.stage):
+                raise _bad(r, k, a, f"micro-batches {sorted(open_[a.stage])} are between their forward and their "
+                                    f"backward on stage {a.stage}: their graphs hold its weights, so the release "
+                                    f"would free nothing; release after their backward")
+            del whole[a.stage]
+        elif a.kind in COMPUTE and a.stage not in whole:
+            raise _bad(r, k, a, f"stage {a.stage}'s weights are not gathered here (a table with weight actions "
+                                f"gathers every stage before it computes, and releases it after)")
+    if whole:
+        st, k = next(iter(whole.items()))
+        raise _bad(r, k, row[k], f"stage {st}'s weights are never released: the gradients of the weights "
+                                 f"it gathered would not be reduce-scattered")
+
+
 def _check_comm(s: Schedule, r: int, k: int, a: Action, seen: dict, sends: dict, recvs: dict) -> None:
     if a.what not in ("act", "grad"):
         raise _bad(r, k, a, "a send or receive carries 'act' or 'grad'")
@@ -154,6 +208,7 @@ def _simulate(s: Schedule, costs: Callable[[int, Action], Any]) -> Plan:
     sent: dict[tuple[str, int, int], Fraction] = {}
     spans: list[list[tuple[Fraction, Fraction, Action]]] = [[] for _ in range(p)]
     live, peak = [0] * p, [0] * p
+    whole, most = [0] * p, [0] * p  # stages whose weights a rank holds gathered
     while any(pos[r] < len(s.actions[r]) for r in range(p)):
         moved = False
         for r in range(p):
@@ -167,6 +222,9 @@ def _simulate(s: Schedule, costs: Callable[[int, Action], Any]) -> Plan:
                     clock[r] = max(clock[r], t)
                 elif a.kind == "SEND":
                     sent[(a.what, a.stage, a.mb)] = clock[r]
+                elif a.kind in WEIGHTS:  # (their communication takes no time in the plan, as sends)
+                    whole[r] += 1 if a.kind == "GATHER" else -1
+                    most[r] = max(most[r], whole[r])
                 else:
                     start = clock[r]
                     clock[r] += costs(r, a)
@@ -185,7 +243,7 @@ def _simulate(s: Schedule, costs: Callable[[int, Action], Any]) -> Plan:
     makespan = max(clock) if p else Fraction(0)
     busy = tuple(sum((e - b for b, e, _ in row), Fraction(0)) for row in spans)
     bubble = 1 - sum(busy, Fraction(0)) / (p * makespan) if makespan else Fraction(0)
-    return Plan(s, tuple(tuple(row) for row in spans), makespan, busy, bubble, tuple(peak))
+    return Plan(s, tuple(tuple(row) for row in spans), makespan, busy, bubble, tuple(peak), tuple(most))
 
 
 def timeline(plan_or_schedule: Plan | Schedule, *, width: int = 4) -> str:
@@ -203,5 +261,6 @@ def timeline(plan_or_schedule: Plan | Schedule, *, width: int = 4) -> str:
     kinds = Counter(a.kind for row in s.actions for a in row)
     lines.append(f"{s.name}: p={s.ranks} v={s.virtual} m={s.microbatches}, {plan.makespan} units, "
                  f"bubble {float(plan.bubble):.3f}, peak activations per rank {list(plan.peak_activations)}, "
-                 f"{kinds['SEND']} sends")
+                 f"{kinds['SEND']} sends" + (f", {kinds['GATHER']} gathers, peak stages gathered per rank "
+                                             f"{list(plan.peak_gathered)}" if kinds["GATHER"] else ""))
     return "\n".join(lines)

@@ -6,7 +6,10 @@ graph backward from the gradient of the stage's output, adding to the stage's pa
 gradients and producing the gradient of its input; ``I`` and ``W`` split ``B``: a stage
 whose backward is split runs its forward with its weight products put off
 (``_deferred``), ``I`` runs the graph (the input's gradient and the cheap parameter
-gradients) and ``W`` computes the put-off weight gradients. ``SEND`` and
+gradients) and ``W`` computes the put-off weight gradients. ``GATHER`` makes a stage's
+weights whole (ZeRO-3: ``run(..., weights=)`` all-gathers its sharded leaves) and
+``RELEASE`` hands back the gradients they gathered, transposed to the stored layout
+(reduce-scattered), and frees them. ``SEND`` and
 ``RECV`` move an activation or a gradient through a transport:
 
 - ``Mailbox``: every rank in one process (the virtual mesh). ``run`` interleaves the ranks'
@@ -38,7 +41,7 @@ from fsharded import random as R
 from fsharded.parallel.pipeline._check import check
 from fsharded.parallel.pipeline._deferred import Deferred, Deferring, add_into
 from fsharded.parallel.pipeline._stages import Stages
-from fsharded.parallel.pipeline._table import Action, Schedule
+from fsharded.parallel.pipeline._table import WEIGHTS, Action, Schedule
 
 __all__ = ["Mailbox", "PointToPoint", "Result", "run"]
 
@@ -274,7 +277,8 @@ class _Rank:
         else:
             getattr(self, "_" + a.kind)(a.stage, a.mb)
             dt = time.perf_counter() - start
-            self.busy += dt
+            if a.kind not in WEIGHTS:  # (a gather or a release is communication, not compute)
+                self.busy += dt
             k = self.spent.setdefault(a.kind, [0.0, 0])
             k[0] += dt
             k[1] += 1
@@ -290,13 +294,19 @@ class _Rank:
                 self.ex.transport.prefetch(self._key(a), a.peer, self.r)
                 return
 
+    def _GATHER(self, s: int, i: int) -> None:
+        self.ex.gather(s)
+
+    def _RELEASE(self, s: int, i: int) -> None:
+        self.ex.release(s)
+
     def _F(self, s: int, i: int) -> None:
         ex = self.ex
         x = self.inputs.pop((s, i)) if s > 0 else None
         before = self.drawn.pop((s, i), 0)
         # A backward that comes as I then W: the stage's weight products put off.
         sink = Deferred() if (s, i) in ex.split else None
-        y, back = ex.diff.forward(functools.partial(ex.stage_fn, s, i, sink, before), ex.params[s], x,
+        y, back = ex.diff.forward(functools.partial(ex.stage_fn, s, i, sink, before), ex.stage_params(s), x,
                                   ex.trained.get(s))
         extra, metrics = back.aux
         if metrics:
@@ -373,6 +383,52 @@ class _Run:
     extras: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (stage, mb) -> its loss terms
     metrics: dict[tuple[int, int], dict] = field(default_factory=dict)  # (stage, mb) -> what it reported
     drawn: dict[tuple[int, int], int] = field(default_factory=dict)  # (stage, mb) -> keys drawn after it
+    weights: Any = None  # (stage, its stored params) -> (its whole params, the transpose of that), or None
+    stored: dict[int, Any] = field(default_factory=dict)  # stage -> its params as stored (the table gathers them)
+    compute_dtype: torch.dtype | None = None
+    transposes: dict[int, Callable] = field(default_factory=dict)  # stage -> what its release runs
+    arriving: dict[int, Any] = field(default_factory=dict)  # stage -> its gather in flight
+    released: dict[int, list] = field(default_factory=dict)  # stage -> its stored params' gradients so far
+
+    def gather(self, s: int) -> None:
+        """``GATHER``: stage ``s``'s weights whole (``weights``; without it, as stored),
+        in the compute dtype; their gradients add up from zero. Weights that arrive later
+        (an object with ``wait()``: a gather in flight) are waited for at their first use."""
+        whole, back = self.weights(s, self.stored[s]) if self.weights is not None else (self.stored[s], None)
+        self.transposes[s] = back
+        if hasattr(whole, "wait"):
+            self.arriving[s] = whole
+        else:
+            self._hold(s, whole)
+
+    def _hold(self, s: int, whole: Any) -> None:
+        self.leaves[s] = optree.tree_leaves(whole)
+        memory.label(self.leaves[s], "parameters")
+        self.params[s] = _cast(whole, self.compute_dtype)
+        self.grads[s] = [None] * len(self.leaves[s])
+
+    def stage_params(self, s: int) -> Any:
+        """Stage ``s``'s weights as it computes on them (waited for if they are arriving)."""
+        if s in self.arriving:
+            self._hold(s, self.arriving.pop(s).wait())
+        return self.params[s]
+
+    def release(self, s: int) -> None:
+        """``RELEASE``: the gradients stage ``s``'s whole weights gathered, transposed to
+        the stored layout (reduce-scattered) and added to the stage's; the weights freed."""
+        self.stage_params(s)
+        got, back = self.grads.pop(s), self.transposes.pop(s)
+        for t in got:  # freed below: their ids may come again, for tensors not made here
+            if t is not None:
+                self.summed.discard(id(t))
+        if back is not None:
+            got = back(got)
+        acc = self.released.setdefault(s, [None] * len(got))
+        for k, t in enumerate(got):
+            if t is not None:
+                add_into(acc, k, t, self.summed)
+        memory.label(acc, "gradients")
+        del self.params[s], self.leaves[s]
 
     def _keyed(self, s: int, i: int, before: int) -> Any:
         """Random draws of stage ``s`` on micro-batch ``i`` take the keys they take
@@ -494,6 +550,13 @@ class Functional:
         return _activation(y), _Back(back, aux)
 
 
+def _cast(params: Any, dtype: torch.dtype | None) -> Any:
+    """``params`` with its floating leaves in ``dtype`` (None: as they are)."""
+    if dtype is None:
+        return params
+    return optree.tree_map(lambda t: t.to(dtype) if t.is_floating_point() else t, params)
+
+
 def _seeds(y: Any, g: torch.Tensor | None) -> tuple[list, list]:
     """What a stage's backward differentiates and with which cotangents: its output with
     ``g`` (None: the loss's own, 1), and its extra loss terms, if any, with 1."""
@@ -516,7 +579,7 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
         ranks: Sequence[int] | None = None, transport: Any = None, functional: bool = False,
         scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
         trained: dict[int, list[bool]] | None = None, compute_dtype: torch.dtype | None = None,
-        counted: Sequence[int] | None = None, state: Any = None) -> Result:
+        counted: Sequence[int] | None = None, state: Any = None, weights: Callable | None = None) -> Result:
     """Run ``schedule`` for the ranks ``ranks`` (default: all of them, in this process,
     over a ``Mailbox``; on real ranks pass this rank alone and a ``PointToPoint``).
     ``params[s]``: stage ``s``'s parameters (``Stages.params_of``) for every stage the
@@ -529,7 +592,12 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     ranks whose allocations a memory tracker counts (default all; a dry run of one rank's
     step runs the others' actions for their values only); ``state``: a model state the
     stages' blocks read (``Stages.block_state``: aux-loss-free routing biases), their
-    stats reported beside the metrics. The table is
+    stats reported beside the metrics. ``weights(s, params[s]) -> (whole, transpose)``: a
+    table with weight actions (``with_gathers``) gathers stage ``s``'s weights at its
+    ``GATHER`` (``params`` holds them as stored: ZeRO-3's shards) and at its ``RELEASE``
+    hands ``transpose`` the gradients of ``whole``, a list in its leaf order (None where a
+    leaf got none), to get those of ``params[s]``; without it a gather takes the weights
+    as they are. The table is
     checked first (``check``): one that cannot run is refused before any action runs."""
     check(schedule)
     if stages.n != schedule.stages:
@@ -540,10 +608,14 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     ranks = list(range(schedule.ranks)) if ranks is None else list(ranks)
     transport = Mailbox() if transport is None else transport
     mine = [s for s in range(stages.n) if schedule.rank_of(s) in ranks]
+    gathers = any(a.kind == "GATHER" for r in range(schedule.ranks) for a in schedule.actions[r])
+    if weights is not None and not gathers:
+        raise ValueError("pipeline: weights= gathers a stage's weights at its GATHER actions, and the table has "
+                         "none: make it with with_gathers(schedule)")
+    stored = {s: params[s] for s in mine}
     leaves = {s: optree.tree_leaves(params[s]) for s in mine}
-    if compute_dtype is not None:  # one copy per stage in the compute dtype for the run, not one per micro-batch
-        params = {s: optree.tree_map(lambda t: t.to(compute_dtype) if t.is_floating_point() else t, params[s])
-                  for s in mine}
+    # One copy per stage in the compute dtype for the run (or for a gather), not one per micro-batch
+    params = {} if gathers else {s: _cast(params[s], compute_dtype) for s in mine}
     split = frozenset((a.stage, a.mb) for r in ranks for a in schedule.actions[r] if a.kind == "I")
     # Under a key scope (a step's): one stream per micro-batch, reserved in order, as
     # gradient accumulation reserves them (derived only if a stage draws).
@@ -552,9 +624,11 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     if mode is not None:  # (one micro-batch draws from the scope's own stream, as an unpipelined loss does)
         keys = (mode, [mode.calls] if schedule.microbatches == 1 else
                 [mode.reserve() for _ in range(schedule.microbatches)])
-    ex = _Run(schedule, stages, params, micro, transport, leaves, {s: [None] * len(leaves[s]) for s in mine}, split,
+    ex = _Run(schedule, stages, params, micro, transport, {} if gathers else leaves,
+              {} if gathers else {s: [None] * len(leaves[s]) for s in mine}, split,
               Functional() if functional else Autograd(), scale, dict(trained or {}), keys,
-              None if counted is None else set(counted), state)
+              None if counted is None else set(counted), state, weights=weights, stored=stored,
+              compute_dtype=compute_dtype)
     transport.begin(micro[0], keys is not None)
     walkers = [_Rank(r, ex) for r in ranks]
     t0 = time.perf_counter()
@@ -577,10 +651,11 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     grads = {}
     for s in mine:
         mask = ex.trained.get(s) or [True] * len(leaves[s])
+        got = ex.released.get(s, [None] * len(leaves[s])) if gathers else ex.grads[s]
         # (an untrained leaf's zeros hold no memory: a broadcast 0)
         filled = [g if g is not None else torch.zeros_like(p) if m else p.new_zeros(()).expand(p.shape)
-                  for p, g, m in zip(leaves[s], ex.grads[s], mask)]
-        grads[s] = optree.tree_unflatten(optree.tree_structure(params[s]), filled)
+                  for p, g, m in zip(leaves[s], got, mask)]
+        grads[s] = optree.tree_unflatten(optree.tree_structure(stored[s]), filled)
     loss = None
     if schedule.rank_of(stages.n - 1) in ranks:
         loss = torch.stack([ex.losses[i] for i in range(schedule.microbatches)]).mean()

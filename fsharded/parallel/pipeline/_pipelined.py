@@ -20,7 +20,7 @@ import optree
 import torch
 
 from fsharded.parallel.pipeline._stages import Stages
-from fsharded.parallel.pipeline._table import Schedule
+from fsharded.parallel.pipeline._table import WEIGHTS, Schedule, with_gathers
 from fsharded.parallel.pipeline.schedules import SCHEDULES, make
 
 __all__ = ["Pipelined", "pipelined", "split_batch"]
@@ -37,6 +37,15 @@ class Pipelined:
     microbatches: int
     virtual: int
     axis: str
+
+    def gathers_table(self, ranks: int) -> Schedule:
+        """The table with ZeRO-3's weight actions (``with_gathers``: each stage's gather one
+        compute action ahead of its first use, its release after its last), or the table
+        itself where it places its own."""
+        s = self.table(ranks)
+        if any(a.kind in WEIGHTS for row in s.actions for a in row):
+            return s
+        return with_gathers(s)
 
     def table(self, ranks: int) -> Schedule:
         """The schedule for ``ranks`` ranks along the axis, checked against the stages."""
@@ -79,7 +88,12 @@ def pipelined(stages: Stages, *, schedule: str | Schedule = "1f1b", microbatches
     """``stages`` as a loss function that ``train_step`` runs as a pipeline over the mesh
     axis ``axis``: each rank along it runs its stages' actions of ``schedule``
     (``"gpipe"``, ``"1f1b"``, ``"interleaved"`` with ``virtual`` stages per rank, ``"zb"``,
-    or a table of your own) on ``microbatches`` slices of its batch shard."""
+    or a table of your own) on ``microbatches`` slices of its batch shard.
+
+    Under ZeRO-3 (``fs.parallel.zero(3)`` on the data axis) a stage's weights are stored
+    sharded and gathered by the table's ``GATHER`` action, one compute action ahead of
+    their first use, and released (their gradients reduce-scattered) by its ``RELEASE``
+    after their last (``with_gathers``)."""
     if not isinstance(stages, Stages):
         raise TypeError(f"pipelined: stages must be a Stages (e.g. gpt_stages.pipeline_stages(params, n)), "
                         f"got {type(stages).__name__}")

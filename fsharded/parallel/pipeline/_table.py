@@ -16,6 +16,12 @@ communication from the compute order: a send right after the action that produce
 value, a receive right before the one that needs it, so a schedule is written as its
 compute order alone (``Schedule.from_table``).
 
+With ZeRO-3 a stage's weights are sharded over the data axis and exist whole only while
+the rank uses them: ``GATHER`` all-gathers a stage's weights, ``RELEASE`` reduce-scatters
+the gradients they gathered and frees both. ``with_gathers`` places them in a table: each
+stage's gather one compute action ahead of its first action (its transfer overlaps that
+action), its release right after its last.
+
 >>> s = Schedule.from_table(["F0 F1 B0 B1", "F0 B0 F1 B1"], microbatches=2)
 >>> [str(a) for a in s.actions[1]][:4]
 ['RECV act 0 stage 0 from 0', 'F0', 'B0', 'SEND grad 0 stage 1 to 0']
@@ -27,10 +33,11 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Action", "Schedule", "ScheduleError", "with_comms", "COMPUTE", "COMMS"]
+__all__ = ["Action", "Schedule", "ScheduleError", "with_comms", "with_gathers", "COMPUTE", "COMMS", "WEIGHTS"]
 
 COMPUTE = ("F", "B", "I", "W")
 COMMS = ("SEND", "RECV")
+WEIGHTS = ("GATHER", "RELEASE")
 
 
 class ScheduleError(ValueError):
@@ -54,10 +61,14 @@ class Action:
         if self.kind in COMMS:
             way = "to" if self.kind == "SEND" else "from"
             return f"{self.kind} {self.what} {self.mb} stage {self.stage} {way} {self.peer}"
+        if self.kind in WEIGHTS:
+            return f"{self.kind} stage {self.stage} ({'for' if self.kind == 'GATHER' else 'after'} micro-batch {self.mb})"
         return f"{self.kind}{self.mb}"
 
     def label(self, v: int) -> str:
         """Short form for pictures: ``F3``, with the stage where a rank holds several."""
+        if self.kind in WEIGHTS:
+            return f"{self.kind[0]}@{self.stage}"
         return f"{self.kind}{self.mb}" + (f"@{self.stage}" if v > 1 else "")
 
 
@@ -134,3 +145,51 @@ def with_comms(name: str, ranks: int, virtual: int, microbatches: int,
                 row.append(Action("SEND", a.mb, a.stage, "grad", (a.stage - 1) % p))
         out.append(tuple(row))
     return Schedule(name, ranks, virtual, microbatches, tuple(out))
+
+
+def with_gathers(s: Schedule, *, ahead: int = 1) -> Schedule:
+    """``s`` with ZeRO-3's weight actions: on each rank, the ``GATHER`` of each of its
+    stages' weights ``ahead`` compute actions before the stage's first action (its
+    transfer overlaps them), and its ``RELEASE`` (the gradients reduce-scattered, the
+    weights freed) right after the stage's last action, while the rank's other stages may
+    still compute. A stage is gathered once per step: between a micro-batch's forward and
+    its backward the graph holds the stage's weights, so releasing them earlier would free
+    nothing. Tables that already hold weight actions are refused."""
+    if ahead < 0:
+        raise ScheduleError(f"{s.name}: with_gathers needs ahead >= 0 (got {ahead})")
+    out = []
+    for r, row in enumerate(s.actions):
+        if any(a.kind in WEIGHTS for a in row):
+            raise ScheduleError(f"{s.name}: rank {r} already gathers and releases weights")
+        at = [k for k, a in enumerate(row) if a.kind in COMPUTE]  # row positions of the compute actions
+        uses = [row[k] for k in at]
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for j, a in enumerate(uses):
+            first.setdefault(a.stage, j)
+            last[a.stage] = j
+        gather: dict[int, list[Action]] = {}  # compute position -> gathers issued before it
+        release: dict[int, list[Action]] = {}  # compute position -> releases after it
+        for st, j in first.items():
+            gather.setdefault(max(j - ahead, 0), []).append(Action("GATHER", uses[j].mb, st))
+        for st, j in last.items():
+            release.setdefault(j, []).append(Action("RELEASE", uses[j].mb, st))
+        # A gather goes before the receives its action waits for (issued as early as it can
+        # be); a release after the sends that follow its action (the activation leaves first).
+        before: dict[int, list[Action]] = {}
+        after: dict[int, list[Action]] = {}
+        for j, k in enumerate(at):
+            start, cut = k, k
+            while start > (at[j - 1] if j else -1) + 1 and row[start - 1].kind == "RECV":
+                start -= 1
+            while cut + 1 < len(row) and row[cut + 1].kind == "SEND":
+                cut += 1
+            before.setdefault(start, []).extend(gather.get(j, []))
+            after.setdefault(cut, []).extend(release.get(j, []))
+        new: list[Action] = []
+        for k, a in enumerate(row):
+            new.extend(before.get(k, []))
+            new.append(a)
+            new.extend(after.get(k, []))
+        out.append(tuple(new))
+    return Schedule(s.name + " + ZeRO-3 gathers", s.ranks, s.virtual, s.microbatches, tuple(out))
