@@ -184,3 +184,33 @@ def test_virtual_bucket_reduction_beneath_the_levels_equals_the_vmapped_collecti
     for a, x in zip(out2, g2):
         torch.testing.assert_close(a, x.reshape(2, 1, 4, *x.shape[2:]).mean(0).reshape(1, 4, *x.shape[2:]),
                                    rtol=1e-15, atol=1e-15)
+
+
+def test_scatter_leaves_is_the_transpose_of_gather_leaves():
+    """``_buckets.scatter_leaves`` (the reduce-scatter an asynchronous ZeRO-3 gather runs by
+    hand) gives what the gather's own vjp gives, in small buckets and large, for leaves
+    sharded on dim 0, on an inner dim, and not at all."""
+    from fsharded.parallel import _buckets as B
+
+    mesh = fs.Mesh({"data": 2})
+    g = torch.Generator().manual_seed(0)
+    shapes = [(4, 3), (3, 6), (5,), (2, 2)]
+    src = [fs.P("data"), fs.P(None, "data"), fs.P(), fs.P("data")]
+    dst = [fs.P(), fs.P(), fs.P(), fs.P()]
+    shards = [torch.randn(*s, generator=g, dtype=torch.float64) for s in shapes]
+    cots = [torch.randn(2, *s, generator=g, dtype=torch.float64) for s in shapes]  # per device
+
+    for cap in (5, 10**6):
+        def body(*xs_and_gs):
+            xs, gs = list(xs_and_gs[:4]), list(xs_and_gs[4:])
+            _, vjp = torch.func.vjp(lambda ys: B.gather_leaves(list(ys), src, dst, "data", mesh, cap), xs)
+            (want,) = vjp(gs)
+            got = B.scatter_leaves(gs, src, dst, "data", mesh, cap)
+            return tuple(want) + tuple(got)
+
+        in_specs = tuple(src) + tuple(fs.P("data") for _ in cots)
+        flat_cots = [c.reshape(-1, *c.shape[2:]) for c in cots]
+        out = fs.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=tuple(src) * 2,
+                           check_vma=False)(*shards, *flat_cots)
+        for a, b in zip(out[:4], out[4:]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

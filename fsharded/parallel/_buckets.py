@@ -82,6 +82,21 @@ def _unmoved(x: torch.Tensor, d: int) -> torch.Tensor:
     return x if d == 0 else x.movedim(0, d)
 
 
+def _moving(leaves: list, from_specs: list, to_specs: list, axis: str,
+            frozen: list[bool] | None) -> list[list[tuple[int, int]]]:
+    """The leaves ``from_specs`` shards on ``axis`` and ``to_specs`` does not, as ``(index,
+    the dim split)``, in groups that may share a bucket: one dtype and one set of sharded
+    axes (concatenating leaves that vary over different axes would make every piece vary
+    over all of them), and ``frozen`` leaves apart."""
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for i, (fs_, ts) in enumerate(zip(from_specs, to_specs)):
+        d = split_dim(fs_, ts, axis) if axis in fs_.axes and axis not in ts.axes else None
+        if d is not None:
+            cold = bool(frozen[i]) if frozen is not None else False
+            groups.setdefault((leaves[i].dtype, frozenset(fs_.axes), cold), []).append((i, d))
+    return list(groups.values())
+
+
 def gather_leaves(leaves: list, from_specs: list, to_specs: list, axis: str, mesh: Mesh,
                   cap: int, *, frozen: list[bool] | None = None) -> list:
     """All-gather over ``axis`` every leaf that ``from_specs`` shards on it and ``to_specs``
@@ -90,20 +105,10 @@ def gather_leaves(leaves: list, from_specs: list, to_specs: list, axis: str, mes
     the transpose reduce-scatters no gradient of theirs."""
     out = list(leaves)
     n = mesh.shape[axis]
-    todo = []
-    for i, (fs_, ts) in enumerate(zip(from_specs, to_specs)):
-        d = split_dim(fs_, ts, axis) if axis in fs_.axes and axis not in ts.axes else None
-        if d is not None:
-            todo.append((i, d))
-    if not todo or n == 1 or not is_bound(axis):
+    groups = _moving(leaves, from_specs, to_specs, axis, frozen)
+    if not groups or n == 1 or not is_bound(axis):
         return out
-    # One bucket holds leaves of one dtype and one set of sharded axes: concatenating
-    # leaves that vary over different axes would make every piece vary over all of them.
-    groups: dict[tuple, list[tuple[int, int]]] = {}
-    for i, d in todo:
-        cold = bool(frozen[i]) if frozen is not None else False
-        groups.setdefault((leaves[i].dtype, frozenset(from_specs[i].axes), cold), []).append((i, d))
-    for items in groups.values():
+    for items in groups:
         dims = dict(items)
         for b in buckets([i for i, _ in items], [leaves[i].numel() for i, _ in items], cap):
             flat = torch.cat([(leaves[i] if dims[i] == 0 else leaves[i].movedim(dims[i], 0)).reshape(-1)
@@ -124,17 +129,10 @@ def scatter_leaves(grads: list, from_specs: list, to_specs: list, axis: str, mes
     hand (an asynchronous one, ``zero3.PendingGather``)."""
     out = list(grads)
     n = mesh.shape[axis]
-    todo = []
-    for i, (fs_, ts) in enumerate(zip(from_specs, to_specs)):
-        d = split_dim(fs_, ts, axis) if axis in fs_.axes and axis not in ts.axes else None
-        if d is not None:
-            todo.append((i, d))
-    if not todo or n == 1 or not is_bound(axis):
+    groups = _moving(grads, from_specs, to_specs, axis, None)
+    if not groups or n == 1 or not is_bound(axis):
         return out
-    groups: dict[tuple, list[tuple[int, int]]] = {}
-    for i, d in todo:
-        groups.setdefault((grads[i].dtype, frozenset(from_specs[i].axes)), []).append((i, d))
-    for items in groups.values():
+    for items in groups:
         dims = dict(items)
         for b in buckets([i for i, _ in items], [grads[i].numel() for i, _ in items], cap):
             rows = torch.cat([_rows(grads[i], dims[i], n) for i in b], dim=1)  # (n, bucket)
