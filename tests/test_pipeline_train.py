@@ -461,17 +461,19 @@ def _first_stage_frozen(path, _):  # every leaf of the first stage (tied: the he
     return not (path.startswith(("blocks.0.", "blocks.1.")) or path in ("pos", "emb"))
 
 
-@pytest.mark.parametrize("ranks,frozen", [(0, _frozen), (2, _frozen), (0, _first_stage_frozen),
-                                          (2, _first_stage_frozen)])
-def test_frozen_leaves_stay_as_they_are_and_the_rest_trains_as_without_pipelining(ranks, frozen):
+@pytest.mark.parametrize("ranks,frozen,zero", [(0, _frozen, 0), (2, _frozen, 0), (0, _first_stage_frozen, 0),
+                                               (2, _first_stage_frozen, 0), (0, _frozen, 3), (4, _frozen, 3)])
+def test_frozen_leaves_stay_as_they_are_and_the_rest_trains_as_without_pipelining(ranks, frozen, zero):
     # frozen: a block of the first stage, the final norm on the last, the positions; or
-    # the whole first stage (nothing of it to differentiate)
+    # the whole first stage (nothing of it to differentiate). Under ZeRO-3 the frozen
+    # shards are gathered with their stage and get no gradient back.
     ref = C.train_mixed(None, "1f1b", 6, "fp32", trainable=frozen)
     init, _ = C.setup(**C.TRAIN_CFG)
     if ranks:
-        outs = run_on_ranks(C.train_mixed, ranks, {"pipe": 2}, "zb", 6, "fp32", trainable=frozen)
+        mesh = {"pipe": 2, "data": 2} if zero else {"pipe": 2}
+        outs = run_on_ranks(C.train_mixed, ranks, mesh, "zb", 6, "fp32", trainable=frozen, zero=zero)
     else:
-        outs = [C.train_mixed({"pipe": 2, "data": 2}, "1f1b", 6, "fp32", trainable=frozen)]
+        outs = [C.train_mixed({"pipe": 2, "data": 2}, "1f1b", 6, "fp32", trainable=frozen, zero=zero)]
     for out in outs:
         for path, a, b, x in zip(optree.tree_paths(out["params"]), optree.tree_leaves(out["params"]),
                                  optree.tree_leaves(ref["params"]), optree.tree_leaves(init)):

@@ -143,19 +143,20 @@ def beneath(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
 def pmean_beneath(xs: list[torch.Tensor], axes: Axes) -> list[torch.Tensor] | None:
     """Each of ``xs`` averaged over ``axes``, computed beneath the vmap levels: plain
     tensors (the same on every device, which is what an unbatched value inside the body
-    is). What ``pmean`` of the flat bucket of ``xs`` gives, without a vmapped op per leaf
-    and without the bucket: one sum per leaf over its level's dim (the collective's own
-    rule, ``_prims._Psum.virtual``), one division for all. Recorded in an open manifest as
-    that one collective over the bucket.
+    is). What ``pmean`` of the flat bucket of ``xs`` gives, bit for bit, without a vmapped
+    op per leaf and without the bucket: over an axis of 2 devices, one addition per
+    element (in any layout) and a halving (exact), per leaf. Recorded in an open manifest
+    as that one collective over the bucket.
 
-    None where it does not apply, and the caller runs the collective: a reduction over
-    several axes, operands batched at other levels than ``axes``' alone (the result would
-    still vary), typed otherwise than varying over ``axes`` alone, differentiated, inside
-    other torch.func wrappers, in a dry run, or under a per-device memory tracker (which
-    counts the vmapped form)."""
+    None where it does not apply, and the caller runs the collective: an axis of another
+    size (a sum of more terms depends on the layout's order), a reduction over several
+    axes, operands batched at other levels than ``axes``' alone (the result would still
+    vary), typed otherwise than varying over ``axes`` alone, differentiated, inside other
+    torch.func wrappers, in a dry run, or under a per-device memory tracker (which counts
+    the vmapped form)."""
     frame = axes.frame
     mode = frame.vma
-    if (len(axes.names) != 1 or not axes.virtual or frame.mesh.size == 1 or _manifest.dry()
+    if (len(axes.names) != 1 or axes.size != 2 or not axes.virtual or frame.mesh.size == 1 or _manifest.dry()
             or memory.per_device() is not None or mode is None or mode.dispatching or mode.assumed is not None
             or (torch.is_grad_enabled() and any(x.requires_grad for x in xs))):
         return None

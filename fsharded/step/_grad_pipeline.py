@@ -195,10 +195,11 @@ class PipelineGradients:
     def _gather_stage(self, counted: int | None, index: dict[int, list[int]], s: int, params: Any
                       ) -> tuple[Any, Callable | None]:
         """Stage ``s``'s weights whole, and the transpose of that (``run(weights=)``): its
-        leaves sharded over the ZeRO axis all-gathered (bucketed, differentiable: the
-        transpose reduce-scatters their gradients). ``index[s]``: the stage's leaves' indices
-        among the parameters'. In a dry run of one rank's step, the other pipe ranks' stages
-        get zeros of the gathered shapes and communicate nothing."""
+        leaves sharded over the ZeRO axis all-gathered (bucketed by dtype and sharded axes;
+        the transpose reduce-scatters the trained leaves' gradients, the frozen leaves get
+        none). ``index[s]``: the stage's leaves' indices among the parameters'. In a dry run
+        of one rank's step, the other pipe ranks' stages get zeros of the gathered shapes
+        and communicate nothing."""
         lay = self.layout
         leaves, stdef = optree.tree_flatten(params)
         glob = index[s]
@@ -214,17 +215,32 @@ class PipelineGradients:
             def dropped(grads: list) -> list:
                 return [None] * len(grads)
             return optree.tree_unflatten(stdef, whole), dropped
-        src, dst = [lay.params[glob[k]] for k in pos], [lay.use[glob[k]] for k in pos]
+        cold = [k for k in pos if lay.frozen is not None and lay.frozen[glob[k]]]
+        pos = [k for k in pos if k not in cold]  # the trained ones: their gradients are transposed
+        specs = {k: (lay.params[glob[k]], lay.use[glob[k]]) for k in pos + cold}
+        src, dst = [specs[k][0] for k in pos], [specs[k][1] for k in pos]
         frame = _env.current()
         mode = frame.vma if frame is not None else None
-        if self._local() and not self.functional:
-            # Real ranks: the all-gather issued now, one compute action ahead, and waited for
-            # at the stage's first use; its transpose (a reduce-scatter in the same buckets)
-            # run by hand at the release.
+        if cold:  # frozen leaves: gathered, never differentiated
+            got = B.gather_leaves([leaves[k] for k in cold], [specs[k][0] for k in cold], [specs[k][1] for k in cold],
+                                  lay.axis, lay.mesh, self.cap)
+            for k, f in zip(cold, got):
+                whole[k] = f
+        if not pos:
+            return optree.tree_unflatten(stdef, whole), None
+        if self._local() and not self.functional and not _manifest.active():
+            # Real ranks: the all-gathers issued now, one compute action ahead, and waited for
+            # at the stage's first use; their transpose (a reduce-scatter in the same buckets)
+            # run by hand at the release. (A recorded step gathers as the dry run does.)
             typed = mode is not None and mode.assumed is None  # (assumed: every stage value varies over all)
-            types = [mode.get(leaves[k]) | {lay.axis} for k in pos] if typed else [None] * len(pos)
-            arriving = _Arriving(PendingGather([leaves[k] for k in pos], src, dst, lay.axis, lay.mesh),
-                                 leaves, pos, stdef, types, mode)
+            types = {k: mode.get(leaves[k]) | {lay.axis} if typed else None for k in pos}
+            sel = [leaves[k] for k in pos]
+            pending = [([pos[i] for i, _ in bucket],
+                        PendingGather([sel[i] for i, _ in bucket], [src[i] for i, _ in bucket],
+                                      [dst[i] for i, _ in bucket], lay.axis, lay.mesh))
+                       for group in B._moving(sel, src, dst, lay.axis, None)
+                       for bucket in _bucketed(group, [x.numel() for x in sel], self.cap)]
+            arriving = _Arriving(pending, whole, stdef, types, mode)
 
             def scattered(grads: list) -> list:
                 g = [grads[k].to(leaves[k].dtype) if grads[k] is not None else
@@ -244,13 +260,14 @@ class PipelineGradients:
             return self._placed(grads, pos, sharded, mode)
         return optree.tree_unflatten(stdef, whole), transpose
 
-    def _placed(self, grads: list, pos: list[int], sharded: list, mode: Any) -> list:
+    @staticmethod
+    def _placed(grads: list, pos: list[int], sharded: list, mode: Any) -> list:
         """``grads`` with the reduce-scattered ones at ``pos``, typed as the stages run
         (varying over the assumed axes) where the typing is assumed."""
         out = list(grads)
         for k, t in zip(pos, sharded):
-            if mode is not None and self.assumed is not None:
-                mode.set(t, self.assumed)
+            if mode is not None and mode.assumed is not None:
+                mode.set(t, mode.assumed)
             out[k] = t
         return out
 
@@ -301,21 +318,29 @@ class PipelineGradients:
 
 
 class _Arriving:
-    """A stage's gather in flight on a real rank: ``wait()`` gives its whole weights, the
-    gathered leaves typed as ``all_gather``'s result would be (``types``: the shard's axes
-    and the gather's; None: untyped, where the typing is assumed)."""
+    """A stage's gathers in flight on a real rank (``(positions, PendingGather)`` per
+    bucket): ``wait()`` gives its whole weights (``whole`` with the gathered leaves put in),
+    each gathered leaf typed as ``all_gather``'s result would be (``types``: the shard's
+    axes and the gather's; None: untyped, where the typing is assumed)."""
 
-    def __init__(self, pending: PendingGather, leaves: list, pos: list[int], tdef: Any, types: list, mode: Any):
-        self.pending, self.leaves, self.pos, self.tdef, self.types, self.mode = pending, leaves, pos, tdef, types, mode
+    def __init__(self, pending: list, whole: list, tdef: Any, types: dict, mode: Any) -> None:
+        self.pending, self.whole, self.tdef, self.types, self.mode = pending, whole, tdef, types, mode
 
     def wait(self) -> Any:
-        whole = list(self.leaves)
-        for k, full, ty in zip(self.pos, self.pending.wait(), self.types):
-            if ty is not None:
-                self.mode.set(full, ty)
-            whole[k] = full
-        self.pending = None
+        whole = list(self.whole)
+        for pos, gather in self.pending:
+            for k, full in zip(pos, gather.wait()):
+                if self.types[k] is not None:
+                    self.mode.set(full, self.types[k])
+                whole[k] = full
+        self.pending = []
         return optree.tree_unflatten(self.tdef, whole)
+
+
+def _bucketed(group: list[tuple[int, int]], sizes: list[int], cap: int) -> list[list[tuple[int, int]]]:
+    """A group of ``_buckets._moving`` in the buckets ``gather_leaves`` cuts it into."""
+    dims = dict(group)
+    return [[(i, dims[i]) for i in b] for b in B.buckets([i for i, _ in group], [sizes[i] for i, _ in group], cap)]
 
 
 def _assumable(layout: Layout, batch_axes: tuple[str, ...], pipe: str) -> frozenset | None:

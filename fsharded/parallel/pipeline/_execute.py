@@ -333,7 +333,7 @@ class _Rank:
 
     def _W(self, s: int, i: int) -> None:
         _, sink = self.held.pop((s, i))
-        sink.apply(self.ex.grads[s], [t.dtype for t in self.ex.leaves[s]], self.ex.summed)
+        sink.apply(self.ex.grads[s], self.ex.dtypes[s], self.ex.summed)
         memory.label(self.ex.grads[s], "gradients")
 
     def _backward(self, s: int, i: int, back: Any) -> None:
@@ -344,7 +344,7 @@ class _Rank:
         for k, t in enumerate(gp):
             if t is not None:
                 # (in the leaf's own dtype: the stage ran on its compute-dtype copy)
-                t = t.to(ex.leaves[s][k].dtype)
+                t = t.to(ex.dtypes[s][k])
                 add_into(acc, k, t, ex.summed)
         memory.label(acc, "gradients")  # (the sums are made outside backward)
         if gx is not None:
@@ -369,7 +369,7 @@ class _Run:
     params: dict[int, Any]
     micro: Sequence[Any]
     transport: Any
-    leaves: dict[int, list[torch.Tensor]]
+    dtypes: dict[int, list[torch.dtype]]  # stage -> its leaves' own dtypes (its gradients add up in them)
     grads: dict[int, list]
     split: frozenset  # the (stage, micro-batch)s whose backward runs as I then W
     diff: Any
@@ -402,10 +402,11 @@ class _Run:
             self._hold(s, whole)
 
     def _hold(self, s: int, whole: Any) -> None:
-        self.leaves[s] = optree.tree_leaves(whole)
-        memory.label(self.leaves[s], "parameters")
-        self.params[s] = _cast(whole, self.compute_dtype)
-        self.grads[s] = [None] * len(self.leaves[s])
+        leaves = optree.tree_leaves(whole)
+        memory.label(leaves, "parameters")
+        self.dtypes[s] = [t.dtype for t in leaves]
+        self.params[s] = _cast(whole, self.compute_dtype)  # (the weights in their own dtype freed, if cast)
+        self.grads[s] = [None] * len(leaves)
 
     def stage_params(self, s: int) -> Any:
         """Stage ``s``'s weights as it computes on them (waited for if they are arriving)."""
@@ -428,7 +429,7 @@ class _Run:
             if t is not None:
                 add_into(acc, k, t, self.summed)
         memory.label(acc, "gradients")
-        del self.params[s], self.leaves[s]
+        del self.params[s], self.dtypes[s]
 
     def _keyed(self, s: int, i: int, before: int) -> Any:
         """Random draws of stage ``s`` on micro-batch ``i`` take the keys they take
@@ -624,7 +625,8 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     if mode is not None:  # (one micro-batch draws from the scope's own stream, as an unpipelined loss does)
         keys = (mode, [mode.calls] if schedule.microbatches == 1 else
                 [mode.reserve() for _ in range(schedule.microbatches)])
-    ex = _Run(schedule, stages, params, micro, transport, {} if gathers else leaves,
+    ex = _Run(schedule, stages, params, micro, transport,
+              {} if gathers else {s: [t.dtype for t in leaves[s]] for s in mine},
               {} if gathers else {s: [None] * len(leaves[s]) for s in mine}, split,
               Functional() if functional else Autograd(), scale, dict(trained or {}), keys,
               None if counted is None else set(counted), state, weights=weights, stored=stored,
