@@ -202,7 +202,7 @@ def test_scatter_leaves_is_the_transpose_of_gather_leaves():
     cots = [torch.randn(2, *s, generator=g, dtype=torch.float64) for s in shapes]  # per device
 
     for cap in (5, 10**6):
-        def body(*xs_and_gs):
+        def body(*xs_and_gs, cap=cap):
             xs, gs = list(xs_and_gs[:4]), list(xs_and_gs[4:])
             _, vjp = torch.func.vjp(lambda ys: B.gather_leaves(list(ys), src, dst, "data", mesh, cap), xs)
             (want,) = vjp(gs)
