@@ -398,9 +398,23 @@ def stored_bytes(tree) -> int:
 
 
 def train_stored(mesh_axes: dict, name: str, steps: int, zero: int = 0, m: int = 2, v: int = 1,
-                 clip: float | None = None, **cfg) -> dict:
+                 clip: float | None = None, observe: bool = False, **cfg) -> dict:
     """``train``, and what this rank stores: the bytes of its parameters and optimizer
-    state, and which parameter paths it holds (not placeholders)."""
+    state, and which parameter paths it holds (not placeholders); ``observe``: also the
+    all-reduces it ran over shared memory, as (elements, group size)."""
+    from fsharded.comm import _shm
+    seen: list = []
+    if observe:
+        _shm.set_observer(lambda op, t, n: seen.append((t.numel(), n)) if op == "all_reduce" else None)
+    try:
+        out = _train_stored(mesh_axes, name, steps, zero, m, v, clip, **cfg)
+    finally:
+        _shm.set_observer(None)
+    return {**out, "all_reduces": seen} if observe else out
+
+
+def _train_stored(mesh_axes: dict, name: str, steps: int, zero: int, m: int, v: int, clip: float | None,
+                  **cfg) -> dict:
     import fsharded as fs
     cfg = {**TRAIN_CFG, **cfg}
     params, tokens = setup(**cfg)

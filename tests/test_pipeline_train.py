@@ -417,6 +417,24 @@ def test_zero3_gathers_and_releases_each_chunk_at_its_table_actions(ranks, refer
         assert_trains_like(out, C.train_reference(STEPS, batch=16))
 
 
+def test_the_tied_embedding_is_summed_among_its_holders_alone():
+    # pipe=4: the first and the last rank hold the tied embedding and sum its two
+    # gradient parts between them (a group of two); the ranks between send nothing for it.
+    steps = 3
+    outs = run_on_ranks(C.train_stored, 4, {"pipe": 4}, "1f1b", steps, observe=True)
+    params, _ = C.setup(**C.TRAIN_CFG)
+    emb = params["emb"].numel()
+    for rank, out in enumerate(outs):
+        sums = [(k, n) for k, n in out["all_reduces"] if k == emb]
+        if rank in (0, 3):
+            assert sums == [(emb, 2)] * steps, (rank, out["all_reduces"])
+        else:
+            assert not sums, (rank, out["all_reduces"])
+    ref = C.train_reference(steps)
+    for out in outs:
+        assert_trains_like(out, ref)
+
+
 # -- precision and frozen leaves ---------------------------------------------------------------
 
 def _same_run(got, ref, tol, atol=1e-5):

@@ -19,6 +19,7 @@ from fsharded.comm._c10d import (
 from fsharded.comm._groups import (
     AxisGroup,
     axis_group,
+    axis_subgroup,
     check_world,
     default_device_type,
     device_mesh,
@@ -40,6 +41,7 @@ __all__ = [
     "device_mesh",
     "from_device_mesh",
     "axis_group",
+    "axis_subgroup",
     "AxisGroup",
     "check_world",
     "remember_device_mesh",

@@ -198,8 +198,25 @@ def remember_device_mesh(mesh: Mesh, dm: Any) -> None:
 def axis_group(mesh: Mesh, axes: tuple[str, ...]) -> AxisGroup:
     """The group for ``axes`` (one name or several, major first); collective on first use."""
     key = (mesh, tuple(axes))
-    if key in _GROUPS:
-        return _GROUPS[key]
+    if key not in _GROUPS:
+        _GROUPS[key] = _groups_along(mesh, tuple(axes), list(itertools.product(*(range(mesh.shape[a]) for a in axes))))
+    return _GROUPS[key]
+
+
+def axis_subgroup(mesh: Mesh, axis: str, members: tuple[int, ...]) -> AxisGroup | None:
+    """The group of the ranks at coordinates ``members`` along ``axis`` that differ from
+    this one only along it (positions in ``members`` order), or None on a rank whose
+    coordinate is not among them; collective on first use (every rank makes every such
+    group, in the same order, whether it belongs to one or not)."""
+    key = (mesh, (axis,), tuple(members))
+    if key not in _GROUPS:
+        _GROUPS[key] = _groups_along(mesh, (axis,), [(c,) for c in members])
+    return _GROUPS[key]
+
+
+def _groups_along(mesh: Mesh, axes: tuple[str, ...], along: list[tuple[int, ...]]) -> AxisGroup | None:
+    """Every group of the ranks at the coordinates ``along`` of ``axes``, one per position
+    on the other axes, made by every rank in the same order; this rank's, or None."""
     check_world(mesh)
     me = mesh.coords(dist.get_rank())
     others = [a for a in mesh.axis_names if a not in axes]
@@ -207,25 +224,21 @@ def axis_group(mesh: Mesh, axes: tuple[str, ...]) -> AxisGroup:
     # Every rank must create every subgroup, in the same order.
     for fixed in itertools.product(*(range(mesh.shape[a]) for a in others)):
         base = dict(zip(others, fixed))
-        ranks = []
-        for along in itertools.product(*(range(mesh.shape[a]) for a in axes)):
-            ranks.append(mesh.rank_of({**base, **dict(zip(axes, along))}))
+        ranks = [mesh.rank_of({**base, **dict(zip(axes, at))}) for at in along]
         # The group waits as long as initialize(timeout_s=) says (new_group's own default
         # is 30 minutes, whatever the default group's timeout).
         group = dist.new_group(ranks=sorted(ranks), timeout=datetime.timedelta(seconds=timeout_s()))
-        if all(base[a] == me[a] for a in others):
+        if all(base[a] == me[a] for a in others) and dist.get_rank() in ranks:
             sorted_ranks = sorted(ranks)
             to_group = tuple(sorted_ranks.index(r) for r in ranks)
-            index = ranks.index(dist.get_rank())
             mine = AxisGroup(
                 axes=tuple(axes),
                 group=group,
                 group_name=group.group_name,
                 size=len(ranks),
-                index=index,
+                index=ranks.index(dist.get_rank()),
                 ranks=tuple(ranks),
                 to_group=to_group,
                 identity_order=to_group == tuple(range(len(ranks))),
             )
-    _GROUPS[key] = mine
     return mine

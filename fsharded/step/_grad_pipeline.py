@@ -274,10 +274,12 @@ class PipelineGradients:
     def _shared_sum(self, placed: list, master: list) -> list:
         """``placed`` (the reduced gradients of the leaves this rank updates) with those of
         the trained leaves several pipe ranks hold (a tied embedding on the first and the
-        last stage) each the sum of its holders' parts: one psum over the pipe axis of them
-        all in one buffer, zeros (of the leaf's shard, ``master``) from the ranks that do
-        not hold a leaf. Untyped (every pipe rank sends the same buffer whatever its
-        stages' types); each holder's sum takes the type of its own part."""
+        last stage) each the sum of its holders' parts, one buffer per set of holders:
+        held by every pipe rank, a psum over the pipe axis; by some of them, a sum among
+        those alone (a group of theirs: the ranks between send nothing), which a dry run
+        leaves out (it is not a collective of the mesh's axes). Untyped (every holder sends
+        the same buffer whatever its stages' types); each holder's sum takes the type of
+        its own part."""
         hold, updated = self.layout.holding, self.layout.updated
         trained = self.layout.trainable
         idx = [i for i, sh in enumerate(hold.shared) if sh and (trained is None or trained[i])]
@@ -285,19 +287,34 @@ class PipelineGradients:
             return placed
         at = {i: k for k, i in enumerate(i for i, u in enumerate(updated or [True] * len(master)) if u)}
         dtype = self.policy.reduce_dtype
-        parts = [placed[at[i]].to(dtype).reshape(-1) if i in at else torch.zeros(master[i].numel(), dtype=dtype)
-                 for i in idx]
+        axis, n = self.pipe.axis, self.mesh.shape[self.pipe.axis]
+        by_holders: dict[tuple[int, ...], list[int]] = {}
+        for i in idx:
+            by_holders.setdefault(tuple(sorted(hold.owners[i])), []).append(i)
         vma = _env.current().vma if _env.current() is not None else None
-        with vma.paused() if vma is not None else contextlib.nullcontext():
-            flat = psum(torch.cat(parts), self.pipe.axis)
         out = list(placed)
-        for i, piece in zip(idx, flat.split([p.numel() for p in parts])):
-            if i in at:
-                own = placed[at[i]]
-                g = piece.view(own.shape).to(own.dtype)
-                if vma is not None:
-                    vma.set(g, varying_axes(own))
-                out[at[i]] = g
+        for holders, group in sorted(by_holders.items()):
+            among = None
+            if len(holders) < n and not _manifest.dry():
+                among = comm.axis_subgroup(self.mesh, axis, holders)  # (made by every rank)
+                if among is None:
+                    continue  # not a holder: nothing of these leaves is here, and it sends nothing
+            parts = [placed[at[i]].to(dtype).reshape(-1) if i in at else torch.zeros(master[i].numel(), dtype=dtype)
+                     for i in group]
+            if len(holders) == n:
+                with vma.paused() if vma is not None else contextlib.nullcontext():
+                    flat = psum(torch.cat(parts), axis)
+            elif among is None:  # a dry run: no group is made, nothing is sent
+                flat = torch.cat(parts)
+            else:
+                flat = comm.all_reduce(torch.cat(parts), "sum", among)
+            for i, piece in zip(group, flat.split([p.numel() for p in parts])):
+                if i in at:
+                    own = placed[at[i]]
+                    g = piece.view(own.shape).to(own.dtype)
+                    if vma is not None:
+                        vma.set(g, varying_axes(own))
+                    out[at[i]] = g
         return out
 
     def _counted_rank(self) -> int | None:
