@@ -64,20 +64,25 @@ def global_sq_norm(tree: Any, specs: Any = None, *, flat_specs: list | None = No
         return torch.zeros((), dtype=torch.float32)
     if flat_specs is None:
         flat_specs = [None] * len(leaves) if specs is None else broadcast_prefix(specs, tree, what="specs")
-    if plain(leaves) and all(
-        x.dtype in (torch.float32, torch.float64) and x.device.type != "meta" for x in leaves
-    ):
-        sq = [n * n for n in torch._foreach_norm(leaves)]  # one multi-tensor kernel
-    else:
-        sq = [(y * y).sum() for y in (x.to(_acc_dtype(x)) for x in leaves)]
-    groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
-    for q, spec in zip(sq, flat_specs):
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, spec in enumerate(flat_specs):
         # psum over a set of axes does not depend on their order: one group per set.
         axes = tuple(sorted(a for a in (spec.axes if spec is not None else ()) if collectives.is_bound(a)))
-        groups.setdefault(axes, []).append(q)
+        groups.setdefault(axes, []).append(i)
+    fast = plain(leaves) and all(x.dtype in (torch.float32, torch.float64) and x.device.type != "meta"
+                                 for x in leaves)
+    norms = torch._foreach_norm(leaves) if fast else None  # one multi-tensor kernel
+    same = fast and len({x.dtype for x in leaves}) == 1
+    if not fast:
+        sq = [(y * y).sum() for y in (x.to(_acc_dtype(x)) for x in leaves)]
+    elif not same:
+        sq = [n * n for n in norms]
     total = None
-    for axes, qs in groups.items():
-        part = torch.stack(qs).sum() if len(qs) > 1 else qs[0]
+    for axes, idx in groups.items():
+        if same:  # the group's squares in one op: each n * n, summed in leaf order as below
+            part = torch.stack([norms[i] for i in idx]).square().sum() if len(idx) > 1 else norms[idx[0]].square()
+        else:
+            part = torch.stack([sq[i] for i in idx]).sum() if len(idx) > 1 else sq[idx[0]]
         part = collectives.psum(part, axes) if axes else part
         total = part if total is None else total + part
     return total

@@ -30,7 +30,7 @@ from fsharded.spmd.collectives import (
 )
 
 __all__ = ["buckets", "split_dim", "gather_leaves", "scatter_leaves", "reduce_leaves", "slice_leaves",
-           "InBackward", "InFlight", "issue"]
+           "InBackward", "InBackwardLayout", "InFlight", "issue"]
 
 
 def buckets(idx: list[int], sizes: list[int], cap: int) -> list[list[int]]:
@@ -311,23 +311,16 @@ class _Bucket:
         self.out: torch.Tensor | None = None
 
 
-class InBackward:
-    """``reduce_leaves`` run while backward produces the gradients (real ranks, plain
-    autograd): a hook on each differentiated leaf copies its gradient into its bucket and
-    hands autograd a stride-0 zero in its place, so the full gradient is freed at once; a
-    bucket whose leaves are all in is reduced (reduce-scattered, ZeRO-2, asynchronously
-    where the transport allows; all-reduced in place otherwise). ``finish()`` after
-    backward completes every bucket and gives the reduced leaves, typed as ``reduce_leaves``
-    types them. The same buckets, so the same collectives and bytes, in backward's order.
-
-    ``plan`` gives None where ``reduce_leaves`` does more than one batch axis' reduction per
-    leaf (a leaf also sharded over the batch axis, hybrid meshes): the step then reduces
-    after backward."""
+class InBackwardLayout:
+    """The buckets ``InBackward`` fills, as ``reduce_leaves`` groups them: ``buckets`` of
+    ``(leaf indices, scatter dim per leaf or None for an all-reduce, numels)``. It depends
+    only on the leaves' shapes and specs, so a step builds it once (``of``) and a fresh
+    ``InBackward`` per backward."""
 
     def __init__(self, shapes: list, param_specs: list, grad_specs: list, axis: str, mesh: Mesh,
-                 cap: int, dtype: torch.dtype, vma: Any) -> None:
-        self.shapes, self.axis, self.mesh, self.dtype, self.vma = shapes, axis, mesh, dtype, vma
-        n = self.n = mesh.shape[axis]
+                 cap: int) -> None:
+        self.shapes, self.axis, self.mesh = shapes, axis, mesh
+        self.n = mesh.shape[axis]
         numel = [math.prod(s) for s in shapes]
         # The groups reduce_leaves makes (one dtype here: every gradient is cast to it).
         allreduce: dict[frozenset, list[int]] = {}
@@ -337,26 +330,46 @@ class InBackward:
                 scatter.setdefault(frozenset(ps.axes), []).append((i, split_dim(gs, ps, axis)))
             else:
                 allreduce.setdefault(frozenset(ps.axes), []).append(i)
-        self.buckets: list[_Bucket] = []
+        self.buckets: list[tuple[list[int], dict[int, int] | None, list[int]]] = []
         for idx in allreduce.values():
             for b in buckets(idx, [numel[i] for i in idx], cap):
-                self.buckets.append(_Bucket(b, None, [numel[i] for i in b], n))
+                self.buckets.append((b, None, [numel[i] for i in b]))
         for items in scatter.values():
             dims = dict(items)
             for b in buckets([i for i, _ in items], [numel[i] for i, _ in items], cap):
-                self.buckets.append(_Bucket(b, {i: dims[i] for i in b}, [numel[i] for i in b], n))
-        self.bucket_of = {i: b for b in self.buckets for i in b.idx}
-        self.pending: list = []
-        self.types: list = [frozenset()] * len(shapes)
-        self.axes = _env.bind(axis, "the gradient reduction")  # for the manifest's entries
+                self.buckets.append((b, {i: dims[i] for i in b}, [numel[i] for i in b]))
 
     @classmethod
-    def plan(cls, shapes: list, param_specs: list, grad_specs: list, batch_axes: tuple[str, ...],
-             mesh: Mesh, cap: int, dtype: torch.dtype, vma: Any) -> InBackward | None:
+    def of(cls, shapes: list, param_specs: list, grad_specs: list, batch_axes: tuple[str, ...],
+           mesh: Mesh, cap: int) -> InBackwardLayout | None:
+        """None where ``reduce_leaves`` does more than one batch axis' reduction per leaf."""
         live = [a for a in batch_axes if is_bound(a) and mesh.shape[a] > 1]
         if len(live) != 1 or any(live[0] in ps.axes for ps in param_specs):
             return None
-        return cls(shapes, param_specs, grad_specs, live[0], mesh, cap, dtype, vma)
+        return cls(shapes, param_specs, grad_specs, live[0], mesh, cap)
+
+
+class InBackward:
+    """``reduce_leaves`` run while backward produces the gradients (real ranks, plain
+    autograd): a hook on each differentiated leaf copies its gradient into its bucket and
+    hands autograd a stride-0 zero in its place, so the full gradient is freed at once; a
+    bucket whose leaves are all in is reduced (reduce-scattered, ZeRO-2, asynchronously
+    where the transport allows; all-reduced in place otherwise). ``finish()`` after
+    backward completes every bucket and gives the reduced leaves, typed as ``reduce_leaves``
+    types them. The same buckets, so the same collectives and bytes, in backward's order.
+
+    ``InBackwardLayout.of`` gives None where ``reduce_leaves`` does more than one batch
+    axis' reduction per leaf (a leaf also sharded over the batch axis, hybrid meshes): the
+    step then reduces after backward."""
+
+    def __init__(self, layout: InBackwardLayout, dtype: torch.dtype, vma: Any) -> None:
+        self.shapes, self.axis, self.mesh, self.n = layout.shapes, layout.axis, layout.mesh, layout.n
+        self.dtype, self.vma = dtype, vma
+        self.buckets = [_Bucket(idx, dims, numels, self.n) for idx, dims, numels in layout.buckets]
+        self.bucket_of = {i: b for b in self.buckets for i in b.idx}
+        self.pending: list = []
+        self.types: list = [frozenset()] * len(self.shapes)
+        self.axes = _env.bind(self.axis, "the gradient reduction")  # for the manifest's entries
 
     def watch(self, leaves: list) -> None:
         """Hook the differentiated leaves (the step's parameters, before the loss runs)."""
@@ -368,35 +381,45 @@ class InBackward:
                 x.register_hook(self._hook(i))
 
     def _hook(self, i: int):
+        b, n = self.bucket_of[i], self.n
+        o, w = b.offset[i], b.width[i]
+        d = b.dims[i] if b.dims is not None else None
+        zeros: dict = {}
+
         def hook(g: torch.Tensor) -> torch.Tensor:
-            b = self.bucket_of[i]
-            self._put(b, i, g)
-            if not b.missing:
-                self._reduce(b)
-            # Autograd keeps what a hook returns as the leaf's gradient: a zero of the same
-            # shape and no memory (the value lives on in the bucket).
-            return torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)
+            # A plain call (not through the typing's mode: the bucket is untyped until
+            # ``finish``), a few ops per leaf: it runs once per leaf per step.
+            with torch._C.DisableTorchFunction(), torch.no_grad():
+                buf = self._buffer(b)
+                if d is None:
+                    buf[o:o + w].copy_(g.reshape(-1))
+                else:
+                    buf[:, o:o + w].copy_(_rows(g, d, n))
+                b.missing.discard(i)
+                if not b.missing:
+                    self._reduce(b)
+                # Autograd keeps what a hook returns as the leaf's gradient: a zero of the
+                # same shape and no memory (the value lives on in the bucket).
+                z = zeros.get(g.dtype)
+                if z is None:
+                    z = zeros[g.dtype] = torch.zeros((), dtype=g.dtype, device=g.device)
+                return z.expand(g.shape)
         return hook
 
     def _buffer(self, b: _Bucket) -> torch.Tensor:
-        if b.buf is None:  # zeros: a leaf without a gradient contributes zero
+        if b.buf is None:  # not zeroed: the columns of a leaf without a gradient are at _reduce
             shape = (self.n, b.cols) if b.dims is not None else (b.cols,)
-            b.buf = torch.zeros(shape, dtype=self.dtype)
+            b.buf = torch.empty(shape, dtype=self.dtype)
             memory.label(b.buf, "gradients")  # the unreduced gradients of the bucket
         return b.buf
-
-    def _put(self, b: _Bucket, i: int, g: torch.Tensor) -> None:
-        buf, o, w = self._buffer(b), b.offset[i], b.width[i]
-        with torch.no_grad():
-            if b.dims is not None:
-                buf[:, o:o + w].copy_(_rows(g, b.dims[i], self.n))
-            else:
-                buf[o:o + w].copy_(g.reshape(-1))
-        b.missing.discard(i)
 
     def _reduce(self, b: _Bucket) -> None:
         g = comm.axis_group(self.mesh, (self.axis,))
         buf = self._buffer(b)
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            for i in b.missing:  # a leaf without a gradient contributes zero
+                o, w = b.offset[i], b.width[i]
+                (buf[o:o + w] if b.dims is None else buf[:, o:o + w]).zero_()
         b.missing.clear()
         # Recorded as the psum / psum_scatter that reduce_leaves runs after backward.
         _manifest.record(_prims.PSUM if b.dims is None else _prims.PSUM_SCATTER,

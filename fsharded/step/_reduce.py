@@ -49,6 +49,7 @@ class Reduction:
         # The reduction can run in backward where no gradient comes back summed already
         # (a leaf gathered inside the loss is reduce-scattered by the gather's transpose).
         self.in_backward = not any(T.pick(layout.moves.gather_in_loss, layout.updated))
+        self._layouts: dict[tuple, B.InBackwardLayout | None] = {}  # by the leaves' shapes
 
     def __call__(self, grads: list) -> list:
         with _trace.phase("reduce"):
@@ -63,6 +64,9 @@ class Reduction:
         if _manifest.dry():
             return None
         frame = _env.current()
-        shapes = [tuple(x.shape) for x in optree.tree_leaves(x0)]
-        return B.InBackward.plan(shapes, self.src, self.grads, self.batch_axes, self.mesh, self.cap,
-                                 self.dtype, frame.vma if frame is not None else None)
+        shapes = tuple(tuple(x.shape) for x in optree.tree_leaves(x0))
+        if shapes not in self._layouts:  # (which axes are bound is the step's, not the call's)
+            self._layouts[shapes] = B.InBackwardLayout.of(list(shapes), self.src, self.grads, self.batch_axes,
+                                                          self.mesh, self.cap)
+        layout = self._layouts[shapes]
+        return None if layout is None else B.InBackward(layout, self.dtype, frame.vma if frame is not None else None)

@@ -79,7 +79,7 @@ class GradientTransform:
 
     def __call__(self, grads: Any, params: Any, loss_scale: Any) -> Transformed:
         grads = self.scaling.unscale(grads, loss_scale)
-        grads = optree.tree_map(lambda g, p: g.to(p.dtype), grads, params)
+        grads = optree.tree_map(lambda g, p: g if g.dtype == p.dtype else g.to(p.dtype), grads, params)
         if self.partial is None:
             norm = optim.global_norm(grads, flat_specs=self.specs)
         else:
