@@ -198,3 +198,57 @@ def train_mixed(mesh_axes: dict, mixed: bool, steps: int = 3) -> dict:
         state, m = step(state, batch)
         losses.append(float(m["loss"]))
     return {"losses": losses, "params": step.params(state)}
+
+
+def in_backward_unused(world: int) -> dict:
+    """The reduction run inside backward (real ranks) where one leaf of each bucket kind
+    gets no gradient: its bucket's memory is not zeroed when allocated (here filled with
+    nan on purpose), so only the zeroing of the columns no hook filled keeps it at zero.
+    Each rank's gradients of the used leaves are rank-dependent; the result must be their
+    mean over the ranks, in the master layout (global values)."""
+    from fsharded.parallel import _buckets as B
+    from fsharded.spmd import _env
+
+    class Poisoned(B.InBackward):
+        def _buffer(self, b):
+            fresh = b.buf is None
+            buf = super()._buffer(b)
+            if fresh:
+                buf.fill_(float("nan"))
+            return buf
+
+    mesh = fs.Mesh({"data": world})
+    kinds = {"a": "z2", "b": "z2", "c": "rep", "d": "rep", "e": "z1"}
+    shapes = {"a": (4, 3), "b": (2, 2), "c": (3,), "d": (5,), "e": (8,)}
+    unused = ("b", "d")
+    trees = [{k: R_SPECS[v][i] for k, v in kinds.items()} for i in range(4)]
+    pl = Placement(*trees, stage=0, axis="data")
+    params = {k: torch.zeros(s, dtype=torch.float64) for k, s in shapes.items()}
+    layout = Layout(pl, params, None, mesh)
+    reduce = Reduction(layout, ("data",), CAP, torch.float64)
+    names = sorted(shapes)
+    weights = {k: torch.arange(1.0, 1 + torch.Size(s).numel(), dtype=torch.float64).reshape(s)
+               for k, s in shapes.items()}
+
+    def body(p: dict) -> list:
+        r = float(torch.distributed.get_rank()) + 1.0
+        x0 = mark_varying([p[k] for k in names], "data")  # as the step marks them
+        assert reduce.during_backward(x0) is not None
+        reducer = Poisoned(reduce._layouts[tuple(tuple(x.shape) for x in x0)], torch.float64,
+                           _env.current().vma)
+        with torch.enable_grad():
+            req = [x.detach().requires_grad_() for x in x0]
+            reducer.watch(req)
+            loss = sum(((r * weights[k] * x) ** 2).sum() / 2 for k, x in zip(names, req) if k not in unused)
+            torch.autograd.grad(loss, req, allow_unused=True)
+        return reduce.place(reducer.finish())
+
+    ones = {k: torch.ones(s, dtype=torch.float64) for k, s in shapes.items()}
+    sm = fs.shard_map(body, mesh=mesh, in_specs=(pl.params,), out_specs=[pl.master[k] for k in names])
+    with torch.no_grad():
+        out = sm(ones)
+    # d/dx of (r w x)^2 / 2 at x = 1 is r^2 w^2; averaged over the ranks r = 1..world.
+    mean_r2 = sum((r + 1.0) ** 2 for r in range(world)) / world
+    expect = {k: torch.zeros(s, dtype=torch.float64) if k in unused else mean_r2 * weights[k] ** 2
+              for k, s in shapes.items()}
+    return {"got": dict(zip(names, out)), "expect": expect}

@@ -79,6 +79,18 @@ def test_reduction_and_strategies_on_two_gloo_ranks():
         assert res["plain-zero2"]["in_backward"] and not res["plain"]["in_backward"]
 
 
+@pytest.mark.multiprocess
+def test_in_backward_reduction_zeroes_the_leaves_without_gradient():
+    """Reduced inside backward on gloo ranks, with buckets of uninitialised (nan) memory: a
+    leaf no hook filled comes back zero, beside the ranks' mean of the others (all-reduced
+    and reduce-scattered buckets)."""
+    from fsharded.testing import run_on_ranks
+
+    for res in run_on_ranks(C.in_backward_unused, 2, 2):
+        for k, want in res["expect"].items():
+            torch.testing.assert_close(res["got"][k], want, rtol=1e-12, atol=0, msg=k)
+
+
 # -- no stage number outside zero.py -----------------------------------------------------------
 
 ROOT = pathlib.Path(fs.__file__).parent
