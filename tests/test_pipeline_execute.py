@@ -206,7 +206,23 @@ def test_untied_head_on_gloo_ranks():
 
 # -- the weight gradients a split backward puts off -------------------------------------------
 
-def test_a_split_backward_puts_the_weight_products_off_and_computes_them_in_w():
+def _autograd_nodes(t: torch.Tensor) -> set[str]:
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        n = todo.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        names.add(type(n).__name__)
+        todo.extend(c for c, _ in n.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["product-node", "native"])
+def test_a_split_backward_puts_the_weight_products_off_and_computes_them_in_w(native):
+    """Both forms: a Python autograd node per product (inside torch.func's transforms, the
+    virtual mesh) and autograd's own op on the detached weight with a hook on its output
+    (plain autograd, real ranks): the same put-off products, the same gradients."""
     from fsharded.parallel.pipeline._deferred import Deferred, Deferring
     params, tokens = C.setup(tied_embeddings=False)
     st = gpt_stages.pipeline_stages(params, 2, attention="einsum")
@@ -216,8 +232,9 @@ def test_a_split_backward_puts_the_weight_products_off_and_computes_them_in_w():
     batch = {"tokens": tokens[:4]}
     ref = torch.autograd.grad(st.forward(1, part, x, batch), [x] + leaves)
     sink = Deferred()
-    with Deferring(leaves, sink):
+    with Deferring(leaves, sink, native=native):
         y = st.forward(1, part, x, batch)
+    assert ("_ProductBackward" in _autograd_nodes(y)) != native
     got = list(torch.autograd.grad(y, [x] + leaves, allow_unused=True))
     paths = optree.tree_paths(part)
     put_off = {paths[k] for k, *_ in sink.parts}
@@ -255,7 +272,8 @@ def test_the_put_off_products_are_the_contractions_the_rule_covers(eq, ok):
     assert torch.allclose(dx, ref[0], atol=1e-5) and torch.allclose(grads[0], ref[1], atol=1e-5)
 
 
-def test_linear_and_matmul_of_a_parameter_are_put_off_too():
+@pytest.mark.parametrize("native", [False, True], ids=["product-node", "native"])
+def test_linear_and_matmul_of_a_parameter_are_put_off_too(native):
     from fsharded.parallel.pipeline._deferred import Deferred, Deferring
     w1, w2, b = (torch.randn(8, 6, requires_grad=True), torch.randn(6, 5, requires_grad=True),
                  torch.randn(8, requires_grad=True))
@@ -266,13 +284,31 @@ def test_linear_and_matmul_of_a_parameter_are_put_off_too():
 
     ref = torch.autograd.grad(f(x).sum(), [x, w1, w2, b])
     sink = Deferred()
-    with Deferring([w1, w2, b], sink):
+    with Deferring([w1, w2, b], sink, native=native):
         y = f(x)
     got = list(torch.autograd.grad(y.sum(), [x, w1, w2, b], allow_unused=True))
     assert [k for k, *_ in sink.parts] == [1, 0, 0] and got[1] is None and got[2] is None
     rest = got[1:]
     sink.apply(rest)
     for a, r in zip([got[0], *rest], ref):
+        assert torch.allclose(a, r, atol=1e-5)
+
+
+def test_a_product_with_an_input_that_needs_no_gradient_is_put_off_by_its_node():
+    """Natively a hook on the output files the product; an output that needs no gradient
+    takes no hook, so a constant input (a first stage's data) goes by the Python node."""
+    from fsharded.parallel.pipeline._deferred import Deferred, Deferring
+    w1, w2 = torch.randn(6, 5, requires_grad=True), torch.randn(5, 4, requires_grad=True)
+    x = torch.randn(3, 6)
+    ref = torch.autograd.grad(((x @ w1).tanh() @ w2).sum(), [w1, w2])
+    sink = Deferred()
+    with Deferring([w1, w2], sink, native=True):
+        y = (x @ w1).tanh() @ w2
+    assert "_ProductBackward" in _autograd_nodes(y)
+    got = list(torch.autograd.grad(y.sum(), [w1, w2], allow_unused=True))
+    assert got == [None, None] and sorted(k for k, *_ in sink.parts) == [0, 1]
+    sink.apply(got)
+    for a, r in zip(got, ref):
         assert torch.allclose(a, r, atol=1e-5)
 
 

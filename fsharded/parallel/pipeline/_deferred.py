@@ -147,14 +147,25 @@ def _derive(eq: str) -> tuple[str, str] | None:
     return f"{out},{b}->{a}", f"{a},{out}->{b}"
 
 
+def _file(sink: Deferred, k: int, eq: str, x: torch.Tensor):
+    def hook(g: torch.Tensor) -> None:
+        sink.add(k, eq, x, g)
+    return hook
+
+
 class Deferring(TorchFunctionMode):
     """Run a stage's forward with the weight gradients of ``params`` (the stage's leaves)
-    filed with ``sink`` (a ``Deferred``) instead of computed in backward."""
+    filed with ``sink`` (a ``Deferred``) instead of computed in backward.
 
-    def __init__(self, params: list[torch.Tensor], sink: Deferred) -> None:
+    ``native``: plain autograd (a process per rank, no torch.func transform): a product
+    runs as autograd's own op on the weight detached, so its backward computes the
+    activation's gradient only, and a hook on its output files ``(x, grad_out)``; no
+    Python autograd node. Otherwise (inside torch.func's transforms) ``_Product``."""
+
+    def __init__(self, params: list[torch.Tensor], sink: Deferred, *, native: bool = False) -> None:
         super().__init__()
         self.ids = {id(p): k for k, p in enumerate(params)}
-        self.sink = sink
+        self.sink, self.native = sink, native
 
     def _leaf(self, w: Any) -> int | None:
         return self.ids.get(id(w)) if isinstance(w, torch.Tensor) and w.requires_grad else None
@@ -162,6 +173,10 @@ class Deferring(TorchFunctionMode):
     def _product(self, eq: str, x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor | None:
         if _equations(eq) is None or not torch.is_grad_enabled():
             return None
+        if self.native and x.requires_grad:
+            y = _Product.forward(x, w.detach(), eq, None, k)
+            y.register_hook(_file(self.sink, k, eq, x))
+            return y
         return _Product.apply(x, w, eq, self.sink, k)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -448,7 +448,8 @@ class _Run:
         micro-batches is their sum), and its aux ``(the loss, its metrics)``. Another
         stage's output is its activation, or ``(activation, its extra loss terms so
         scaled)``, with aux ``(those terms or (), its metrics)``."""
-        ctx = Deferring(optree.tree_leaves(p), sink) if sink is not None else contextlib.nullcontext()
+        ctx = Deferring(optree.tree_leaves(p), sink, native=isinstance(self.diff, Autograd)) \
+            if sink is not None else contextlib.nullcontext()
         with ctx, self._keyed(s, i, before):
             y = self.stages.forward(s, p, x, self.micro[i], state=self.state)
         y, extra, metrics = y if isinstance(y, tuple) else (y, None, {})
