@@ -206,43 +206,66 @@ def test_untied_head_on_gloo_ranks():
 
 # -- the weight gradients a split backward puts off -------------------------------------------
 
-def _autograd_nodes(t: torch.Tensor) -> set[str]:
-    seen, todo, names = set(), [t.grad_fn], set()
-    while todo:
-        n = todo.pop()
-        if n is None or n in seen:
-            continue
-        seen.add(n)
-        names.add(type(n).__name__)
-        todo.extend(c for c, _ in n.next_functions)
-    return names
+class _CountProducts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products run (mm, bmm, addmm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["product-node", "native"])
-def test_a_split_backward_puts_the_weight_products_off_and_computes_them_in_w(native):
-    """Both forms: a Python autograd node per product (inside torch.func's transforms, the
-    virtual mesh) and autograd's own op on the detached weight with a hook on its output
-    (plain autograd, real ranks): the same put-off products, the same gradients."""
+def _split(form: str, fn, leaves: list, x: torch.Tensor | None):
+    """``fn(leaves, x) -> y`` run with its backward split, as the executor runs it: the
+    gradients ``I`` gives (input's, leaves'), the sink, and the products ``I`` ran."""
     from fsharded.parallel.pipeline._deferred import Deferred, Deferring
+    from fsharded.parallel.pipeline._execute import Autograd
+    sink = Deferred()
+    if form == "mode":  # inside torch.func's transforms: the forward under Deferring
+        xs = [] if x is None else [x]
+        with Deferring(leaves, sink):
+            y = fn(leaves, x)
+        with _CountProducts() as count:
+            got = list(torch.autograd.grad(y, xs + leaves, allow_unused=True))
+        return (got[0] if x is not None else None), got[len(xs):], sink, count.n
+    y, back = Autograd().forward(lambda p, xx: (fn(p, xx), ()), leaves, x, sink=sink)
+    with _CountProducts() as count:
+        gp, gx = back(None)
+    return gx, gp, sink, count.n
+
+
+@pytest.mark.parametrize("form", ["mode", "graph"])
+def test_a_split_backward_puts_the_weight_products_off_and_computes_them_in_w(form):
+    """Both forms: a Python autograd node per product, made under a mode during the
+    forward (torch.func's transforms, the virtual mesh), and the products read off the
+    graph after a plain forward (plain autograd, real ranks): the same put-off
+    products, whose weight side I does not run, and the same gradients."""
     params, tokens = C.setup(tied_embeddings=False)
     st = gpt_stages.pipeline_stages(params, 2, attention="einsum")
     part = C.leaves_requiring_grad(st.params_of(params, 1))
-    leaves = optree.tree_leaves(part)
+    leaves, tdef = optree.tree_flatten(part)
     x = torch.randn(4, 16, params["emb"].shape[1], requires_grad=True)
     batch = {"tokens": tokens[:4]}
-    ref = torch.autograd.grad(st.forward(1, part, x, batch), [x] + leaves)
-    sink = Deferred()
-    with Deferring(leaves, sink, native=native):
-        y = st.forward(1, part, x, batch)
-    assert ("_ProductBackward" in _autograd_nodes(y)) != native
-    got = list(torch.autograd.grad(y, [x] + leaves, allow_unused=True))
+
+    def fn(ls, xx):
+        return st.forward(1, optree.tree_unflatten(tdef, ls), xx, batch)
+
+    y = fn(leaves, x)
+    with _CountProducts() as count:
+        ref = torch.autograd.grad(y, [x] + leaves)
+    whole = count.n  # the products of one unsplit backward
+    gx, grads, sink, in_i = _split(form, fn, leaves, x)
     paths = optree.tree_paths(part)
-    put_off = {paths[k] for k, *_ in sink.parts}
-    # every projection of the blocks and the head: the products with a parameter
-    assert put_off == {p for p in paths if p[-1] in ("wq", "wk", "wv", "wo", "w_in", "w_out", "head")}, put_off
-    assert all(got[1 + k] is None for k, *_ in sink.parts)
-    assert torch.allclose(got[0], ref[0], atol=1e-6)  # the input's gradient is whole after I
-    grads = got[1:]
+    put_off = [paths[k] for k, *_ in sink.parts]
+    # every projection of the blocks and the head (each once): the products with a parameter
+    assert sorted(put_off) == sorted(p for p in paths if p[-1] in ("wq", "wk", "wv", "wo", "w_in", "w_out", "head"))
+    assert all(grads[k] is None for k, *_ in sink.parts)
+    assert in_i == whole - len(put_off)  # I runs each put-off product's activation side only
+    assert torch.allclose(gx, ref[0], atol=1e-6)  # the input's gradient is whole after I
     sink.apply(grads)
     assert sink.parts == []
     for path, a, b in zip(paths, grads, ref[1:]):
@@ -250,6 +273,7 @@ def test_a_split_backward_puts_the_weight_products_off_and_computes_them_in_w(na
 
 
 @pytest.mark.parametrize("eq,ok", [("btd,dhe->bthe", True), ("bthe,hed->btd", True), ("...k,kn->...n", True),
+                                   ("d,dn->n", True), ("bd,dhe->bhe", True),
                                    ("...k,nk->...n", True),
                                    ("bij,bjk->bik", True), ("ii,ij->j", False), ("ij,jk->i", False),
                                    ("ij,kl->ijkl", True), ("ij,j", False)])
@@ -272,43 +296,44 @@ def test_the_put_off_products_are_the_contractions_the_rule_covers(eq, ok):
     assert torch.allclose(dx, ref[0], atol=1e-5) and torch.allclose(grads[0], ref[1], atol=1e-5)
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["product-node", "native"])
-def test_linear_and_matmul_of_a_parameter_are_put_off_too(native):
-    from fsharded.parallel.pipeline._deferred import Deferred, Deferring
-    w1, w2, b = (torch.randn(8, 6, requires_grad=True), torch.randn(6, 5, requires_grad=True),
-                 torch.randn(8, requires_grad=True))
-    x = torch.randn(3, 4, 6, requires_grad=True)
+@pytest.mark.parametrize("form", ["mode", "graph"])
+def test_linear_and_matmul_of_a_parameter_are_put_off_too(form):
+    """F.linear with a bias (addmm), matmuls of a 3-d activation (mm) and of a transposed
+    parameter; in the graph form a parameter used twice (w1) is not put off."""
+    w1, w2, w3, b = (torch.randn(8, 6, requires_grad=True), torch.randn(6, 5, requires_grad=True),
+                     torch.randn(7, 5, requires_grad=True), torch.randn(8, requires_grad=True))
+    x = torch.randn(2, 3, 4, 6, requires_grad=True)
 
-    def f(x):
-        return (torch.nn.functional.linear(x, w1, b).relu() @ w1) @ w2
+    def f(ls, x):
+        w1, w2, w3, b = ls
+        h = torch.nn.functional.linear(x[0], w1, b).relu() @ w1
+        return ((h @ w2) @ w3.t()).sum() + torch.nn.functional.linear(x[1, 0], w1, b).square().sum()
 
-    ref = torch.autograd.grad(f(x).sum(), [x, w1, w2, b])
-    sink = Deferred()
-    with Deferring([w1, w2, b], sink, native=native):
-        y = f(x)
-    got = list(torch.autograd.grad(y.sum(), [x, w1, w2, b], allow_unused=True))
-    assert [k for k, *_ in sink.parts] == [1, 0, 0] and got[1] is None and got[2] is None
-    rest = got[1:]
-    sink.apply(rest)
-    for a, r in zip([got[0], *rest], ref):
+    leaves = [w1, w2, w3, b]
+    ref = torch.autograd.grad(f(leaves, x), [x] + leaves)
+    gx, grads, sink, _ = _split(form, f, leaves, x)
+    expect = [0, 0, 0, 1] if form == "mode" else [1, 2]  # (the mode: a product with a leaf itself)
+    assert sorted(k for k, *_ in sink.parts) == expect
+    assert all(grads[k] is None for k in expect)
+    sink.apply(grads)
+    for a, r in zip([gx, *grads], ref):
         assert torch.allclose(a, r, atol=1e-5)
 
 
-def test_a_product_with_an_input_that_needs_no_gradient_is_put_off_by_its_node():
-    """Natively a hook on the output files the product; an output that needs no gradient
-    takes no hook, so a constant input (a first stage's data) goes by the Python node."""
-    from fsharded.parallel.pipeline._deferred import Deferred, Deferring
+def test_a_product_with_a_constant_input_is_put_off():
+    """The first stage's case: the activation side needs no gradient (data), the put-off
+    product's other operand is that constant, saved by the node."""
     w1, w2 = torch.randn(6, 5, requires_grad=True), torch.randn(5, 4, requires_grad=True)
-    x = torch.randn(3, 6)
-    ref = torch.autograd.grad(((x @ w1).tanh() @ w2).sum(), [w1, w2])
-    sink = Deferred()
-    with Deferring([w1, w2], sink, native=True):
-        y = (x @ w1).tanh() @ w2
-    assert "_ProductBackward" in _autograd_nodes(y)
-    got = list(torch.autograd.grad(y.sum(), [w1, w2], allow_unused=True))
-    assert got == [None, None] and sorted(k for k, *_ in sink.parts) == [0, 1]
-    sink.apply(got)
-    for a, r in zip(got, ref):
+    data = torch.randn(3, 6)
+
+    def f(ls, _):
+        return ((data @ ls[0]).tanh() @ ls[1]).sum()
+
+    ref = torch.autograd.grad(f([w1, w2], None), [w1, w2])
+    gx, grads, sink, _ = _split("graph", f, [w1, w2], None)
+    assert gx is None and grads == [None, None] and sorted(k for k, *_ in sink.parts) == [0, 1]
+    sink.apply(grads)
+    for a, r in zip(grads, ref):
         assert torch.allclose(a, r, atol=1e-5)
 
 

@@ -404,8 +404,10 @@ class VmaMode(TorchFunctionMode):
             self.dispatching -= 1
         ins = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         for x, g in zip(ins, out):
-            if isinstance(g, torch.Tensor):
-                self.set(g, self.get(x))  # a cotangent has its primal's type
+            # A cotangent has its primal's type; one at a node's output (a GradientEdge)
+            # has no tensor to take it from and is typed by the ops that read it.
+            if isinstance(g, torch.Tensor) and isinstance(x, torch.Tensor):
+                self.set(g, self.get(x))
         return out
 
 

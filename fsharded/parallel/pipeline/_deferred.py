@@ -1,6 +1,15 @@
 """Weight gradients put off: what lets a zero-bubble schedule split a backward into ``I``
 (the input's gradient, which the previous stage waits for) and ``W`` (the weights',
-which nothing waits for).
+which nothing waits for). Two ways, one per differentiator:
+
+- plain autograd (real ranks): the forward runs as it is. ``find_products`` then reads
+  its graph: a parameter whose one use is a matrix product (``mm``, ``bmm``, ``addmm``,
+  reached through view-like nodes: einsum's permutes and reshapes, a transpose, a
+  cast) is put off. ``I`` asks autograd for the gradient at each such product's output
+  instead of the parameter's, so the product's backward computes the activation side
+  only; ``W`` multiplies that gradient with the product's other operand (which the node
+  saved) and runs the view-like nodes back to the parameter's shape.
+- inside torch.func's transforms (the virtual mesh), where the graph cannot be read:
 
 While a stage's forward runs under ``Deferring``, every product of an activation with a
 parameter (``x @ w``, ``F.linear``, a two-operand ``einsum``) runs as one autograd node
@@ -18,7 +27,7 @@ fails it is not put off).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from fsharded import _memory_hooks as memory
 
-__all__ = ["Deferring", "Deferred", "add_into"]
+__all__ = ["Deferring", "Deferred", "Product", "add_into", "find_products"]
 
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 
@@ -37,7 +46,9 @@ class Deferred:
     def __init__(self) -> None:
         self.parts: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []  # (leaf, eq for dw, x, g)
 
-    def add(self, k: int, eq: str, x: torch.Tensor, g: torch.Tensor) -> None:
+    def add(self, k: int, eq: str | Product, x: torch.Tensor | None, g: torch.Tensor) -> None:
+        """Leaf ``k``'s part: ``w``'s gradient of ``einsum(eq, x, w)`` given ``g``, or of a
+        product node of the graph (``eq`` a ``Product``, ``x`` None) given ``g``."""
         self.parts.append((k, eq, x, g))
 
     def apply(self, grads: list, dtypes: list | None = None, summed: set | None = None) -> None:
@@ -46,7 +57,7 @@ class Deferred:
         ``summed``: as ``add_into`` takes it."""
         for k, eq, x, g in self.parts:
             with torch.no_grad():  # (x is an activation that requires grad: no graph of this)
-                dw = _weight_grad(eq, x, g)
+                dw = _weight_grad(eq, x, g) if isinstance(eq, str) else eq.weight_grad(g)
             if dtypes is not None:
                 dw = dw.to(dtypes[k])
             memory.label(dw, "gradients")  # (for a tracker: made outside backward)
@@ -81,7 +92,31 @@ def _weight_grad(eq: str, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return torch.mm(x.reshape(-1, x.shape[-1]).t(), g.reshape(-1, g.shape[-1]))
     if eq == _LINEAR:
         return torch.mm(g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+    flat = _flat(eq)
+    if flat is not None:  # x (P..., K...), w (K..., N...), y (P..., N...): one matrix product
+        k, n = flat
+        kd, nd = x.shape[x.dim() - k:], g.shape[g.dim() - n:]
+        return torch.mm(x.reshape(-1, kd.numel()).t(), g.reshape(-1, nd.numel())).view(*kd, *nd)
     return torch.einsum(_EQS[eq][1], x, g)
+
+
+_FLAT: dict[str, tuple[int, int] | None] = {}
+
+
+def _flat(eq: str) -> tuple[int, int] | None:
+    """``(len K, len N)`` where ``eq`` is ``PK,KN->PN`` (subscript strings, in that order,
+    each non-empty but P): a product whose weight gradient is ``x(P, K)^T @ g(P, N)``."""
+    if eq not in _FLAT:
+        _FLAT[eq] = None
+        ins, _, out = eq.replace(" ", "").partition("->")
+        a, _, b = ins.partition(",")
+        if "." not in eq and _equations(eq) is not None:
+            for p in range(len(a)):
+                k = a[p:]
+                if out[:p] == a[:p] and b.startswith(k) and out[p:] == b[len(k):] and len(b) > len(k):
+                    _FLAT[eq] = (len(k), len(b) - len(k))
+                    break
+    return _FLAT[eq]
 
 
 class _Product(torch.autograd.Function):
@@ -147,25 +182,14 @@ def _derive(eq: str) -> tuple[str, str] | None:
     return f"{out},{b}->{a}", f"{a},{out}->{b}"
 
 
-def _file(sink: Deferred, k: int, eq: str, x: torch.Tensor):
-    def hook(g: torch.Tensor) -> None:
-        sink.add(k, eq, x, g)
-    return hook
-
-
 class Deferring(TorchFunctionMode):
     """Run a stage's forward with the weight gradients of ``params`` (the stage's leaves)
-    filed with ``sink`` (a ``Deferred``) instead of computed in backward.
+    filed with ``sink`` (a ``Deferred``) instead of computed in backward."""
 
-    ``native``: plain autograd (a process per rank, no torch.func transform): a product
-    runs as autograd's own op on the weight detached, so its backward computes the
-    activation's gradient only, and a hook on its output files ``(x, grad_out)``; no
-    Python autograd node. Otherwise (inside torch.func's transforms) ``_Product``."""
-
-    def __init__(self, params: list[torch.Tensor], sink: Deferred, *, native: bool = False) -> None:
+    def __init__(self, params: list[torch.Tensor], sink: Deferred) -> None:
         super().__init__()
         self.ids = {id(p): k for k, p in enumerate(params)}
-        self.sink, self.native = sink, native
+        self.sink = sink
 
     def _leaf(self, w: Any) -> int | None:
         return self.ids.get(id(w)) if isinstance(w, torch.Tensor) and w.requires_grad else None
@@ -173,10 +197,6 @@ class Deferring(TorchFunctionMode):
     def _product(self, eq: str, x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor | None:
         if _equations(eq) is None or not torch.is_grad_enabled():
             return None
-        if self.native and x.requires_grad:
-            y = _Product.forward(x, w.detach(), eq, None, k)
-            y.register_hook(_file(self.sink, k, eq, x))
-            return y
         return _Product.apply(x, w, eq, self.sink, k)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -203,3 +223,81 @@ class Deferring(TorchFunctionMode):
         if out is None:
             return func(*args, **kwargs)
         return out
+
+
+# -- reading the graph (plain autograd) ------------------------------------------------------
+
+# Nodes that only move or relabel elements (no saved tensors): run back to the parameter.
+_VIEWS = frozenset({
+    "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "PermuteBackward0", "TransposeBackward0",
+    "TBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2",
+    "ExpandBackward0", "CloneBackward0", "ToCopyBackward0", "AliasBackward0",
+})
+# product node -> the names of its saved operands, in its inputs' order
+_PRODUCTS = {"MmBackward0": ("_saved_self", "_saved_mat2"), "BmmBackward0": ("_saved_self", "_saved_mat2"),
+             "AddmmBackward0": (None, "_saved_mat1", "_saved_mat2")}
+
+
+class Product(NamedTuple):
+    """A parameter's one use, a matrix product found in the graph: the product's ``node``,
+    ``leaf`` (the parameter's index), ``side`` (0: the parameter reaches the product's
+    left operand, 1: its right), ``other`` (the other operand, as the node saved it) and
+    ``chain`` (the view-like nodes from the product to the parameter, product first)."""
+
+    node: Any
+    leaf: int
+    side: int
+    other: torch.Tensor
+    chain: tuple
+
+    def weight_grad(self, g: torch.Tensor) -> torch.Tensor:
+        """The parameter's gradient given ``g``, the gradient at the product's output."""
+        a = self.other
+        d = a.transpose(-1, -2) @ g if self.side == 1 else g @ a.transpose(-1, -2)
+        for node in self.chain:
+            d = node(d)
+            if isinstance(d, tuple):
+                (d,) = (t for t in d if t is not None)
+        return d
+
+
+def find_products(roots: list, leaves: list[torch.Tensor | None]) -> list[Product]:
+    """The products of ``leaves`` (autograd leaves of a graph run from the nodes ``roots``;
+    None: not one to put off)
+    that can be put off: a leaf used once, by a ``mm``/``bmm``/``addmm`` (the product's
+    scale 1) through view-like nodes each used once. Read right after the forward (the
+    nodes' saved operands are freed when backward runs)."""
+    parents: dict = {}
+    seen, todo = set(roots), list(roots)
+    while todo:
+        n = todo.pop()
+        for pos, (c, _) in enumerate(n.next_functions):
+            if c is None:
+                continue
+            parents.setdefault(c, []).append((n, pos))
+            if c not in seen:
+                seen.add(c)
+                todo.append(c)
+    index = {id(x): k for k, x in enumerate(leaves) if x is not None}
+    found = []
+    for c in seen:
+        k = index.get(id(getattr(c, "variable", None))) if type(c).__name__ == "AccumulateGrad" else None
+        if k is None:
+            continue
+        chain, n = [], c
+        while len(parents.get(n, ())) == 1:
+            p, pos = parents[n][0]
+            name = type(p).__name__
+            if name in _PRODUCTS:
+                saved = _PRODUCTS[name]
+                side = pos - (len(saved) - 2)  # addmm's first input is the added term
+                if side in (0, 1) and (name != "AddmmBackward0" or p._saved_alpha == 1):
+                    other = getattr(p, saved[len(saved) - 2 + (1 - side)])
+                    if isinstance(other, torch.Tensor):
+                        found.append(Product(p, k, side, other, tuple(reversed(chain))))
+                break
+            if name not in _VIEWS or sum(e is not None for e, _ in p.next_functions) != 1:
+                break
+            chain.append(p)
+            n = p
+    return found

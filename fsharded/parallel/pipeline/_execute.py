@@ -35,11 +35,12 @@ from typing import Any
 import optree
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import GradientEdge
 
 from fsharded import _memory_hooks as memory
 from fsharded import random as R
 from fsharded.parallel.pipeline._check import check
-from fsharded.parallel.pipeline._deferred import Deferred, Deferring, add_into
+from fsharded.parallel.pipeline._deferred import Deferred, Deferring, add_into, find_products
 from fsharded.parallel.pipeline._stages import Stages
 from fsharded.parallel.pipeline._table import WEIGHTS, Action, Schedule
 
@@ -306,8 +307,8 @@ class _Rank:
         before = self.drawn.pop((s, i), 0)
         # A backward that comes as I then W: the stage's weight products put off.
         sink = Deferred() if (s, i) in ex.split else None
-        y, back = ex.diff.forward(functools.partial(ex.stage_fn, s, i, sink, before), ex.stage_params(s), x,
-                                  ex.trained.get(s))
+        y, back = ex.diff.forward(functools.partial(ex.stage_fn, s, i, before), ex.stage_params(s), x,
+                                  ex.trained.get(s), sink=sink)
         extra, metrics = back.aux
         if metrics:
             ex.metrics[(s, i)] = metrics
@@ -442,15 +443,13 @@ class _Run:
         mode, streams = self.keys
         return _stream(mode, streams[i], 0 if self.stages.replays else before, self.drawn, (s, i))
 
-    def stage_fn(self, s: int, i: int, sink: Deferred | None, before: int, p: Any, x: torch.Tensor | None) -> tuple:
+    def stage_fn(self, s: int, i: int, before: int, p: Any, x: torch.Tensor | None) -> tuple:
         """Stage ``s`` on micro-batch ``i``: ``(output, aux)``; the last stage's output is its
         loss (in fp32), scaled (fp16's loss scale) and over ``m`` (the mean over
         micro-batches is their sum), and its aux ``(the loss, its metrics)``. Another
         stage's output is its activation, or ``(activation, its extra loss terms so
         scaled)``, with aux ``(those terms or (), its metrics)``."""
-        ctx = Deferring(optree.tree_leaves(p), sink, native=isinstance(self.diff, Autograd)) \
-            if sink is not None else contextlib.nullcontext()
-        with ctx, self._keyed(s, i, before):
+        with self._keyed(s, i, before):
             y = self.stages.forward(s, p, x, self.micro[i], state=self.state)
         y, extra, metrics = y if isinstance(y, tuple) else (y, None, {})
         metrics = {k: v.detach().float() for k, v in metrics.items()}
@@ -501,41 +500,56 @@ class _Back:
 class Autograd:
     """Differentiate with plain autograd (a process per rank, nothing transformed).
     ``trained``: which of the stage's leaves are differentiated (None: all); the others
-    enter as constants and get no gradient (None)."""
+    enter as constants and get no gradient (None). ``sink`` (a ``Deferred``): the
+    backward is split; the products ``find_products`` finds in the graph are put off,
+    their leaves' gradients filed with it (and None in what ``back`` gives)."""
 
     def forward(self, fn: Callable, params: Any, x: torch.Tensor | None,
-                trained: list[bool] | None = None) -> tuple[torch.Tensor, _Back]:
+                trained: list[bool] | None = None, sink: Deferred | None = None) -> tuple[torch.Tensor, _Back]:
         leaves, tdef = optree.tree_flatten(params)
         mask = [True] * len(leaves) if trained is None else trained
         leaves = [t.detach().requires_grad_(m) for t, m in zip(leaves, mask)]
-        want_p = [t for t, m in zip(leaves, mask) if m]
         xl = None if x is None else x.detach().requires_grad_()
         with torch.enable_grad():  # a step's body runs without grad mode
             y, aux = fn(optree.tree_unflatten(tdef, leaves), xl)
+        products = []
+        if sink is not None:
+            roots = [t.grad_fn for t in (y if isinstance(y, tuple) else (y,)) if t.grad_fn is not None]
+            products = find_products(roots, [t if m else None for t, m in zip(leaves, mask)])
+        put_off = {p.leaf for p in products}
+        want_p = [t for k, (t, m) in enumerate(zip(leaves, mask)) if m and k not in put_off]
+        got_mask = [m and k not in put_off for k, m in enumerate(mask)]
 
         def back(g):
             want = ([xl] if xl is not None else []) + want_p
-            if not want:  # a first stage whose every leaf is frozen: nothing to differentiate
+            edges = [GradientEdge(p.node, 0) for p in products]
+            if not want and not edges:  # a first stage whose every leaf is frozen: nothing to differentiate
                 return [None] * len(mask), None
             outs, seeds = _seeds(y, g)
             with torch.enable_grad():
-                got = torch.autograd.grad(outs, want, seeds, allow_unused=True)
-            return _spread(list(got[len(want) - len(want_p):]), mask), (got[0] if xl is not None else None)
+                got = torch.autograd.grad(outs, want + edges, seeds, allow_unused=True)
+            for p, gp in zip(products, got[len(want):]):
+                sink.add(p.leaf, p, None, gp)
+            got = list(got[:len(want)])
+            return _spread(got[len(want) - len(want_p):], got_mask), (got[0] if xl is not None else None)
         return _activation(y).detach(), _Back(back, aux)
 
 
 class Functional:
     """Differentiate with ``torch.func.vjp`` (inside a virtual mesh's vmap levels, where
-    autograd's leaves cannot be made); ``trained`` as for ``Autograd``."""
+    autograd's leaves cannot be made); ``trained`` as for ``Autograd``; ``sink``: the
+    forward runs under ``Deferring`` (the graph cannot be read here)."""
 
     def forward(self, fn: Callable, params: Any, x: torch.Tensor | None,
-                trained: list[bool] | None = None) -> tuple[torch.Tensor, _Back]:
+                trained: list[bool] | None = None, sink: Deferred | None = None) -> tuple[torch.Tensor, _Back]:
         leaves, tdef = optree.tree_flatten(params)
         mask = [True] * len(leaves) if trained is None else trained
 
         def on(primal: list, *xs):  # the trained leaves as primals, the others constants
             it = iter(primal)
-            return fn(optree.tree_unflatten(tdef, [next(it) if m else t for t, m in zip(leaves, mask)]), *xs)
+            p = optree.tree_unflatten(tdef, [next(it) if m else t for t, m in zip(leaves, mask)])
+            with Deferring(optree.tree_leaves(p), sink) if sink is not None else contextlib.nullcontext():
+                return fn(p, *xs)
         primal = [t for t, m in zip(leaves, mask) if m]
         if x is None and not primal:  # a first stage whose every leaf is frozen
             y, aux = fn(params, None)
