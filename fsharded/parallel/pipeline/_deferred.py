@@ -27,6 +27,7 @@ fails it is not put off).
 
 from __future__ import annotations
 
+import collections
 from typing import Any, NamedTuple
 
 import torch
@@ -267,37 +268,33 @@ def find_products(roots: list, leaves: list[torch.Tensor | None]) -> list[Produc
     that can be put off: a leaf used once, by a ``mm``/``bmm``/``addmm`` (the product's
     scale 1) through view-like nodes each used once. Read right after the forward (the
     nodes' saved operands are freed when backward runs)."""
-    parents: dict = {}
-    seen, todo = set(roots), list(roots)
-    while todo:
-        n = todo.pop()
-        for pos, (c, _) in enumerate(n.next_functions):
-            if c is None:
-                continue
-            parents.setdefault(c, []).append((n, pos))
-            if c not in seen:
+    seen, todo, kids = set(roots), list(roots), []
+    while todo:  # every node once; ``kids`` every edge, for the in-degrees
+        for c, _ in todo.pop().next_functions:
+            kids.append(c)
+            if c is not None and c not in seen:
                 seen.add(c)
                 todo.append(c)
+    uses = collections.Counter(kids)
     index = {id(x): k for k, x in enumerate(leaves) if x is not None}
     found = []
-    for c in seen:
-        k = index.get(id(getattr(c, "variable", None))) if type(c).__name__ == "AccumulateGrad" else None
-        if k is None:
+    for p in seen:
+        saved = _PRODUCTS.get(type(p).__name__)
+        if saved is None:
             continue
-        chain, n = [], c
-        while len(parents.get(n, ())) == 1:
-            p, pos = parents[n][0]
-            name = type(p).__name__
-            if name in _PRODUCTS:
-                saved = _PRODUCTS[name]
-                side = pos - (len(saved) - 2)  # addmm's first input is the added term
-                if side in (0, 1) and (name != "AddmmBackward0" or p._saved_alpha == 1):
+        for pos, (n, _) in enumerate(p.next_functions):
+            side = pos - (len(saved) - 2)  # addmm's first input is the added term
+            chain: list = []
+            while side in (0, 1) and n is not None and uses[n] == 1:  # down to the parameter
+                if type(n).__name__ == "AccumulateGrad":
+                    k = index.get(id(n.variable))
                     other = getattr(p, saved[len(saved) - 2 + (1 - side)])
-                    if isinstance(other, torch.Tensor):
-                        found.append(Product(p, k, side, other, tuple(reversed(chain))))
-                break
-            if name not in _VIEWS or sum(e is not None for e, _ in p.next_functions) != 1:
-                break
-            chain.append(p)
-            n = p
+                    if k is not None and isinstance(other, torch.Tensor) and getattr(p, "_saved_alpha", 1) == 1:
+                        found.append(Product(p, k, side, other, tuple(chain)))
+                    break
+                nexts = [e for e, _ in n.next_functions if e is not None]
+                if type(n).__name__ not in _VIEWS or len(nexts) != 1:
+                    break
+                chain.append(n)
+                n = nexts[0]
     return found
