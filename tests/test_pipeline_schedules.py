@@ -220,3 +220,16 @@ def test_broken_weight_actions_are_refused_naming_the_action(edit, message):
     bad = pp.Schedule(g.name, 2, 1, 4, tuple(tuple(r) for r in rows))
     with pytest.raises(pp.ScheduleError, match=message):
         pp.check(bad)
+
+
+def test_the_plan_counts_sends_and_transfers_as_idle_when_given():
+    """GPipe on 2 ranks, one micro-batch, F 1 and B 2: a send keeps its rank 1/2 and its
+    value arrives 1/4 after it. By hand: rank 0 F [0, 1], send to 3/2; rank 1 receives at
+    7/4, F to 11/4, B to 19/4, sends to 21/4; rank 0 receives at 11/2, B to 15/2. Each rank
+    computes 3 of 15/2: a bubble of 3/5 (1/2 with free communication)."""
+    s = pp.make("gpipe", 2, 1)
+    free = pp.check(s)
+    timed = pp.check(s, comm=lambda r, a: Fraction(1, 2) if a.kind == "SEND" else Fraction(1, 4))
+    assert (free.makespan, free.bubble) == (6, Fraction(1, 2))
+    assert (timed.makespan, timed.bubble, timed.busy) == (Fraction(15, 2), Fraction(3, 5), (3, 3))
+    assert [(b, e) for b, e, _ in timed.spans[1]] == [(Fraction(7, 4), Fraction(11, 4)), (Fraction(11, 4), Fraction(19, 4))]

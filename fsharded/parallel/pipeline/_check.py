@@ -59,11 +59,16 @@ def _bad(r: int, k: int, a: Action, why: str) -> ScheduleError:
     return ScheduleError(f"rank {r}, action {k} ({a}): {why}")
 
 
-def check(s: Schedule, costs: Mapping[str, Fraction | int] | Callable[[int, Action], float] | None = None) -> Plan:
+def check(s: Schedule, costs: Mapping[str, Fraction | int] | Callable[[int, Action], float] | None = None,
+          comm: Callable[[int, Action], float] | None = None) -> Plan:
     """The ``Plan`` of ``s``, or ``ScheduleError`` naming the first action that cannot run.
     ``costs``: each compute action's duration, by kind (``COSTS``: a forward is 1, a
     backward 2), or a function of (rank, action), e.g. the durations a run measured
-    (``Result.spans``): the plan is then the table's timeline under those costs."""
+    (``Result.spans``): the plan is then the table's timeline under those costs.
+    ``comm``: the time a ``SEND`` keeps its rank (the value leaves when it ends), and for
+    a ``RECV`` the time its value takes to arrive once it left (default: none,
+    communication is free). Both count as idle, as waiting does: the bubble is the
+    ranks' time not computing."""
     if not callable(costs):
         by_kind = {k: Fraction(v) for k, v in {**COSTS, **(costs or {})}.items()}
         costs = lambda r, a: by_kind[a.kind]  # noqa: E731
@@ -109,7 +114,7 @@ def check(s: Schedule, costs: Mapping[str, Fraction | int] | Callable[[int, Acti
     for key, (r, k, a) in recvs.items():
         if key not in sends:
             raise _bad(r, k, a, f"rank {a.peer} never sends it")
-    return _simulate(s, costs)
+    return _simulate(s, costs, comm)
 
 
 def _check_order(s: Schedule, r: int, k: int, a: Action, seen: dict) -> None:
@@ -200,7 +205,7 @@ def _check_comm(s: Schedule, r: int, k: int, a: Action, seen: dict, sends: dict,
         seen[(f"RECV {a.what}", a.stage, a.mb)] = (r, k)
 
 
-def _simulate(s: Schedule, costs: Callable[[int, Action], Any]) -> Plan:
+def _simulate(s: Schedule, costs: Callable[[int, Action], Any], comm: Callable[[int, Action], Any] | None) -> Plan:
     """Run the ranks against each other: each its list in order, a receive waiting for its
     send. Ranks that all wait are a deadlock, named by what each waits for."""
     p = s.ranks
@@ -219,8 +224,10 @@ def _simulate(s: Schedule, costs: Callable[[int, Action], Any]) -> Plan:
                     t = sent.get((a.what, a.stage, a.mb))
                     if t is None:
                         break  # waits for its send
-                    clock[r] = max(clock[r], t)
+                    clock[r] = max(clock[r], t + (comm(r, a) if comm is not None else 0))
                 elif a.kind == "SEND":
+                    if comm is not None:
+                        clock[r] += comm(r, a)
                     sent[(a.what, a.stage, a.mb)] = clock[r]
                 elif a.kind in WEIGHTS:  # (their communication takes no time in the plan, as sends)
                     whole[r] += 1 if a.kind == "GATHER" else -1
