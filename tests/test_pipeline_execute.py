@@ -337,6 +337,53 @@ def test_a_product_with_a_constant_input_is_put_off():
         assert torch.allclose(a, r, atol=1e-5)
 
 
+def test_what_the_graph_form_does_not_put_off_keeps_its_whole_gradient():
+    """Complex products (autograd's gradient takes the conjugate), a parameter that is
+    itself an output of the stage or reached through a view that is one (their seeds
+    arrive directly), a parameter with a gradient hook of its own (W runs no hooks): each
+    keeps its gradient in I, equal to the unsplit backward's."""
+    x = torch.randn(4, 3)
+    wc = torch.randn(3, 2, dtype=torch.complex64, requires_grad=True)
+    xc = torch.randn(4, 3, dtype=torch.complex64)
+    cases = {
+        "complex": ([wc], lambda p, _: (xc @ p[0]).abs().square().sum()),
+        "leaf as output": ([torch.randn(3, 5, requires_grad=True)], lambda p, _: ((x @ p[0]).sum(), p[0].sum())),
+        "view as output": ([torch.randn(1, 3, 5, requires_grad=True)],
+                           lambda p, _: ((x @ p[0].squeeze(0)).sum(), p[0].squeeze(0).square().sum())),
+        "hooked": ([torch.randn(3, 5, requires_grad=True)],
+                   lambda p, _: (p[0].register_hook(lambda g: 3 * g), (x @ p[0]).square().sum())[1]),
+    }
+    from fsharded.parallel.pipeline._deferred import Deferred
+    from fsharded.parallel.pipeline._execute import Autograd
+    for name, (leaves, f) in cases.items():
+        ls = [t.detach().requires_grad_() for t in leaves]
+        out = f(ls, None)
+        ref = torch.autograd.grad(sum(out) if isinstance(out, tuple) else out, ls)
+        sink = Deferred()
+
+        def fn(p, xx, f=f):
+            o = f(p, xx)
+            return (o if not isinstance(o, tuple) else o), ()
+        y, back = Autograd().forward(fn, leaves, None, sink=sink)
+        gp, _ = back(None if not isinstance(y, tuple) else None)
+        assert sink.parts == [], name
+        assert torch.allclose(gp[0], ref[0], atol=1e-5), name
+
+
+def test_an_operand_changed_in_place_before_w_is_refused():
+    from fsharded.parallel.pipeline._deferred import Deferred
+    from fsharded.parallel.pipeline._execute import Autograd
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, 5)
+    sink = Deferred()
+    y, back = Autograd().forward(lambda p, xx: ((xx.tanh() @ p[0]).sum(), ()), [w], x, sink=sink)
+    back(None)
+    assert len(sink.parts) == 1
+    sink.parts[0][1].other.add_(1.0)  # the saved tanh(x), written after I
+    with pytest.raises(RuntimeError, match="modified in place after the forward"):
+        sink.apply([None])
+
+
 def test_a_kept_point_to_point_learns_shapes_per_micro_batch_shape():
     out = run_on_ranks(C.p2p_shapes, 2)
     for r in out:

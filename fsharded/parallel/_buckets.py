@@ -389,6 +389,10 @@ class InBackward:
         def hook(g: torch.Tensor) -> torch.Tensor:
             # A plain call (not through the typing's mode: the bucket is untyped until
             # ``finish``), a few ops per leaf: it runs once per leaf per step.
+            if i not in b.missing:  # its bucket is in already (a second backward through it)
+                raise RuntimeError(
+                    f"train_step: the gradient of parameter leaf {i} came twice in one backward (a "
+                    f"backward run inside the loss through the parameters?); its bucket is reduced already")
             with torch._C.DisableTorchFunction(), torch.no_grad():
                 buf = self._buffer(b)
                 if d is None:

@@ -196,8 +196,8 @@ class Deferring(TorchFunctionMode):
         return self.ids.get(id(w)) if isinstance(w, torch.Tensor) and w.requires_grad else None
 
     def _product(self, eq: str, x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor | None:
-        if _equations(eq) is None or not torch.is_grad_enabled():
-            return None
+        if _equations(eq) is None or not torch.is_grad_enabled() or x.is_complex() or w.is_complex():
+            return None  # (complex: the gradient takes the conjugate)
         return _Product.apply(x, w, eq, self.sink, k)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -250,10 +250,16 @@ class Product(NamedTuple):
     side: int
     other: torch.Tensor
     chain: tuple
+    version: int  # ``other``'s when the forward ran (autograd's own check of a saved tensor)
 
     def weight_grad(self, g: torch.Tensor) -> torch.Tensor:
         """The parameter's gradient given ``g``, the gradient at the product's output."""
         a = self.other
+        if a._version != self.version:
+            raise RuntimeError(
+                "pipeline: an operand of a weight product put off for W was modified in place after the "
+                "forward (as autograd refuses a saved tensor modified in place); do not write into a "
+                "stage's activations between its forward and its W")
         d = a.transpose(-1, -2) @ g if self.side == 1 else g @ a.transpose(-1, -2)
         for node in self.chain:
             d = node(d)
@@ -264,10 +270,11 @@ class Product(NamedTuple):
 
 def find_products(roots: list, leaves: list[torch.Tensor | None]) -> list[Product]:
     """The products of ``leaves`` (autograd leaves of a graph run from the nodes ``roots``;
-    None: not one to put off)
-    that can be put off: a leaf used once, by a ``mm``/``bmm``/``addmm`` (the product's
-    scale 1) through view-like nodes each used once. Read right after the forward (the
-    nodes' saved operands are freed when backward runs)."""
+    None: not one to put off) that can be put off: a real leaf used once, by a
+    ``mm``/``bmm``/``addmm`` (the product's scale 1) through view-like nodes each used
+    once. Read right after the forward (the nodes' saved operands are freed when backward
+    runs). A leaf with a gradient hook of its own is not put off (W runs no hooks; nor
+    does it run one registered on a view of the parameter inside the stage)."""
     seen, todo, kids = set(roots), list(roots), []
     while todo:  # every node once; ``kids`` every edge, for the in-degrees
         for c, _ in todo.pop().next_functions:
@@ -276,7 +283,8 @@ def find_products(roots: list, leaves: list[torch.Tensor | None]) -> list[Produc
                 seen.add(c)
                 todo.append(c)
     uses = collections.Counter(kids)
-    index = {id(x): k for k, x in enumerate(leaves) if x is not None}
+    uses.update(roots)  # a root takes the gradient it is seeded with as well
+    index = {id(x): k for k, x in enumerate(leaves) if x is not None and not x._backward_hooks}
     found = []
     for p in seen:
         saved = _PRODUCTS.get(type(p).__name__)
@@ -289,8 +297,10 @@ def find_products(roots: list, leaves: list[torch.Tensor | None]) -> list[Produc
                 if type(n).__name__ == "AccumulateGrad":
                     k = index.get(id(n.variable))
                     other = getattr(p, saved[len(saved) - 2 + (1 - side)])
-                    if k is not None and isinstance(other, torch.Tensor) and getattr(p, "_saved_alpha", 1) == 1:
-                        found.append(Product(p, k, side, other, tuple(chain)))
+                    # (complex: autograd's product takes the conjugate; not put off)
+                    if k is not None and isinstance(other, torch.Tensor) and not other.is_complex() \
+                            and getattr(p, "_saved_alpha", 1) == 1:
+                        found.append(Product(p, k, side, other, tuple(chain), other._version))
                     break
                 nexts = [e for e, _ in n.next_functions if e is not None]
                 if type(n).__name__ not in _VIEWS or len(nexts) != 1:

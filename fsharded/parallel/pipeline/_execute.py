@@ -514,8 +514,10 @@ class Autograd:
             y, aux = fn(optree.tree_unflatten(tdef, leaves), xl)
         products = []
         if sink is not None:
-            roots = [t.grad_fn for t in (y if isinstance(y, tuple) else (y,)) if t.grad_fn is not None]
-            products = find_products(roots, [t if m else None for t, m in zip(leaves, mask)])
+            outs = y if isinstance(y, tuple) else (y,)
+            roots = [t.grad_fn for t in outs if t.grad_fn is not None]
+            seeded = {id(t) for t in outs}  # a leaf that is an output takes its seed directly
+            products = find_products(roots, [t if m and id(t) not in seeded else None for t, m in zip(leaves, mask)])
         put_off = {p.leaf for p in products}
         want_p = [t for k, (t, m) in enumerate(zip(leaves, mask)) if m and k not in put_off]
         got_mask = [m and k not in put_off for k, m in enumerate(mask)]
