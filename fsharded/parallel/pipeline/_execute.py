@@ -266,6 +266,9 @@ class _Rank:
             v, n = self.to_send.pop(self._key(a))
             ex.transport.send(v, self._key(a), self.r, a.peer, n)
         elif a.kind == "RECV":
+            # The next receive is posted before this one is waited for: posting can take a
+            # few ms on gloo (its I/O thread busy), time a rank waiting anyway does not lose.
+            self._prefetch(self.pc + 1)
             v = ex.transport.recv(self._key(a), a.peer, self.r)
             if ex.counted is not None and self.r in ex.counted and a.peer not in ex.counted:
                 v = v.clone()  # made by a rank not counted: a real rank receives into a buffer of its own
@@ -288,9 +291,10 @@ class _Rank:
         if a.kind == "RECV" or self.pc == 1:
             self._prefetch()
 
-    def _prefetch(self) -> None:
-        """Post the next receive of this rank's list ahead of it."""
-        for a in self.actions[self.pc:]:
+    def _prefetch(self, start: int | None = None) -> None:
+        """Post the next receive of this rank's list (from action ``start``, default the
+        next to run) ahead of it."""
+        for a in self.actions[self.pc if start is None else start:]:
             if a.kind == "RECV":
                 self.ex.transport.prefetch(self._key(a), a.peer, self.r)
                 return
