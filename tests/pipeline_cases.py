@@ -71,10 +71,12 @@ TRAIN_CFG = {"bias": False}
 
 
 def train(mesh_axes: dict, name: str, v: int, steps: int, m: int = 2, zero: int = 0, layers: int = 4,
-          batch: int = 8, tensor: bool = False, manifest: bool = False, **cfg) -> dict:
+          batch: int = 8, tensor: bool = False, manifest: bool = False, reshard: bool | None = None,
+          **cfg) -> dict:
     """``steps`` steps of the tiny GPT pipelined over ``pipe`` (on the virtual mesh, or on
     this process's rank under torch.distributed): the losses, and the parameters after;
-    ``manifest``: also the step's collectives, as (op, axis) pairs in order."""
+    ``manifest``: also the step's collectives, as (op, axis) pairs in order; ``reshard``:
+    ZeRO-3's ``reshard_after_forward``."""
     import fsharded as fs
     cfg = {**TRAIN_CFG, **cfg}
     params, tokens = setup(layers=layers, batch=batch, **cfg)
@@ -82,7 +84,8 @@ def train(mesh_axes: dict, name: str, v: int, steps: int, m: int = 2, zero: int 
     stages = gpt_stages.pipeline_stages(params, mesh.shape["pipe"] * v, attention="einsum")
     loss = pp.pipelined(stages, schedule=name, microbatches=m, virtual=v)
     specs = gpt_plans.tensor_parallel_specs(params) if tensor else None
-    specs = fs.parallel.zero(zero, axis="data", min_size=8)(specs, params) if zero else specs
+    specs = fs.parallel.zero(zero, axis="data", min_size=8, reshard_after_forward=reshard)(specs, params) \
+        if zero else specs
     kw = {"param_specs": specs} if specs is not None else {}
     step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, **kw)
     kept: list = []
@@ -467,3 +470,26 @@ def saved_elsewhere(directory: str) -> str:
         except ValueError as e:
             out.append(str(e))
     return "\n".join(out)
+
+
+def zero3_weights_peak(reshard: bool | None, name: str = "1f1b", m: int = 4, layers: int = 8) -> dict:
+    """One step of the tiny GPT pipelined over ``pipe`` x ZeRO-3 over ``data`` on this gloo
+    rank under the memory tracker: the peak bytes of parameters it saw (stored shards and
+    gathered weights), the bytes of this rank's stored shards, the collectives of the step
+    as (op, axis) pairs (its manifest)."""
+    import fsharded as fs
+    params, tokens = setup(layers=layers, batch=4 * m, **TRAIN_CFG)
+    mesh = fs.Mesh({"pipe": 2, "data": 2})
+    stages = gpt_stages.pipeline_stages(params, 2, attention="einsum")
+    specs = fs.parallel.zero(3, axis="data", min_size=8, reshard_after_forward=reshard)(None, params)
+    step = fs.train_step(pp.pipelined(stages, schedule=name, microbatches=m), fs.optim.adamw(1e-2), mesh=mesh,
+                         param_specs=specs)
+    state = step.init(params)
+    state, _ = step(state, {"tokens": tokens})  # (the first step's dry run, outside the tracker)
+    with fs.memory.track() as mem:
+        state, metrics = step(state, {"tokens": tokens})
+    # (a leaf of another pipe rank's stages is a broadcast zero: its one element)
+    stored = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                  for t in optree.tree_leaves(state.params)}.values())
+    ops = [(e.op, e.axis) for e in step.collectives(state, {"tokens": tokens})]
+    return {"peak": mem.peak_of(["parameters"]), "stored": stored, "ops": ops, "loss": float(metrics["loss"])}

@@ -396,6 +396,58 @@ def test_pipe_by_zero3_data_trains_as_the_single_device_gpt(ranks, reference):
 
 
 @pytest.mark.parametrize("ranks", [0, 4])
+def test_pipe_by_zero3_regathered_per_microbatch_trains_as_the_single_device_gpt(ranks, reference):
+    # reshard_after_forward=True under a pipeline: each block's weights gathered at its
+    # run_block for every micro-batch, freed after its forward, gathered again in its
+    # backward (saved-tensor hooks on gloo ranks, a remat on the virtual mesh), their
+    # gradients reduce-scattered there; the embeddings and head still at the table's actions.
+    mesh = {"pipe": 2, "data": 2}
+    if ranks:
+        outs = run_on_ranks(C.train, ranks, mesh, "zb", 1, STEPS, zero=3, reshard=True)
+    else:
+        outs = [C.train(mesh, "1f1b", 1, STEPS, zero=3, reshard=True),
+                C.train(mesh, "interleaved", 2, STEPS, zero=3, reshard=True)]
+    for out in outs:
+        assert_trains_like(out, reference)
+
+
+def test_pipe_by_zero3_regathered_per_microbatch_holds_about_two_blocks_whole():
+    # On 2 x 2 gloo ranks, 8 blocks (4 per stage), 4 micro-batches: by default a stage's
+    # weights are whole from its first action to its last; regathered, about two blocks'
+    # (one computing, one gathered again in backward) besides the embeddings. The manifest
+    # lists what runs: per block and micro-batch a gather in forward, one in backward and
+    # a reduce-scatter; no other reduction over data than the update's norm and loss.
+    per_stage, per_block = (run_on_ranks(C.zero3_weights_peak, 4, r) for r in (None, True))
+    params, _ = C.setup(layers=8, **C.TRAIN_CFG)
+    block = sum(t.numel() * t.element_size() for t in optree.tree_leaves(params["blocks"][0]))
+    outside = sum(t.numel() * t.element_size() for k in ("emb", "pos") for t in optree.tree_leaves(params[k]))
+    for a, b in zip(per_stage, per_block):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["stored"] == b["stored"]
+        whole, regathered = a["peak"] - a["stored"], b["peak"] - b["stored"]
+        assert whole >= 4 * block, (whole, block)  # the stage's 4 blocks at once
+        assert regathered <= 2 * block + outside, (regathered, block, outside)
+        assert [a["ops"].count(op) for op in (("all_gather", "data"), ("psum_scatter", "data"), ("psum", "data"))] \
+            == [1, 1, 2], a["ops"]
+        assert [b["ops"].count(op) for op in (("all_gather", "data"), ("psum_scatter", "data"), ("psum", "data"))] \
+            == [1 + 2 * 4 * 4, 1 + 4 * 4, 2], b["ops"]
+
+
+def test_the_memory_estimate_counts_a_stage_or_two_blocks_whole_as_pipe_by_zero3_gathers_them():
+    # By default a pipelined ZeRO-3 step holds its stage's weights whole for the step; with
+    # reshard_after_forward=True about two blocks and the stage's other leaves.
+    params, tokens = C.setup(layers=8, batch=16, **C.TRAIN_CFG)
+    loss = pp.pipelined(gpt_stages.pipeline_stages(params, 2, attention="einsum"), microbatches=4)
+    mesh = fs.Mesh({"pipe": 2, "data": 2})
+    block = sum(t.numel() * t.element_size() for t in optree.tree_leaves(params["blocks"][0]))
+    est = {r: fs.estimate_memory(params, fs.parallel.zero(3, min_size=8, reshard_after_forward=r)(None, params),
+                                 fs.optim.adamw(1e-2), mesh=mesh, loss=loss, batch={"tokens": tokens})
+           for r in (None, True)}
+    assert est[None].params >= 4 * block, (est[None].params, block)
+    assert est[True].params + est[True].compute_params <= 2 * block + 8192, (est[True], block)
+
+
+@pytest.mark.parametrize("ranks", [0, 4])
 def test_zero3_gathers_and_releases_each_chunk_at_its_table_actions(ranks, reference):
     # Interleaved under ZeRO-3: each chunk's weights gathered at its GATHER action (on gloo
     # ranks issued one compute action ahead and waited for at the chunk's first use) and

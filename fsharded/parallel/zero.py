@@ -53,8 +53,15 @@ class Placement(NamedTuple):
     stage: int = 0
     axis: str | None = None
     # ZeRO-3: drop a block's gathered weights after its forward and gather them again in
-    # backward (True), or keep them until backward (False: fewer bytes, more memory).
-    reshard_after_forward: bool = True
+    # backward (True), or keep them until backward (False: fewer bytes, more memory). None
+    # (``zero``'s default): True, but a pipelined loss gathers each stage once per step;
+    # True given: a pipelined loss gathers its blocks per micro-batch too.
+    reshard_after_forward: bool | None = None
+
+    @property
+    def reshards(self) -> bool:
+        """Whether a block's gathered weights are freed after its forward (the default)."""
+        return self.reshard_after_forward is not False
     # One bool per parameter leaf (flatten order): which leaves train; None: all of them.
     trainable: tuple[bool, ...] | None = None
 
@@ -112,7 +119,7 @@ class ZeroPlan:
     specs: Any
     params: Any = field(repr=False)  # (tensors: a repr would print their values)
     min_size: int
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None
 
     def resolve(self, mesh: Mesh) -> Placement:
         if self.axis not in mesh.shape:
@@ -143,7 +150,7 @@ class ZeroPlan:
         return Placement(base, over, over, over, 3, self.axis, self.reshard_after_forward)
 
 
-def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_forward: bool = True):
+def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_forward: bool | None = None):
     """The ZeRO ``stage`` (0-3) over mesh ``axis``, as a rewrite of a parameter spec tree.
 
     ``reshard_after_forward`` (stage 3; FSDP's name for it): ``True`` frees each block's
@@ -152,7 +159,11 @@ def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_
     the last block's re-gather: its backward follows its forward at once, so it is kept);
     ``False`` keeps them from the block's forward until its backward (2P(n-1)/n; the full
     weights of every block are alive at the end of forward), as DeepSpeed does when its
-    ``stage3_max_reuse_distance`` and prefetch bucket allow.
+    ``stage3_max_reuse_distance`` and prefetch bucket allow. The default (None) is True,
+    except with a pipelined loss: there each stage's weights are gathered once per step
+    (at its ``GATHER`` action) and kept until its last action, as torchtitan does for
+    pipelines by default; ``True`` given explicitly gathers a stage's blocks for every
+    micro-batch instead (about one block whole at a time, m times the bytes).
 
     Returns ``rule(specs, params) -> ZeroPlan``; ``train_step`` resolves the plan against
     its mesh (``plan.resolve(mesh)`` gives the concrete ``Placement``). Specs that already
@@ -165,6 +176,7 @@ def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_
 
     def rule(specs: Any, params: Any) -> ZeroPlan:
         _tree.broadcast_prefix(specs, params, what="param_specs")  # fail early, with paths
-        return ZeroPlan(stage, axis, specs, params, min_size, bool(reshard_after_forward))
+        return ZeroPlan(stage, axis, specs, params, min_size,
+                        None if reshard_after_forward is None else bool(reshard_after_forward))
 
     return rule

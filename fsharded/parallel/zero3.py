@@ -273,16 +273,18 @@ class Prefetch:
 
 
 def block_handler(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: Prefetch | None,
-                  reshard: bool, kept: set, *, frozen: set | frozenset = frozenset()) -> Callable[..., Any]:
+                  reshard: bool, kept: set, *, frozen: set | frozenset = frozenset(),
+                  hooks: bool = False) -> Callable[..., Any]:
     """The ``run_block`` handler of a ZeRO-3 step: run each block on its gathered weights.
     ``frozen``: ids of the leaves that are not trained (gathered for use; no gradient of
     theirs is computed or reduce-scattered).
 
     With ``reshard`` the full weights live only while the block runs and are gathered
     again in backward (except for the leaves in ``kept``: the last block, whose backward
-    comes right after its forward): on real ranks by saved-tensor hooks (``prefetch``
-    given: no forward re-run), elsewhere by a remat of the block. Without it they are
-    gathered once and autograd keeps them until backward."""
+    comes right after its forward): with plain autograd by saved-tensor hooks
+    (``prefetch`` given, or ``hooks``: gathered where they are needed, nothing in
+    flight; no forward re-run), under torch.func by a remat of the block. Without it they
+    are gathered once and autograd keeps them until backward."""
 
     def handle(block: Callable, p: Any, *args: Any, **kw: Any) -> Any:
         leaves, bdef = optree.tree_flatten(p)
@@ -305,6 +307,9 @@ def block_handler(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: Pre
             if regather_any and isinstance(first, torch.Tensor) and first.requires_grad:
                 first.register_hook(prefetch.on_backward(leaves))
             return out
+        if hooks:
+            return run_regathered(block, bdef, leaves, args, kw, m_specs, u_specs, axis, mesh, cap, None,
+                                  regather=again, frozen=cold)
         # Tensors among the block's other arguments go through the remat as inputs, so
         # their gradients (a residual stream, position embeddings) are not lost.
         extra, edef = optree.tree_flatten((args, kw))

@@ -162,6 +162,9 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
         acts = [int(activation_bytes)] * n if activation_bytes is not None else \
             pipeline_activations(loss, params, pl, mesh, policy, batch, batch_spec)
         owners = loss.owners(_tree.tree_flatten_with_paths(params)[0], n)
+        # ZeRO-3 gathers each stage's weights once per step (the table's GATHER), or its
+        # blocks one at a time per micro-batch (reshard_after_forward=True).
+        kw["blocks"] = loss.stages.blocks if pl.reshard_after_forward is True else None
         ests = [_estimate(params, pl, optimizer, here=[r in o for o in owners], activations=acts[r], **kw)
                 for r in range(n)]
         worst = max(range(n), key=lambda r: ests[r].total)
@@ -236,7 +239,7 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
     placed = sum(grad_n) * rb
     biggest_leaf = max(trained_n, default=0)
     compute, buffers, gather = 0, 0, 0
-    if in_loss and per_block and pl.reshard_after_forward:
+    if in_loss and per_block and pl.reshards:
         # Block shards cast to the param dtype, the rest gathered for the whole step; two
         # blocks' full weights at a time (one computing, the next one's gather in flight:
         # its buffer is one of the two). The peak is where backward starts, all activations

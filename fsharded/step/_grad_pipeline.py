@@ -30,6 +30,8 @@ import torch
 from fsharded import comm
 from fsharded.mesh._mesh import Mesh
 from fsharded.parallel import _buckets as B
+from fsharded.parallel import zero3
+from fsharded.parallel.blocks import handling
 from fsharded.parallel.pipeline import (
     Mailbox,
     Pipelined,
@@ -83,6 +85,11 @@ class PipelineGradients:
         self._p2p: PointToPoint | None = None
         self.layout, self.cap = layout, cap
         self.held = pipe.stages.holders(layout.paths)
+        # ZeRO-3 with reshard_after_forward=True: the leaves of the block list are gathered
+        # per micro-batch, block by block, by run_block (not at the stage's GATHER).
+        under = pipe.stages.blocks + "."
+        self.per_block = [layout.regather_blocks and g and p.startswith(under)
+                          for p, g in zip(layout.paths, layout.moves.gather_in_loss)]
 
     def __call__(self, params: Any, batch: Any, scale: Any, varying: tuple[str, ...], mark: Callable,
                  model_state: Any = None) -> tuple[list, torch.Tensor, tuple]:
@@ -103,8 +110,11 @@ class PipelineGradients:
         if any(g and self.held[i] & set(mine) for i, g in enumerate(self.layout.moves.gather_in_loss)):
             sched = self.gathers_table
             index = optree.tree_unflatten(tdef, list(range(len(leaves))))  # each stage's leaves by index
-            weights = functools.partial(self._gather_stage, counted,
-                                        {s: optree.tree_leaves(stages.params_of(index, s)) for s in mine})
+            index = {s: optree.tree_leaves(stages.params_of(index, s)) for s in mine}
+            weights = functools.partial(self._gather_stage, counted, index)
+            if any(self.per_block):  # the blocks of the stages counted here: gathered by run_block
+                stages = _BlocksGathered(stages, self, index,
+                                         {s for s in mine if counted is None or sched.rank_of(s) == counted})
         micro = split_batch(batch, sched.microbatches)
         trained = None
         if self.layout.trainable is not None:  # frozen leaves enter their stages as constants
@@ -207,10 +217,18 @@ class PipelineGradients:
         if not pos:
             return params, None
         whole = list(leaves)
-        if counted is not None and self.table.rank_of(s) != counted:
+        if counted is None or self.table.rank_of(s) == counted:  # its blocks' leaves: at their run_block
+            pos = [k for k in pos if not self.per_block[glob[k]]]
+            if not pos:
+                return params, None
+        else:
+            frame = _env.current()
+            mode = frame.vma if frame is not None else None
             for k in pos:
                 i = glob[k]
                 whole[k] = _held.stand_in(leaves[k], lay.params[i], lay.use[i], self.mesh)
+                if mode is not None:  # typed as this rank's gathers are: no implicit psum in its backward
+                    mode.set(whole[k], mode.get(leaves[k]) | {lay.axis})
 
             def dropped(grads: list) -> list:
                 return [None] * len(grads)
@@ -332,6 +350,39 @@ class PipelineGradients:
             me = comm.axis_group(self.mesh, (self.pipe.axis,)).index
             return [s for s in range(sched.stages) if sched.rank_of(s) == me]
         return list(range(sched.stages))
+
+
+class _BlocksGathered:
+    """``Stages`` whose forward runs its blocks on weights gathered block by block
+    (ZeRO-3 with ``reshard_after_forward=True`` under a pipeline): each ``run_block`` of a
+    stage in ``own`` gathers that block's leaves, frees them after the block's forward and
+    gathers them again in its backward (saved-tensor hooks with plain autograd, a remat of
+    the block under torch.func), and its backward reduce-scatters their gradients, for
+    every micro-batch. The stages' other leaves are gathered by the table's actions."""
+
+    def __init__(self, stages: Any, grads: PipelineGradients, index: dict[int, list[int]], own: set[int]) -> None:
+        self.stages, self.grads, self.index, self.own = stages, grads, index, own
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stages, name)
+
+    def forward(self, s: int, params: dict, x: Any, batch: Any, state: Any = None) -> Any:
+        if s not in self.own:
+            return self.stages.forward(s, params, x, batch, state=state)
+        g, lay = self.grads, self.grads.layout
+        specs_of, frozen = {}, set()
+        blocks = {id(t) for t in optree.tree_leaves(params[self.stages.blocks])}
+        for t, i in zip(optree.tree_leaves(params), self.index[s]):
+            if id(t) in blocks:
+                specs_of[id(t)] = (lay.params[i], lay.use[i])
+                if lay.frozen is not None and lay.frozen[i]:
+                    frozen.add(id(t))
+        # Plain autograd re-gathers by saved-tensor hooks; torch.func, and a dry run (whose
+        # manifest then lists backward's gathers as they run), by a remat of the block.
+        handler = zero3.block_handler(specs_of, lay.axis, lay.mesh, g.cap, None, True, set(), frozen=frozen,
+                                      hooks=not g.functional and not _manifest.dry())
+        with handling(handler):
+            return self.stages.forward(s, params, x, batch, state=state)
 
 
 class _Arriving:

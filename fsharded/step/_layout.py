@@ -82,7 +82,10 @@ class Layout:
     def __init__(self, pl: Any, params: Any, blocks: str | None, mesh: Mesh, held: Any = None) -> None:
         mv = self.moves = Moves.of(pl)
         self.use, self.params, self.grads, self.master = (list(s) for s in mv[:4])
-        self.axis, self.reshard = mv.axis, pl.reshard_after_forward
+        self.axis, self.reshard = mv.axis, pl.reshards
+        # ZeRO-3 under a pipeline: the blocks gathered per micro-batch (reshard_after_forward
+        # given as True), not each stage once per step.
+        self.regather_blocks = pl.reshard_after_forward is True
         self.blocks = blocks
         self.block_mask = block_mask(params, blocks)
         self.paths = _tree.tree_flatten_with_paths(params)[0]
