@@ -31,6 +31,8 @@ def test_bench_zero_quick_runs():
     # the bound of a data-parallel step, the same arithmetic: the same losses bit for bit
     assert "| ZeRO-0 vs the floor |" in out
     assert "the floor 5." in out and "(|diff| step 1 0.0e+00, max 0.0e+00)" in out
+    # ... and of a ZeRO-1/2 step: reduce-scattered, each rank updating its shard
+    assert "| ZeRO-1 vs the floor |" in out and "| ZeRO-2 vs the floor |" in out
     # same init and data: every framework's losses match ours; every stage's losses printed
     assert "MISMATCH" not in out
     for stage in range(4):

@@ -24,9 +24,10 @@ batches from the same initial weights, at each ZeRO stage:
   from forward to backward: the ``--zero3-keep`` comparison;
 - FSDP2 (``fully_shard`` on every block and the root, same module): the peer of stage 3,
   and with ``reshard_after_forward=False`` the stage-2-like peer;
-- the floor, at stage 0: the same forward and backward by plain autograd, one all-reduce
-  of the flat gradient over our transport and our fused AdamW, with no bookkeeping (the
-  same losses bit for bit): what an engine's data-parallel step costs at best here.
+- the floor, at stages 0-2: the same forward and backward by plain autograd, the flat
+  gradient all-reduced (stage 0) or reduce-scattered with each rank updating its shard and
+  all-gathering the weights (stages 1 and 2) over our transport, and our fused AdamW, with
+  no bookkeeping (the same losses to ~1e-6): what an engine's step costs at best here.
 
 Reported per stage and framework: the median step time (every framework timed in turn
 in the same two processes, the order rotating each round), the bytes each rank sends per
@@ -233,12 +234,17 @@ class _FSDP2:
 
 class _Floor:
     """What a data-parallel step costs with no bookkeeping at all: the same forward and
-    backward by plain autograd on this rank's rows, one all-reduce of the flat gradient
-    over our transport, the clipping factor from its norm, and our fused C++ AdamW in
-    place. No checks, typing, agreement, key scope or metrics: a bound for ZeRO-0's step
-    on this machine (an engine can only add to it)."""
+    backward by plain autograd on this rank's rows, the flat gradient reduced over our
+    transport, the clipping factor from its norm, and our fused C++ AdamW in place. No
+    checks, typing, agreement, key scope or metrics: a bound for the step on this machine
+    (an engine can only add to it).
 
-    def __init__(self, job: Job, params: dict):
+    At stage 0 the gradient is all-reduced and every rank updates every weight. At stages
+    1 and 2 (``sharded``) it is reduce-scattered, each rank updates its shard of the flat
+    weights (fp32 master = the weights, as ours are) and all-gathers the new weights: the
+    least a ZeRO-1/2 step sends and computes (ZeRO-1's all-reduce can only add to it)."""
+
+    def __init__(self, job: Job, params: dict, sharded: bool = False):
         import optree
         import torch.distributed as dist
 
@@ -246,40 +252,95 @@ class _Floor:
         from fsharded import comm
 
         leaves, self.tdef = optree.tree_flatten(params)
-        self.p = [x.detach().clone().requires_grad_() for x in leaves]
-        self.m = [torch.zeros_like(x) for x in self.p]
-        self.v = [torch.zeros_like(x) for x in self.p]
         self.n = dist.get_world_size()
         self.group = comm.axis_group(fs.Mesh({"data": self.n}), ("data",))
-        self.job, self.t = job, 0
+        self.job, self.t, self.sharded = job, 0, sharded
+        self.sizes = [x.numel() for x in leaves]
+        total = sum(self.sizes)
+        padded = -(-total // self.n) * self.n if sharded else total
+        # The weights live in one flat buffer (the leaves are views of it), so the
+        # all-gather writes them in place.
+        self.flat = torch.zeros(padded)
+        torch.cat([x.detach().reshape(-1) for x in leaves], out=self.flat[:total])
+        self.p = [piece.view(x.shape).requires_grad_()
+                  for piece, x in zip(self.flat[:total].split(self.sizes), leaves)]
+        if sharded:
+            k = padded // self.n
+            r = dist.get_rank()
+            self.master = [self.flat[r * k:(r + 1) * k].clone()]
+            self.gshard = torch.empty(k)
+            self.gflat = torch.zeros(padded)  # the padding stays zero
+            self.own = self.master
+        else:
+            self.own = [x.detach() for x in self.p]
+        self.m = [torch.zeros_like(x) for x in self.own]
+        self.v = [torch.zeros_like(x) for x in self.own]
 
     def __call__(self, global_batch: dict, local_batch: dict) -> torch.Tensor:
         import optree
         import torch.distributed as dist
 
-        from fsharded.comm import _shm
         from fsharded.kernels import fused_optim
         from fsharded.models import gpt
 
         loss = gpt.loss(optree.tree_unflatten(self.tdef, self.p), local_batch)
         grads = torch.autograd.grad(loss, self.p)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if _shm.in_use():
-            _shm.all_reduce_(flat, "sum", self.group, divisor=self.n)
-        else:
-            dist.all_reduce(flat)
-            flat /= self.n
         lossm = loss.detach().clone()
         dist.all_reduce(lossm)
-        factor = min(1.0, self.job.clip / (float(flat.norm()) + 1e-6))
+        if self.sharded:
+            torch.cat([g.reshape(-1) for g in grads], out=self.gflat[:sum(self.sizes)])
+            _reduce_scatter(self.gshard, self.gflat, self.group)
+            self.gshard /= self.n
+            sq = self.gshard.square().sum()
+            _all_reduce(sq, self.group)
+            norm = float(sq.sqrt())
+            g = [self.gshard]
+        else:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            _all_reduce(flat, self.group)
+            flat /= self.n
+            norm = float(flat.norm())
+            g = [piece.view(x.shape) for piece, x in zip(flat.split(self.sizes), self.p)]
+        factor = min(1.0, self.job.clip / (norm + 1e-6))
         self.t += 1
         with torch.no_grad():
-            g = [piece.view(x.shape) for piece, x in zip(flat.split([x.numel() for x in self.p]), self.p)]
-            fused_optim.fused_adamw_(self.p, g, self.m, self.v,
+            fused_optim.fused_adamw_(self.own, g, self.m, self.v,
                                      lr=self.job.lr, beta1=0.9, beta2=0.999, eps=1e-8,
                                      weight_decay=self.job.wd, step=self.t, inv_scale=factor,
                                      check_finite=False)
+            if self.sharded:
+                _all_gather(self.flat, self.master[0], self.group)
         return lossm / self.n
+
+
+def _all_reduce(x: torch.Tensor, group: Any) -> None:
+    import torch.distributed as dist
+
+    from fsharded.comm import _shm
+    if _shm.in_use():
+        _shm.all_reduce_(x, "sum", group)
+    else:
+        dist.all_reduce(x, group=group.group)
+
+
+def _reduce_scatter(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    import torch.distributed as dist
+
+    from fsharded.comm import _shm
+    if _shm.in_use():
+        _shm.reduce_scatter_into(out, x, group)
+    else:
+        dist.reduce_scatter_tensor(out, x, group=group.group)
+
+
+def _all_gather(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    import torch.distributed as dist
+
+    from fsharded.comm import _shm
+    if _shm.in_use():
+        _shm.all_gather_into(out, x, group)
+    else:
+        dist.all_gather_into_tensor(out, x, group=group.group)
 
 
 def _frameworks(job: Job, stage: int) -> list[str]:
@@ -290,7 +351,7 @@ def _frameworks(job: Job, stage: int) -> list[str]:
         names.append(FSDP2)
     if job.fsdp and stage == 2:
         names.append(FSDP2_NORESHARD)
-    if stage == 0:
+    if stage in (0, 1, 2):
         names.append(FLOOR)
     return names
 
@@ -304,7 +365,7 @@ def _build(job: Job, name: str, stage: int):
     if name == DS:
         return _DeepSpeed(job, stage, params)
     if name == FLOOR:
-        return _Floor(job, params)
+        return _Floor(job, params, sharded=stage > 0)
     return _FSDP2(job, name == FSDP2 and not job.keep, params)
 
 
@@ -471,14 +532,18 @@ def build_sections(job: Job, timing: list[dict], memory: dict, size: str,
             per_rank = [t["stages"][stage]["losses"][n] for t in timing]
             losses[n] = per_rank[0] if n == OURS else _mean_over_ranks(per_rank)
         loss_notes.append(_losses_note(stage, losses))
-    if 0 in stages:  # the bound of a data-parallel step: time only
-        t = [x["stages"][0]["times"] for x in timing]
-        ours = [max(v) for v in zip(*(x[OURS] for x in t))]
-        floor = [max(v) for v in zip(*(x[FLOOR] for x in t))]
+    floored = [s for s in stages if FLOOR in _frameworks(job, s)]
+    if floored:  # the bound of a data-parallel step: time only
+        rows = []
+        for s in floored:
+            t = [x["stages"][s]["times"] for x in timing]
+            ours = [max(v) for v in zip(*(x[OURS] for x in t))]
+            floor = [max(v) for v in zip(*(x[FLOOR] for x in t))]
+            rows.append(Row.from_samples(_peer_label(FLOOR, s), size, ours, floor))
         sections.append(Section(
             title=f"step time, GPT {nparams:,} params fp32, 2 gloo ranks: fsharded vs the floor",
-            peer=_peer_desc(FLOOR), rows=(Row.from_samples(_peer_label(FLOOR, 0), size, ours, floor),),
-            notes=(rounds_note, loss_notes[stages.index(0)])))
+            peer=_peer_desc(FLOOR), rows=tuple(rows),
+            notes=(rounds_note, *(loss_notes[stages.index(s)] for s in floored))))
     for peer in peers:
         peer_stages = [s for s in stages if peer in _frameworks(job, s)]
         # step time
@@ -569,9 +634,11 @@ def _ops(ops: dict) -> str:
 def _peer_desc(peer: str, keep: bool = False) -> str:
     if peer == FLOOR:
         return ("the floor: the same forward and backward by plain autograd on this rank's rows, "
-                "one all-reduce of the flat gradient over our transport, the clipping factor from "
-                "its norm and our fused C++ AdamW in place, with no checks, typing, agreement, "
-                "key scope or metrics (an engine can only add to it)")
+                "the flat gradient reduced over our transport (stage 0: all-reduced; stages 1 and 2: "
+                "reduce-scattered, each rank updating its shard of the flat weights and "
+                "all-gathering them), the clipping factor from its norm and our fused C++ AdamW in "
+                "place, with no checks, typing, agreement, key scope or metrics (an engine can only "
+                "add to it)")
     if peer == DS:
         return ("DeepSpeed " + _ds_version() + " engine on the same model as an nn.Module "
                 "(parameters = the pytree leaves, forward = gpt.loss), client optimizer "
