@@ -115,9 +115,11 @@ def _steps(step, params, tokens: torch.Tensor, steps: int, state: list | None = 
 
 
 def train_mixed(mesh_axes: dict | None, name: str, steps: int, precision: str, *, power: int = 16,
-                trainable=None, m: int = 2, v: int = 1, stored: bool = False, zero: int = 0, **cfg) -> dict:
+                trainable=None, m: int = 2, v: int = 1, stored: bool = False, zero: int = 0,
+                reshard: bool | None = None, **cfg) -> dict:
     """``steps`` steps in ``precision`` (fp16: dynamic loss scaling from ``2**power``),
-    pipelined over ``pipe`` on ``mesh_axes`` (``zero``: that ZeRO stage over ``data``); or,
+    pipelined over ``pipe`` on ``mesh_axes`` (``zero``: that ZeRO stage over ``data``,
+    ``reshard``: ZeRO-3's ``reshard_after_forward``); or,
     with ``mesh_axes`` None, the uncut GPT on one device accumulating over the same ``m``
     micro-batches. The losses, loss scales and skipped steps, and the parameters after."""
     import fsharded as fs
@@ -131,7 +133,8 @@ def train_mixed(mesh_axes: dict | None, name: str, steps: int, precision: str, *
         mesh, acc = fs.Mesh(mesh_axes), 1
         loss = pp.pipelined(gpt_stages.pipeline_stages(params, mesh.shape["pipe"] * v, attention="einsum"),
                             schedule=name, microbatches=m, virtual=v)
-    specs = {"param_specs": fs.parallel.zero(zero, axis="data", min_size=8)(None, params)} if zero else {}
+    specs = {"param_specs": fs.parallel.zero(zero, axis="data", min_size=8, reshard_after_forward=reshard)(
+        None, params)} if zero else {}
     step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, precision=policy, accumulation=acc,
                          trainable=trainable, **specs)
     state = step.init(params)

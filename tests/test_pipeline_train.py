@@ -406,7 +406,8 @@ def test_pipe_by_zero3_regathered_per_microbatch_trains_as_the_single_device_gpt
         outs = run_on_ranks(C.train, ranks, mesh, "zb", 1, STEPS, zero=3, reshard=True)
     else:
         outs = [C.train(mesh, "1f1b", 1, STEPS, zero=3, reshard=True),
-                C.train(mesh, "interleaved", 2, STEPS, zero=3, reshard=True)]
+                C.train(mesh, "interleaved", 2, STEPS, zero=3, reshard=True),
+                C.train({**mesh, "tensor": 2}, "1f1b", 1, STEPS, zero=3, tensor=True, reshard=True)]
     for out in outs:
         assert_trains_like(out, reference)
 
