@@ -1,5 +1,6 @@
 """Peer-side pieces of ``fsharded bench zero``: the functional GPT as an ``nn.Module``
-(for DeepSpeed and FSDP2), and bytes sent counted at ``torch.distributed``."""
+(for DeepSpeed and FSDP2), bytes sent counted at ``torch.distributed``, and the floor (a
+step with no bookkeeping, the bound an engine can only add to)."""
 
 from __future__ import annotations
 
@@ -198,3 +199,114 @@ class ByteCounter:
 
 
 # -- the frameworks --------------------------------------------------------------------------
+
+
+class _Floor:
+    """What a data-parallel step costs with no bookkeeping at all: the same forward and
+    backward by plain autograd on this rank's rows, the flat gradient reduced over our
+    transport, the clipping factor from its norm, and our fused C++ AdamW in place. No
+    checks, typing, agreement, key scope or metrics: a bound for the step on this machine
+    (an engine can only add to it).
+
+    At stage 0 the gradient is all-reduced and every rank updates every weight. At stages
+    1 and 2 (``sharded``) it is reduce-scattered, each rank updates its shard of the flat
+    weights (fp32 master = the weights, as ours are) and all-gathers the new weights: the
+    least a ZeRO-1/2 step sends and computes (ZeRO-1's all-reduce can only add to it)."""
+
+    def __init__(self, job: Any, params: dict, sharded: bool = False):
+        import optree
+        import torch.distributed as dist
+
+        import fsharded as fs
+        from fsharded import comm
+
+        leaves, self.tdef = optree.tree_flatten(params)
+        self.n = dist.get_world_size()
+        self.group = comm.axis_group(fs.Mesh({"data": self.n}), ("data",))
+        self.job, self.t, self.sharded = job, 0, sharded
+        self.sizes = [x.numel() for x in leaves]
+        total = sum(self.sizes)
+        padded = -(-total // self.n) * self.n if sharded else total
+        # The weights live in one flat buffer (the leaves are views of it), so the
+        # all-gather writes them in place.
+        self.flat = torch.zeros(padded)
+        torch.cat([x.detach().reshape(-1) for x in leaves], out=self.flat[:total])
+        self.p = [piece.view(x.shape).requires_grad_()
+                  for piece, x in zip(self.flat[:total].split(self.sizes), leaves)]
+        if sharded:
+            k = padded // self.n
+            r = dist.get_rank()
+            self.master = [self.flat[r * k:(r + 1) * k].clone()]
+            self.gshard = torch.empty(k)
+            self.gflat = torch.zeros(padded)  # the padding stays zero
+            self.own = self.master
+        else:
+            self.own = [x.detach() for x in self.p]
+        self.m = [torch.zeros_like(x) for x in self.own]
+        self.v = [torch.zeros_like(x) for x in self.own]
+
+    def __call__(self, global_batch: dict, local_batch: dict) -> torch.Tensor:
+        import optree
+        import torch.distributed as dist
+
+        from fsharded.kernels import fused_optim
+        from fsharded.models import gpt
+
+        loss = gpt.loss(optree.tree_unflatten(self.tdef, self.p), local_batch)
+        grads = torch.autograd.grad(loss, self.p)
+        lossm = loss.detach().clone()
+        dist.all_reduce(lossm)
+        if self.sharded:
+            torch.cat([g.reshape(-1) for g in grads], out=self.gflat[:sum(self.sizes)])
+            _reduce_scatter(self.gshard, self.gflat, self.group)
+            self.gshard /= self.n
+            sq = self.gshard.square().sum()
+            _all_reduce(sq, self.group)
+            norm = float(sq.sqrt())
+            g = [self.gshard]
+        else:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            _all_reduce(flat, self.group)
+            flat /= self.n
+            norm = float(flat.norm())
+            g = [piece.view(x.shape) for piece, x in zip(flat.split(self.sizes), self.p)]
+        factor = min(1.0, self.job.clip / (norm + 1e-6))
+        self.t += 1
+        with torch.no_grad():
+            fused_optim.fused_adamw_(self.own, g, self.m, self.v,
+                                     lr=self.job.lr, beta1=0.9, beta2=0.999, eps=1e-8,
+                                     weight_decay=self.job.wd, step=self.t, inv_scale=factor,
+                                     check_finite=False)
+            if self.sharded:
+                _all_gather(self.flat, self.master[0], self.group)
+        return lossm / self.n
+
+
+def _all_reduce(x: torch.Tensor, group: Any) -> None:
+    import torch.distributed as dist
+
+    from fsharded.comm import _shm
+    if _shm.in_use():
+        _shm.all_reduce_(x, "sum", group)
+    else:
+        dist.all_reduce(x, group=group.group)
+
+
+def _reduce_scatter(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    import torch.distributed as dist
+
+    from fsharded.comm import _shm
+    if _shm.in_use():
+        _shm.reduce_scatter_into(out, x, group)
+    else:
+        dist.reduce_scatter_tensor(out, x, group=group.group)
+
+
+def _all_gather(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    import torch.distributed as dist
+
+    from fsharded.comm import _shm
+    if _shm.in_use():
+        _shm.all_gather_into(out, x, group)
+    else:
+        dist.all_gather_into_tensor(out, x, group=group.group)
