@@ -76,7 +76,7 @@ from fsharded.optim._clip import (
     global_sq_norm,
     leaf_sq_norms,
 )
-from fsharded.optim._fused import FusedForm, decay_flags, fused_update_, has_fused
+from fsharded.optim._fused import FusedForm, FusedStep, decay_flags, fused_update_, has_fused
 from fsharded.optim._lamb import lamb, scale_by_trust_ratio
 from fsharded.optim._lion import ScaleByLionState, lion, scale_by_lion
 from fsharded.optim._schedules import (
@@ -118,6 +118,7 @@ __all__ = [
     "has_fused",
     "decay_flags",
     "FusedForm",
+    "FusedStep",
     # optimizers
     "adamw",
     "adam",

@@ -27,7 +27,7 @@ from fsharded.kernels import fused_optim
 from fsharded.optim._base import ScaleByScheduleState, get_lr_schedule, plain
 from fsharded.optim._weight_decay import resolve_mask
 
-__all__ = ["FusedForm", "has_fused", "fused_update_", "decay_flags"]
+__all__ = ["FusedForm", "FusedStep", "has_fused", "fused_update_", "decay_flags"]
 
 
 class FusedForm(NamedTuple):
@@ -80,75 +80,103 @@ def fused_update_(optimizer: Any, grads: Any, state: Any, params: Any, *,
     for a caller whose ``params`` are another view of them); by default the mask is read
     on ``params``. The decayed and the other leaves run as two groups of the kernel.
     """
-    form = getattr(optimizer, "fused", None)
-    if not isinstance(form, FusedForm):
-        raise ValueError(
-            "fused_update_: this optimizer has no fused form (adamw, adam and lion have one); "
-            "use optimizer.update and apply_updates"
-        )
     if not plain((grads, state, params)):
         raise RuntimeError(
             "fused_update_ updates tensors in place and cannot take torch.func-wrapped values "
             "(vmap-batched on the virtual mesh, or differentiated); use optimizer.update and "
             "apply_updates there"
         )
-
+    fs = FusedStep(optimizer, state, inv_scale=inv_scale, impl=impl)
     p = optree.tree_leaves(params)
     g = optree.tree_leaves(grads)
     _check("grads", g, p)
-    moments, sched = state[form.moments], state[-1]
-    if not isinstance(sched, ScaleByScheduleState):
-        raise ValueError("fused_update_: the state was not made by this optimizer's init")
-    if isinstance(inv_scale, torch.Tensor):
-        inv_scale = float(inv_scale)
-    lr = float(get_lr_schedule(optimizer)(sched.count))
-    h = form.hyper
+    moments = fs.moment_leaves()
+    for name, ms in zip(("the first moments", "the second moments"), moments):
+        _check(name, ms, p)
     if decay is None:
         decay = decay_flags(optimizer, params)
     if decay is not None and len(decay) != len(p):
         raise ValueError(f"fused_update_: {len(decay)} decay flags, params {len(p)}")
-    # The leaves by weight decay: one group, or the decayed and the others.
-    groups = [(list(range(len(p))), h["weight_decay"])] if decay is None or all(decay) else \
-        [(idx, wd) for idx, wd in (([i for i, d in enumerate(decay) if d], h["weight_decay"]),
-                                   ([i for i, d in enumerate(decay) if not d], 0.0)) if idx]
-    if check_finite and len(groups) > 1:  # nothing modified when any gradient is inf or nan
+    mixed = decay is not None and not all(decay) and any(decay)
+    if check_finite and mixed:  # nothing modified when any gradient is inf or nan
         bad = not bool(torch.stack([torch.isfinite(x).all() for x in g]).all())
         if bad:
-            return tuple(state), torch.ones((), dtype=torch.bool, device=sched.count.device)
+            return tuple(state), torch.ones((), dtype=torch.bool, device=fs.device)
         check_finite = False
-    if form.kind in ("adamw", "adam"):
-        mu, nu = optree.tree_leaves(moments.mu), optree.tree_leaves(moments.nu)
-        _check("the first moments", mu, p)
-        _check("the second moments", nu, p)
-        count = moments.count + 1
+    found = fs.run(p, g, moments, decay, check_finite=check_finite)
+    return fs.finish(found), found
+
+
+class FusedStep:
+    """One fused step taken in parts: ``run`` the kernel on any split of the leaves (their
+    contiguous pieces, one bucket at a time, in any buffers: the update is elementwise),
+    then ``finish`` with the counters advanced once. ``moment_leaves()``: the state's
+    moment tensors, one list per moment (``mu``, and ``nu`` for adam/adamw), in the
+    parameters' leaf order. What ``fused_update_`` runs in one piece."""
+
+    def __init__(self, optimizer: Any, state: Any, *, inv_scale: float | torch.Tensor = 1.0,
+                 impl: str | None = None) -> None:
+        form = getattr(optimizer, "fused", None)
+        if not isinstance(form, FusedForm):
+            raise ValueError(
+                "fused_update_: this optimizer has no fused form (adamw, adam and lion have one); "
+                "use optimizer.update and apply_updates"
+            )
+        sched = state[-1]
+        if not isinstance(sched, ScaleByScheduleState):
+            raise ValueError("fused_update_: the state was not made by this optimizer's init")
+        self.form, self.state, self.impl = form, state, impl
+        self.inv_scale = float(inv_scale) if isinstance(inv_scale, torch.Tensor) else inv_scale
+        self.lr = float(get_lr_schedule(optimizer)(sched.count))
+        self.device = sched.count.device
+        moments = state[form.moments]
+        self.count = moments.count + 1 if form.kind in ("adamw", "adam") else None
+
+    def moment_leaves(self) -> list[list[torch.Tensor]]:
+        moments = self.state[self.form.moments]
+        if self.form.kind in ("adamw", "adam"):
+            return [optree.tree_leaves(moments.mu), optree.tree_leaves(moments.nu)]
+        return [optree.tree_leaves(moments.mu)]
+
+    def run(self, p: list[torch.Tensor], g: list[torch.Tensor], moments: list[list[torch.Tensor]],
+            decay: list[bool] | None = None, *, check_finite: bool = False) -> torch.Tensor:
+        """The kernel on these leaves (pieces), in place; ``decay``: per piece, whether the
+        weight decay applies (None: all). Returns found_inf (with ``check_finite``)."""
+        h, form = self.form.hyper, self.form
+        groups = [(list(range(len(p))), h["weight_decay"])] if decay is None or all(decay) else \
+            [(idx, wd) for idx, wd in (([i for i, d in enumerate(decay) if d], h["weight_decay"]),
+                                       ([i for i, d in enumerate(decay) if not d], 0.0)) if idx]
         found = None
         for idx, wd in groups:
-            ps, gs, ms, ns = ([xs[k] for k in idx] for xs in (p, g, mu, nu))
-            f = _in_groups(gs, check_finite, lambda i, j, gg, ps=ps, ms=ms, ns=ns, wd=wd: fused_optim.fused_adamw_(
-                ps[i:j], gg, ms[i:j], ns[i:j], lr=lr, beta1=h["b1"], beta2=h["b2"], eps=h["eps"],
-                weight_decay=wd, step=int(count), decoupled=form.kind == "adamw",
-                inv_scale=inv_scale, check_finite=check_finite, impl=impl))
+            ps, gs = [p[k] for k in idx], [g[k] for k in idx]
+            ms = [[xs[k] for k in idx] for xs in moments]
+            if form.kind in ("adamw", "adam"):
+                f = _in_groups(gs, check_finite, lambda i, j, gg, ps=ps, ms=ms, wd=wd: fused_optim.fused_adamw_(
+                    ps[i:j], gg, ms[0][i:j], ms[1][i:j], lr=self.lr, beta1=h["b1"], beta2=h["b2"], eps=h["eps"],
+                    weight_decay=wd, step=int(self.count), decoupled=form.kind == "adamw",
+                    inv_scale=self.inv_scale, check_finite=check_finite, impl=self.impl))
+            elif form.kind == "lion":
+                f = _in_groups(gs, check_finite, lambda i, j, gg, ps=ps, ms=ms, wd=wd: fused_optim.fused_lion_(
+                    ps[i:j], gg, ms[0][i:j], lr=self.lr, beta1=h["b1"], beta2=h["b2"], weight_decay=wd,
+                    inv_scale=self.inv_scale, check_finite=check_finite, impl=self.impl))
+            else:  # pragma: no cover - FusedForm is only built below
+                raise NotImplementedError(form.kind)
             found = f if found is None else found | f
-        found = found.to(count.device)
-        moments = type(moments)(torch.where(found, moments.count, count), moments.mu, moments.nu)
-    elif form.kind == "lion":
-        mu = optree.tree_leaves(moments.mu)
-        _check("the momentum", mu, p)
-        found = None
-        for idx, wd in groups:
-            ps, gs, ms = ([xs[k] for k in idx] for xs in (p, g, mu))
-            f = _in_groups(gs, check_finite, lambda i, j, gg, ps=ps, ms=ms, wd=wd: fused_optim.fused_lion_(
-                ps[i:j], gg, ms[i:j], lr=lr, beta1=h["b1"], beta2=h["b2"], weight_decay=wd,
-                inv_scale=inv_scale, check_finite=check_finite, impl=impl))
-            found = f if found is None else found | f
-    else:  # pragma: no cover - FusedForm is only built below
-        raise NotImplementedError(form.kind)
-    found = found.to(sched.count.device)
-    new_sched = ScaleByScheduleState(torch.where(found, sched.count, sched.count + 1))
-    out = list(state)
-    out[form.moments] = moments
-    out[-1] = new_sched
-    return tuple(out), found
+        if found is None:
+            return torch.zeros((), dtype=torch.bool, device=self.device)
+        return found.to(self.device)
+
+    def finish(self, found: torch.Tensor | None = None) -> tuple:
+        """The new state: the moments as they are (updated in place), the counters
+        advanced unless ``found`` (found_inf) is true."""
+        found = torch.zeros((), dtype=torch.bool, device=self.device) if found is None else found.to(self.device)
+        out = list(self.state)
+        moments = out[self.form.moments]
+        if self.count is not None:
+            out[self.form.moments] = type(moments)(torch.where(found, moments.count, self.count), *moments[1:])
+        sched = out[-1]
+        out[-1] = ScaleByScheduleState(torch.where(found, sched.count, sched.count + 1))
+        return tuple(out)
 
 
 def _in_groups(grads: list[torch.Tensor], check_finite: bool, run: Any) -> torch.Tensor:

@@ -39,6 +39,7 @@ import torch
 from fsharded.mesh import _tree
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, _entry_axes
+from fsharded.parallel.offload import Offload
 
 __all__ = ["Placement", "ZeroPlan", "zero", "shard_leaf_spec"]
 
@@ -64,11 +65,14 @@ class Placement(NamedTuple):
         return self.reshard_after_forward is not False
     # One bool per parameter leaf (flatten order): which leaves train; None: all of them.
     trainable: tuple[bool, ...] | None = None
+    # Where the optimizer state lives (``parallel.offload.Offload``); None: device memory.
+    offload: Any = None
 
     def describe(self) -> str:
         """The placement in words, for messages: ``"ZeRO stage 2 over 'data'"``. (The step
         itself reads the spec trees, leaf by leaf, not the stage.)"""
-        return f"ZeRO stage {self.stage}" + (f" over {self.axis!r}" if self.stage and self.axis else "")
+        return (f"ZeRO stage {self.stage}" + (f" over {self.axis!r}" if self.stage and self.axis else "")
+                + (f", {self.offload.describe()}" if self.offload is not None and self.offload.active else ""))
 
     @classmethod
     def replicated(cls, specs: Any) -> Placement:
@@ -120,6 +124,7 @@ class ZeroPlan:
     params: Any = field(repr=False)  # (tensors: a repr would print their values)
     min_size: int
     reshard_after_forward: bool | None = None
+    offload: Offload | None = None
 
     def resolve(self, mesh: Mesh) -> Placement:
         if self.axis not in mesh.shape:
@@ -142,15 +147,19 @@ class ZeroPlan:
         base = optree.tree_unflatten(tdef, flat)
         over = optree.tree_unflatten(tdef, sharded)
         if self.stage == 0:
-            return Placement(base, base, base, base, 0, self.axis)
-        if self.stage == 1:
-            return Placement(base, base, base, over, 1, self.axis)
-        if self.stage == 2:
-            return Placement(base, base, over, over, 2, self.axis)
-        return Placement(base, over, over, over, 3, self.axis, self.reshard_after_forward)
+            pl = Placement(base, base, base, base, 0, self.axis)
+        elif self.stage == 1:
+            pl = Placement(base, base, base, over, 1, self.axis)
+        elif self.stage == 2:
+            pl = Placement(base, base, over, over, 2, self.axis)
+        else:
+            pl = Placement(base, over, over, over, 3, self.axis, self.reshard_after_forward)
+        return pl._replace(offload=self.offload) if self.offload is not None else pl
 
 
-def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_forward: bool | None = None):
+def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_forward: bool | None = None,
+         offload_optimizer: str | None = None, nvme_path: str | None = None, offload_params: str | None = None,
+         pin_memory: bool = True, bucket_elems: int | None = None, buffer_count: int = 2):
     """The ZeRO ``stage`` (0-3) over mesh ``axis``, as a rewrite of a parameter spec tree.
 
     ``reshard_after_forward`` (stage 3; FSDP's name for it): ``True`` frees each block's
@@ -165,6 +174,13 @@ def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_
     pipelines by default; ``True`` given explicitly gathers a stage's blocks for every
     micro-batch instead (about one block whole at a time, m times the bytes).
 
+    ``offload_optimizer`` (``"cpu"`` or ``"nvme"``; ZeRO-Offload, ZeRO-Infinity): the
+    optimizer's moments live in host memory or in files under ``nvme_path`` and the step
+    streams them through host buffers, ``bucket_elems`` elements at a time with
+    ``buffer_count`` buckets in flight, with the same numbers as in device memory
+    (``fsharded.parallel.offload``). ``pin_memory``: page-locked host buffers where a GPU is
+    the device. ``offload_params`` (ZeRO-3 parameter offload) is not implemented yet.
+
     Returns ``rule(specs, params) -> ZeroPlan``; ``train_step`` resolves the plan against
     its mesh (``plan.resolve(mesh)`` gives the concrete ``Placement``). Specs that already
     use other axes (tensor parallelism) keep them.
@@ -173,10 +189,17 @@ def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_
         raise ValueError(f"zero: stage must be 0, 1, 2 or 3, got {stage!r}")
     if not isinstance(axis, str):
         raise ValueError(f"zero: axis must be a mesh axis name, got {axis!r}")
+    if offload_params not in (None, "none"):
+        raise NotImplementedError(f"zero: offload_params={offload_params!r} (ZeRO-3 parameter offload) is not "
+                                  f"implemented yet; offload_optimizer='cpu' or 'nvme' moves the optimizer state")
+    off = None
+    if offload_optimizer not in (None, "none"):
+        off = Offload(offload_optimizer, nvme_path, pin_memory,
+                      Offload.bucket_elems if bucket_elems is None else bucket_elems, buffer_count)
 
     def rule(specs: Any, params: Any) -> ZeroPlan:
         _tree.broadcast_prefix(specs, params, what="param_specs")  # fail early, with paths
         return ZeroPlan(stage, axis, specs, params, min_size,
-                        None if reshard_after_forward is None else bool(reshard_after_forward))
+                        None if reshard_after_forward is None else bool(reshard_after_forward), off)
 
     return rule

@@ -59,7 +59,7 @@ from fsharded.step._model_state import init_model_state, new_model_state
 from fsharded.step._scaling import DynamicScaling, NoScaling
 from fsharded.step._state import TrainState, counted, load_state
 from fsharded.step._transform import ClipByGlobalNorm, GradientTransform, NoClip, Transformed
-from fsharded.step._update import PureUpdate, choose_update
+from fsharded.step._update import PureUpdate, choose_update, tiered
 
 __all__ = ["TrainState", "TrainStep", "train_step"]
 
@@ -292,11 +292,20 @@ class TrainStep:
             master, opt_state = _held.init_held(self.optimizer, master, mask, holding.here)
         else:
             opt_state = self.optimizer.init(T.view(master, mask))  # for the trained leaves only
+        opt_state = tiered(self.optimizer, opt_state, pl.offload)  # its moments in their memory tier
         scale = self._scaler.init() if self._scaler is not None else None
         self._local_shapes[optree.tree_structure(master)] = [tuple(x.shape) for x in optree.tree_leaves(master)]
         rng = R.key(self.seed) if self.seed is not None else None
         return TrainState(torch.zeros((), dtype=torch.int64), master, opt_state, scale, rng, ms,
                           T.as_tensor(mask), torch.zeros((), dtype=torch.int64))
+
+    def _tiered(self, state: TrainState) -> TrainState:
+        """``state`` with its optimizer moments in the placement's memory tier (a state read
+        back from a checkpoint arrives in memory)."""
+        pl = self.placement(state.params, self._mask(state))
+        if pl.offload is None or not pl.offload.active:
+            return state
+        return state._replace(opt_state=tiered(self.optimizer, state.opt_state, pl.offload))
 
     def params(self, state: TrainState) -> Any:
         """Full (global) master parameters, on every rank; the frozen leaves marked as
@@ -515,7 +524,7 @@ class TrainStep:
             partial = (holding.axis, T.pick([holding.counted(i) for i in range(len(layout.paths))], layout.updated))
         transform = GradientTransform(scaling, self._clipping, layout.t_master, self.mesh.axis_names, partial=partial)
         update = choose_update(self.optimizer, donate=self.donate, eager=eager,
-                               params=T.view(state.params, layout.updated))
+                               params=T.view(state.params, layout.updated), offload=pl.offload)
         specs = _tree.broadcast_prefix(self.state_specs(state), state)
         # The loss unscoped once it drew nothing (a run that drew after all redone scoped; on
         # real ranks by every rank together).

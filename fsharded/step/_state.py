@@ -65,6 +65,8 @@ def load_state(step: Any, directory: Any, like: Any = None) -> TrainState:
     if not any(e["path"] == "skipped" for e in checkpoint.read_manifest(directory)["leaves"]):
         # Saved before the state counted skipped steps: none were (the count starts here).
         old = like._replace(skipped=None)
-        return counted(checkpoint.load(directory, old, step.state_specs(old), step.mesh, owners=step._owners(old)))
-    return checkpoint.load(directory, like, step.state_specs(like), step.mesh, owners=step._owners(like))
+        state = counted(checkpoint.load(directory, old, step.state_specs(old), step.mesh, owners=step._owners(old)))
+    else:
+        state = checkpoint.load(directory, like, step.state_specs(like), step.mesh, owners=step._owners(like))
+    return step._tiered(state)
 

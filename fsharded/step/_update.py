@@ -13,11 +13,12 @@ import optree
 import torch
 
 from fsharded import optim
+from fsharded.parallel import offload as _offload
 from fsharded.spmd import _manifest
 from fsharded.spmd._virtual import beneath
 
 __all__ = ["PureUpdate", "DonatedUpdate", "FusedUpdate", "CopiedFusedUpdate", "StackedFusedUpdate",
-           "CopiedStackedFusedUpdate", "choose_update"]
+           "CopiedStackedFusedUpdate", "OffloadedUpdate", "choose_update", "tiered"]
 
 
 class PureUpdate:
@@ -164,6 +165,63 @@ class CopiedStackedFusedUpdate(_OnCopies, StackedFusedUpdate):
     under the vmap levels is a new tensor beneath them)."""
 
 
+class OffloadedUpdate(PureUpdate):
+    """The fused update with the optimizer's moments in a memory tier (host memory or NVMe
+    files, ``parallel.offload``): streamed bucket by bucket through host staging buffers
+    (``offload.stream_update``), on a real rank's shards or, on the virtual mesh, beneath
+    the vmap levels (as ``StackedFusedUpdate``). The same numbers as ``FusedUpdate``, bit
+    for bit. The moments are updated in place in their tier (the state passed in is
+    consumed); the parameters too with ``donate``, else the step returns new ones. A dry
+    run takes the pure form, which communicates the same (nothing)."""
+
+    def __init__(self, optimizer: Any, eager: bool, offload: Any, donate: bool) -> None:
+        super().__init__(optimizer, eager)
+        self.offload, self.donate = offload, donate
+
+    def __call__(self, grads: Any, factor: torch.Tensor | None, opt_state: Any, params: Any, *,
+                 ok: torch.Tensor | None = None) -> tuple[Any, Any]:
+        if _manifest.dry():
+            return super().__call__(grads, factor, opt_state, params)
+        if _skip(ok):
+            return params, opt_state
+        if not self.donate:  # new parameters (a copy of a value under the vmap levels is new beneath them)
+            params = optree.tree_map(lambda t: t.clone(), params)
+        p_leaves, p_def = optree.tree_flatten(params)
+        s_leaves, s_def = optree.tree_flatten(opt_state)
+        p_base = [beneath(x) for x in p_leaves]
+        g_base = [_aligned(beneath(g), b) for g, b in zip(optree.tree_leaves(grads), p_base)]
+        s_base = [beneath(x)[0] if isinstance(x, torch.Tensor) else x for x in s_leaves]
+        inv_scale = 1.0 if factor is None else float(beneath(factor)[0].reshape(-1)[0])
+        step = optim.FusedStep(self.optimizer, optree.tree_unflatten(s_def, s_base), inv_scale=inv_scale)
+        moments = step.moment_leaves()
+        for ms in moments:
+            for m, (b, _) in zip(ms, p_base):
+                if m.shape != b.shape or not m.is_contiguous():
+                    raise NotImplementedError(
+                        "offload: an optimizer moment laid out otherwise than its parameter (on the virtual mesh, "
+                        "a leaf sharded on an inner dim) cannot be streamed yet; shard it on its first dim, or run "
+                        "on real ranks")
+                if not _offload.in_tier(m, self.offload):
+                    raise RuntimeError(f"offload: the optimizer state is not in its tier "
+                                       f"({self.offload.describe()}): make it with step.init(params) or step.load")
+        back: list[tuple[torch.Tensor, torch.Tensor]] = []  # strided leaves, updated in contiguous copies
+        flat_p = []
+        for b, _ in p_base:
+            c = b if b.is_contiguous() else b.contiguous()
+            if c is not b:
+                back.append((b, c))
+            flat_p.append(c.view(-1))
+        flat_g = [g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1) for g in g_base]
+        found = _offload.stream_update(step, flat_p, flat_g, [[m.view(-1) for m in ms] for ms in moments],
+                                       optim.decay_flags(self.optimizer, params), self.offload)
+        for b, c in back:
+            b.copy_(c)
+        new_s = step.finish(found)
+        ids = {id(b): w for b, w in zip(s_base, s_leaves)}
+        out = [ids.get(id(x), x) for x in optree.tree_leaves(new_s)]
+        return optree.tree_unflatten(p_def, p_leaves), optree.tree_unflatten(optree.tree_structure(new_s), out)
+
+
 def _aligned(g: tuple[torch.Tensor, tuple[int, ...]], p: tuple[torch.Tensor, tuple[int, ...]]) -> torch.Tensor:
     """The gradient beneath its levels, with its parameter's levels (a view: the fused
     update copies strided gradients a group at a time)."""
@@ -181,11 +239,41 @@ def _aligned(g: tuple[torch.Tensor, tuple[int, ...]], p: tuple[torch.Tensor, tup
     return gb.expand(pb.shape)
 
 
-def choose_update(optimizer: Any, *, donate: bool, eager: bool, params: Any) -> PureUpdate:
-    """The update a step runs: fused where the state is donated, plain fp32 tensors and
+def tiered(optimizer: Any, opt_state: Any, offload: Any) -> Any:
+    """``opt_state`` with its moments (the tensors shaped like parameters) in ``offload``'s
+    optimizer tier (``parallel.offload.place``); unchanged without one. Needs an optimizer
+    with a fused form, whose state says which entries are its moments."""
+    if offload is None or not offload.active:
+        return opt_state
+    form = getattr(optimizer, "fused", None)
+    if not isinstance(form, optim.FusedForm):
+        raise NotImplementedError(
+            f"offload_optimizer={offload.optimizer!r} needs an optimizer with a fused form (fs.optim.adamw, adam or "
+            f"lion, not wrapped in a chain): its moments are what the tier holds")
+    moments = opt_state[form.moments]
+    fields = [f for f in ("mu", "nu") if hasattr(moments, f)]
+    placed = {}
+    for f in fields:
+        leaves, tdef = optree.tree_flatten(getattr(moments, f))
+        placed[f] = optree.tree_unflatten(tdef, _offload.place(leaves, offload))
+    out = list(opt_state)
+    out[form.moments] = moments._replace(**placed)
+    return tuple(out) if type(opt_state) is tuple else type(opt_state)(*out)
+
+
+def choose_update(optimizer: Any, *, donate: bool, eager: bool, params: Any, offload: Any = None) -> PureUpdate:
+    """The update a step runs: streamed through host buffers where the optimizer state is
+    in a memory tier (``offload``); fused where the state is donated, plain fp32 tensors and
     the optimizer has a fused form (beneath the vmap levels on the virtual mesh); in place
     where donated; else pure."""
     fused = optim.has_fused(optimizer) and all(t.dtype == torch.float32 for t in optree.tree_leaves(params))
+    if offload is not None and offload.active:
+        if not fused:
+            raise NotImplementedError(
+                f"offload_optimizer={offload.optimizer!r} streams the optimizer state through the fused update, "
+                f"which needs fp32 master weights and an optimizer with a fused form (fs.optim.adamw, adam or "
+                f"lion, not wrapped in a chain); this optimizer or these weights have none")
+        return OffloadedUpdate(optimizer, eager, offload, donate)
     if donate and fused:
         return FusedUpdate(optimizer, eager) if eager else StackedFusedUpdate(optimizer, eager)
     if fused:

@@ -1,0 +1,382 @@
+"""Memory tiers for the optimizer state: host memory and NVMe files (ZeRO-Offload,
+ZeRO-Infinity), as part of a placement.
+
+``zero(stage, offload_optimizer="cpu" | "nvme", nvme_path=...)`` puts the optimizer's
+moments in a tier instead of device memory; the parameters stay where the placement puts
+them. The step then updates the state in streamed buckets (``stream_update``): each bucket
+of parameters and gradients is copied to host staging buffers, its moments are read from
+their tier (for NVMe, the next bucket's while this one is updated), the fused kernel (the
+C++ CPU optimizer) runs on the host, the moments go back to their tier and the parameters
+back to the device. The numbers are those of the in-memory fused step, bit for bit: the
+kernel is elementwise, and a bucket is a split of the same elements.
+
+The tiers:
+
+- ``"cpu"``: the moments are host tensors (pinned where a GPU is the device, so the copies
+  are asynchronous). On a CPU-only machine the "device" is host memory as well: the step
+  still copies each bucket to staging buffers and back, so the same ordering runs here as
+  on a GPU.
+- ``"nvme"``: each moment leaf is a file under ``nvme_path`` (one directory per tier,
+  removed at exit), reserved when the state is made (a disk too small is an error then).
+  The state's leaves stay tensors (memory-mapped views of their files: a checkpoint reads
+  them like any leaf); the step reads and writes the files with ``fsharded.kernels.aio``
+  (a C++ thread pool, ``O_DIRECT`` where the filesystem allows it, so the state does not
+  come back into RAM as page cache). Every piece written is checksummed and checked when
+  read back: a file changed behind the step's back is an error naming it.
+
+What changes, numerically: nothing. What changes otherwise: the optimizer state in a tier
+is updated in place, as DeepSpeed's is, so a state passed to a step is consumed whatever
+``donate`` says (the parameters follow ``donate`` as before). The NVMe tier needs an
+optimizer with a fused form (``adamw``, ``adam``, ``lion``); the host tier runs any
+optimizer (those without a fused form on the host copies of the parameters, whole).
+
+>>> rule = zero(2, offload_optimizer="nvme", nvme_path="/local_nvme")
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Offload", "TIERS", "place", "in_tier", "stream_update", "nvme_files"]
+
+TIERS = ("cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Where a placement keeps the optimizer state (``optimizer``: None for device memory,
+    ``"cpu"`` or ``"nvme"``) and how it streams it: ``nvme_path`` (a directory on the
+    NVMe disk; required for ``"nvme"``), ``pin_memory`` (page-locked host buffers where a
+    GPU is the device), ``bucket_elems`` (elements per streamed bucket), ``buffer_count``
+    (buckets in flight: 2 overlaps the next bucket's read with this one's update),
+    ``direct`` (``O_DIRECT`` where the filesystem allows it)."""
+
+    optimizer: str | None = None
+    nvme_path: str | None = None
+    pin_memory: bool = True
+    bucket_elems: int = 1 << 22
+    buffer_count: int = 2
+    direct: bool = True
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in (None, *TIERS):
+            raise ValueError(f"offload_optimizer must be None, 'cpu' or 'nvme', got {self.optimizer!r}")
+        if self.optimizer == "nvme" and not self.nvme_path:
+            raise ValueError("offload_optimizer='nvme' needs nvme_path=, a directory on the disk to keep the "
+                             "optimizer state in")
+        if self.nvme_path is not None and not os.path.isdir(self.nvme_path):
+            raise ValueError(f"nvme_path={self.nvme_path!r} is not a directory: create it, on the disk the "
+                             f"optimizer state should live on")
+        if not isinstance(self.bucket_elems, int) or self.bucket_elems < 1024:
+            raise ValueError(f"offload: bucket_elems must be an int >= 1024, got {self.bucket_elems!r}")
+        if not isinstance(self.buffer_count, int) or self.buffer_count < 1:
+            raise ValueError(f"offload: buffer_count must be a positive int, got {self.buffer_count!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.optimizer is not None
+
+    def describe(self) -> str:
+        if self.optimizer == "nvme":
+            return f"optimizer state on NVMe under {self.nvme_path}"
+        return "optimizer state in host memory" if self.optimizer == "cpu" else "optimizer state in device memory"
+
+
+# -- the NVMe tier's files --------------------------------------------------------------------
+
+_PIECE = 1 << 20  # elements per checksummed piece of a file (a multiple of aio.ALIGN's elements)
+
+
+class _Leaf:
+    """One NVMe-tier tensor's file: its ``aio.File``, element size, and the CRC-32C of each
+    piece of ``_PIECE`` elements as last written by the tier (None: not yet written)."""
+
+    def __init__(self, file: Any, numel: int, itemsize: int) -> None:
+        self.file, self.numel, self.itemsize = file, numel, itemsize
+        self.crcs: list[int | None] = [None] * max(1, math.ceil(numel / _PIECE))
+
+
+class _Directory:
+    """A directory of tier files under ``nvme_path``, removed at exit (or by ``close``)."""
+
+    def __init__(self, root: str, direct: bool) -> None:
+        self.path = tempfile.mkdtemp(prefix="fsharded-nvme-", dir=root)
+        self.direct, self.n = direct, 0
+        self.leaves: dict[str, _Leaf] = {}
+
+    def new(self, like: torch.Tensor) -> torch.Tensor:
+        """A file-backed tensor shaped and typed like ``like``, holding its values."""
+        from fsharded.kernels import aio
+
+        self.n += 1
+        path = os.path.join(self.path, f"{self.n:05d}.bin")
+        nbytes = like.numel() * like.element_size()
+        leaf = _Leaf(aio.File.create(path, nbytes, direct=self.direct), like.numel(), like.element_size())
+        self.leaves[path] = leaf
+        out = torch.from_file(path, shared=True, size=like.numel(), dtype=like.dtype).view(like.shape)
+        src = like.detach().reshape(-1)
+        if bool(src.any()):  # (a new file reads zeros: what optimizer.init made, mostly)
+            _write_all(leaf, src)
+        else:
+            for k in range(len(leaf.crcs)):
+                n = min(_PIECE, leaf.numel - k * _PIECE)
+                leaf.crcs[k] = _zero_crc(n * leaf.itemsize)
+        return out
+
+    def close(self) -> None:
+        for leaf in self.leaves.values():
+            leaf.file.close()
+        self.leaves.clear()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+_DIRS: list[_Directory] = []
+_LOCK = threading.Lock()
+_ZERO_CRC: dict[int, int] = {}
+
+
+def _zero_crc(nbytes: int) -> int:
+    from fsharded.kernels import aio
+
+    if nbytes not in _ZERO_CRC:
+        _ZERO_CRC[nbytes] = aio.checksum(torch.zeros(nbytes, dtype=torch.uint8))
+    return _ZERO_CRC[nbytes]
+
+
+def _write_all(leaf: _Leaf, src: torch.Tensor) -> None:
+    from fsharded.kernels import aio
+
+    buf = aio.aligned_empty(min(leaf.numel, _PIECE) * leaf.itemsize)
+    for k in range(len(leaf.crcs)):
+        lo, hi = k * _PIECE, min(leaf.numel, (k + 1) * _PIECE)
+        view = buf[: (hi - lo) * leaf.itemsize].view(src.dtype)
+        view.copy_(src[lo:hi])
+        leaf.crcs[k] = leaf.file.write(lo * leaf.itemsize, buf, (hi - lo) * leaf.itemsize).wait()
+
+
+@atexit.register
+def _remove_all() -> None:
+    with _LOCK:
+        for d in _DIRS:
+            d.close()
+        _DIRS.clear()
+
+
+def _directory(offload: Offload) -> _Directory:
+    """This process's tier directory under ``offload.nvme_path`` (one per path)."""
+    with _LOCK:
+        for d in _DIRS:
+            if os.path.dirname(d.path) == os.path.abspath(offload.nvme_path) and d.direct == offload.direct:
+                return d
+        d = _Directory(os.path.abspath(offload.nvme_path), offload.direct)
+        _DIRS.append(d)
+        return d
+
+
+def _leaf_of(t: torch.Tensor) -> _Leaf | None:
+    """The tier file ``t`` is a whole view of (None: not an NVMe-tier tensor)."""
+    try:
+        name = t.untyped_storage().filename
+    except (AttributeError, RuntimeError):
+        return None
+    if not name:
+        return None
+    with _LOCK:
+        for d in _DIRS:
+            leaf = d.leaves.get(name)
+            if leaf is not None:
+                return leaf if t.storage_offset() == 0 and t.is_contiguous() and t.numel() == leaf.numel else None
+    return None
+
+
+def nvme_files(tree: Any) -> list[str]:
+    """The tier files of a state's NVMe-tier leaves (tests, tools)."""
+    import optree
+
+    return [t.untyped_storage().filename for t in optree.tree_leaves(tree)
+            if isinstance(t, torch.Tensor) and _leaf_of(t) is not None]
+
+
+# -- placing a state ------------------------------------------------------------------------------
+
+
+def _pinned(t: torch.Tensor, offload: Offload) -> torch.Tensor:
+    host = t.detach().to("cpu")
+    if offload.pin_memory and torch.cuda.is_available():
+        host = host.pin_memory()
+    return host
+
+
+def place(moments: list[torch.Tensor], offload: Offload) -> list[torch.Tensor]:
+    """``moments`` (tensors shaped like parameters) in ``offload``'s optimizer tier: host
+    tensors, or file-backed tensors under ``nvme_path``. Leaves already there are kept."""
+    if not offload.active:
+        return moments
+    if offload.optimizer == "cpu":
+        return [t if in_tier(t, offload) else _pinned(t, offload) for t in moments]
+    d = _directory(offload)
+    return [t if in_tier(t, offload) else d.new(t.detach().to("cpu")) for t in moments]
+
+
+def in_tier(t: torch.Tensor, offload: Offload) -> bool:
+    if offload.optimizer == "nvme":
+        return _leaf_of(t) is not None
+    return t.device.type == "cpu"
+
+
+# -- the streamed update --------------------------------------------------------------------------
+
+
+class _Staging:
+    """One bucket's host buffers: parameters and gradients (``width`` elements), and for
+    NVMe each moment (``mwidth``: its pieces at aligned offsets, for ``O_DIRECT``)."""
+
+    def __init__(self, width: int, mwidth: int, moments: int, dtype: torch.dtype, offload: Offload,
+                 nvme: bool) -> None:
+        pin = offload.pin_memory and torch.cuda.is_available()
+        self.p = torch.empty(width, dtype=dtype, pin_memory=pin)
+        self.g = torch.empty(width, dtype=dtype, pin_memory=pin)
+        self.m: list[torch.Tensor] = []
+        if nvme:
+            from fsharded.kernels import aio
+
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            self.m = [aio.aligned_empty(mwidth * itemsize).view(dtype) for _ in range(moments)]
+        self.reads: list = []  # (pending, leaf, piece) of the moments being read in
+        self.writes: list = []  # (pending, leaf, piece) of the moments being written out
+        self.event: Any = None  # (CUDA) the copy back to the device that reads p
+
+    def settle(self) -> None:
+        """Wait until this staging set can be reused: its writes are done (their checksums
+        recorded), and its parameters have been copied back to the device."""
+        for w, leaf, k in self.writes:
+            leaf.crcs[k] = w.wait()
+        self.writes = []
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+
+class _Piece:
+    """Elements ``[lo, hi)`` of leaf ``i``: at ``at`` in a bucket's parameter and gradient
+    staging, at ``mat`` (aligned) in its moment staging; ``k``: its checksummed piece."""
+
+    __slots__ = ("i", "lo", "hi", "at", "mat", "k")
+
+    def __init__(self, i: int, lo: int, hi: int, at: int, mat: int) -> None:
+        self.i, self.lo, self.hi, self.at, self.mat, self.k = i, lo, hi, at, mat, lo // _PIECE
+
+
+def _buckets(sizes: list[int], cap: int, align: int) -> list[list[_Piece]]:
+    """The leaves cut into whole ``_PIECE``-element pieces, grouped into buckets of at most
+    ``max(cap, _PIECE)`` elements (a piece is never split); each piece's moment staging
+    starts at a multiple of ``align`` elements."""
+    cap = max(cap, _PIECE)
+    out: list[list[_Piece]] = [[]]
+    at = mat = 0
+    for i, n in enumerate(sizes):
+        for lo in range(0, n, _PIECE):
+            hi = min(n, lo + _PIECE)
+            if at + hi - lo > cap and out[-1]:
+                out.append([])
+                at = mat = 0
+            out[-1].append(_Piece(i, lo, hi, at, mat))
+            at += hi - lo
+            mat += -(-(hi - lo) // align) * align
+    return [b for b in out if b]
+
+
+def stream_update(step: Any, params: list[torch.Tensor], grads: list[torch.Tensor],
+                  moments: list[list[torch.Tensor]], decay: list[bool] | None, offload: Offload) -> torch.Tensor:
+    """One fused step (``optim.FusedStep`` ``step``) of ``params`` (flat contiguous device
+    tensors, updated in place) with ``grads`` (flat, contiguous, the same sizes) and
+    ``moments`` (one list per moment, in ``offload``'s tier), bucket by bucket through host
+    staging buffers (see the module doc). Returns found_inf (false unless the step checks:
+    non-finite steps are refused before the update)."""
+    from fsharded.kernels import aio
+
+    nvme = offload.optimizer == "nvme"
+    dtype = params[0].dtype if params else torch.float32
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buckets = _buckets([p.numel() for p in params], offload.bucket_elems, max(1, aio.ALIGN // itemsize))
+    found = torch.zeros((), dtype=torch.bool)
+    if not buckets:
+        return found
+    leaves: list[list[_Leaf]] = []
+    if nvme:
+        for ms in moments:
+            got = [_leaf_of(m) for m in ms]
+            if any(f is None for f in got):
+                raise RuntimeError("offload: the optimizer state is not in this step's NVMe tier (a state made by "
+                                   "another step, or moved since): make it with step.init(params) or step.load(...)")
+            leaves.append(got)  # type: ignore[arg-type]
+    width = max(b[-1].at + b[-1].hi - b[-1].lo for b in buckets)
+    mwidth = max(b[-1].mat + b[-1].hi - b[-1].lo + aio.ALIGN for b in buckets) if nvme else 0
+    sets = [_Staging(width, mwidth, len(moments), dtype, offload, nvme)
+            for _ in range(min(offload.buffer_count, len(buckets)))]
+    cuda = params[0].device.type == "cuda"
+
+    def fetch(b: int) -> None:  # post the reads of bucket b's moments into its staging set
+        st = sets[b % len(sets)]
+        st.settle()
+        for pc in buckets[b]:
+            for j, ls in enumerate(leaves):
+                leaf = ls[pc.i]
+                buf = st.m[j][pc.mat:]
+                st.reads.append((leaf.file.read(pc.lo * itemsize, buf.view(torch.uint8), (pc.hi - pc.lo) * itemsize),
+                                 leaf, pc.k))
+
+    if nvme:
+        fetch(0)
+    for b, pieces in enumerate(buckets):
+        st = sets[b % len(sets)]
+        if not nvme:
+            st.settle()
+        elif b + 1 < len(buckets) and len(sets) > 1:
+            fetch(b + 1)  # the next bucket's moments arrive while this one is updated
+        ps, gs, ms, flags = [], [], [[] for _ in moments], []
+        for pc in pieces:
+            n = pc.hi - pc.lo
+            ps.append(st.p[pc.at: pc.at + n])
+            gs.append(st.g[pc.at: pc.at + n])
+            ps[-1].copy_(params[pc.i][pc.lo:pc.hi], non_blocking=cuda)
+            gs[-1].copy_(grads[pc.i][pc.lo:pc.hi], non_blocking=cuda)
+            for j in range(len(moments)):
+                ms[j].append(st.m[j][pc.mat: pc.mat + n] if nvme else moments[j][pc.i].view(-1)[pc.lo:pc.hi])
+            flags.append(True if decay is None else decay[pc.i])
+        if cuda:
+            torch.cuda.current_stream().synchronize()  # the host reads what the device copied
+        for pend, leaf, k in st.reads:
+            crc = pend.wait()
+            if leaf.crcs[k] is not None and crc != leaf.crcs[k]:
+                raise RuntimeError(f"offload: {leaf.file.path} (piece {k}) does not hold what the step wrote "
+                                   f"there: checksum {crc:#010x}, written {leaf.crcs[k]:#010x}. The optimizer "
+                                   f"state on disk was changed or corrupted; resume from the last checkpoint")
+        st.reads = []
+        found = found | step.run(ps, gs, ms, None if decay is None else flags)
+        if nvme:
+            for pc in pieces:
+                for j, ls in enumerate(leaves):
+                    leaf = ls[pc.i]
+                    buf = st.m[j][pc.mat:]
+                    st.writes.append((leaf.file.write(pc.lo * itemsize, buf.view(torch.uint8),
+                                                      (pc.hi - pc.lo) * itemsize), leaf, pc.k))
+        for pc, p in zip(pieces, ps):
+            params[pc.i].view(-1)[pc.lo:pc.hi].copy_(p, non_blocking=cuda)
+        if cuda:
+            st.event = torch.cuda.Event()
+            st.event.record()
+        if nvme and len(sets) == 1 and b + 1 < len(buckets):
+            fetch(b + 1)
+    for st in sets:
+        st.settle()
+    return found
