@@ -41,7 +41,7 @@ import os
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,7 +61,9 @@ class Offload:
     ``direct`` (``O_DIRECT`` where the filesystem allows it)."""
 
     optimizer: str | None = None
-    nvme_path: str | None = None
+    # Where this host keeps its files: ranks may name different disks, so the path is not
+    # part of the layout the ranks agree on (nor of the repr that shows it).
+    nvme_path: str | None = field(default=None, compare=False, repr=False)
     pin_memory: bool = True
     bucket_elems: int = 1 << 22
     buffer_count: int = 2
@@ -93,24 +95,31 @@ class Offload:
 
 # -- the NVMe tier's files --------------------------------------------------------------------
 
-_PIECE = 1 << 20  # elements per checksummed piece of a file (a multiple of aio.ALIGN's elements)
+_PIECE = 1 << 20  # the most elements per checksummed piece of a file
+
+
+def piece_elems(offload: Offload) -> int:
+    """Elements per piece (the unit of streaming and of checksums): ``bucket_elems``,
+    rounded down to a multiple of 1024 (whole ``O_DIRECT`` blocks of fp32), at most
+    ``_PIECE``."""
+    return max(1024, min(_PIECE, offload.bucket_elems // 1024 * 1024))
 
 
 class _Leaf:
-    """One NVMe-tier tensor's file: its ``aio.File``, element size, and the CRC-32C of each
-    piece of ``_PIECE`` elements as last written by the tier (None: not yet written)."""
+    """One NVMe-tier tensor's file: its ``aio.File``, element size, its pieces' size, and
+    the CRC-32C of each piece as last written by the tier (None: not yet written)."""
 
-    def __init__(self, file: Any, numel: int, itemsize: int) -> None:
-        self.file, self.numel, self.itemsize = file, numel, itemsize
-        self.crcs: list[int | None] = [None] * max(1, math.ceil(numel / _PIECE))
+    def __init__(self, file: Any, numel: int, itemsize: int, piece: int) -> None:
+        self.file, self.numel, self.itemsize, self.piece = file, numel, itemsize, piece
+        self.crcs: list[int | None] = [None] * max(1, math.ceil(numel / piece))
 
 
 class _Directory:
     """A directory of tier files under ``nvme_path``, removed at exit (or by ``close``)."""
 
-    def __init__(self, root: str, direct: bool) -> None:
+    def __init__(self, root: str, direct: bool, piece: int) -> None:
         self.path = tempfile.mkdtemp(prefix="fsharded-nvme-", dir=root)
-        self.direct, self.n = direct, 0
+        self.direct, self.piece, self.n = direct, piece, 0
         self.leaves: dict[str, _Leaf] = {}
 
     def new(self, like: torch.Tensor) -> torch.Tensor:
@@ -120,7 +129,7 @@ class _Directory:
         self.n += 1
         path = os.path.join(self.path, f"{self.n:05d}.bin")
         nbytes = like.numel() * like.element_size()
-        leaf = _Leaf(aio.File.create(path, nbytes, direct=self.direct), like.numel(), like.element_size())
+        leaf = _Leaf(aio.File.create(path, nbytes, direct=self.direct), like.numel(), like.element_size(), self.piece)
         self.leaves[path] = leaf
         out = torch.from_file(path, shared=True, size=like.numel(), dtype=like.dtype).view(like.shape)
         src = like.detach().reshape(-1)
@@ -128,7 +137,7 @@ class _Directory:
             _write_all(leaf, src)
         else:
             for k in range(len(leaf.crcs)):
-                n = min(_PIECE, leaf.numel - k * _PIECE)
+                n = min(leaf.piece, leaf.numel - k * leaf.piece)
                 leaf.crcs[k] = _zero_crc(n * leaf.itemsize)
         return out
 
@@ -155,9 +164,9 @@ def _zero_crc(nbytes: int) -> int:
 def _write_all(leaf: _Leaf, src: torch.Tensor) -> None:
     from fsharded.kernels import aio
 
-    buf = aio.aligned_empty(min(leaf.numel, _PIECE) * leaf.itemsize)
+    buf = aio.aligned_empty(min(leaf.numel, leaf.piece) * leaf.itemsize)
     for k in range(len(leaf.crcs)):
-        lo, hi = k * _PIECE, min(leaf.numel, (k + 1) * _PIECE)
+        lo, hi = k * leaf.piece, min(leaf.numel, (k + 1) * leaf.piece)
         view = buf[: (hi - lo) * leaf.itemsize].view(src.dtype)
         view.copy_(src[lo:hi])
         leaf.crcs[k] = leaf.file.write(lo * leaf.itemsize, buf, (hi - lo) * leaf.itemsize).wait()
@@ -173,11 +182,13 @@ def _remove_all() -> None:
 
 def _directory(offload: Offload) -> _Directory:
     """This process's tier directory under ``offload.nvme_path`` (one per path)."""
+    piece = piece_elems(offload)
     with _LOCK:
         for d in _DIRS:
-            if os.path.dirname(d.path) == os.path.abspath(offload.nvme_path) and d.direct == offload.direct:
+            if os.path.dirname(d.path) == os.path.abspath(offload.nvme_path) and (d.direct, d.piece) == \
+                    (offload.direct, piece):
                 return d
-        d = _Directory(os.path.abspath(offload.nvme_path), offload.direct)
+        d = _Directory(os.path.abspath(offload.nvme_path), offload.direct, piece)
         _DIRS.append(d)
         return d
 
@@ -219,7 +230,7 @@ def _pinned(t: torch.Tensor, offload: Offload) -> torch.Tensor:
 def place(moments: list[torch.Tensor], offload: Offload) -> list[torch.Tensor]:
     """``moments`` (tensors shaped like parameters) in ``offload``'s optimizer tier: host
     tensors, or file-backed tensors under ``nvme_path``. Leaves already there are kept."""
-    if not offload.active:
+    if not offload.active or any(t.device.type == "meta" for t in moments):  # (a template: shapes only)
         return moments
     if offload.optimizer == "cpu":
         return [t if in_tier(t, offload) else _pinned(t, offload) for t in moments]
@@ -272,24 +283,24 @@ class _Piece:
 
     __slots__ = ("i", "lo", "hi", "at", "mat", "k")
 
-    def __init__(self, i: int, lo: int, hi: int, at: int, mat: int) -> None:
-        self.i, self.lo, self.hi, self.at, self.mat, self.k = i, lo, hi, at, mat, lo // _PIECE
+    def __init__(self, i: int, lo: int, hi: int, at: int, mat: int, k: int) -> None:
+        self.i, self.lo, self.hi, self.at, self.mat, self.k = i, lo, hi, at, mat, k
 
 
-def _buckets(sizes: list[int], cap: int, align: int) -> list[list[_Piece]]:
-    """The leaves cut into whole ``_PIECE``-element pieces, grouped into buckets of at most
-    ``max(cap, _PIECE)`` elements (a piece is never split); each piece's moment staging
-    starts at a multiple of ``align`` elements."""
-    cap = max(cap, _PIECE)
+def _buckets(sizes: list[int], cap: int, piece: int, align: int) -> list[list[_Piece]]:
+    """The leaves cut into whole pieces of ``piece`` elements, grouped into buckets of at
+    most ``max(cap, piece)`` elements (a piece is never split); each piece's moment
+    staging starts at a multiple of ``align`` elements."""
+    cap = max(cap, piece)
     out: list[list[_Piece]] = [[]]
     at = mat = 0
     for i, n in enumerate(sizes):
-        for lo in range(0, n, _PIECE):
-            hi = min(n, lo + _PIECE)
+        for lo in range(0, n, piece):
+            hi = min(n, lo + piece)
             if at + hi - lo > cap and out[-1]:
                 out.append([])
                 at = mat = 0
-            out[-1].append(_Piece(i, lo, hi, at, mat))
+            out[-1].append(_Piece(i, lo, hi, at, mat, lo // piece))
             at += hi - lo
             mat += -(-(hi - lo) // align) * align
     return [b for b in out if b]
@@ -307,7 +318,8 @@ def stream_update(step: Any, params: list[torch.Tensor], grads: list[torch.Tenso
     nvme = offload.optimizer == "nvme"
     dtype = params[0].dtype if params else torch.float32
     itemsize = torch.empty((), dtype=dtype).element_size()
-    buckets = _buckets([p.numel() for p in params], offload.bucket_elems, max(1, aio.ALIGN // itemsize))
+    buckets = _buckets([p.numel() for p in params], offload.bucket_elems, piece_elems(offload),
+                       max(1, aio.ALIGN // itemsize))
     found = torch.zeros((), dtype=torch.bool)
     if not buckets:
         return found
@@ -318,6 +330,9 @@ def stream_update(step: Any, params: list[torch.Tensor], grads: list[torch.Tenso
             if any(f is None for f in got):
                 raise RuntimeError("offload: the optimizer state is not in this step's NVMe tier (a state made by "
                                    "another step, or moved since): make it with step.init(params) or step.load(...)")
+            if any(f.piece != piece_elems(offload) for f in got):  # type: ignore[union-attr]
+                raise RuntimeError("offload: the optimizer state's files were cut into pieces of another size "
+                                   "(made with another bucket_elems): make the state with this step's init or load")
             leaves.append(got)  # type: ignore[arg-type]
     width = max(b[-1].at + b[-1].hi - b[-1].lo for b in buckets)
     mwidth = max(b[-1].mat + b[-1].hi - b[-1].lo + aio.ALIGN for b in buckets) if nvme else 0

@@ -1,0 +1,93 @@
+"""Optimizer offload runs shared by the virtual-mesh tests and the gloo ranks."""
+
+from __future__ import annotations
+
+import tempfile
+
+import optree
+import torch
+import train_cases as T
+
+import fsharded as fs
+from fsharded import P
+from fsharded.models import gpt
+
+STEPS = 10
+BUCKET = 2048  # elements per streamed bucket: the tiny GPT streams in ~100 buckets
+
+
+def make_step(mesh_axes: dict, stage: int, tier: str | None, *, nvme_path: str | None = None, donate: bool = False,
+              bucket: int = BUCKET, optimizer=None):
+    params = gpt.init(T.CONFIG, 0)
+    kw = {}
+    if tier is not None:
+        kw = dict(offload_optimizer=tier, bucket_elems=bucket,
+                  nvme_path=(nvme_path or tempfile.mkdtemp(prefix="offload-test-")) if tier == "nvme" else None)
+    plan = fs.parallel.zero(stage, min_size=16, **kw)(P(), params)
+    opt = optimizer if optimizer is not None else fs.optim.adamw(T.LR, weight_decay=T.WD)
+    step = fs.train_step(gpt.loss, opt, mesh=fs.Mesh(mesh_axes), param_specs=plan, clip=T.CLIP, donate=donate,
+                         blocks="blocks")
+    return step, params
+
+
+def run(mesh_axes: dict, stage: int, tier: str | None, *, steps: int = STEPS, donate: bool = False,
+        nvme_path: str | None = None) -> dict:
+    step, params = make_step(mesh_axes, stage, tier, nvme_path=nvme_path, donate=donate)
+    state = step.init(params)
+    losses = []
+    for b in T.batches(steps):
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    files = fs.parallel.offload.nvme_files(state.opt_state)
+    return {"losses": losses, "params": step.params(state), "files": len(files),
+            "moments": 2 * len(optree.tree_leaves(state.params))}
+
+
+def same(a: dict, b: dict) -> bool:
+    """Bit for bit: every loss and every final parameter."""
+    return a["losses"] == b["losses"] and all(
+        torch.equal(x, y) for x, y in zip(optree.tree_leaves(a["params"]), optree.tree_leaves(b["params"])))
+
+
+def gloo_offload(world: int) -> dict:
+    """On each rank: every ZeRO stage in device memory and with each tier, and whether
+    they agree bit for bit; the offloaded runs' losses and parameters, to compare with the
+    virtual mesh."""
+    out = {}
+    for stage in (1, 2, 3):
+        ref = run({"data": world}, stage, None)
+        for tier in ("cpu", "nvme"):
+            got = run({"data": world}, stage, tier)
+            out[(stage, tier)] = {"same": same(ref, got), "files": got["files"], "moments": got["moments"],
+                                  "losses": got["losses"], "params": got["params"]}
+    return out
+
+
+def train_then_die(ckpt: str, nvme_path: str, save_at: int, die_at: int) -> None:
+    """One process, NVMe tier: train, save a checkpoint after step ``save_at``, then die
+    (SIGKILL) in the middle of step ``die_at``'s update, with some of its writes to the
+    state files done and others not."""
+    import os
+    import signal
+
+    from fsharded.kernels import aio
+
+    step, params = make_step({"data": 1}, 2, "nvme", nvme_path=nvme_path)
+    state = step.init(params)
+    writes = {"armed": False, "n": 0}
+    write = aio.File.write
+
+    def dying_write(self, *a, **k):
+        if writes["armed"]:
+            writes["n"] += 1
+            if writes["n"] == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return write(self, *a, **k)
+
+    aio.File.write = dying_write
+    for i, b in enumerate(T.batches(die_at), start=1):
+        writes["armed"] = i == die_at
+        state, _ = step(state, b)
+        if i == save_at:
+            step.save(state, ckpt)
+    raise AssertionError("the run should have died in its update")

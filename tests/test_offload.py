@@ -1,0 +1,221 @@
+"""Optimizer offload (``zero(stage, offload_optimizer="cpu" | "nvme")``): the same numbers
+as in device memory, bit for bit, on the virtual mesh and on gloo ranks; the NVMe tier's
+files, checksums, errors and checkpoints; its C++ file I/O."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import offload_cases as O
+import optree
+import pytest
+import torch
+import train_cases as T
+
+import fsharded as fs
+from fsharded.kernels import aio
+from fsharded.models import gpt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def in_memory():
+    return {stage: O.run({"data": 2}, stage, None) for stage in (1, 2, 3)}
+
+
+# -- the C++ file I/O ---------------------------------------------------------------------------
+
+
+def test_aio_writes_and_reads_back_with_checksums(tmp_path):
+    f = aio.File.create(tmp_path / "a.bin", 10_000)
+    try:
+        buf = aio.aligned_empty(10_000)
+        assert buf.data_ptr() % aio.ALIGN == 0 and buf.numel() % aio.ALIGN == 0
+        data = torch.randint(0, 256, (10_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        buf[:10_000] = data
+        crc = f.write(0, buf, 10_000).wait()
+        assert crc == aio.checksum(data)
+        back = aio.aligned_empty(10_000)
+        assert f.read(0, back, 10_000).wait() == crc
+        assert torch.equal(back[:10_000], data)
+        # The bytes changed behind the file's back read with another checksum.
+        with open(tmp_path / "a.bin", "r+b") as raw:
+            raw.seek(123)
+            raw.write(bytes([data[123].item() ^ 0xFF]))
+        assert f.read(0, back, 10_000).wait() != crc
+        if f.direct:  # O_DIRECT wants aligned offsets and addresses: refused, not corrupted
+            with pytest.raises(ValueError, match="multiples of 4096"):
+                f.read(100, back, 100)
+    finally:
+        f.close()
+
+
+def test_aio_refuses_a_truncated_file_a_short_read_and_a_full_disk(tmp_path):
+    f = aio.File.create(tmp_path / "b.bin", 8192)
+    f.close()
+    with pytest.raises(RuntimeError, match="truncated"):
+        aio.File.open(tmp_path / "b.bin", 1 << 20)
+    f = aio.File.open(tmp_path / "b.bin", 8192)
+    try:
+        with pytest.raises(RuntimeError, match="short read"):
+            f.read(8192, aio.aligned_empty(4096), 4096).wait()
+    finally:
+        f.close()
+    free = shutil.disk_usage(tmp_path).free
+    if free > 1 << 43:
+        pytest.skip("a disk this large cannot be filled by one file")
+    with pytest.raises(RuntimeError, match="the disk is full"):
+        aio.File.create(tmp_path / "huge.bin", free + (1 << 30))
+    assert not os.path.exists(tmp_path / "huge.bin")  # nothing half-made left behind
+
+
+# -- the same numbers ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_equals_device_memory_bit_for_bit_on_the_virtual_mesh(in_memory, stage, tier):
+    got = O.run({"data": 2}, stage, tier)
+    assert O.same(got, in_memory[stage])
+    # The NVMe tier keeps every moment in a file; the host tier in memory.
+    assert got["files"] == (got["moments"] if tier == "nvme" else 0)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_offload_donated_equals_device_memory(in_memory, tier):
+    got = O.run({"data": 2}, 2, tier, donate=True)
+    assert O.same(got, in_memory[2])
+
+
+def test_offload_equals_one_device_training():
+    ref = T.run_train_step({"data": 1}, steps=O.STEPS)
+    got = O.run({"data": 2}, 3, "nvme")
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-5)
+    for a, b in zip(optree.tree_leaves(got["params"]), optree.tree_leaves(ref["params"])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_offload_on_two_gloo_ranks_equals_device_memory_and_the_virtual_mesh(in_memory):
+    from fsharded.testing import run_on_ranks
+
+    per_rank = run_on_ranks(O.gloo_offload, 2, 2)
+    for res in per_rank:
+        for (stage, tier), r in res.items():
+            assert r["same"], (stage, tier)
+            assert r["files"] == (r["moments"] if tier == "nvme" else 0)
+            # The two backends agree (to the float rounding of their reductions).
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(in_memory[stage]["losses"]),
+                                       rtol=1e-5, atol=1e-5)
+            for a, b in zip(optree.tree_leaves(r["params"]), optree.tree_leaves(in_memory[stage]["params"])):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# -- the NVMe tier's files ----------------------------------------------------------------------
+
+
+def test_nvme_state_lives_in_files_under_the_path_and_leaves_with_the_process(tmp_path):
+    step, params = O.make_step({"data": 2}, 2, "nvme", nvme_path=str(tmp_path))
+    state = step.init(params)
+    files = fs.parallel.offload.nvme_files(state.opt_state)
+    assert len(files) == 2 * len(optree.tree_leaves(params))
+    assert all(f.startswith(str(tmp_path)) and os.path.getsize(f) >= 4096 for f in files)
+    assert "NVMe" in step.placement(params).describe()
+    # The leaves are tensors: what a checkpoint or a user reads is the files' content, the
+    # moments the step wrote (O_DIRECT) seen through the memory map.
+    b = T.batches(1)[0]
+    state, _ = step(state, b)
+    host, _ = O.make_step({"data": 2}, 2, "cpu")
+    ref, _ = host(host.init(params), b)
+    moments = [x for x in optree.tree_leaves(state.opt_state) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    expect = [x for x in optree.tree_leaves(ref.opt_state) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    assert len(moments) == len(files) and all(bool((m != 0).any()) for m in moments)
+    assert all(torch.equal(m, e) for m, e in zip(moments, expect))
+
+
+def test_a_corrupted_state_file_is_an_error_naming_it(tmp_path):
+    step, params = O.make_step({"data": 1}, 1, "nvme", nvme_path=str(tmp_path))
+    state = step.init(params)
+    b = T.batches(1)[0]
+    state, _ = step(state, b)
+    victim = sorted(fs.parallel.offload.nvme_files(state.opt_state))[3]
+    with open(victim, "r+b") as raw:
+        raw.seek(8)
+        raw.write(b"\x7f\x7f\x7f\x7f")
+    with pytest.raises(RuntimeError, match="does not hold what the step wrote") as e:
+        step(state, b)
+    assert victim in str(e.value) and "checkpoint" in str(e.value)
+
+
+def test_nvme_state_checkpoints_and_resumes_into_any_tier(tmp_path):
+    b = T.batches(6)
+    ref_step, params = O.make_step({"data": 2}, 2, None)
+    ref = ref_step.init(params)
+    for x in b:
+        ref, _ = ref_step(ref, x)
+    step, _ = O.make_step({"data": 2}, 2, "nvme", nvme_path=str(tmp_path))
+    state = step.init(params)
+    for x in b[:3]:
+        state, _ = step(state, x)
+    step.save(state, tmp_path / "ckpt")
+    for tier in ("nvme", "cpu", None):  # back into the NVMe tier, or the host, or device memory
+        s2, _ = O.make_step({"data": 2}, 2, tier, nvme_path=str(tmp_path))
+        got = s2.load(tmp_path / "ckpt")
+        if tier == "nvme":
+            assert len(fs.parallel.offload.nvme_files(got.opt_state)) == 2 * len(optree.tree_leaves(params))
+        for x in b[3:]:
+            got, _ = s2(got, x)
+        for u, v in zip(optree.tree_leaves(s2.params(got)), optree.tree_leaves(ref_step.params(ref))):
+            assert torch.equal(u, v), tier
+
+
+@pytest.mark.multiprocess
+def test_a_run_killed_mid_update_loses_nothing_after_resuming_from_its_checkpoint(tmp_path):
+    ckpt, nvme = str(tmp_path / "ckpt"), str(tmp_path / "nvme")
+    os.makedirs(nvme)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    code = f"import offload_cases as O; O.train_then_die({ckpt!r}, {nvme!r}, save_at=3, die_at=5)"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -9, proc.stderr[-2000:]  # killed in its update, as arranged
+    b = T.batches(8)
+    ref_step, params = O.make_step({"data": 1}, 2, None)
+    ref = ref_step.init(params)
+    for x in b:
+        ref, _ = ref_step(ref, x)
+    step, _ = O.make_step({"data": 1}, 2, "nvme", nvme_path=nvme)
+    state = step.load(ckpt)
+    assert int(state.step) == 3
+    for x in b[3:]:
+        state, _ = step(state, x)
+    for u, v in zip(optree.tree_leaves(step.params(state)), optree.tree_leaves(ref_step.params(ref))):
+        assert torch.equal(u, v)
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def test_offload_refuses_what_it_cannot_do(tmp_path):
+    params = gpt.init(T.CONFIG, 0)
+    with pytest.raises(ValueError, match="needs nvme_path"):
+        fs.parallel.zero(2, offload_optimizer="nvme")
+    with pytest.raises(ValueError, match="is not a directory"):
+        fs.parallel.zero(2, offload_optimizer="nvme", nvme_path=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="must be None, 'cpu' or 'nvme'"):
+        fs.parallel.zero(2, offload_optimizer="disk")
+    with pytest.raises(NotImplementedError, match="parameter offload"):
+        fs.parallel.zero(3, offload_params="cpu")
+    # The tiers hold a fused optimizer's moments: another optimizer is refused when the
+    # state is made, not trained in memory behind the user's back.
+    step, _ = O.make_step({"data": 2}, 2, "cpu", optimizer=fs.optim.sgd(0.1, momentum=0.9))
+    with pytest.raises(NotImplementedError, match="fused form"):
+        step.init(params)
+    # A state made by a step without offload is not in the tier: an error, not a silent
+    # in-memory update.
+    plain, _ = O.make_step({"data": 2}, 2, None)
+    tiered, _ = O.make_step({"data": 2}, 2, "nvme", nvme_path=str(tmp_path))
+    with pytest.raises(RuntimeError, match="not in"):
+        tiered(plain.init(params), T.batches(1)[0])
