@@ -88,11 +88,10 @@ def test_fp16_zero2_config():
 
 
 def test_bf16_zero3_config():
-    with pytest.raises(ValueError, match=r"zero_optimization\.offload_optimizer\.device = 'cpu'"):
-        from_deepspeed(DS_BF16_ZERO3, data_parallel_size=2)  # offload: not supported yet
-    with pytest.warns(ConfigWarning, match=r"zero_optimization\.offload_optimizer") as rec:
-        cfg = from_deepspeed(DS_BF16_ZERO3, data_parallel_size=2, allow_ignored=True)
-    assert "stage3_max_live_parameters" not in str(rec[0].message)  # tuning knobs: quiet
+    cfg = _quiet(from_deepspeed, DS_BF16_ZERO3, data_parallel_size=2)  # tuning knobs: quiet
+    # The optimizer state offloaded to host memory, pinned, as the config asks.
+    assert cfg.offload.optimizer == "cpu" and cfg.offload.pin_memory
+    assert cfg.offload.zero_kwargs()["offload_optimizer"] == "cpu"
     assert (cfg.train_batch_size, cfg.micro_batch_size, cfg.grad_accum_steps) == (32, 2, 8)
     assert cfg.precision == "bf16" and cfg.loss_scaler() is None and cfg.zero_stage == 3
     assert cfg.seed == 1234 and cfg.optimizer.eps == 1e-8  # FusedAdam's default filled in

@@ -75,15 +75,12 @@ def test_deepspeed_settings_of_the_run_count_only_when_given(tmp_path):
 # -- features fsharded does not have: refused by name, unless allowed ------------------------
 
 ASKED = [
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}},
-     "zero_optimization.offload_optimizer.device = 'cpu'"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}},
-     "zero_optimization.offload_optimizer.device = 'nvme'"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
+     "zero_optimization.offload_optimizer.ratio = 0.3"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
      "zero_optimization.offload_param.device = 'cpu'"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
      "zero_optimization.offload_param.device = 'nvme'"),
-    ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "zero_optimization.cpu_offload = True"),
     ({"zero_optimization": {"stage": 3, "cpu_offload_params": True}},
      "zero_optimization.cpu_offload_params = True"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
@@ -127,15 +124,15 @@ def test_a_feature_asked_for_is_refused_by_name_unless_allowed(extra, key):
 
 
 def test_the_run_is_refused_unless_allow_ignored(tmp_path, capsys):
-    ds = _ds_file(tmp_path, zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}},
+    ds = _ds_file(tmp_path, zero_optimization={"stage": 1, "offload_param": {"device": "cpu"}},
                   activation_checkpointing={"partition_activations": True}, flops_profiler={"enabled": True})
     code, out, err = _main([*TINY, "--steps", "2", "--deepspeed-config", ds], capsys)
     assert code == 2 and "step " not in out
-    for key in ("zero_optimization.offload_optimizer.device = 'cpu'",
+    for key in ("zero_optimization.offload_param.device = 'cpu'",
                 "activation_checkpointing.partition_activations = True", "flops_profiler.enabled = True",
                 "--allow-ignored"):
         assert key in err, err
-    with pytest.warns(ConfigWarning, match=r"(?s)ignored \(allow_ignored\).*offload_optimizer\.device.*"
+    with pytest.warns(ConfigWarning, match=r"(?s)ignored \(allow_ignored\).*offload_param\.device.*"
                                            r"partition_activations.*flops_profiler\.enabled"):
         code, out, err = _main([*TINY, "--steps", "2", "--deepspeed-config", ds, "--allow-ignored"], capsys)
     assert code == 0 and "done: loss" in out, err

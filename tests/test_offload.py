@@ -4,6 +4,7 @@ files, checksums, errors and checkpoints; its C++ file I/O."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ import torch
 import train_cases as T
 
 import fsharded as fs
+from fsharded import P
 from fsharded.kernels import aio
 from fsharded.models import gpt
 
@@ -219,3 +221,62 @@ def test_offload_refuses_what_it_cannot_do(tmp_path):
     tiered, _ = O.make_step({"data": 2}, 2, "nvme", nvme_path=str(tmp_path))
     with pytest.raises(RuntimeError, match="not in"):
         tiered(plain.init(params), T.batches(1)[0])
+
+
+# -- DeepSpeed's offload config, as fsharded train runs it --------------------------------------
+
+
+def test_a_deepspeed_offload_config_trains_with_the_numbers_of_one_without(tmp_path, capsys):
+    import json
+
+    from fsharded.tools import train
+
+    def run(offload):
+        zero = {"stage": 2, **({"offload_optimizer": offload} if offload else {})}
+        ds = tmp_path / f"ds-{bool(offload)}.json"
+        ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+                                  "gradient_clipping": 1.0}))
+        metrics = tmp_path / f"m-{bool(offload)}.jsonl"
+        capsys.readouterr()
+        code = train.main(["--preset", "tiny", "--seq-len", "32", "--set", "data=stdlib:300000", "--steps", "4",
+                           "--mesh", "data=2", "--deepspeed-config", str(ds), "--set", f"metrics_file={metrics}"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        return out, [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if '"loss"' in line]
+
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    plain_out, plain = run(None)
+    out, got = run({"device": "nvme", "nvme_path": str(nvme), "pin_memory": True, "buffer_count": 4,
+                    "fast_init": False})
+    assert "optimizer state offloaded to nvme" in out
+    assert len(plain) == 4 and got == plain
+    out, got = run({"device": "cpu"})
+    assert "optimizer state offloaded to cpu" in out and got == plain
+
+
+def test_the_memory_estimate_knows_the_tiers(tmp_path):
+    params = gpt.init(T.CONFIG, 0)
+    opt = fs.optim.adamw(T.LR)
+    mesh = fs.Mesh({"data": 2})
+    est = {}
+    for tier in (None, "cpu", "nvme"):
+        kw = {} if tier is None else dict(offload_optimizer=tier, nvme_path=str(tmp_path), bucket_elems=2048)
+        est[tier] = fs.estimate_memory(params, fs.parallel.zero(2, **kw)(P(), params), opt, mesh=mesh)
+    # Two fp32 moments of each leaf's shard on a device (ZeRO-2 over data=2: large leaves halved).
+    from fsharded.mesh._spec import shard_shape
+
+    pl = fs.parallel.zero(2)(P(), params).resolve(mesh)
+    specs = optree.tree_leaves(pl.master, is_leaf=lambda x: isinstance(x, fs.P))
+    moments = sum(2 * 4 * math.prod(shard_shape(s, tuple(x.shape), mesh))
+                  for s, x in zip(specs, optree.tree_leaves(params)))
+    assert moments < 2 * 4 * sum(x.numel() for x in optree.tree_leaves(params))
+    for tier in ("cpu", "nvme"):
+        e = est[tier]
+        assert e.offloaded == moments and e.optimizer + e.offloaded == est[None].optimizer
+        assert e.peak == est[None].peak - moments  # off the device
+        # The update's staging: parameters and gradients per bucket in flight, and for NVMe the moments too.
+        assert e.staging == 2 * 2048 * 4 * (2 if tier == "cpu" else 4)
+        assert e.host == (moments if tier == "cpu" else 0) + e.staging
+        assert any("offloaded" in n for n in e.notes)

@@ -202,6 +202,44 @@ def _ds_pipeline(r: _Reader, kw: dict, mesh: dict) -> None:
         r.get(f"pipeline.{key}", bool, None)
 
 
+_OFFLOAD = "zero_optimization.offload_optimizer"
+
+
+def _ds_offload(r: _Reader, kw: dict) -> None:
+    """``zero_optimization.offload_optimizer`` (and DeepSpeed's older ``cpu_offload``): the
+    optimizer state in host memory or on NVMe (``TrainConfig.offload``). Its performance
+    knobs (``fast_init``, ``pipeline_read``/``pipeline_write``: fsharded always reads the
+    next bucket while updating this one) change no number; ``ratio`` below 1 (a part of the
+    state left on the device) is not supported."""
+    node, last = r._node(_OFFLOAD)
+    if isinstance(node, Mapping) and last in node and node[last] is None:  # "offload_optimizer": null
+        r.used.add(_OFFLOAD)
+    device = r.get(_OFFLOAD + ".device", str, None,
+                   ((lambda v: v.lower() in ("none", "cpu", "nvme")), "one of \"none\", \"cpu\", \"nvme\""))
+    old = r.get("zero_optimization.cpu_offload", bool, False)
+    pin = r.get(_OFFLOAD + ".pin_memory", bool, None)
+    old_pin = r.get("zero_optimization.cpu_offload_use_pin_memory", bool, None)
+    nvme = r.get(_OFFLOAD + ".nvme_path", str, None)
+    buffers = r.get(_OFFLOAD + ".buffer_count", int, None, _int_ge(1))
+    ratio = r.get(_OFFLOAD + ".ratio", float, 1.0)
+    for knob in ("fast_init", "pipeline_read", "pipeline_write", "pipeline"):
+        r.get(f"{_OFFLOAD}.{knob}", bool, None)
+    tier = device.lower() if device is not None else ("cpu" if old else "none")
+    if tier == "none":
+        return
+    off: dict = {"optimizer": tier}
+    if nvme is not None:
+        off["nvme_path"] = nvme
+    if pin is not None or old_pin is not None:
+        off["pin_memory"] = bool(pin if pin is not None else old_pin)
+    if buffers is not None:
+        off["buffer_count"] = buffers
+    if ratio < 1.0:
+        r.unsupported.append((f"{_OFFLOAD}.ratio = {ratio!r}", "a part of the optimizer state left on the device: "
+                              "fsharded offloads all of it"))
+    kw["offload"] = off
+
+
 def _load_deepspeed(ds_config: Mapping | str | Path) -> dict:
     if isinstance(ds_config, Mapping):
         return dict(ds_config)
@@ -284,6 +322,7 @@ def from_deepspeed(
     else:
         kw["zero_stage"] = r.get("zero_optimization.stage", int, 0,
                                  ((lambda v: 0 <= v <= 3), "an int in 0..3"))
+    _ds_offload(r, kw)
     kw["log_every"] = r.get("steps_per_print", int, 10, _int_ge(1))
     if r.has("seed"):
         kw["seed"] = r.get("seed", int, 0)

@@ -1,6 +1,6 @@
 """DeepSpeed features fsharded does not have yet, as a table read by ``from_deepspeed``.
 
-A config that turns one on (``zero_optimization.offload_optimizer.device: "cpu"``,
+A config that turns one on (``zero_optimization.offload_param.device: "cpu"``,
 ``flops_profiler.enabled: true``...) is refused unless ``allow_ignored=True``
 (``fsharded train --allow-ignored``): the run would otherwise go on without what was asked
 for, and an offload that never happened is found out only when memory runs short. At
@@ -52,18 +52,10 @@ _ZPP_WHAT = ("ZeRO++ quantized communication: fsharded gathers and reduces at fu
              "(communication_data_type sets the reduction's dtype)")
 
 FEATURES: tuple[_Feature, ...] = (
-    _Feature(_ZERO + "offload_optimizer.device", str, _no_device,
-             "optimizer state and update in CPU memory or on NVMe (ZeRO-Offload): fsharded keeps "
-             "them on the device, sharded over 'data' by zero_optimization.stage 1-3",
-             ("nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write", "pipeline",
-              "fast_init", "ratio")),
     _Feature(_ZERO + "offload_param.device", str, _no_device,
              "parameters in CPU memory or on NVMe between uses (ZeRO-Infinity): fsharded keeps them "
              "on the device, sharded over 'data' by zero_optimization.stage 3",
              ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory")),
-    _Feature(_ZERO + "cpu_offload", bool, _false,
-             "DeepSpeed's older spelling of offload_optimizer.device \"cpu\": fsharded keeps the "
-             "optimizer state on the device", ("cpu_offload_use_pin_memory",)),
     _Feature(_ZERO + "cpu_offload_params", bool, _false,
              "DeepSpeed's older spelling of offload_param.device \"cpu\": fsharded keeps the "
              "parameters on the device"),
@@ -99,8 +91,7 @@ FEATURES: tuple[_Feature, ...] = (
 """Each key with real effect that fsharded cannot honour, switched on by any value but its
 off ones."""
 
-CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    _ZERO + "offload_optimizer.device": _DEVICE, _ZERO + "offload_param.device": _DEVICE}
+CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {_ZERO + "offload_param.device": _DEVICE}
 
 HOW_TO_RUN = (
     "To train without them, set them off (\"device\": \"none\", \"enabled\": false, or remove the "

@@ -19,7 +19,7 @@ path, the value and what was expected — all failing fields at once::
 DeepSpeed configs (``from_deepspeed``) are read with DeepSpeed's own rules: any two of
 ``train_batch_size`` / ``train_micro_batch_size_per_gpu`` / ``gradient_accumulation_steps``
 give the third; ``"Adam"`` means AdamW unless ``adam_w_mode`` is false; ``loss_scale: 0``
-means dynamic loss scaling. A feature it does not have yet, turned on (CPU/NVMe offload,
+means dynamic loss scaling. A feature it does not have yet, turned on (parameter offload,
 activation checkpointing...), is an error unless ``allow_ignored=True``; keys fsharded does
 not use are named in one ``ConfigWarning``.
 """
@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from fsharded.config._offload import OffloadConfig
 from fsharded.config._pipeline import PipelineConfig
 from fsharded.precision import DynamicLossScale, Policy, StaticLossScale
 
@@ -373,7 +374,7 @@ def _resolve_batch(
 
 _BATCH = ("train_batch_size", "micro_batch_size", "grad_accum_steps")
 _SECTIONS = {"optimizer": OptimizerConfig, "scheduler": SchedulerConfig, "loss_scale": LossScaleConfig,
-             "pipeline": PipelineConfig}
+             "pipeline": PipelineConfig, "offload": OffloadConfig}
 _PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -430,6 +431,8 @@ class TrainConfig:
     """Print metrics every this many steps (DeepSpeed's ``steps_per_print``)."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """With a ``pipe`` mesh axis: schedule, micro-batches (the accumulation), stages per rank."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Where the optimizer state lives: device memory, host memory or NVMe (needs zero_stage 1-3)."""
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -456,6 +459,9 @@ class TrainConfig:
             "data": ((lambda v: bool(v)), "'stdlib' or a path"),
             "log_every": _int_ge(1),
         })
+        if self.offload.active and not self.zero_stage:
+            errors.append(f"  offload.optimizer={self.offload.optimizer}: needs zero_stage 1, 2 or 3 (as DeepSpeed's "
+                          f"offload_optimizer does)")
         _raise(type(self), errors)
         mb = self.pipeline.microbatches
         if mb is not None and self.grad_accum_steps not in (None, mb):

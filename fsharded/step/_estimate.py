@@ -64,6 +64,15 @@ class MemoryEstimate:
     update_copy: int = 0  # a pure (not donated) update's new master weights + moments beside the old
     backward_grads: int = 0  # gradient bytes alive beside the activations in backward (buckets, a block's)
     gather_transient: int = 0  # ZeRO-1/2's gather of the master shards: the gathered bucket and its copies
+    offloaded: int = 0  # optimizer moments kept in a memory tier (host memory or NVMe), not on the device
+    staging: int = 0  # the offloaded update's host staging buffers (host memory)
+    tier: str | None = None  # where ``offloaded`` lives: "cpu" (host memory) or "nvme" (files)
+
+    @property
+    def host(self) -> int:
+        """Host memory the tiers take: the offloaded moments in the host tier, and the
+        update's staging buffers (where the device is the CPU, this is the same memory)."""
+        return (self.offloaded if self.tier == "cpu" else 0) + self.staging
 
     @property
     def model_states(self) -> int:
@@ -292,8 +301,21 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
             notes.append("virtual mesh: gradients reduced after backward (the peak of activations "
                          "and gradients together, measured)")
         notes.append(f"activations measured on one device's forward + backward, run on {ran_on}")
+    offloaded = staging = 0
+    off = getattr(pl, "offload", None)
+    if off is not None and off.active:  # the moments live in their tier; the update streams them
+        offloaded = sum(x.numel() * x.element_size() for x in optree.tree_leaves(optimizer.init(meta))
+                        if isinstance(x, torch.Tensor) and x.dim() > 0)
+        opt_bytes -= offloaded
+        total = max(sum(master_n), 1)
+        width = min(off.bucket_elems, total)
+        sets = min(off.buffer_count, -(-total // width))
+        staging = sets * width * mb * (2 + (2 if off.optimizer == "nvme" else 0))
+        notes.append(f"optimizer moments offloaded ({off.describe()}): {offloaded / 2**20:,.2f} MiB off the device; "
+                     f"the update's host staging buffers {staging / 2**20:,.2f} MiB")
     return MemoryEstimate(
         master=sum(master_n) * mb + frozen_bytes, compute_params=compute, grads=grad_peak, optimizer=opt_bytes,
+        offloaded=offloaded, staging=staging, tier=off.optimizer if off is not None else None,
         activations=activations, buffers=buffers, placed_grads=placed, notes=tuple(notes),
         params=held, update_copy=sum(master_n) * mb + opt_bytes, backward_grads=in_backward,
         gather_transient=gather,

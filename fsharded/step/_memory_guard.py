@@ -37,9 +37,10 @@ def check_init_memory(step: Any, params: Any, pl: Any) -> None:
     pipe = step.loss_fn if isinstance(step.loss_fn, Pipelined) else None
 
     def need(specs: Any, mesh: Mesh) -> int:
-        return _memory.estimate_memory(meta, specs, step.optimizer, precision=step.policy, mesh=mesh,
-                                       activation_bytes=0, blocks=step.blocks, trainable=trains,
-                                       loss=pipe if pipe is not None and pipe.axis in mesh.shape else None).total
+        est = _memory.estimate_memory(meta, specs, step.optimizer, precision=step.policy, mesh=mesh,
+                                      activation_bytes=0, blocks=step.blocks, trainable=trains,
+                                      loss=pipe if pipe is not None and pipe.axis in mesh.shape else None)
+        return est.total + (est.host if device == "cpu" else 0)  # (a CPU device's memory is the host's)
 
     if step.distributed:
         here = need(pl, step.mesh)

@@ -309,7 +309,7 @@ def _layer_file(base, path: str):
 # What a DeepSpeed config decides (and, when it gives them, log_every and seed); the model,
 # mesh, data and run length stay ours.
 _DS_SECTIONS = ("optimizer", "scheduler", "precision", "loss_scale", "reduce_dtype", "grad_clip",
-                "zero_stage", "micro_batch_size", "grad_accum_steps", "train_batch_size")
+                "zero_stage", "offload", "micro_batch_size", "grad_accum_steps", "train_batch_size")
 
 
 def _layer_deepspeed(base, ds, given: Sequence[str] = ()):
@@ -600,7 +600,8 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
             optree.tree_map(lambda _: fs.P(), params)
         if "expert" in mesh.shape:
             specs = gpt_plans.expert_parallel_specs(params, base=specs)
-        return fs.parallel.zero(cfg.zero_stage, axis="data")(specs, params) if cfg.zero_stage else specs
+        return fs.parallel.zero(cfg.zero_stage, axis="data", **cfg.offload.zero_kwargs())(specs, params) \
+            if cfg.zero_stage else specs
 
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * cfg.data_parallel_size  # rows over data x expert
     seq = _SeqJob(cfg, mesh, mcfg)
@@ -655,7 +656,9 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
         print(f"fsharded train: GPT {n_params:,} params ({mcfg.n_layers} layers, d_model {mcfg.d_model}), "
               f"{mesh!r} on the {'distributed' if dist_on else 'virtual'} backend, "
               f"batch {global_batch}x{mcfg.seq_len}, {cfg.steps} steps, {cfg.precision}"
-              + (f", ZeRO-{cfg.zero_stage}" if cfg.zero_stage else "") + seq.describe()
+              + (f", ZeRO-{cfg.zero_stage}" if cfg.zero_stage else "")
+              + (f", optimizer state offloaded to {cfg.offload.optimizer}" if cfg.offload.active else "")
+              + seq.describe()
               + (f", pipeline {cfg.pipeline.schedule} with {cfg.grad_accum_steps} micro-batches" if piped else "")
               + (f", {mcfg.moe.experts} experts top-{mcfg.moe.top_k} every {mcfg.moe.every} blocks"
                  + (f" over expert={experts}" if experts > 1 else "") if mcfg.moe is not None else ""), flush=True)

@@ -1,0 +1,51 @@
+"""The ``offload`` section of a training config: where the optimizer state lives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["OffloadConfig"]
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The optimizer's moments in device memory (``optimizer="none"``), in host memory
+    (``"cpu"``) or in files under ``nvme_path`` (``"nvme"``), streamed through the update
+    in buckets (``fsharded.parallel.offload``); needs ``zero_stage`` 1-3, as DeepSpeed's
+    ``offload_optimizer`` does. DeepSpeed's ``zero_optimization.offload_optimizer`` block
+    maps onto it."""
+
+    optimizer: str = "none"
+    """``none``, ``cpu`` or ``nvme``."""
+    nvme_path: str | None = None
+    """A directory on the disk that holds the state (``nvme``)."""
+    pin_memory: bool = True
+    """Page-locked host buffers where a GPU is the device."""
+    buffer_count: int = 2
+    """Buckets in flight (2: the next bucket is read while this one is updated)."""
+    bucket_elems: int = 1 << 22
+    """Elements per streamed bucket."""
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.optimizer not in ("none", "cpu", "nvme"):
+            errors.append(f"  offload.optimizer: expected one of none, cpu, nvme, got {self.optimizer!r}")
+        if self.optimizer == "nvme" and not self.nvme_path:
+            errors.append("  offload.nvme_path: offload.optimizer=nvme needs a directory to keep the state in")
+        for name, least in (("buffer_count", 1), ("bucket_elems", 1024)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                errors.append(f"  offload.{name}: expected an int >= {least}, got {v!r}")
+        if errors:
+            raise ValueError("invalid OffloadConfig:\n" + "\n".join(errors))
+
+    @property
+    def active(self) -> bool:
+        return self.optimizer != "none"
+
+    def zero_kwargs(self) -> dict:
+        """``fs.parallel.zero``'s keywords for it ({} without offload)."""
+        if not self.active:
+            return {}
+        return {"offload_optimizer": self.optimizer, "nvme_path": self.nvme_path, "pin_memory": self.pin_memory,
+                "buffer_count": self.buffer_count, "bucket_elems": self.bucket_elems}
