@@ -293,6 +293,24 @@ man3 = man1
     "piped = fs.train_step(loss": dict(before="", replace={}, check=_check_pipeline_training),
     "table = pp.with_gathers(pp.interleaved(2, 4, 2))": dict(before="", replace={}, check=_check_pipeline_gathers),
     "skipping = fs.train_step(": dict(before="", replace={}, check=_check_faults),
+    # docs/guides/offload.md: the moments in NVMe files, the numbers of device memory.
+    'plan = fs.parallel.zero(2, offload_optimizer="nvme", nvme_path=nvme)': dict(
+        before='''
+def _check_example(ns, out):
+    import optree
+    import fsharded as fs
+    from fsharded import P
+    from fsharded.models import gpt
+    first, second = out.splitlines()[:2]
+    n = len(optree.tree_leaves(ns["params"]))
+    assert "optimizer state on NVMe under" in first and second == f"{2 * n} moment files"
+    ref = fs.train_step(gpt.loss, fs.optim.adamw(3e-4), mesh=fs.Mesh({"data": 2}),
+                        param_specs=fs.parallel.zero(2)(P(), ns["params"]))
+    want, _ = ref(ref.init(ns["params"]), {"tokens": ns["tokens"]})
+    for a, b in zip(optree.tree_leaves(ns["state"]), optree.tree_leaves(want), strict=True):
+        assert torch.equal(a, b)
+''',
+        replace={}, check=lambda ns, out: ns["_check_example"](ns, out)),
     # docs/migration/deepspeed.md: a DeepSpeed config read into the step it describes.
     "fs.optim.adamw(o.lr, *o.betas, eps=o.eps": dict(
         before='''

@@ -44,7 +44,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import optree
 import torch
+
+from fsharded.kernels import aio
 
 __all__ = ["Offload", "TIERS", "place", "in_tier", "stream_update", "nvme_files"]
 
@@ -124,8 +127,6 @@ class _Directory:
 
     def new(self, like: torch.Tensor) -> torch.Tensor:
         """A file-backed tensor shaped and typed like ``like``, holding its values."""
-        from fsharded.kernels import aio
-
         self.n += 1
         path = os.path.join(self.path, f"{self.n:05d}.bin")
         nbytes = like.numel() * like.element_size()
@@ -154,16 +155,12 @@ _ZERO_CRC: dict[int, int] = {}
 
 
 def _zero_crc(nbytes: int) -> int:
-    from fsharded.kernels import aio
-
     if nbytes not in _ZERO_CRC:
         _ZERO_CRC[nbytes] = aio.checksum(torch.zeros(nbytes, dtype=torch.uint8))
     return _ZERO_CRC[nbytes]
 
 
 def _write_all(leaf: _Leaf, src: torch.Tensor) -> None:
-    from fsharded.kernels import aio
-
     buf = aio.aligned_empty(min(leaf.numel, leaf.piece) * leaf.itemsize)
     for k in range(len(leaf.crcs)):
         lo, hi = k * leaf.piece, min(leaf.numel, (k + 1) * leaf.piece)
@@ -211,8 +208,6 @@ def _leaf_of(t: torch.Tensor) -> _Leaf | None:
 
 def nvme_files(tree: Any) -> list[str]:
     """The tier files of a state's NVMe-tier leaves (tests, tools)."""
-    import optree
-
     return [t.untyped_storage().filename for t in optree.tree_leaves(tree)
             if isinstance(t, torch.Tensor) and _leaf_of(t) is not None]
 
@@ -258,8 +253,6 @@ class _Staging:
         self.g = torch.empty(width, dtype=dtype, pin_memory=pin)
         self.m: list[torch.Tensor] = []
         if nvme:
-            from fsharded.kernels import aio
-
             itemsize = torch.empty((), dtype=dtype).element_size()
             self.m = [aio.aligned_empty(mwidth * itemsize).view(dtype) for _ in range(moments)]
         self.reads: list = []  # (pending, leaf, piece) of the moments being read in
@@ -313,8 +306,6 @@ def stream_update(step: Any, params: list[torch.Tensor], grads: list[torch.Tenso
     ``moments`` (one list per moment, in ``offload``'s tier), bucket by bucket through host
     staging buffers (see the module doc). Returns found_inf (false unless the step checks:
     non-finite steps are refused before the update)."""
-    from fsharded.kernels import aio
-
     nvme = offload.optimizer == "nvme"
     dtype = params[0].dtype if params else torch.float32
     itemsize = torch.empty((), dtype=dtype).element_size()
