@@ -293,6 +293,19 @@ man3 = man1
     "piped = fs.train_step(loss": dict(before="", replace={}, check=_check_pipeline_training),
     "table = pp.with_gathers(pp.interleaved(2, 4, 2))": dict(before="", replace={}, check=_check_pipeline_gathers),
     "skipping = fs.train_step(": dict(before="", replace={}, check=_check_faults),
+    # docs/guides/train-step.md: a remat policy, the numbers of none.
+    'blocks="blocks", remat="blocks:2")': dict(
+        before=_TINY_GPT + '''
+def _check_example(ns, out):
+    import optree
+    plain = fs.train_step(gpt.loss, fs.optim.adamw(3e-4), mesh=ns["mesh"], blocks="blocks")
+    got, _ = ns["step"](ns["step"].init(ns["params"]), ns["batch"])
+    want, _ = plain(plain.init(ns["params"]), ns["batch"])
+    assert str(ns["step"].remat) == "blocks:2"
+    for a, b in zip(optree.tree_leaves(got.params), optree.tree_leaves(want.params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+''',
+        replace={}, check=lambda ns, out: ns["_check_example"](ns, out)),
     # docs/guides/offload.md: the moments in NVMe files, the numbers of device memory.
     'plan = fs.parallel.zero(2, offload_optimizer="nvme", nvme_path=nvme)': dict(
         before='''

@@ -41,6 +41,7 @@ import torch
 
 from fsharded.config._offload import OffloadConfig
 from fsharded.config._pipeline import PipelineConfig
+from fsharded.config._remat import RematConfig
 from fsharded.precision import DynamicLossScale, Policy, StaticLossScale
 
 __all__ = [
@@ -374,8 +375,9 @@ def _resolve_batch(
 
 _BATCH = ("train_batch_size", "micro_batch_size", "grad_accum_steps")
 _SECTIONS = {"optimizer": OptimizerConfig, "scheduler": SchedulerConfig, "loss_scale": LossScaleConfig,
-             "pipeline": PipelineConfig, "offload": OffloadConfig}
+             "pipeline": PipelineConfig, "offload": OffloadConfig, "remat": RematConfig}
 _PRECISIONS = ("fp32", "bf16", "fp16")
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -433,6 +435,8 @@ class TrainConfig:
     """With a ``pipe`` mesh axis: schedule, micro-batches (the accumulation), stages per rank."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """Where the optimizer state lives: device memory, host memory or NVMe (needs zero_stage 1-3)."""
+    remat: RematConfig = field(default_factory=RematConfig)
+    """Blocks recomputed in backward (``policy``: ``none``, ``blocks``, ``blocks:K``)."""
 
     def __post_init__(self) -> None:
         errors: list[str] = []

@@ -14,21 +14,28 @@ applied and runs both passes under it (outside a scope, random ops are refused o
 virtual mesh by vmap and would draw differently on a rank: use a scope).
 
 >>> y = checkpoint(lambda w, x: torch.tanh(x @ w))(w, x)
+
+A policy (``Blocks``) applies it to a model's blocks in a training step
+(``train_step(..., remat="blocks")``): every block, or every k-th, runs through
+``checkpoint``, so only its inputs are kept between forward and backward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import optree
 import torch
 
 from fsharded import random as R
+from fsharded.parallel.blocks import Keyed
 from fsharded.spmd import _env
 
-__all__ = ["checkpoint"]
+__all__ = ["checkpoint", "Blocks", "policy"]
 
 
 class _Remat(torch.autograd.Function):
@@ -145,3 +152,78 @@ def checkpoint(fn: Callable[..., Any], *, key: torch.Tensor | None = None) -> Ca
         return optree.tree_unflatten(shape[0], list(out)) if shape else out
 
     return wrapped
+
+
+# -- policies: which blocks of a step are recomputed ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Recompute blocks in backward: every ``every``-th block a forward runs (the first,
+    then every ``every``-th after it; 1: all of them) keeps only its inputs, and runs again
+    in backward. A step applies it where the model runs its blocks (``run_block``), inside
+    the step's own handling of them (ZeRO-3 gathers the block's weights first). What it
+    changes, numerically: nothing; the recomputation draws the forward's dropout masks."""
+
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"remat.Blocks: every must be an int >= 1, got {self.every!r}")
+
+    def __str__(self) -> str:
+        return "blocks" if self.every == 1 else f"blocks:{self.every}"
+
+    def handler(self, inner: Callable[..., Any] | None = None,
+                done: Callable[[Any], bool] | None = None) -> Callable[..., Any]:
+        """A ``run_block`` handler for one forward: the chosen blocks rematerialised, then
+        handed to ``inner`` (the step's own handler; None: run as they are). ``done(params)``:
+        whether ``inner`` recomputes that block already (then it is not done twice)."""
+        count = itertools.count()
+
+        def handle(block: Callable[..., Any], params: Any, *args: Any, **kw: Any) -> Any:
+            if next(count) % self.every == 0 and not (done is not None and done(params)):
+                block = _rematerialised(block)
+            return inner(block, params, *args, **kw) if inner is not None else block(params, *args, **kw)
+
+        return handle
+
+
+def _rematerialised(block: Callable[..., Any]) -> Callable[..., Any]:
+    """``block(params, *args, **kw)`` through ``checkpoint``: its parameters and tensor
+    arguments are the inputs kept; a keyed block's key goes in too."""
+    key = block.key() if isinstance(block, Keyed) else None
+    plain = block.block if key is not None else block
+
+    def run(params: Any, *args: Any, **kw: Any) -> Any:
+        leaves, pdef = optree.tree_flatten(params)
+        extra, edef = optree.tree_flatten((args, kw))
+        is_t = [isinstance(e, torch.Tensor) for e in extra]
+        n = len(leaves)
+
+        def f(*tensors: torch.Tensor) -> Any:
+            ts = iter(tensors[n:])
+            a, k = optree.tree_unflatten(edef, [next(ts) if t else e for e, t in zip(extra, is_t)])
+            return plain(optree.tree_unflatten(pdef, list(tensors[:n])), *a, **k)
+
+        return checkpoint(f, key=key)(*leaves, *(e for e, t in zip(extra, is_t) if t))
+
+    return run
+
+
+def policy(spec: Any) -> Blocks | None:
+    """A remat policy from what a user gives: None or ``"none"`` (keep every activation),
+    ``"blocks"`` (recompute every block), ``"blocks:K"`` (every K-th block), or a ``Blocks``."""
+    if spec is None or isinstance(spec, Blocks):
+        return spec
+    if isinstance(spec, str):
+        name, _, k = spec.strip().lower().partition(":")
+        if name == "none" and not k:
+            return None
+        if name == "blocks":
+            try:
+                return Blocks(int(k) if k else 1)
+            except ValueError:
+                pass
+    raise ValueError(f"remat: expected None, 'none', 'blocks', 'blocks:K' (every K-th block) or "
+                     f"fs.parallel.remat.Blocks(every=K), got {spec!r}")

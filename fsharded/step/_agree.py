@@ -100,7 +100,7 @@ def settings(step: Any) -> dict[str, str]:
     out: dict[str, str] = {
         "mesh": repr(step.mesh), "precision": repr(step.policy), "accumulation": repr(step.accumulation),
         "clip": repr(step.clip), "check_finite": repr(step.check_finite), "on_nonfinite": repr(step.on_nonfinite),
-        "donate": repr(step.donate), "seed": repr(step.seed), "blocks": repr(step.blocks),
+        "donate": repr(step.donate), "seed": repr(step.seed), "blocks": repr(step.blocks), "remat": repr(step.remat),
         "bucket_elems": repr(step.bucket_elems), "batch_spec": repr(step.batch_spec),
         "param_specs": repr(step.param_specs),
     }

@@ -34,6 +34,7 @@ from fsharded.mesh import Mesh, _tree
 from fsharded.mesh._layout import dims
 from fsharded.mesh._spec import PartitionSpec
 from fsharded.parallel.pipeline import Pipelined
+from fsharded.parallel.remat import policy as remat_policy
 from fsharded.parallel.zero import Placement, ZeroPlan
 from fsharded.precision import as_policy, cast_tree
 from fsharded.spmd import _env, _schedule, _vma
@@ -85,6 +86,7 @@ def train_step(
     update_model_state: Callable[[Any, Any], Any] | None = None,
     model_state_specs: Any = None,
     trainable: Any = None,
+    remat: Any = None,
 ) -> TrainStep:
     """Build a training step for ``loss_fn(params, batch) -> scalar``, written per shard.
 
@@ -123,6 +125,9 @@ def train_step(
         reads but does not differentiate.
     :param model_state_specs: the specs of that state (default: replicated).
     :param trainable: which leaves train (default: the leaves' ``requires_grad``).
+    :param remat: which of the model's blocks (``run_block``) are recomputed in backward
+        instead of keeping their activations: ``None`` / ``"none"``, ``"blocks"`` (every
+        block), ``"blocks:K"`` (every K-th), or an ``fs.parallel.remat.Blocks``.
     :returns: a ``TrainStep``: ``init(params)``, ``step(state, batch)``, ``collectives``,
         ``save`` / ``load``.
     """
@@ -132,7 +137,7 @@ def train_step(
                      check_schedule=check_schedule, blocks=blocks, seed=seed,
                      on_nonfinite=on_nonfinite, check_memory=check_memory,
                      update_model_state=update_model_state, model_state_specs=model_state_specs,
-                     trainable=trainable)
+                     trainable=trainable, remat=remat)
 
 
 class _Plan(NamedTuple):
@@ -155,8 +160,9 @@ class TrainStep:
     def __init__(self, loss_fn, optimizer, *, mesh, param_specs, batch_spec, precision,
                  accumulation, clip, check_finite, donate, backend, check_schedule=True,
                  blocks=None, seed=0, on_nonfinite="raise", check_memory=True,
-                 update_model_state=None, model_state_specs=None, trainable=None):
+                 update_model_state=None, model_state_specs=None, trainable=None, remat=None):
         self.loss_fn = loss_fn
+        self.remat = remat_policy(remat)
         self.trainable = trainable
         if update_model_state is not None and not callable(update_model_state):
             raise TypeError(f"train_step: update_model_state must be a function (model_state, stats) -> "
@@ -507,6 +513,7 @@ class TrainStep:
         gradients = choose_gradients(layout, self.loss_fn, policy=self.policy, scaling=scaling,
                                      batch_axes=self.batch_axes, accumulation=self.accumulation,
                                      eager=eager, distributed=self.distributed and eager, cap=self.bucket_elems,
+                                     remat=self.remat,
                                      check_loss=functools.partial(_check_loss, self.batch_axes, self.mesh,
                                                                   with_stats=self.update_model_state is not None))
         if any(layout.moves.gather_in_loss) and self.blocks is None and not self._warned_blocks \

@@ -20,6 +20,7 @@ import torch
 from fsharded import _memory_hooks as memory
 from fsharded.comm import _trace
 from fsharded.parallel import _buckets as B
+from fsharded.parallel.blocks import handling
 from fsharded.precision import cast_tree
 from fsharded.spmd import _manifest
 from fsharded.step import _held
@@ -214,15 +215,17 @@ class LocalLoss:
     backward_ctx = staticmethod(contextlib.nullcontext)  # around backward (eager): nothing
 
     def __init__(self, layout: Layout, loss_fn: Callable, *, policy: Any, scaling: Any,
-                 check_loss: Callable, cap: int, to: list | None = None) -> None:
+                 check_loss: Callable, cap: int, to: list | None = None, remat: Any = None) -> None:
         to = layout.use if to is None else to
         moving = [m and p != t for m, p, t in zip(layout.moves.gather_in_loss, layout.params, to)]
         self.gather = gatherer(layout.params, to, moving, layout, cap)
         self.loss_fn, self.policy, self.scaling, self.check_loss = loss_fn, policy, scaling, check_loss
+        self.remat = remat  # which blocks are recomputed in backward (parallel.remat.Blocks), or None
 
     def running(self, p: Any) -> Any:
-        """The context the loss runs in (the per-block loss installs its run_block handler)."""
-        return contextlib.nullcontext()
+        """The context the loss runs in: the remat policy's run_block handler (the per-block
+        loss installs its own, the policy's inside it)."""
+        return handling(self.remat.handler()) if self.remat is not None else contextlib.nullcontext()
 
     def drain(self) -> None:
         """Wait for what a forward stopped midway left in flight (nothing here)."""

@@ -57,7 +57,10 @@ class BlockLoss(LocalLoss):
         self._prefetch = None  # this call's (real ranks)
 
     def running(self, p: Any) -> Any:
-        return handling(self._handler(p))
+        handler, remats = self._handler(p)
+        if self.remat is not None:  # the policy's choice, inside ZeRO-3's gathers (not twice)
+            handler = self.remat.handler(handler, done=remats)
+        return handling(handler)
 
     def drain(self) -> None:
         """Wait for the gathers a stopped forward left in flight (every rank stopped at the
@@ -74,8 +77,10 @@ class BlockLoss(LocalLoss):
             return zero3.overlapped_backward()
         return contextlib.nullcontext()
 
-    def _handler(self, p: Any) -> Callable:
-        """The run_block handler for this call's leaves (identified by their ids)."""
+    def _handler(self, p: Any) -> tuple[Callable, Callable[[Any], bool]]:
+        """The run_block handler for this call's leaves (identified by their ids), and
+        whether it recomputes a block (params) in backward itself (a remat of the block:
+        under torch.func, re-gathering after the forward)."""
         lay = self.layout
         leaves = optree.tree_leaves(p)
         specs_of = {id(x): s for x, s in zip(leaves, self.specs) if s is not None}
@@ -86,5 +91,10 @@ class BlockLoss(LocalLoss):
         self._prefetch = prefetch
         # The last block's backward follows its forward at once: keep its weights.
         kept = {id(t) for t in optree.tree_leaves(blocks[-1])}
+
+        def remats(params: Any) -> bool:
+            first = optree.tree_leaves(params)
+            return lay.reshard and prefetch is None and bool(first) and id(first[0]) not in kept
+
         return zero3.block_handler(specs_of, lay.axis, lay.mesh, self.cap, prefetch, lay.reshard, kept,
-                                   frozen=frozen)
+                                   frozen=frozen), remats

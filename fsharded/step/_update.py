@@ -172,7 +172,8 @@ class OffloadedUpdate(PureUpdate):
     the vmap levels (as ``StackedFusedUpdate``). The same numbers as ``FusedUpdate``, bit
     for bit. The moments are updated in place in their tier (the state passed in is
     consumed); the parameters too with ``donate``, else the step returns new ones. A dry
-    run takes the pure form, which communicates the same (nothing)."""
+    run leaves the state as it is: the update communicates nothing, and reading the tier
+    there would bring the state back into memory (its result is dropped anyway)."""
 
     def __init__(self, optimizer: Any, eager: bool, offload: Any, donate: bool) -> None:
         super().__init__(optimizer, eager)
@@ -180,9 +181,7 @@ class OffloadedUpdate(PureUpdate):
 
     def __call__(self, grads: Any, factor: torch.Tensor | None, opt_state: Any, params: Any, *,
                  ok: torch.Tensor | None = None) -> tuple[Any, Any]:
-        if _manifest.dry():
-            return super().__call__(grads, factor, opt_state, params)
-        if _skip(ok):
+        if _manifest.dry() or _skip(ok):
             return params, opt_state
         if not self.donate:  # new parameters (a copy of a value under the vmap levels is new beneath them)
             params = optree.tree_map(lambda t: t.clone(), params)

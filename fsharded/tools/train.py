@@ -625,7 +625,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     piped = pipeline_loss(cfg, mesh, mcfg, params, seq)  # a pipe axis: its micro-batches are the accumulation
     step = fs.train_step(piped or seq.loss, opt, mesh=mesh, param_specs=specs, batch_spec=seq.batch_spec,
                          precision=cfg.policy(), accumulation=1 if piped else cfg.grad_accum_steps,
-                         clip=cfg.grad_clip or None, blocks="blocks", check_memory=not force,
+                         clip=cfg.grad_clip or None, blocks="blocks", check_memory=not force, remat=cfg.remat.policy,
                          donate=not cfg.policy().loss_scaling,
                          update_model_state=gpt.model_state_updater(mcfg.moe) if biased else None)
     state = step.init(params, gpt.init_model_state(params) if biased else None)
@@ -658,6 +658,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
               f"batch {global_batch}x{mcfg.seq_len}, {cfg.steps} steps, {cfg.precision}"
               + (f", ZeRO-{cfg.zero_stage}" if cfg.zero_stage else "")
               + (f", optimizer state offloaded to {cfg.offload.optimizer}" if cfg.offload.active else "")
+              + (f", remat {cfg.remat.policy}" if cfg.remat.policy != "none" else "")
               + seq.describe()
               + (f", pipeline {cfg.pipeline.schedule} with {cfg.grad_accum_steps} micro-batches" if piped else "")
               + (f", {mcfg.moe.experts} experts top-{mcfg.moe.top_k} every {mcfg.moe.every} blocks"

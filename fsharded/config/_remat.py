@@ -1,0 +1,28 @@
+"""The ``remat`` section of a training config: which blocks are recomputed in backward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RematConfig"]
+
+
+@dataclass(frozen=True)
+class RematConfig:
+    """Activation checkpointing of the model's blocks (``train_step(remat=...)``,
+    ``fsharded.parallel.remat.Blocks``): the recomputed blocks keep only their inputs
+    between forward and backward, and run again in backward, with the same numbers."""
+
+    policy: str = "none"
+    """``none``, ``blocks`` (every block) or ``blocks:K`` (every K-th block)."""
+
+    def __post_init__(self) -> None:
+        from fsharded.parallel.remat import policy
+
+        try:
+            if not isinstance(self.policy, str):
+                raise ValueError(self.policy)
+            policy(self.policy)
+        except ValueError:
+            raise ValueError(f"invalid RematConfig:\n  remat.policy: expected none, blocks or blocks:K (every K-th "
+                             f"block), got {self.policy!r}") from None
