@@ -94,6 +94,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             "per rank, peak RSS, losses",
         ),
         Benchmark(
+            "offload",
+            "fsharded.bench.offload",
+            "the optimizer state in memory, host memory and NVMe files (ZeRO-3, 2 gloo ranks) vs DeepSpeed's "
+            "ZeRO-Offload / ZeRO-Infinity: step time, peak RSS, the NVMe update against the disk",
+        ),
+        Benchmark(
             "pipeline",
             "fsharded.bench.pipeline",
             "pipeline schedules (GPipe, 1F1B, interleaved, zero-bubble) on 2 and 4 gloo ranks vs "

@@ -65,6 +65,9 @@ HEADLINE = (
              "step time on 2 ranks", "ulysses vs DeepSpeed-Ulysses", "4096 tokens"),
     Headline("1F1B pipeline step, 2 ranks, vs DeepSpeed's pipeline engine", "pipeline",
              "step time, GPT on 2 gloo ranks", "ours 1f1b vs DeepSpeed 1F1B"),
+    Headline("ZeRO-3 step, optimizer state on NVMe, 135M params, vs DeepSpeed ZeRO-Infinity", "offload",
+             "step time against DeepSpeed", "fsharded, optimizer state on NVMe vs DeepSpeed, optimizer state on NVMe",
+             args=("--nvme-path", "/work")),  # (a directory on this machine's disk, not the temp dir)
     Headline("MoE layer, top-2, 4096 tokens per rank, vs DeepSpeed's MoE", "moe",
              "step time on 2 ranks", "top-2", "4096 tokens/rank"),
     Headline("C++ CPU AdamW, 5e7 parameters, vs torch's fused AdamW", "optim",
