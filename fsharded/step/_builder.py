@@ -286,11 +286,12 @@ class TrainStep:
         if self.check_memory:
             _step_memory.check_init_memory(self, params, pl)
         # Master copies of the trained leaves; a frozen leaf is kept as given (its dtype).
-        master = optree.tree_map(lambda x: x.detach().clone(), params)
-        master = T.merge(cast_tree(T.view(master, mask), self.policy.master_dtype), master, mask)
-        if self.distributed:
-            master = local_shards(master, pl.master, self.mesh)
+        if self.distributed:  # copies of this rank's shards only (not of the whole model first)
+            master = local_shards(optree.tree_map(lambda x: x.detach(), params), pl.master, self.mesh)
+            master = T.merge(cast_tree(T.view(master, mask), self.policy.master_dtype), master, mask)
         else:  # validates every leaf against the mesh
+            master = optree.tree_map(lambda x: x.detach().clone(), params)
+            master = T.merge(cast_tree(T.view(master, mask), self.policy.master_dtype), master, mask)
             shard_map(lambda p: p, mesh=self.mesh, in_specs=(pl.master,),
                       out_specs=pl.master)._flat_in((master,))
         holding = self._holding(master)
