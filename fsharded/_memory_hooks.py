@@ -77,8 +77,8 @@ def current() -> Any:
 
 def label(tree: Any, category: str) -> None:
     """Reclassify ``tree``'s storages in the active tracker (no-op when none). A value
-    batched by vmap (the virtual mesh) is found by the tensor beneath its levels, which
-    the tracker sees; other torch.func wrappers are skipped."""
+    wrapped by torch.func (batched by vmap on the virtual mesh, tracked by grad) is found
+    by the tensor beneath its levels, which the tracker sees."""
     mem = CURRENT.get()
     if mem is None:
         return
@@ -87,8 +87,7 @@ def label(tree: Any, category: str) -> None:
     for t in optree.tree_leaves(tree):
         if not isinstance(t, torch.Tensor):
             continue
-        while F.is_batchedtensor(t):
+        while F.is_functorch_wrapped_tensor(t):
             t = F.get_unwrapped(t)
-        if not F.is_functorch_wrapped_tensor(t):
-            plain.append(t)
+        plain.append(t)
     mem.reclassify(plain, category)

@@ -30,7 +30,7 @@ def run_gpt(mesh: dict, stage: int, remat, steps: int = 3) -> dict:
     return {"losses": losses, "params": optree.tree_leaves(step.params(state))}
 
 
-def activations(mesh: dict, stage: int, remat) -> int:
+def activations(mesh: dict, stage: int, remat, categories=("activations",)) -> int:
     """The peak bytes of activations in one step (the memory tracker), the state registered."""
     params = gpt.init(CONFIG, 0)
     step = fs.train_step(gpt.loss, fs.optim.adamw(1e-3), mesh=fs.Mesh(mesh), blocks="blocks", remat=remat,
@@ -41,7 +41,7 @@ def activations(mesh: dict, stage: int, remat) -> int:
         mem.register(state.params, "parameters")
         mem.register(state.opt_state, "optimizer state")
         step(state, b)
-    return mem.peak_of(("activations",))
+    return mem.peak_of(categories)
 
 
 def run_hf_gpt2(mesh: dict, stage: int, remat, steps: int = 3) -> dict:
@@ -73,4 +73,4 @@ def gloo_remat(world: int) -> dict:
     """On real ranks (ZeRO-3's prefetch and saved-tensor hooks around the recomputed
     blocks): every policy against none."""
     return {(stage, remat): run_gpt({"data": world}, stage, remat) for stage in (0, 3)
-            for remat in (None, "blocks", "blocks:2")}
+            for remat in (None, "blocks", "blocks:2", "blocks:2,offload")}

@@ -85,15 +85,6 @@ ASKED = [
      "zero_optimization.cpu_offload_params = True"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
      "zero_optimization.zero_quantized_weights = True"),
-    ({"activation_checkpointing": {"partition_activations": True}},
-     "activation_checkpointing.partition_activations = True"),
-    ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing = True"),
-    ({"activation_checkpointing": {"contiguous_memory_optimization": True}},
-     "activation_checkpointing.contiguous_memory_optimization = True"),
-    ({"activation_checkpointing": {"number_checkpoints": 4}}, "activation_checkpointing.number_checkpoints = 4"),
-    ({"activation_checkpointing": {"synchronize_checkpoint_boundary": True}},
-     "activation_checkpointing.synchronize_checkpoint_boundary = True"),
-    ({"activation_checkpointing": {"profile": True}}, "activation_checkpointing.profile = True"),
     ({"flops_profiler": {"enabled": True, "profile_step": 1, "detailed": True}}, "flops_profiler.enabled = True"),
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled = True"),
     ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast.enabled = True"),
@@ -125,15 +116,15 @@ def test_a_feature_asked_for_is_refused_by_name_unless_allowed(extra, key):
 
 def test_the_run_is_refused_unless_allow_ignored(tmp_path, capsys):
     ds = _ds_file(tmp_path, zero_optimization={"stage": 1, "offload_param": {"device": "cpu"}},
-                  activation_checkpointing={"partition_activations": True}, flops_profiler={"enabled": True})
+                  progressive_layer_drop={"enabled": True}, flops_profiler={"enabled": True})
     code, out, err = _main([*TINY, "--steps", "2", "--deepspeed-config", ds], capsys)
     assert code == 2 and "step " not in out
     for key in ("zero_optimization.offload_param.device = 'cpu'",
-                "activation_checkpointing.partition_activations = True", "flops_profiler.enabled = True",
+                "progressive_layer_drop.enabled = True", "flops_profiler.enabled = True",
                 "--allow-ignored"):
         assert key in err, err
     with pytest.warns(ConfigWarning, match=r"(?s)ignored \(allow_ignored\).*offload_param\.device.*"
-                                           r"partition_activations.*flops_profiler\.enabled"):
+                                           r"flops_profiler\.enabled.*progressive_layer_drop\.enabled"):
         code, out, err = _main([*TINY, "--steps", "2", "--deepspeed-config", ds, "--allow-ignored"], capsys)
     assert code == 0 and "done: loss" in out, err
 

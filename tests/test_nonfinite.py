@@ -209,5 +209,6 @@ def test_a_step_whose_activations_cannot_fit_is_refused_before_it_runs():
         assert msg.startswith(f"train_step: step 2: its forward, backward and update on rank {r} (measured on a "
                               "dry run, beyond the state already allocated) needs about 0.06 GiB (2 processes of "
                               "0.03 GiB on this host), but 0.02 GiB is available (a test limit). To need less: "
-                              "a smaller batch (this rank's share is 32 rows); recomputing each block"), msg
+                              "a smaller batch (this rank's share is 32 rows); recomputing the model's blocks in backward "
+                              "(train_step(remat=\"blocks\")"), msg
         assert "more data ranks (now 2)" in msg and "check_memory=False" in msg, msg

@@ -22,7 +22,7 @@ def _same(a: dict, b: dict, tol: dict = TOL) -> None:
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-@pytest.mark.parametrize("policy", ["blocks", "blocks:2", remat.Blocks(every=3)])
+@pytest.mark.parametrize("policy", ["blocks", "blocks:2", remat.Blocks(every=3), "blocks,offload"])
 def test_a_policy_gives_the_numbers_of_keeping_every_activation(stage, policy):
     _same(R.run_gpt({"data": 2}, stage, policy), R.run_gpt({"data": 2}, stage, None))
 
@@ -32,6 +32,8 @@ def test_recomputed_blocks_draw_the_forwards_dropout_masks():
     # recomputation, else the gradients (and the losses after the first step) would differ.
     for stage in (0, 3):
         _same(R.run_hf_gpt2({"data": 2}, stage, "blocks"), R.run_hf_gpt2({"data": 2}, stage, None))
+    # Its blocks' inputs (hidden states and a float mask) kept in host memory: the same.
+    _same(R.run_hf_gpt2({"data": 2}, 0, "blocks,offload"), R.run_hf_gpt2({"data": 2}, 0, None))
 
 
 def test_the_memory_tracker_sees_what_each_policy_keeps():
@@ -47,13 +49,70 @@ def test_the_memory_tracker_sees_what_each_policy_keeps():
     assert z3["blocks"] < z3[None] and z3["blocks:2"] == z3[None]
 
 
+def test_offloaded_block_inputs_leave_the_device_activations():
+    # The tiny GPT's block input is 16 rows x 16 positions x 16 features in fp32: 16 kB,
+    # four blocks. With offload every one of them is a host copy between forward and
+    # backward, and the device keeps none of them.
+    block_input = 16 * 16 * 16 * 4
+    kept = R.activations({"data": 1}, 0, "blocks")
+    moved = R.activations({"data": 1}, 0, "blocks,offload")
+    host = R.activations({"data": 1}, 0, "blocks,offload", categories=("offloaded activations",))
+    assert host == 4 * block_input
+    # Of the four, the last block's input is alive at the peak (where backward starts) on
+    # the device all the same: the head's input is its output, not its input.
+    assert kept - moved >= 3 * block_input, (kept, moved)
+    # Every other block: two of the four moved.
+    assert R.activations({"data": 1}, 0, "blocks:2,offload", categories=("offloaded activations",)) == \
+        2 * block_input
+    # The copy back in backward is a new tensor: nothing is read from a freed buffer (the
+    # numbers of none, on one device too).
+    _same(R.run_gpt({"data": 1}, 0, "blocks,offload"), R.run_gpt({"data": 1}, 0, None))
+
+
+def test_estimate_memory_counts_the_activations_a_policy_keeps():
+    params = gpt.init(R.CONFIG, 0)
+    batch = R.batches(1, rows=16)[0]
+    specs = fs.parallel.zero(0, min_size=16)(fs.P(), params)
+    for policy in (None, "blocks:2", "blocks", "blocks,offload"):
+        est = fs.estimate_memory(params, specs, fs.optim.adamw(1e-3), mesh=fs.Mesh({"data": 1}), loss=gpt.loss,
+                                 batch=batch, remat=policy)
+        measured = R.activations({"data": 1}, 0, policy)  # in the step, by the memory tracker
+        assert abs(est.activations - measured) <= 0.01 * measured, (policy, est.activations, measured)
+        assert (policy is None) == (not any("remat" in n for n in est.notes))
+    with pytest.raises(ValueError, match="remat"):
+        fs.estimate_memory(params, specs, fs.optim.adamw(1e-3), mesh=fs.Mesh({"data": 1}), remat="all")
+
+
+def test_checkpoint_offloads_the_arguments_it_names():
+    w = [torch.randn(32, 32, requires_grad=True) for _ in range(3)]
+    x0 = torch.randn(8, 32, requires_grad=True)
+
+    def run(offload):
+        x = x0
+        for wi in w:
+            x = remat.checkpoint(lambda a, b: torch.tanh(a @ b), offload=offload)(x, wi)
+        return torch.autograd.grad(x.square().sum(), [x0, *w])
+
+    ref = run(False)
+    for offload in (True, lambda i, a: i == 0):
+        for a, b in zip(run(offload), ref, strict=True):
+            assert torch.equal(a, b)
+    with fs.memory.track() as mem:
+        x = x0
+        for wi in w:  # only the activations (argument 0) moved
+            x = remat.checkpoint(lambda a, b: torch.tanh(a @ b), offload=lambda i, a: i == 0)(x, wi)
+        live = mem.live_bytes()
+    assert live["offloaded activations"] == 3 * 8 * 32 * 4
+    assert live["activations"] == 8 * 32 * 4  # the output alone: the inputs are host copies now
+
+
 @pytest.mark.multiprocess
 def test_policies_on_two_gloo_ranks_give_the_numbers_of_none():
     from fsharded.testing import run_on_ranks
 
     for res in run_on_ranks(R.gloo_remat, 2, 2):
         for stage in (0, 3):
-            for policy in ("blocks", "blocks:2"):
+            for policy in ("blocks", "blocks:2", "blocks:2,offload"):
                 _same(res[(stage, policy)], res[(stage, None)])
     # And as the virtual mesh computes them.
     _same(res[(3, "blocks")], R.run_gpt({"data": 2}, 3, "blocks"), ACROSS)
@@ -61,7 +120,7 @@ def test_policies_on_two_gloo_ranks_give_the_numbers_of_none():
 
 def test_bad_policies_are_refused_by_name():
     params = gpt.init(R.CONFIG, 0)
-    for bad in ("every", "blocks:0", "blocks:x", 3, remat):
+    for bad in ("every", "blocks:0", "blocks:x", 3, remat, "blocks,cpu", "blocks,offload,offload", "none,offload"):
         with pytest.raises(ValueError, match="remat"):
             fs.train_step(gpt.loss, fs.optim.adamw(1e-3), remat=bad)
     with pytest.raises(ValueError, match="every must be an int >= 1"):
@@ -75,6 +134,10 @@ def test_bad_policies_are_refused_by_name():
     with pytest.raises(NotImplementedError, match="pipelined"):
         step(step.init(params), R.batches(1)[0])
     assert str(remat.policy("blocks:2")) == "blocks:2" and remat.policy("none") is None
+    assert remat.policy(" Blocks:2, offload") == remat.Blocks(2, offload=True)
+    assert str(remat.Blocks(2, offload=True)) == "blocks:2,offload"
+    with pytest.raises(ValueError, match="offload must be a bool"):
+        remat.Blocks(offload="cpu")
 
 
 def test_fsharded_train_takes_remat_policy(capsys):
@@ -93,3 +156,54 @@ def test_fsharded_train_takes_remat_policy(capsys):
     assert done[0] == done[1]
     code = train.main(["--preset", "tiny", "--steps", "1", "--set", "remat.policy=every"])
     assert code != 0 and "remat.policy" in capsys.readouterr().err
+
+
+def test_deepspeeds_activation_checkpointing_block_is_a_remat_policy():
+    from fsharded.config import from_deepspeed
+
+    ds = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    assert from_deepspeed(ds, data_parallel_size=2).remat.policy == "none"
+    at_defaults = {"activation_checkpointing": {"partition_activations": False, "contiguous_memory_optimization": False,
+                                                "number_checkpoints": None, "profile": False}}
+    assert from_deepspeed({**ds, **at_defaults}, data_parallel_size=2).remat.policy == "blocks"
+    cpu = {"activation_checkpointing": {"cpu_checkpointing": True, "synchronize_checkpoint_boundary": True}}
+    assert from_deepspeed({**ds, **cpu}, data_parallel_size=2).remat.policy == "blocks,offload"
+    # Splitting the kept inputs over tensor ranks: nothing to split without a tensor axis.
+    part = {"activation_checkpointing": {"partition_activations": True}}
+    assert from_deepspeed({**ds, **part}, data_parallel_size=2).remat.policy == "blocks"
+    with pytest.raises(ValueError, match="activation_checkpointing.partition_activations = True: the checkpointed "
+                                         "inputs split over the tensor-parallel ranks"):
+        from_deepspeed({**ds, **part}, data_parallel_size=2, mesh={"data": 2, "tensor": 2})
+    with pytest.raises(ValueError, match=r"activation_checkpointing\.cpu_checkpointing: expected bool"):
+        from_deepspeed({**ds, "activation_checkpointing": {"cpu_checkpointing": "yes"}}, data_parallel_size=2)
+    with pytest.raises(ValueError, match=r"activation_checkpointing\.cpu_chekpointing: not a key"):
+        from_deepspeed({**ds, "activation_checkpointing": {"cpu_chekpointing": True}}, data_parallel_size=2)
+
+
+def test_fsharded_train_runs_a_deepspeed_activation_checkpointing_config(tmp_path, capsys):
+    import json
+
+    from fsharded.tools import train
+
+    base = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    lines = []
+    for extra in ({}, {"activation_checkpointing": {"cpu_checkpointing": True, "number_checkpoints": 2}}):
+        path = tmp_path / f"ds{len(lines)}.json"
+        path.write_text(json.dumps({**base, **extra}))
+        capsys.readouterr()
+        code = train.main(["--preset", "tiny", "--seq-len", "32", "--set", "data=stdlib:300000", "--steps", "3",
+                           "--mesh", "data=2", "--deepspeed-config", str(path)])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        lines.append(out.splitlines())
+    assert "remat" not in lines[0][0] and "remat blocks,offload" in lines[1][0], lines[1][0]
+    done = [next(x for x in o if x.startswith("done: loss")) for o in lines]
+    assert done[0] == done[1]  # the same numbers
+    # A config without the block leaves the job's own policy (here from --set) alone.
+    capsys.readouterr()
+    code = train.main(["--preset", "tiny", "--seq-len", "32", "--set", "data=stdlib:300000", "--steps", "1",
+                       "--mesh", "data=2", "--deepspeed-config", str(tmp_path / "ds0.json"),
+                       "--set", "remat.policy=blocks:2"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "remat blocks:2" in out.splitlines()[0], err

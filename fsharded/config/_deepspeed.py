@@ -3,7 +3,7 @@
 DeepSpeed's own rules apply: any two of ``train_batch_size`` /
 ``train_micro_batch_size_per_gpu`` / ``gradient_accumulation_steps`` give the third;
 ``"Adam"`` means AdamW unless ``adam_w_mode`` is false; ``loss_scale: 0`` means dynamic loss
-scaling. A feature fsharded does not have yet, turned on (``offload_optimizer.device:
+scaling. A feature fsharded does not have yet, turned on (``offload_param.device:
 "cpu"``, ``flops_profiler.enabled: true``: ``_deepspeed_unsupported.FEATURES``), is an error
 unless ``allow_ignored=True``; keys fsharded does not use are named in one ``ConfigWarning``,
 printed as its message alone.
@@ -202,6 +202,39 @@ def _ds_pipeline(r: _Reader, kw: dict, mesh: dict) -> None:
         r.get(f"pipeline.{key}", bool, None)
 
 
+_AC = "activation_checkpointing"
+
+
+def _ds_activation_checkpointing(r: _Reader, kw: dict) -> None:
+    """``activation_checkpointing``: DeepSpeed's settings for the layers a model checkpoints
+    (``deepspeed.checkpointing.checkpoint`` around each one). ``fsharded train`` checkpoints
+    the model's blocks: the block given (even at its defaults) is ``remat.policy: blocks``,
+    and ``cpu_checkpointing: true`` keeps their inputs in host memory (``blocks,offload``).
+    ``partition_activations`` splits the kept inputs over the tensor-parallel ranks: with
+    no tensor axis there is nothing to split (DeepSpeed's does nothing either); with one,
+    it is not supported yet. ``contiguous_memory_optimization``, ``number_checkpoints``
+    (the buffers it preallocates), ``synchronize_checkpoint_boundary`` and ``profile``
+    change no number and are read quietly."""
+    node, last = r._node(_AC)
+    if not isinstance(node, Mapping) or last not in node or node[last] is None:
+        if isinstance(node, Mapping) and last in node:  # "activation_checkpointing": null
+            r.used.add(_AC)
+        return
+    if not isinstance(node[last], Mapping):
+        r.errors.append(f"  {_AC}: expected dict, got {node[last]!r} ({type(node[last]).__name__})")
+        return
+    r.used.add(_AC)
+    partition = r.get(_AC + ".partition_activations", bool, False)
+    cpu = r.get(_AC + ".cpu_checkpointing", bool, False)
+    for knob in ("contiguous_memory_optimization", "synchronize_checkpoint_boundary", "profile"):
+        r.get(f"{_AC}.{knob}", bool, None)
+    r.get(_AC + ".number_checkpoints", int | None, None)
+    if partition and kw["mesh"].get("tensor", 1) > 1:
+        r.unsupported.append((f"{_AC}.partition_activations = True", "the checkpointed inputs split over the "
+                              "tensor-parallel ranks: fsharded keeps each whole on every tensor rank"))
+    kw["remat"] = {"policy": "blocks,offload" if cpu else "blocks"}
+
+
 _OFFLOAD = "zero_optimization.offload_optimizer"
 
 
@@ -269,16 +302,17 @@ def from_deepspeed(
     ``consecutive_hysteresis``), ``bf16``, ``communication_data_type``, ``optimizer``
     (``Adam`` is AdamW unless ``params.adam_w_mode`` is false, as in DeepSpeed; omitted
     hyperparameters take the defaults of the optimizer DeepSpeed would build),
-    ``scheduler``, ``gradient_clipping``, ``zero_optimization.stage``, ``steps_per_print``
-    (``log_every``) and ``seed``. Keys with the wrong type are a ``ValueError`` listing
+    ``scheduler``, ``gradient_clipping``, ``zero_optimization.stage`` and
+    ``offload_optimizer``, ``activation_checkpointing`` (the model's blocks recomputed:
+    ``remat``), ``steps_per_print`` (``log_every``) and ``seed``. Keys with the wrong type are a ``ValueError`` listing
     each path; ``"auto"`` (Hugging Face Trainer placeholders) counts as unset, with a
     warning (batch sizes all "auto" or absent: a micro batch of 1, as ``TrainConfig``'s
     default, which ``micro_batch_size=`` / ``fsharded train --batch`` set, as HF Trainer
     fills them from its arguments).
 
-    A feature fsharded does not have yet, turned on — ``zero_optimization.offload_optimizer``
-    or ``offload_param`` with a ``device`` other than ``"none"``, an ``activation_checkpointing``
-    setting, ``flops_profiler.enabled``, Apex ``amp``, ZeRO++ quantization, elasticity,
+    A feature fsharded does not have yet, turned on — ``zero_optimization.offload_param``
+    with a ``device`` other than ``"none"``, ``partition_activations`` with tensor
+    parallelism, ``flops_profiler.enabled``, Apex ``amp``, ZeRO++ quantization, elasticity,
     curriculum learning and the rest of ``_deepspeed_unsupported.FEATURES``, or a setting
     fsharded has only at DeepSpeed's default (``optimizer.params.amsgrad: true``) — is a
     ``ValueError`` naming each key, unless ``allow_ignored=True`` (``fsharded train
@@ -323,6 +357,7 @@ def from_deepspeed(
         kw["zero_stage"] = r.get("zero_optimization.stage", int, 0,
                                  ((lambda v: 0 <= v <= 3), "an int in 0..3"))
     _ds_offload(r, kw)
+    _ds_activation_checkpointing(r, kw)
     kw["log_every"] = r.get("steps_per_print", int, 10, _int_ge(1))
     if r.has("seed"):
         kw["seed"] = r.get("seed", int, 0)
@@ -415,13 +450,14 @@ def sequence_parallel_size(ds_config: Mapping | str | Path) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else 1
 
 
-_DS_KEY_OF = {"log_every": "steps_per_print", "seed": "seed"}
+_DS_KEY_OF = {"log_every": "steps_per_print", "seed": "seed", "remat": _AC}
 
 
 def given(ds_config: Mapping | str | Path, fields: tuple[str, ...] = tuple(_DS_KEY_OF)) -> tuple[str, ...]:
-    """Which of the ``TrainConfig`` fields ``log_every`` (``steps_per_print``) and ``seed`` a
-    DeepSpeed config gives (``"auto"`` gives nothing): ``fsharded train`` takes these from
-    the config only when it gives them, and keeps its own otherwise."""
+    """Which of the ``TrainConfig`` fields ``log_every`` (``steps_per_print``), ``seed`` and
+    ``remat`` (``activation_checkpointing``) a DeepSpeed config gives (``"auto"`` gives
+    nothing): ``fsharded train`` takes these from the config only when it gives them, and
+    keeps its own otherwise."""
     ds = _load_deepspeed(ds_config)
     return tuple(f for f in fields if ds.get(_DS_KEY_OF[f], "auto") != "auto")
 

@@ -45,9 +45,6 @@ _DEVICE: tuple[Callable[[Any], bool], str] = (
     (lambda v: v.lower() in ("none", "cpu", "nvme")), "one of \"none\", \"cpu\", \"nvme\"")
 
 _ZERO = "zero_optimization."
-_AC = "activation_checkpointing."
-_AC_WHAT = ("activation checkpointing: fsharded train keeps every activation (in a step of your "
-            "own, fs.parallel.remat.checkpoint recomputes a block in backward)")
 _ZPP_WHAT = ("ZeRO++ quantized communication: fsharded gathers and reduces at full precision "
              "(communication_data_type sets the reduction's dtype)")
 
@@ -61,10 +58,6 @@ FEATURES: tuple[_Feature, ...] = (
              "parameters on the device"),
     *(_Feature(_ZERO + k, bool, _false, _ZPP_WHAT) for k in (
         "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")),
-    *(_Feature(_AC + k, bool, _false, _AC_WHAT) for k in (
-        "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-        "synchronize_checkpoint_boundary", "profile")),
-    _Feature(_AC + "number_checkpoints", int | None, _false, _AC_WHAT),
     _Feature("flops_profiler.enabled", bool, _false,
              "DeepSpeed's per-module FLOPs and latency profile at profile_step: fsharded train's "
              "summary gives the model FLOPs per step, TFLOP/s and MFU (--peak-tflops); "

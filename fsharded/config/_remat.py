@@ -14,7 +14,8 @@ class RematConfig:
     between forward and backward, and run again in backward, with the same numbers."""
 
     policy: str = "none"
-    """``none``, ``blocks`` (every block) or ``blocks:K`` (every K-th block)."""
+    """``none``, ``blocks`` (every block) or ``blocks:K`` (every K-th block), either with
+    ``,offload`` (the recomputed blocks' inputs kept in host memory)."""
 
     def __post_init__(self) -> None:
         from fsharded.parallel.remat import policy
@@ -25,4 +26,4 @@ class RematConfig:
             policy(self.policy)
         except ValueError:
             raise ValueError(f"invalid RematConfig:\n  remat.policy: expected none, blocks or blocks:K (every K-th "
-                             f"block), got {self.policy!r}") from None
+                             f"block), either with ,offload, got {self.policy!r}") from None

@@ -31,6 +31,7 @@ from typing import Any
 import optree
 import torch
 
+from fsharded import _memory_hooks
 from fsharded import random as R
 from fsharded.parallel.blocks import Keyed
 from fsharded.spmd import _env
@@ -42,28 +43,40 @@ class _Remat(torch.autograd.Function):
     generate_vmap_rule = True
     vma_typed = True  # inside a shard_map body, its insides are typed (see _typed)
 
+    # apply(fn, rng, moved, *args, *copies): ``moved`` names the arguments kept in host
+    # memory between forward and backward (``copies``, one per name, made by the caller).
+
     @staticmethod
-    def forward(fn, rng, *args):
+    def forward(fn, rng, moved, *tensors):
+        args = tensors[:len(tensors) - len(moved)]
         with torch.no_grad(), _keyed(rng):
             return _typed(fn, args, None)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        fn, rng, *args = inputs
-        ctx.fn, ctx.keyed = fn, rng is not None
+        fn, rng, moved, *tensors = inputs
+        n = len(tensors) - len(moved)
+        args, copies = tensors[:n], dict(zip(moved, tensors[n:]))
+        ctx.fn, ctx.keyed, ctx.n = fn, rng is not None, n
+        ctx.moved = {i: args[i].device for i in moved}  # where each goes back to
         mode = _mode()
         ctx.types = [mode.get(a) for a in args] if mode is not None else None
-        ctx.save_for_backward(*((rng,) if rng is not None else ()), *args)
+        # The host copies instead of the arguments they stand for: those are not kept.
+        ctx.save_for_backward(*((rng,) if rng is not None else ()),
+                              *(copies.get(i, a) for i, a in enumerate(args)))
 
     @staticmethod
     def backward(ctx, *gs):
         saved = ctx.saved_tensors
         rng, args = (saved[0], saved[1:]) if ctx.keyed else (None, saved)
+        if ctx.moved:  # back from host memory (a real copy, on a CPU device too)
+            args = tuple(_to_device(a, ctx.moved[i]) if i in ctx.moved else a for i, a in enumerate(args))
+        extra = (None,) * len(ctx.moved)  # the copies get no gradient
         # Differentiate only the floating inputs autograd wants a gradient for: integer
         # inputs (positions, masks) and constants ride along as they are.
-        want = [i for i, a in enumerate(args) if ctx.needs_input_grad[2 + i] and a.is_floating_point()]
+        want = [i for i, a in enumerate(args) if ctx.needs_input_grad[3 + i] and a.is_floating_point()]
         if not want:
-            return (None, None, *(None for _ in args))
+            return (None, None, None, *(None for _ in args), *extra)
 
         def f(*diff):
             full = list(args)
@@ -86,7 +99,25 @@ class _Remat(torch.autograd.Function):
         # itself outlives it (one would keep the recomputed activations until backward ends).
         grads = torch.func.grad(dot, argnums=tuple(range(len(want))))(*(args[i] for i in want))
         grads = dict(zip(want, grads))
-        return (None, None, *(grads.get(i) for i in range(len(args))))
+        return (None, None, None, *(grads.get(i) for i in range(len(args))), *extra)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host-memory copy of ``t``, detached (page-locked where ``t`` is on a GPU, copied
+    without waiting: the copy back in backward is ordered after it on the same stream). A
+    CPU tensor is copied too, so the same copies and buffers run on a CPU-only machine."""
+    t = t.detach()
+    if t.device.type == "cpu":
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The host copy ``t`` back on ``device`` (a new tensor, on a CPU device too)."""
+    if device.type == "cpu":
+        return t.clone()
+    return t.to(device, non_blocking=True)
 
 
 def _mode():
@@ -123,18 +154,29 @@ def _run_keyed(fn: Callable, rng: torch.Tensor | None, args: tuple, types: list 
         return _typed(fn, args, types)
 
 
-def checkpoint(fn: Callable[..., Any], *, key: torch.Tensor | None = None) -> Callable[..., Any]:
+def checkpoint(fn: Callable[..., Any], *, key: torch.Tensor | None = None,
+               offload: Callable[[int, torch.Tensor], bool] | bool = False) -> Callable[..., Any]:
     """``fn`` (tensors in; a tensor or a pytree of tensors out, e.g. a block's ``(x, aux)``)
     recomputed in backward instead of stored.
 
     ``key``: run both passes under ``fs.random.scope(key)`` (a block's own key, see
     ``run_block``) instead of a key forked from the enclosing scope. It travels as an
-    input of the recomputation, not captured (torch.func cannot lift captured tensors)."""
+    input of the recomputation, not captured (torch.func cannot lift captured tensors).
+
+    ``offload``: keep the inputs it names (True: every floating one; or a predicate of the
+    argument's position and value) in host memory between forward and backward, as
+    DeepSpeed's ``cpu_checkpointing`` does: a copy is made in forward, the argument itself
+    is not kept, and backward copies it back before recomputing. The numbers do not change
+    (the copies are exact)."""
 
     def wrapped(*args: torch.Tensor) -> Any:
         bad = [type(a).__name__ for a in args if not isinstance(a, torch.Tensor)]
         if bad:
             raise TypeError(f"checkpoint: arguments must be tensors (close over the rest), got {bad}")
+        moved = tuple(i for i, a in enumerate(args) if a.is_floating_point() and (
+            offload(i, a) if callable(offload) else offload))
+        copies = [_to_host(args[i]) for i in moved]
+        _memory_hooks.label(copies, "offloaded activations")
         shape: list = []
 
         def flat(*a: torch.Tensor) -> Any:
@@ -148,7 +190,7 @@ def checkpoint(fn: Callable[..., Any], *, key: torch.Tensor | None = None) -> Ca
             shape[:] = [tdef]
             return tuple(leaves)
 
-        out = _Remat.apply(flat, key if key is not None else R.fork(), *args)
+        out = _Remat.apply(flat, key if key is not None else R.fork(), moved, *args, *copies)
         return optree.tree_unflatten(shape[0], list(out)) if shape else out
 
     return wrapped
@@ -166,13 +208,19 @@ class Blocks:
     changes, numerically: nothing; the recomputation draws the forward's dropout masks."""
 
     every: int = 1
+    offload: bool = False
+    """Keep the recomputed blocks' inputs in host memory between forward and backward
+    (DeepSpeed's ``cpu_checkpointing``; ``"blocks,offload"``): copied out in forward, back
+    before the block runs again. The same numbers; device memory holds no block input."""
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"remat.Blocks: every must be an int >= 1, got {self.every!r}")
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"remat.Blocks: offload must be a bool, got {self.offload!r}")
 
     def __str__(self) -> str:
-        return "blocks" if self.every == 1 else f"blocks:{self.every}"
+        return ("blocks" if self.every == 1 else f"blocks:{self.every}") + (",offload" if self.offload else "")
 
     def handler(self, inner: Callable[..., Any] | None = None,
                 done: Callable[[Any], bool] | None = None) -> Callable[..., Any]:
@@ -183,15 +231,16 @@ class Blocks:
 
         def handle(block: Callable[..., Any], params: Any, *args: Any, **kw: Any) -> Any:
             if next(count) % self.every == 0 and not (done is not None and done(params)):
-                block = _rematerialised(block)
+                block = _rematerialised(block, self.offload)
             return inner(block, params, *args, **kw) if inner is not None else block(params, *args, **kw)
 
         return handle
 
 
-def _rematerialised(block: Callable[..., Any]) -> Callable[..., Any]:
+def _rematerialised(block: Callable[..., Any], offload: bool = False) -> Callable[..., Any]:
     """``block(params, *args, **kw)`` through ``checkpoint``: its parameters and tensor
-    arguments are the inputs kept; a keyed block's key goes in too."""
+    arguments are the inputs kept (``offload``: its tensor arguments, not its parameters,
+    in host memory); a keyed block's key goes in too."""
     key = block.key() if isinstance(block, Keyed) else None
     plain = block.block if key is not None else block
 
@@ -199,31 +248,36 @@ def _rematerialised(block: Callable[..., Any]) -> Callable[..., Any]:
         leaves, pdef = optree.tree_flatten(params)
         extra, edef = optree.tree_flatten((args, kw))
         is_t = [isinstance(e, torch.Tensor) for e in extra]
+        consts = [None if t else e for e, t in zip(extra, is_t)]  # (f keeps no tensor argument alive)
         n = len(leaves)
 
         def f(*tensors: torch.Tensor) -> Any:
             ts = iter(tensors[n:])
-            a, k = optree.tree_unflatten(edef, [next(ts) if t else e for e, t in zip(extra, is_t)])
+            a, k = optree.tree_unflatten(edef, [next(ts) if t else e for e, t in zip(consts, is_t)])
             return plain(optree.tree_unflatten(pdef, list(tensors[:n])), *a, **k)
 
-        return checkpoint(f, key=key)(*leaves, *(e for e, t in zip(extra, is_t) if t))
+        moved = (lambda i, _a: i >= n) if offload else False
+        return checkpoint(f, key=key, offload=moved)(*leaves, *(e for e, t in zip(extra, is_t) if t))
 
     return run
 
 
 def policy(spec: Any) -> Blocks | None:
     """A remat policy from what a user gives: None or ``"none"`` (keep every activation),
-    ``"blocks"`` (recompute every block), ``"blocks:K"`` (every K-th block), or a ``Blocks``."""
+    ``"blocks"`` (recompute every block), ``"blocks:K"`` (every K-th block), either with
+    ``",offload"`` (their inputs in host memory: ``"blocks:2,offload"``), or a ``Blocks``."""
     if spec is None or isinstance(spec, Blocks):
         return spec
     if isinstance(spec, str):
-        name, _, k = spec.strip().lower().partition(":")
-        if name == "none" and not k:
+        head, *opts = [t.strip() for t in spec.strip().lower().split(",")]
+        name, _, k = head.partition(":")
+        if name == "none" and not k and not opts:
             return None
-        if name == "blocks":
+        if name == "blocks" and set(opts) <= {"offload"} and len(opts) == len(set(opts)):
             try:
-                return Blocks(int(k) if k else 1)
+                return Blocks(int(k) if k else 1, offload=bool(opts))
             except ValueError:
                 pass
-    raise ValueError(f"remat: expected None, 'none', 'blocks', 'blocks:K' (every K-th block) or "
-                     f"fs.parallel.remat.Blocks(every=K), got {spec!r}")
+    raise ValueError(f"remat: expected None, 'none', 'blocks', 'blocks:K' (every K-th block), either with "
+                     f"',offload' (inputs kept in host memory), or fs.parallel.remat.Blocks(every=K, "
+                     f"offload=...), got {spec!r}")

@@ -29,6 +29,7 @@ from fsharded.mesh._spec import PartitionSpec, shard_shape
 from fsharded.parallel.blocks import handling
 from fsharded.parallel.pipeline import Pipelined, check, split_batch
 from fsharded.parallel.remat import checkpoint
+from fsharded.parallel.remat import policy as remat_policy
 from fsharded.parallel.zero import Placement, ZeroPlan
 from fsharded.precision import as_policy
 from fsharded.spmd import _env, _manifest, _prims, _schedule, _vma
@@ -127,7 +128,7 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
                     mesh: Mesh, loss: Any = None, batch: Any = None, batch_spec: Any = None,
                     activation_bytes: int | None = None,
                     bucket_elems: int = 500_000_000, blocks: str | None = "blocks",
-                    trainable: Any = None) -> MemoryEstimate:
+                    trainable: Any = None, remat: Any = None) -> MemoryEstimate:
     """Per-device bytes of training ``params`` laid out by ``specs`` (a spec tree, a ZeRO
     plan or a ``Placement``) with ``optimizer`` under ``precision`` on ``mesh``.
 
@@ -147,7 +148,8 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     tensors cannot run gets fake tensors, and a loss that reads tensor values on the host
     (``.item()``, ``if mask.all():``) runs on copies of the shards' values on CPU: one real
     forward and backward of compute (``fsharded.spmd._schedule``; the notes say which
-    ran). Or pass ``activation_bytes`` yourself.
+    ran). Or pass ``activation_bytes`` yourself. ``remat``: the step's remat policy
+    (``train_step(remat=...)``): the measured forward recomputes the blocks it names.
 
     ``trainable``: which leaves train, as ``train_step`` takes it (by default the leaves'
     own flags: see ``fsharded.step._trainable.resolve``; a ``Placement`` from a step carries
@@ -160,10 +162,14 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     rank with the largest total, the notes give every rank's.
     """
     policy = as_policy(precision)
+    remat = remat_policy(remat)
     pl = placement_of(specs, params, mesh)
     if pl.trainable is None or trainable is not None:
         pl = pl.freeze(T.resolve(trainable, params))
     kw = dict(policy=policy, mesh=mesh, bucket_elems=bucket_elems, blocks=blocks)
+    if isinstance(loss, Pipelined) and remat is not None:
+        raise NotImplementedError("estimate_memory: a remat policy with a pipelined loss is not supported yet "
+                                  "(train_step refuses the pair too)")
     if isinstance(loss, Pipelined) and mesh.shape.get(loss.axis, 1) > 1:
         if activation_bytes is None and batch is None:
             raise ValueError("estimate_memory: loss= needs a batch= (a global batch, as train_step takes)")
@@ -191,7 +197,7 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     elif loss is not None:
         if batch is None:
             raise ValueError("estimate_memory: loss= needs a batch= (a global batch, as train_step takes)")
-        return _estimate(params, pl, optimizer, measure=(loss, batch, batch_spec), **kw)
+        return _estimate(params, pl, optimizer, measure=(loss, batch, batch_spec, remat), **kw)
     else:
         activations, notes = 0, []
     est = _estimate(params, pl, optimizer, activations=activations, **kw)
@@ -202,7 +208,7 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
               blocks: str | None, activations: int = 0, measure: tuple | None = None,
               here: list[bool] | None = None) -> MemoryEstimate:
     """``estimate_memory`` of one device: ``activations`` as given, or measured on a dry
-    run of ``measure`` (``(loss, batch, batch_spec)``); ``here``: the leaves it stores
+    run of ``measure`` (``(loss, batch, batch_spec, remat)``); ``here``: the leaves it stores
     (per-stage storage; None: all)."""
     mask = list(pl.trainable) if pl.trainable is not None else None
     paths, leaves, tdef = _tree.tree_flatten_with_paths(params)
@@ -290,9 +296,11 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
     opt_bytes = sum(x.numel() * x.element_size() for x in optree.tree_leaves(optimizer.init(meta))
                     if isinstance(x, torch.Tensor))
     if measure is not None:
-        loss, batch, batch_spec = measure
+        loss, batch, batch_spec, remat = measure
         activations, with_grads, ran_on = _measure_activations(loss, params, pl, mesh, policy, batch,
-                                                               batch_spec)
+                                                               batch_spec, remat)
+        if remat is not None:
+            notes.append(f"activations measured with the blocks remat {remat} recomputes")
         if not in_loss and backend_for(mesh, None) == "virtual":
             # The virtual mesh reduces after backward (no buckets inside it, where torch.func
             # runs no hooks): the gradients pile up as the activations are freed, so the
@@ -356,7 +364,7 @@ def _block_index(params: Any, paths: list[str], blocks: str | None) -> list[int 
 
 
 def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: Any, batch: Any,
-                         batch_spec: Any) -> tuple[int, int, str]:
+                         batch_spec: Any, remat: Any = None) -> tuple[int, int, str]:
     """Peak bytes of one device's forward + backward other than parameters and their
     gradients, the peak with their gradients, and what they were measured on: stand-ins
     for device 0's shards, tried in
@@ -390,6 +398,8 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
             ps, pdef = optree.tree_flatten(p)
             run = lambda x, *ps: block(optree.tree_unflatten(pdef, list(ps)), x, *args, **kw)  # noqa: E731
             return checkpoint(run)(x, *ps)
+    if remat is not None:  # the policy's blocks, not recomputed twice
+        handler = remat.handler(handler, done=(lambda p: True) if handler is not None else None)
 
     def attempt(kind: _schedule.Kind) -> tuple[int, int]:
         with _schedule.stand_ins(kind) as convert, _as_device_0(mesh, coords) as mode:

@@ -73,8 +73,9 @@ def check_step_memory(step: Any, most: int, state: Any, batch: Any) -> None:
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device == "cpu" else 1
     rows = next((x.shape[0] for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor) and x.dim()), None)
     hints = [f"a smaller batch (this rank's share is {rows} rows)" if rows else "a smaller batch"]
-    hints.append("recomputing each block in backward (fs.parallel.remat.checkpoint around it): "
-                 "only block inputs kept")
+    if step.remat is None or step.remat.every > 1:
+        hints.append("recomputing the model's blocks in backward (train_step(remat=\"blocks\"), "
+                     "--set remat.policy=blocks): only block inputs kept")
     data = step.mesh.shape.get("data", 1)
     hints.append(f"the same global batch over more data ranks (now {data})")
     _memory.check_fits(most, who=f"train_step: step {int(state.step) + 1}",

@@ -146,7 +146,7 @@ def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
                    "steps_per_print is log_every; flags and --set override what it gives)")
     p.add_argument("--allow-ignored", action="store_true",
                    help="train even when the DeepSpeed config turns on what fsharded does not support yet "
-                        "(offload_optimizer/offload_param, activation_checkpointing, flops_profiler...), "
+                        "(offload_param, ZeRO++ quantization, flops_profiler...), "
                         "which is then ignored with a warning naming it (default: an error)")
     p.add_argument("--mesh", help="mesh axes, e.g. data=2,tensor=2 (default data=2; world size under torchrun)")
     p.add_argument("--replicate-over", metavar="AXES", default="",
