@@ -17,12 +17,13 @@ BUCKET = 2048  # elements per streamed bucket: the tiny GPT streams in ~100 buck
 
 
 def make_step(mesh_axes: dict, stage: int, tier: str | None, *, nvme_path: str | None = None, donate: bool = False,
-              bucket: int = BUCKET, optimizer=None):
+              bucket: int = BUCKET, optimizer=None, params_tier: str | None = None):
     params = gpt.init(T.CONFIG, 0)
     kw = {}
     if tier is not None:
-        kw = dict(offload_optimizer=tier, bucket_elems=bucket,
-                  nvme_path=(nvme_path or tempfile.mkdtemp(prefix="offload-test-")) if tier == "nvme" else None)
+        kw = dict(offload_optimizer=tier, bucket_elems=bucket, offload_params=params_tier,
+                  nvme_path=(nvme_path or tempfile.mkdtemp(prefix="offload-test-"))
+                  if "nvme" in (tier, params_tier) else None)
     plan = fs.parallel.zero(stage, min_size=16, **kw)(P(), params)
     opt = optimizer if optimizer is not None else fs.optim.adamw(T.LR, weight_decay=T.WD)
     step = fs.train_step(gpt.loss, opt, mesh=fs.Mesh(mesh_axes), param_specs=plan, clip=T.CLIP, donate=donate,
@@ -31,8 +32,8 @@ def make_step(mesh_axes: dict, stage: int, tier: str | None, *, nvme_path: str |
 
 
 def run(mesh_axes: dict, stage: int, tier: str | None, *, steps: int = STEPS, donate: bool = False,
-        nvme_path: str | None = None) -> dict:
-    step, params = make_step(mesh_axes, stage, tier, nvme_path=nvme_path, donate=donate)
+        nvme_path: str | None = None, params_tier: str | None = None) -> dict:
+    step, params = make_step(mesh_axes, stage, tier, nvme_path=nvme_path, donate=donate, params_tier=params_tier)
     state = step.init(params)
     losses = []
     for b in T.batches(steps):
@@ -40,7 +41,8 @@ def run(mesh_axes: dict, stage: int, tier: str | None, *, steps: int = STEPS, do
         losses.append(float(m["loss"]))
     files = fs.parallel.offload.nvme_files(state.opt_state)
     return {"losses": losses, "params": step.params(state), "files": len(files),
-            "moments": 2 * len(optree.tree_leaves(state.params))}
+            "moments": 2 * len(optree.tree_leaves(state.params)),
+            "param_files": len(fs.parallel.offload.nvme_files(state.params))}
 
 
 def same(a: dict, b: dict) -> bool:
@@ -91,3 +93,53 @@ def train_then_die(ckpt: str, nvme_path: str, save_at: int, die_at: int) -> None
         if i == save_at:
             step.save(state, ckpt)
     raise AssertionError("the run should have died in its update")
+
+
+def mapped_rss(paths: list[str]) -> dict[str, int]:
+    """Resident bytes of this process's memory maps of ``paths`` (/proc/self/smaps): the
+    file's pages read through its map."""
+    out = dict.fromkeys(paths, 0)
+    current = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and not head[0].endswith(":"):  # a mapping's header: range, perms, offset, dev, inode[, path]
+                current = head[5] if len(head) >= 6 and head[5] in out else None
+            elif current is not None and line.startswith("Rss:"):
+                out[current] += int(head[1]) * 1024
+    return out
+
+
+def gloo_param_offload(world: int) -> dict:
+    """On each rank, ZeRO-3 with the parameters in a tier against device memory, bit for
+    bit; and how much of the blocks' parameter files came into memory through their maps
+    in training (their shards are read through aio just before each gather)."""
+    from fsharded.parallel import offload
+
+    ref = run({"data": world}, 3, None)
+    out = {}
+    update = offload.stream_update
+    for tier in ("cpu", "nvme"):
+        step, params = make_step({"data": world}, 3, tier, params_tier=tier)
+        state = step.init(params)
+        blocks = fs.parallel.offload.nvme_files(state.params["blocks"])
+        seen = [0]
+
+        def measured(*a, seen=seen, blocks=blocks, **k):  # when backward is over (the update's O_DIRECT writes drop the pages)
+            seen[0] = max(seen[0], sum(mapped_rss(blocks).values()))
+            return update(*a, **k)
+
+        offload.stream_update = measured
+        losses = []
+        try:
+            for b in T.batches(STEPS):
+                state, m = step(state, b)
+                losses.append(float(m["loss"]))
+        finally:
+            offload.stream_update = update
+        got = {"losses": losses, "params": step.params(state)}
+        out[tier] = {"same": same(ref, got), "losses": losses, "params": got["params"],
+                     "block_files": len(blocks), "block_rss": seen[0],
+                     "block_leaves": len(optree.tree_leaves(params["blocks"])),
+                     "files": len(fs.parallel.offload.nvme_files(state.params))}
+    return out

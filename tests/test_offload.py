@@ -208,8 +208,10 @@ def test_offload_refuses_what_it_cannot_do(tmp_path):
         fs.parallel.zero(2, offload_optimizer="nvme", nvme_path=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="must be None, 'cpu' or 'nvme'"):
         fs.parallel.zero(2, offload_optimizer="disk")
-    with pytest.raises(NotImplementedError, match="parameter offload"):
+    with pytest.raises(ValueError, match="needs offload_optimizer= as well"):
         fs.parallel.zero(3, offload_params="cpu")
+    with pytest.raises(ValueError, match="ZeRO-3's parameter offload; stage 2 keeps"):
+        fs.parallel.zero(2, offload_optimizer="cpu", offload_params="cpu")
     # The tiers hold a fused optimizer's moments: another optimizer is refused when the
     # state is made, not trained in memory behind the user's back.
     step, _ = O.make_step({"data": 2}, 2, "cpu", optimizer=fs.optim.sgd(0.1, momentum=0.9))

@@ -259,6 +259,7 @@ def _ds_offload(r: _Reader, kw: dict) -> None:
         r.get(f"{_OFFLOAD}.{knob}", bool, None)
     tier = device.lower() if device is not None else ("cpu" if old else "none")
     if tier == "none":
+        _ds_offload_param(r, kw)
         return
     off: dict = {"optimizer": tier}
     if nvme is not None:
@@ -271,6 +272,47 @@ def _ds_offload(r: _Reader, kw: dict) -> None:
         r.unsupported.append((f"{_OFFLOAD}.ratio = {ratio!r}", "a part of the optimizer state left on the device: "
                               "fsharded offloads all of it"))
     kw["offload"] = off
+    _ds_offload_param(r, kw)
+
+
+_PARAM = "zero_optimization.offload_param"
+
+
+def _ds_offload_param(r: _Reader, kw: dict) -> None:
+    """``zero_optimization.offload_param`` (and the older ``cpu_offload_params``): ZeRO-3's
+    parameter shards in host memory or on NVMe (``OffloadConfig.params``), with the
+    optimizer state offloaded too (``offload_optimizer``: the update streams both).
+    ``buffer_count``, ``buffer_size`` and ``max_in_cpu`` size DeepSpeed's own buffers and
+    change no number: read quietly."""
+    node, last = r._node(_PARAM)
+    if isinstance(node, Mapping) and last in node and node[last] is None:  # "offload_param": null
+        r.used.add(_PARAM)
+    device = r.get(_PARAM + ".device", str, None,
+                   ((lambda v: v.lower() in ("none", "cpu", "nvme")), "one of \"none\", \"cpu\", \"nvme\""))
+    old = r.get("zero_optimization.cpu_offload_params", bool, False)
+    nvme = r.get(_PARAM + ".nvme_path", str | None, None)
+    pin = r.get(_PARAM + ".pin_memory", bool, None)
+    for knob, tp in (("buffer_count", int), ("buffer_size", int | float), ("max_in_cpu", int | float)):
+        r.get(f"{_PARAM}.{knob}", tp, None)
+    tier = device.lower() if device is not None else ("cpu" if old else "none")
+    if tier == "none":
+        return
+    off = kw.get("offload")
+    if off is None:
+        asked = f"{_PARAM}.device = {tier!r}" if device is not None else "zero_optimization.cpu_offload_params = True"
+        r.unsupported.append((f"{asked} without offload_optimizer",
+                              "parameters offloaded with the optimizer state in device memory: fsharded streams the "
+                              "parameters through the offloaded update (set offload_optimizer.device too)"))
+        return
+    if nvme is not None and off.get("nvme_path", nvme) != nvme:
+        r.unsupported.append((f"{_PARAM}.nvme_path = {nvme!r}", "parameters on another disk than the optimizer "
+                              "state: fsharded keeps both under one nvme_path"))
+        return
+    if nvme is not None:
+        off["nvme_path"] = nvme
+    if pin is not None and "pin_memory" not in off:
+        off["pin_memory"] = bool(pin)
+    off["params"] = tier
 
 
 def _load_deepspeed(ds_config: Mapping | str | Path) -> dict:

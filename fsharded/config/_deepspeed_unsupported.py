@@ -1,6 +1,6 @@
 """DeepSpeed features fsharded does not have yet, as a table read by ``from_deepspeed``.
 
-A config that turns one on (``zero_optimization.offload_param.device: "cpu"``,
+A config that turns one on (``zero_optimization.zero_quantized_weights: true``,
 ``flops_profiler.enabled: true``...) is refused unless ``allow_ignored=True``
 (``fsharded train --allow-ignored``): the run would otherwise go on without what was asked
 for, and an offload that never happened is found out only when memory runs short. At
@@ -37,25 +37,11 @@ def _false(v: Any) -> bool:
     return v is None or v is False
 
 
-def _no_device(v: Any) -> bool:
-    return v is None or v.lower() == "none"
-
-
-_DEVICE: tuple[Callable[[Any], bool], str] = (
-    (lambda v: v.lower() in ("none", "cpu", "nvme")), "one of \"none\", \"cpu\", \"nvme\"")
-
 _ZERO = "zero_optimization."
 _ZPP_WHAT = ("ZeRO++ quantized communication: fsharded gathers and reduces at full precision "
              "(communication_data_type sets the reduction's dtype)")
 
 FEATURES: tuple[_Feature, ...] = (
-    _Feature(_ZERO + "offload_param.device", str, _no_device,
-             "parameters in CPU memory or on NVMe between uses (ZeRO-Infinity): fsharded keeps them "
-             "on the device, sharded over 'data' by zero_optimization.stage 3",
-             ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory")),
-    _Feature(_ZERO + "cpu_offload_params", bool, _false,
-             "DeepSpeed's older spelling of offload_param.device \"cpu\": fsharded keeps the "
-             "parameters on the device"),
     *(_Feature(_ZERO + k, bool, _false, _ZPP_WHAT) for k in (
         "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")),
     _Feature("flops_profiler.enabled", bool, _false,
@@ -84,7 +70,7 @@ FEATURES: tuple[_Feature, ...] = (
 """Each key with real effect that fsharded cannot honour, switched on by any value but its
 off ones."""
 
-CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {_ZERO + "offload_param.device": _DEVICE}
+CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {}
 
 HOW_TO_RUN = (
     "To train without them, set them off (\"device\": \"none\", \"enabled\": false, or remove the "

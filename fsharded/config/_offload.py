@@ -1,4 +1,4 @@
-"""The ``offload`` section of a training config: where the optimizer state lives."""
+"""The ``offload`` section of a training config: where the optimizer state and parameters live."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ class OffloadConfig:
 
     optimizer: str = "none"
     """``none``, ``cpu`` or ``nvme``."""
+    params: str = "none"
+    """Where ZeRO-3's parameter shards live: ``none``, ``cpu`` or ``nvme`` (DeepSpeed's
+    ``offload_param``; needs ``zero_stage`` 3 and ``optimizer`` offloaded too)."""
     nvme_path: str | None = None
     """A directory on the disk that holds the state (``nvme``)."""
     pin_memory: bool = True
@@ -30,8 +33,13 @@ class OffloadConfig:
         errors = []
         if self.optimizer not in ("none", "cpu", "nvme"):
             errors.append(f"  offload.optimizer: expected one of none, cpu, nvme, got {self.optimizer!r}")
-        if self.optimizer == "nvme" and not self.nvme_path:
-            errors.append("  offload.nvme_path: offload.optimizer=nvme needs a directory to keep the state in")
+        if self.params not in ("none", "cpu", "nvme"):
+            errors.append(f"  offload.params: expected one of none, cpu, nvme, got {self.params!r}")
+        elif self.params != "none" and self.optimizer == "none":
+            errors.append(f"  offload.params={self.params}: needs offload.optimizer cpu or nvme as well (the update "
+                          f"streams the parameters with the optimizer state)")
+        if "nvme" in (self.optimizer, self.params) and not self.nvme_path:
+            errors.append("  offload.nvme_path: offloading to nvme needs a directory to keep the state in")
         for name, least in (("buffer_count", 1), ("bucket_elems", 1024)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
@@ -48,4 +56,5 @@ class OffloadConfig:
         if not self.active:
             return {}
         return {"offload_optimizer": self.optimizer, "nvme_path": self.nvme_path, "pin_memory": self.pin_memory,
-                "buffer_count": self.buffer_count, "bucket_elems": self.bucket_elems}
+                "buffer_count": self.buffer_count, "bucket_elems": self.bucket_elems,
+                **({"offload_params": self.params} if self.params != "none" else {})}

@@ -466,6 +466,9 @@ class TrainConfig:
         if self.offload.active and not self.zero_stage:
             errors.append(f"  offload.optimizer={self.offload.optimizer}: needs zero_stage 1, 2 or 3 (as DeepSpeed's "
                           f"offload_optimizer does)")
+        if self.offload.params != "none" and self.zero_stage != 3:
+            errors.append(f"  offload.params={self.offload.params}: needs zero_stage 3 (as DeepSpeed's offload_param "
+                          f"does)")
         _raise(type(self), errors)
         mb = self.pipeline.microbatches
         if mb is not None and self.grad_accum_steps not in (None, mb):

@@ -49,7 +49,7 @@ import torch
 
 from fsharded.kernels import aio
 
-__all__ = ["Offload", "TIERS", "place", "in_tier", "stream_update", "nvme_files"]
+__all__ = ["Offload", "TIERS", "place", "place_params", "in_tier", "fetch", "verify", "stream_update", "nvme_files"]
 
 TIERS = ("cpu", "nvme")
 
@@ -64,6 +64,9 @@ class Offload:
     ``direct`` (``O_DIRECT`` where the filesystem allows it)."""
 
     optimizer: str | None = None
+    params: str | None = None
+    """Where the master parameters (ZeRO-3's shards) live: None for device memory, ``"cpu"``
+    or ``"nvme"`` (ZeRO-Infinity's ``offload_param``). Needs ``optimizer`` set."""
     # Where this host keeps its files: ranks may name different disks, so the path is not
     # part of the layout the ranks agree on (nor of the repr that shows it).
     nvme_path: str | None = field(default=None, compare=False, repr=False)
@@ -75,9 +78,14 @@ class Offload:
     def __post_init__(self) -> None:
         if self.optimizer not in (None, *TIERS):
             raise ValueError(f"offload_optimizer must be None, 'cpu' or 'nvme', got {self.optimizer!r}")
-        if self.optimizer == "nvme" and not self.nvme_path:
-            raise ValueError("offload_optimizer='nvme' needs nvme_path=, a directory on the disk to keep the "
-                             "optimizer state in")
+        if self.params not in (None, *TIERS):
+            raise ValueError(f"offload_params must be None, 'cpu' or 'nvme', got {self.params!r}")
+        if self.params is not None and self.optimizer is None:
+            raise ValueError(f"offload_params={self.params!r} needs offload_optimizer= as well: the update "
+                             f"streams the parameters through the host with the optimizer state")
+        if "nvme" in (self.optimizer, self.params) and not self.nvme_path:
+            raise ValueError("offload to 'nvme' needs nvme_path=, a directory on the disk to keep the "
+                             "state in")
         if self.nvme_path is not None and not os.path.isdir(self.nvme_path):
             raise ValueError(f"nvme_path={self.nvme_path!r} is not a directory: create it, on the disk the "
                              f"optimizer state should live on")
@@ -91,9 +99,11 @@ class Offload:
         return self.optimizer is not None
 
     def describe(self) -> str:
-        if self.optimizer == "nvme":
-            return f"optimizer state on NVMe under {self.nvme_path}"
-        return "optimizer state in host memory" if self.optimizer == "cpu" else "optimizer state in device memory"
+        where = {"nvme": f"on NVMe under {self.nvme_path}", "cpu": "in host memory", None: "in device memory"}
+        if self.params is not None and self.params == self.optimizer:
+            return f"parameters and optimizer state {where[self.params]}"
+        out = f"optimizer state {where[self.optimizer]}"
+        return out + (f", parameters {where[self.params]}" if self.params is not None else "")
 
 
 # -- the NVMe tier's files --------------------------------------------------------------------
@@ -222,41 +232,88 @@ def _pinned(t: torch.Tensor, offload: Offload) -> torch.Tensor:
     return host
 
 
-def place(moments: list[torch.Tensor], offload: Offload) -> list[torch.Tensor]:
-    """``moments`` (tensors shaped like parameters) in ``offload``'s optimizer tier: host
-    tensors, or file-backed tensors under ``nvme_path``. Leaves already there are kept."""
-    if not offload.active or any(t.device.type == "meta" for t in moments):  # (a template: shapes only)
+def place(moments: list[torch.Tensor], offload: Offload, *, tier: str | None = None) -> list[torch.Tensor]:
+    """``moments`` (tensors shaped like parameters) in ``offload``'s optimizer tier (or
+    ``tier``: ``offload.params`` for the parameters): host tensors, or file-backed tensors
+    under ``nvme_path``. Leaves already there are kept."""
+    tier = offload.optimizer if tier is None else tier
+    if tier is None or any(t.device.type == "meta" for t in moments):  # (a template: shapes only)
         return moments
-    if offload.optimizer == "cpu":
-        return [t if in_tier(t, offload) else _pinned(t, offload) for t in moments]
+    if tier == "cpu":
+        return [t if in_tier(t, offload, tier=tier) else _pinned(t, offload) for t in moments]
     d = _directory(offload)
-    return [t if in_tier(t, offload) else d.new(t.detach().to("cpu")) for t in moments]
+    return [t if in_tier(t, offload, tier=tier) else d.new(t.detach().to("cpu")) for t in moments]
 
 
-def in_tier(t: torch.Tensor, offload: Offload) -> bool:
-    if offload.optimizer == "nvme":
+def place_params(params: list[torch.Tensor], offload: Offload | None) -> list[torch.Tensor]:
+    """The master parameters in ``offload.params``'s tier (unchanged without one). Only
+    fp32 leaves move (what the step trains; a frozen leaf kept in a 16-bit dtype stays
+    where it is)."""
+    if offload is None or offload.params is None:
+        return params
+    movable = [isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() > 0 for t in params]
+    placed = iter(place([t for t, m in zip(params, movable) if m], offload, tier=offload.params))
+    return [next(placed) if m else t for t, m in zip(params, movable)]
+
+
+def in_tier(t: torch.Tensor, offload: Offload, *, tier: str | None = None) -> bool:
+    tier = offload.optimizer if tier is None else tier
+    if tier == "nvme":
         return _leaf_of(t) is not None
     return t.device.type == "cpu"
+
+
+def fetch(t: torch.Tensor) -> torch.Tensor:
+    """The values of ``t`` in memory: for a tensor of an NVMe tier, a new tensor read from
+    its file through ``aio`` (not through its memory map, so the file's pages do not come
+    into this process's memory) and checked against the checksums the tier wrote; any
+    other tensor as it is."""
+    leaf = _leaf_of(t) if isinstance(t, torch.Tensor) and t.device.type == "cpu" else None
+    if leaf is None:
+        return t
+    buf = aio.aligned_empty(aio.padded(leaf.numel * leaf.itemsize))
+    reads = []
+    for k in range(len(leaf.crcs)):
+        lo, hi = k * leaf.piece, min(leaf.numel, (k + 1) * leaf.piece)
+        reads.append(leaf.file.read(lo * leaf.itemsize, buf[lo * leaf.itemsize:], (hi - lo) * leaf.itemsize))
+    for k, r in enumerate(reads):
+        _verify(leaf, k, r.wait())
+    return buf[: leaf.numel * leaf.itemsize].view(t.dtype).view(t.shape)
+
+
+def verify(tree: Any) -> None:
+    """Read every NVMe-tier tensor of ``tree`` through ``aio`` and check it against the
+    checksums the tier wrote (an error naming a file changed behind the step's back). For
+    the virtual mesh, whose forward reads the parameters through their memory maps."""
+    for t in optree.tree_leaves(tree):
+        if isinstance(t, torch.Tensor) and _leaf_of(t) is not None:
+            fetch(t)
+
+
+def _verify(leaf: _Leaf, k: int, crc: int) -> None:
+    if leaf.crcs[k] is not None and crc != leaf.crcs[k]:
+        raise RuntimeError(f"offload: {leaf.file.path} (piece {k}) does not hold what the step wrote "
+                           f"there: checksum {crc:#010x}, written {leaf.crcs[k]:#010x}. The state on disk "
+                           f"was changed or corrupted; resume from the last checkpoint")
 
 
 # -- the streamed update --------------------------------------------------------------------------
 
 
 class _Staging:
-    """One bucket's host buffers: parameters and gradients (``width`` elements), and for
-    NVMe each moment (``mwidth``: its pieces at aligned offsets, for ``O_DIRECT``)."""
+    """One bucket's host buffers: parameters and gradients (``width`` elements), and one
+    per tensor list read from files (``files``: the NVMe tier's moments, and the parameters
+    where they are there too; ``mwidth`` elements each, pieces at aligned offsets for
+    ``O_DIRECT``)."""
 
-    def __init__(self, width: int, mwidth: int, moments: int, dtype: torch.dtype, offload: Offload,
-                 nvme: bool) -> None:
+    def __init__(self, width: int, mwidth: int, files: int, dtype: torch.dtype, offload: Offload) -> None:
         pin = offload.pin_memory and torch.cuda.is_available()
         self.p = torch.empty(width, dtype=dtype, pin_memory=pin)
         self.g = torch.empty(width, dtype=dtype, pin_memory=pin)
-        self.m: list[torch.Tensor] = []
-        if nvme:
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            self.m = [aio.aligned_empty(mwidth * itemsize).view(dtype) for _ in range(moments)]
-        self.reads: list = []  # (pending, leaf, piece) of the moments being read in
-        self.writes: list = []  # (pending, leaf, piece) of the moments being written out
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.m = [aio.aligned_empty(mwidth * itemsize).view(dtype) for _ in range(files)]
+        self.reads: list = []  # (pending, leaf, piece) of the files being read in
+        self.writes: list = []  # (pending, leaf, piece) of the files being written out
         self.event: Any = None  # (CUDA) the copy back to the device that reads p
 
     def settle(self) -> None:
@@ -272,7 +329,7 @@ class _Staging:
 
 class _Piece:
     """Elements ``[lo, hi)`` of leaf ``i``: at ``at`` in a bucket's parameter and gradient
-    staging, at ``mat`` (aligned) in its moment staging; ``k``: its checksummed piece."""
+    staging, at ``mat`` (aligned) in its file staging; ``k``: its checksummed piece."""
 
     __slots__ = ("i", "lo", "hi", "at", "mat", "k")
 
@@ -282,8 +339,8 @@ class _Piece:
 
 def _buckets(sizes: list[int], cap: int, piece: int, align: int) -> list[list[_Piece]]:
     """The leaves cut into whole pieces of ``piece`` elements, grouped into buckets of at
-    most ``max(cap, piece)`` elements (a piece is never split); each piece's moment
-    staging starts at a multiple of ``align`` elements."""
+    most ``max(cap, piece)`` elements (a piece is never split); each piece's file staging
+    starts at a multiple of ``align`` elements."""
     cap = max(cap, piece)
     out: list[list[_Piece]] = [[]]
     at = mat = 0
@@ -299,14 +356,28 @@ def _buckets(sizes: list[int], cap: int, piece: int, align: int) -> list[list[_P
     return [b for b in out if b]
 
 
+def _file_leaves(tensors: list[torch.Tensor], offload: Offload, what: str) -> list[_Leaf]:
+    got = [_leaf_of(t) for t in tensors]
+    if any(f is None for f in got):
+        raise RuntimeError(f"offload: the {what} is not in this step's NVMe tier (a state made by another step, or "
+                           f"moved since): make it with step.init(params) or step.load(...)")
+    if any(f.piece != piece_elems(offload) for f in got):  # type: ignore[union-attr]
+        raise RuntimeError(f"offload: the {what}'s files were cut into pieces of another size (made with another "
+                           f"bucket_elems): make the state with this step's init or load")
+    return got  # type: ignore[return-value]
+
+
 def stream_update(step: Any, params: list[torch.Tensor], grads: list[torch.Tensor],
                   moments: list[list[torch.Tensor]], decay: list[bool] | None, offload: Offload) -> torch.Tensor:
     """One fused step (``optim.FusedStep`` ``step``) of ``params`` (flat contiguous device
-    tensors, updated in place) with ``grads`` (flat, contiguous, the same sizes) and
-    ``moments`` (one list per moment, in ``offload``'s tier), bucket by bucket through host
-    staging buffers (see the module doc). Returns found_inf (false unless the step checks:
-    non-finite steps are refused before the update)."""
+    tensors, or the NVMe tier's parameter files; updated in place) with ``grads`` (flat,
+    contiguous, the same sizes) and ``moments`` (one list per moment, in ``offload``'s
+    tier), bucket by bucket through host staging buffers (see the module doc). What lives
+    in files is read with ``aio`` (the next bucket's while this one is updated) and written
+    back the same way, never through its memory map. Returns found_inf (false unless the
+    step checks: non-finite steps are refused before the update)."""
     nvme = offload.optimizer == "nvme"
+    p_files = offload.params == "nvme"
     dtype = params[0].dtype if params else torch.float32
     itemsize = torch.empty((), dtype=dtype).element_size()
     buckets = _buckets([p.numel() for p in params], offload.bucket_elems, piece_elems(offload),
@@ -314,47 +385,41 @@ def stream_update(step: Any, params: list[torch.Tensor], grads: list[torch.Tenso
     found = torch.zeros((), dtype=torch.bool)
     if not buckets:
         return found
-    leaves: list[list[_Leaf]] = []
-    if nvme:
-        for ms in moments:
-            got = [_leaf_of(m) for m in ms]
-            if any(f is None for f in got):
-                raise RuntimeError("offload: the optimizer state is not in this step's NVMe tier (a state made by "
-                                   "another step, or moved since): make it with step.init(params) or step.load(...)")
-            if any(f.piece != piece_elems(offload) for f in got):  # type: ignore[union-attr]
-                raise RuntimeError("offload: the optimizer state's files were cut into pieces of another size "
-                                   "(made with another bucket_elems): make the state with this step's init or load")
-            leaves.append(got)  # type: ignore[arg-type]
+    files: list[list[_Leaf]] = [_file_leaves(ms, offload, "optimizer state") for ms in moments] if nvme else []
+    if p_files:  # the parameters go through the file staging as one more list (the last)
+        files.append(_file_leaves(params, offload, "parameters"))
     width = max(b[-1].at + b[-1].hi - b[-1].lo for b in buckets)
-    mwidth = max(b[-1].mat + b[-1].hi - b[-1].lo + aio.ALIGN for b in buckets) if nvme else 0
-    sets = [_Staging(width, mwidth, len(moments), dtype, offload, nvme)
+    mwidth = max(b[-1].mat + b[-1].hi - b[-1].lo + aio.ALIGN for b in buckets) if files else 0
+    sets = [_Staging(width, mwidth, len(files), dtype, offload)
             for _ in range(min(offload.buffer_count, len(buckets)))]
     cuda = params[0].device.type == "cuda"
 
-    def fetch(b: int) -> None:  # post the reads of bucket b's moments into its staging set
+    def fetch_bucket(b: int) -> None:  # post the reads of bucket b's files into its staging set
         st = sets[b % len(sets)]
         st.settle()
         for pc in buckets[b]:
-            for j, ls in enumerate(leaves):
+            for j, ls in enumerate(files):
                 leaf = ls[pc.i]
-                buf = st.m[j][pc.mat:]
-                st.reads.append((leaf.file.read(pc.lo * itemsize, buf.view(torch.uint8), (pc.hi - pc.lo) * itemsize),
-                                 leaf, pc.k))
+                st.reads.append((leaf.file.read(pc.lo * itemsize, st.m[j][pc.mat:].view(torch.uint8),
+                                                (pc.hi - pc.lo) * itemsize), leaf, pc.k))
 
-    if nvme:
-        fetch(0)
+    if files:
+        fetch_bucket(0)
     for b, pieces in enumerate(buckets):
         st = sets[b % len(sets)]
-        if not nvme:
+        if not files:
             st.settle()
         elif b + 1 < len(buckets) and len(sets) > 1:
-            fetch(b + 1)  # the next bucket's moments arrive while this one is updated
+            fetch_bucket(b + 1)  # the next bucket's state arrives while this one is updated
         ps, gs, ms, flags = [], [], [[] for _ in moments], []
         for pc in pieces:
             n = pc.hi - pc.lo
-            ps.append(st.p[pc.at: pc.at + n])
+            if p_files:
+                ps.append(st.m[-1][pc.mat: pc.mat + n])
+            else:
+                ps.append(st.p[pc.at: pc.at + n])
+                ps[-1].copy_(params[pc.i][pc.lo:pc.hi], non_blocking=cuda)
             gs.append(st.g[pc.at: pc.at + n])
-            ps[-1].copy_(params[pc.i][pc.lo:pc.hi], non_blocking=cuda)
             gs[-1].copy_(grads[pc.i][pc.lo:pc.hi], non_blocking=cuda)
             for j in range(len(moments)):
                 ms[j].append(st.m[j][pc.mat: pc.mat + n] if nvme else moments[j][pc.i].view(-1)[pc.lo:pc.hi])
@@ -362,27 +427,22 @@ def stream_update(step: Any, params: list[torch.Tensor], grads: list[torch.Tenso
         if cuda:
             torch.cuda.current_stream().synchronize()  # the host reads what the device copied
         for pend, leaf, k in st.reads:
-            crc = pend.wait()
-            if leaf.crcs[k] is not None and crc != leaf.crcs[k]:
-                raise RuntimeError(f"offload: {leaf.file.path} (piece {k}) does not hold what the step wrote "
-                                   f"there: checksum {crc:#010x}, written {leaf.crcs[k]:#010x}. The optimizer "
-                                   f"state on disk was changed or corrupted; resume from the last checkpoint")
+            _verify(leaf, k, pend.wait())
         st.reads = []
         found = found | step.run(ps, gs, ms, None if decay is None else flags)
-        if nvme:
-            for pc in pieces:
-                for j, ls in enumerate(leaves):
-                    leaf = ls[pc.i]
-                    buf = st.m[j][pc.mat:]
-                    st.writes.append((leaf.file.write(pc.lo * itemsize, buf.view(torch.uint8),
-                                                      (pc.hi - pc.lo) * itemsize), leaf, pc.k))
-        for pc, p in zip(pieces, ps):
-            params[pc.i].view(-1)[pc.lo:pc.hi].copy_(p, non_blocking=cuda)
+        for pc in pieces:
+            for j, ls in enumerate(files):
+                leaf = ls[pc.i]
+                st.writes.append((leaf.file.write(pc.lo * itemsize, st.m[j][pc.mat:].view(torch.uint8),
+                                                  (pc.hi - pc.lo) * itemsize), leaf, pc.k))
+        if not p_files:
+            for pc, p in zip(pieces, ps):
+                params[pc.i].view(-1)[pc.lo:pc.hi].copy_(p, non_blocking=cuda)
         if cuda:
             st.event = torch.cuda.Event()
             st.event.record()
-        if nvme and len(sets) == 1 and b + 1 < len(buckets):
-            fetch(b + 1)
+        if files and len(sets) == 1 and b + 1 < len(buckets):
+            fetch_bucket(b + 1)
     for st in sets:
         st.settle()
     return found

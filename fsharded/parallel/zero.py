@@ -179,7 +179,10 @@ def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_
     streams them through host buffers, ``bucket_elems`` elements at a time with
     ``buffer_count`` buckets in flight, with the same numbers as in device memory
     (``fsharded.parallel.offload``). ``pin_memory``: page-locked host buffers where a GPU is
-    the device. ``offload_params`` (ZeRO-3 parameter offload) is not implemented yet.
+    the device. ``offload_params`` (``"cpu"`` or ``"nvme"``, stage 3, with
+    ``offload_optimizer``; ZeRO-Infinity): the master parameters' shards live there too;
+    each block's shards are read from the tier (through ``aio`` for NVMe) just before its
+    gather, and the update streams them with the optimizer state. The same numbers.
 
     Returns ``rule(specs, params) -> ZeroPlan``; ``train_step`` resolves the plan against
     its mesh (``plan.resolve(mesh)`` gives the concrete ``Placement``). Specs that already
@@ -189,13 +192,15 @@ def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_
         raise ValueError(f"zero: stage must be 0, 1, 2 or 3, got {stage!r}")
     if not isinstance(axis, str):
         raise ValueError(f"zero: axis must be a mesh axis name, got {axis!r}")
-    if offload_params not in (None, "none"):
-        raise NotImplementedError(f"zero: offload_params={offload_params!r} (ZeRO-3 parameter offload) is not "
-                                  f"implemented yet; offload_optimizer='cpu' or 'nvme' moves the optimizer state")
+    offload_params = None if offload_params == "none" else offload_params
+    if offload_params is not None and stage != 3:
+        raise ValueError(f"zero: offload_params={offload_params!r} is ZeRO-3's parameter offload; stage {stage} keeps "
+                         f"the parameters whole on every device for use (use zero(3, ...))")
     off = None
-    if offload_optimizer not in (None, "none"):
-        off = Offload(offload_optimizer, nvme_path, pin_memory,
-                      Offload.bucket_elems if bucket_elems is None else bucket_elems, buffer_count)
+    if offload_optimizer not in (None, "none") or offload_params is not None:
+        off = Offload(None if offload_optimizer == "none" else offload_optimizer, offload_params, nvme_path=nvme_path,
+                      pin_memory=pin_memory, buffer_count=buffer_count,
+                      bucket_elems=Offload.bucket_elems if bucket_elems is None else bucket_elems)
 
     def rule(specs: Any, params: Any) -> ZeroPlan:
         _tree.broadcast_prefix(specs, params, what="param_specs")  # fail early, with paths

@@ -24,6 +24,7 @@ from fsharded import _memory_hooks as memory
 from fsharded import comm
 from fsharded.comm import _shm
 from fsharded.mesh._mesh import Mesh
+from fsharded.parallel import offload
 from fsharded.parallel._buckets import InFlight, gather_leaves, issue, split_dim
 from fsharded.parallel.blocks import Keyed
 from fsharded.parallel.remat import checkpoint
@@ -48,7 +49,9 @@ class PendingGather:
             return
         g = comm.axis_group(mesh, (axis,))
         with torch.no_grad():
-            flat = torch.cat([leaves[i].movedim(self.dims[i], 0).reshape(-1) for i in moving])
+            src = [offload.fetch(leaves[i]) for i in moving]  # a shard in an NVMe tier: read from its file
+            flat = torch.cat([x.movedim(self.dims[i], 0).reshape(-1) for i, x in zip(moving, src)])
+            del src
             out = flat.new_empty(self.n * flat.numel())
         # The source must outlive the asynchronous collective (gloo reads it on its own
         # thread): freed early, its memory is reused and the gather returns other data.
@@ -129,7 +132,7 @@ class _Gathered(torch.autograd.Function):
         if pending is not None:
             fulls = pending.wait()
         else:
-            fulls = gather_leaves([s.detach() for s in shards], m_specs, u_specs, axis, mesh, cap)
+            fulls = gather_leaves([offload.fetch(s.detach()) for s in shards], m_specs, u_specs, axis, mesh, cap)
         # Independent tensors (not views of one gather buffer, nor of the inputs), so the
         # block may use them like any parameter.
         out = tuple(f if (f._base is None and f is not s) else f.clone() for f, s in zip(fulls, shards))
@@ -201,7 +204,7 @@ def run_regathered(block, p_tree_def, shards: list, args: tuple, kw: dict, m_spe
         if i not in cache:  # first weight backward needs: gather the block's in one bucket
             with torch.no_grad():
                 full = fetch() if fetch is not None else \
-                    gather_leaves(shard_refs, m_specs, u_specs, axis, mesh, cap)
+                    gather_leaves([offload.fetch(x) for x in shard_refs], m_specs, u_specs, axis, mesh, cap)
             cache.update({j: f.contiguous() for j, f in enumerate(full)})
             memory.label(list(cache.values()), "parameters")  # gathered again for backward
         return cache[i].as_strided(shape, stride, offset)

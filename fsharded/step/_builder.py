@@ -33,6 +33,7 @@ from fsharded.comm import _trace
 from fsharded.mesh import Mesh, _tree
 from fsharded.mesh._layout import dims
 from fsharded.mesh._spec import PartitionSpec
+from fsharded.parallel import offload as _offload
 from fsharded.parallel.pipeline import Pipelined
 from fsharded.parallel.remat import policy as remat_policy
 from fsharded.parallel.zero import Placement, ZeroPlan
@@ -60,7 +61,7 @@ from fsharded.step._model_state import init_model_state, new_model_state
 from fsharded.step._scaling import DynamicScaling, NoScaling
 from fsharded.step._state import TrainState, counted, load_state
 from fsharded.step._transform import ClipByGlobalNorm, GradientTransform, NoClip, Transformed
-from fsharded.step._update import PureUpdate, choose_update, tiered
+from fsharded.step._update import PureUpdate, choose_update, tiered, tiered_params
 
 __all__ = ["TrainState", "TrainStep", "train_step"]
 
@@ -300,6 +301,7 @@ class TrainStep:
         else:
             opt_state = self.optimizer.init(T.view(master, mask))  # for the trained leaves only
         opt_state = tiered(self.optimizer, opt_state, pl.offload)  # its moments in their memory tier
+        master = tiered_params(master, pl.offload)  # and the parameters, where they have one
         scale = self._scaler.init() if self._scaler is not None else None
         self._local_shapes[optree.tree_structure(master)] = [tuple(x.shape) for x in optree.tree_leaves(master)]
         rng = R.key(self.seed) if self.seed is not None else None
@@ -312,7 +314,8 @@ class TrainStep:
         pl = self.placement(state.params, self._mask(state))
         if pl.offload is None or not pl.offload.active:
             return state
-        return state._replace(opt_state=tiered(self.optimizer, state.opt_state, pl.offload))
+        return state._replace(opt_state=tiered(self.optimizer, state.opt_state, pl.offload),
+                              params=tiered_params(state.params, pl.offload))
 
     def params(self, state: TrainState) -> Any:
         """Full (global) master parameters, on every rank; the frozen leaves marked as
@@ -598,6 +601,10 @@ class TrainStep:
         (the same on every rank): first the ranks agree on the call (settings, step count,
         batch), and, before the first step of a layout, on the collectives it will run and
         the memory it needs (a dry run); then each takes its rows."""
+        if not self.distributed:  # the forward reads parameters in files through their maps: check them first
+            off = self.placement(state.params, self._mask(state)).offload
+            if off is not None and off.params == "nvme":
+                _offload.verify(state.params)
         if self.distributed:
             _step_agree.agree(self, state, batch)
             batch = local_batch(sm, batch)

@@ -68,12 +68,16 @@ class MemoryEstimate:
     offloaded: int = 0  # optimizer moments kept in a memory tier (host memory or NVMe), not on the device
     staging: int = 0  # the offloaded update's host staging buffers (host memory)
     tier: str | None = None  # where ``offloaded`` lives: "cpu" (host memory) or "nvme" (files)
+    offloaded_params: int = 0  # master parameters kept in a memory tier (ZeRO-3 parameter offload)
+    params_tier: str | None = None  # where ``offloaded_params`` lives
 
     @property
     def host(self) -> int:
-        """Host memory the tiers take: the offloaded moments in the host tier, and the
-        update's staging buffers (where the device is the CPU, this is the same memory)."""
-        return (self.offloaded if self.tier == "cpu" else 0) + self.staging
+        """Host memory the tiers take: what is offloaded to the host tier (moments,
+        parameters), and the update's staging buffers (where the device is the CPU, this is
+        the same memory)."""
+        return ((self.offloaded if self.tier == "cpu" else 0) + self.staging
+                + (self.offloaded_params if self.params_tier == "cpu" else 0))
 
     @property
     def model_states(self) -> int:
@@ -321,8 +325,16 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
         staging = sets * width * mb * (2 + (2 if off.optimizer == "nvme" else 0))
         notes.append(f"optimizer moments offloaded ({off.describe()}): {offloaded / 2**20:,.2f} MiB off the device; "
                      f"the update's host staging buffers {staging / 2**20:,.2f} MiB")
+    off_params = 0
+    if off is not None and off.params is not None and policy.master_dtype == torch.float32:
+        off_params = sum(T.pick(master_n, mask)) * mb  # the trained (fp32) master shards
+        if off.params == "nvme":
+            staging += sets * width * mb
+        notes.append(f"master parameters offloaded: {off_params / 2**20:,.2f} MiB off the device (each block's "
+                     f"shards read back just before its gather)")
     return MemoryEstimate(
-        master=sum(master_n) * mb + frozen_bytes, compute_params=compute, grads=grad_peak, optimizer=opt_bytes,
+        master=sum(master_n) * mb + frozen_bytes - off_params, offloaded_params=off_params,
+        params_tier=off.params if off is not None else None, compute_params=compute, grads=grad_peak, optimizer=opt_bytes,
         offloaded=offloaded, staging=staging, tier=off.optimizer if off is not None else None,
         activations=activations, buffers=buffers, placed_grads=placed, notes=tuple(notes),
         params=held, update_copy=sum(master_n) * mb + opt_bytes, backward_grads=in_backward,

@@ -18,7 +18,7 @@ from fsharded.spmd import _manifest
 from fsharded.spmd._virtual import beneath
 
 __all__ = ["PureUpdate", "DonatedUpdate", "FusedUpdate", "CopiedFusedUpdate", "StackedFusedUpdate",
-           "CopiedStackedFusedUpdate", "OffloadedUpdate", "choose_update", "tiered"]
+           "CopiedStackedFusedUpdate", "OffloadedUpdate", "choose_update", "tiered", "tiered_params"]
 
 
 class PureUpdate:
@@ -173,7 +173,9 @@ class OffloadedUpdate(PureUpdate):
     for bit. The moments are updated in place in their tier (the state passed in is
     consumed); the parameters too with ``donate``, else the step returns new ones. A dry
     run leaves the state as it is: the update communicates nothing, and reading the tier
-    there would bring the state back into memory (its result is dropped anyway)."""
+    there would bring the state back into memory (its result is dropped anyway). With the
+    parameters in a tier too (``offload_params``), they are updated in place there whatever
+    ``donate`` says."""
 
     def __init__(self, optimizer: Any, eager: bool, offload: Any, donate: bool) -> None:
         super().__init__(optimizer, eager)
@@ -183,7 +185,9 @@ class OffloadedUpdate(PureUpdate):
                  ok: torch.Tensor | None = None) -> tuple[Any, Any]:
         if _manifest.dry() or _skip(ok):
             return params, opt_state
-        if not self.donate:  # new parameters (a copy of a value under the vmap levels is new beneath them)
+        if not self.donate and self.offload.params is None:
+            # New parameters (a copy of a value under the vmap levels is new beneath them);
+            # parameters in a tier are updated there, as the moments are.
             params = optree.tree_map(lambda t: t.clone(), params)
         p_leaves, p_def = optree.tree_flatten(params)
         s_leaves, s_def = optree.tree_flatten(opt_state)
@@ -203,6 +207,10 @@ class OffloadedUpdate(PureUpdate):
                 if not _offload.in_tier(m, self.offload):
                     raise RuntimeError(f"offload: the optimizer state is not in its tier "
                                        f"({self.offload.describe()}): make it with step.init(params) or step.load")
+        if self.offload.params is not None and not all(_offload.in_tier(b, self.offload, tier=self.offload.params)
+                                                       for b, _ in p_base):
+            raise RuntimeError(f"offload: the parameters are not in their tier ({self.offload.describe()}): make "
+                               f"the state with step.init(params) or step.load")
         back: list[tuple[torch.Tensor, torch.Tensor]] = []  # strided leaves, updated in contiguous copies
         flat_p = []
         for b, _ in p_base:
@@ -258,6 +266,15 @@ def tiered(optimizer: Any, opt_state: Any, offload: Any) -> Any:
     out = list(opt_state)
     out[form.moments] = moments._replace(**placed)
     return tuple(out) if type(opt_state) is tuple else type(opt_state)(*out)
+
+
+def tiered_params(params: Any, offload: Any) -> Any:
+    """``params`` (the master weights) with their fp32 leaves in ``offload``'s parameter
+    tier (``parallel.offload.place_params``); unchanged without one."""
+    if offload is None or offload.params is None:
+        return params
+    leaves, tdef = optree.tree_flatten(params)
+    return optree.tree_unflatten(tdef, _offload.place_params(leaves, offload))
 
 
 def choose_update(optimizer: Any, *, donate: bool, eager: bool, params: Any, offload: Any = None) -> PureUpdate:

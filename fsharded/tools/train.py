@@ -658,6 +658,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
               f"batch {global_batch}x{mcfg.seq_len}, {cfg.steps} steps, {cfg.precision}"
               + (f", ZeRO-{cfg.zero_stage}" if cfg.zero_stage else "")
               + (f", optimizer state offloaded to {cfg.offload.optimizer}" if cfg.offload.active else "")
+              + (f", parameters offloaded to {cfg.offload.params}" if cfg.offload.params != "none" else "")
               + (f", remat {cfg.remat.policy}" if cfg.remat.policy != "none" else "")
               + seq.describe()
               + (f", pipeline {cfg.pipeline.schedule} with {cfg.grad_accum_steps} micro-batches" if piped else "")
