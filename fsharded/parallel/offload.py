@@ -49,7 +49,7 @@ import torch
 
 from fsharded.kernels import aio
 
-__all__ = ["Offload", "TIERS", "place", "place_params", "in_tier", "fetch", "verify", "stream_update", "nvme_files"]
+__all__ = ["Offload", "TIERS", "place", "place_params", "in_tier", "fetch", "Reading", "verify", "stream_update", "nvme_files"]
 
 TIERS = ("cpu", "nvme")
 
@@ -263,22 +263,57 @@ def in_tier(t: torch.Tensor, offload: Offload, *, tier: str | None = None) -> bo
     return t.device.type == "cpu"
 
 
+class Reading:
+    """Reads of the NVMe-tier tensors among ``tensors`` posted now (``aio``'s threads do
+    them while the caller computes), finished by ``wait()``: every tensor's values in
+    memory, checked against the checksums the tier wrote; a tensor of no NVMe tier as it
+    is. Wait for every ``Reading`` once (its buffers are written until then)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = list(tensors)
+        self.posted: list[tuple[torch.Tensor, _Leaf, list] | None] = []
+        for t in self.tensors:
+            leaf = _leaf_of(t) if isinstance(t, torch.Tensor) and t.device.type == "cpu" else None
+            if leaf is None:
+                self.posted.append(None)
+                continue
+            buf = aio.aligned_empty(aio.padded(leaf.numel * leaf.itemsize))
+            reads = []
+            for k in range(len(leaf.crcs)):
+                lo, hi = k * leaf.piece, min(leaf.numel, (k + 1) * leaf.piece)
+                reads.append(leaf.file.read(lo * leaf.itemsize, buf[lo * leaf.itemsize:], (hi - lo) * leaf.itemsize))
+            self.posted.append((buf, leaf, reads))
+
+    def wait(self) -> list[torch.Tensor]:
+        out = []
+        for t, p in zip(self.tensors, self.posted):
+            if p is None:
+                out.append(t)
+                continue
+            buf, leaf, reads = p
+            crcs = [r.wait() for r in reads]  # every request waited for, before any error
+            for k, crc in enumerate(crcs):
+                _verify(leaf, k, crc)
+            out.append(buf[: leaf.numel * leaf.itemsize].view(t.dtype).view(t.shape))
+        self.posted = [None] * len(self.tensors)
+        return out
+
+    def __del__(self) -> None:  # never let a read land in a freed buffer
+        for p in getattr(self, "posted", ()):
+            if p is not None:
+                for r in p[2]:
+                    try:
+                        r.wait()
+                    except Exception:  # noqa: BLE001 (an error of a read nobody took)
+                        pass
+
+
 def fetch(t: torch.Tensor) -> torch.Tensor:
     """The values of ``t`` in memory: for a tensor of an NVMe tier, a new tensor read from
     its file through ``aio`` (not through its memory map, so the file's pages do not come
     into this process's memory) and checked against the checksums the tier wrote; any
     other tensor as it is."""
-    leaf = _leaf_of(t) if isinstance(t, torch.Tensor) and t.device.type == "cpu" else None
-    if leaf is None:
-        return t
-    buf = aio.aligned_empty(aio.padded(leaf.numel * leaf.itemsize))
-    reads = []
-    for k in range(len(leaf.crcs)):
-        lo, hi = k * leaf.piece, min(leaf.numel, (k + 1) * leaf.piece)
-        reads.append(leaf.file.read(lo * leaf.itemsize, buf[lo * leaf.itemsize:], (hi - lo) * leaf.itemsize))
-    for k, r in enumerate(reads):
-        _verify(leaf, k, r.wait())
-    return buf[: leaf.numel * leaf.itemsize].view(t.dtype).view(t.shape)
+    return Reading([t]).wait()[0]
 
 
 def verify(tree: Any) -> None:

@@ -37,7 +37,8 @@ class PendingGather:
     """An all-gather issued without waiting (ZeRO-3 prefetch on real ranks): ``wait()``
     gives the gathered leaves. Not differentiable: for forward passes under no_grad."""
 
-    def __init__(self, leaves: list, from_specs: list, to_specs: list, axis: str, mesh: Mesh) -> None:
+    def __init__(self, leaves: list, from_specs: list, to_specs: list, axis: str, mesh: Mesh,
+                 reading: offload.Reading | None = None) -> None:
         self.leaves, self.n = [x.detach() for x in leaves], mesh.shape[axis]
         leaves = self.leaves
         self.dims = [split_dim(f, t, axis) if axis in f.axes and axis not in t.axes else None
@@ -46,10 +47,15 @@ class PendingGather:
         self.moving = moving
         self.work = None
         if not moving or self.n == 1:  # nothing to gather: the shards are the whole weights
+            if reading is not None:
+                reading.wait()
             return
         g = comm.axis_group(mesh, (axis,))
         with torch.no_grad():
-            src = [offload.fetch(leaves[i]) for i in moving]  # a shard in an NVMe tier: read from its file
+            # A shard in an NVMe tier: read from its file (posted earlier by the prefetch).
+            values = (reading or offload.Reading(self.leaves)).wait()
+            src = [values[i] for i in moving]
+            del values
             flat = torch.cat([x.movedim(self.dims[i], 0).reshape(-1) for i, x in zip(moving, src)])
             del src
             out = flat.new_empty(self.n * flat.numel())
@@ -226,20 +232,36 @@ class Prefetch:
         self.specs_of, self.axis, self.mesh = specs_of, axis, mesh
         self.pending: dict[int, Any] = {}
         self.backward: dict[int, Any] = {}
+        # Blocks whose shards live in an NVMe tier are read a block before their gather is
+        # issued (aio's threads read them while the blocks before compute).
+        self.reads: dict[int, offload.Reading] = {}
 
-    def _gather(self, i: int) -> Any:
+    def _read(self, i: int) -> None:
+        if 0 <= i < len(self.order) and i not in self.reads:
+            self.reads[i] = offload.Reading(self.order[i])
+
+    def _gather(self, i: int, ahead: int) -> Any:
         leaves = self.order[i]
         specs = [self.specs_of[id(t)] for t in leaves]
-        return PendingGather(leaves, [m for m, _ in specs], [u for _, u in specs], self.axis, self.mesh)
+        g = PendingGather(leaves, [m for m, _ in specs], [u for _, u in specs], self.axis, self.mesh,
+                          reading=self.reads.pop(i, None))
+        self._read(i + ahead)  # the block after it in this pass
+        return g
 
     def start(self, i: int) -> None:
         if 0 <= i < len(self.order) and i not in self.pending:
-            self.pending[i] = self._gather(i)
+            self.pending[i] = self._gather(i, 1)
 
     def _start_backward(self, i: int) -> None:
         if 0 <= i < len(self.order) and i not in self.backward:
-            self.backward[i] = g = self._gather(i)
+            self.backward[i] = g = self._gather(i, -1)
             track_pending(g)  # waited for when backward ends, even if no block takes it
+
+    def drain_reads(self) -> None:
+        """Wait for the reads posted and not taken (a stopped forward, the pass's end)."""
+        reads, self.reads = self.reads, {}
+        for r in reads.values():
+            r.wait()
 
     def on_backward(self, leaves: list) -> Callable[[torch.Tensor], None]:
         """A hook for a block's output: its gradient arriving means the block's backward

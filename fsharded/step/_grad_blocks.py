@@ -69,6 +69,7 @@ class BlockLoss(LocalLoss):
         if pf is not None:
             for g in (*pf.pending.values(), *pf.backward.values()):
                 g.wait()
+            pf.drain_reads()
 
     def backward_ctx(self) -> Any:
         """Real ranks: the block's reduce-scatters are issued without waiting in backward
