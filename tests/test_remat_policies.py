@@ -207,3 +207,31 @@ def test_fsharded_train_runs_a_deepspeed_activation_checkpointing_config(tmp_pat
                        "--set", "remat.policy=blocks:2"])
     out, err = capsys.readouterr()
     assert code == 0 and "remat blocks:2" in out.splitlines()[0], err
+
+
+def test_a_remat_budget_picks_the_least_recomputation_that_fits():
+    params = gpt.init(R.CONFIG, 0)
+    batch = R.batches(1, rows=16)[0]
+    mesh, opt = fs.Mesh({"data": 1}), fs.optim.adamw(1e-3)
+    specs = fs.parallel.zero(0, min_size=16)(fs.P(), params)
+    cands = remat.Budget(1).candidates(4)  # none, 1 block, 2 blocks, all 4, all 4 with their inputs moved
+    assert [str(c) for c in cands] == ["None", "blocks:4", "blocks:3", "blocks", "blocks,offload"]
+    peaks = [fs.estimate_memory(params, specs, opt, mesh=mesh, loss=gpt.loss, batch=batch, remat=c).peak
+             for c in cands]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks), peaks
+
+    def chosen(budget):
+        step = fs.train_step(gpt.loss, opt, mesh=mesh, blocks="blocks", param_specs=specs, remat=f"budget:{budget}")
+        state, m = step(step.init(params), batch)
+        return step.remat, float(m["loss"])
+
+    for i in range(len(cands)):  # a budget just above a candidate's peak, below the one before it
+        got, loss = chosen(peaks[i] + 1)
+        assert got == cands[i], (i, got)
+    assert loss == chosen(peaks[0])[1]  # the same numbers whatever it picked
+    with pytest.raises(ValueError, match=r"no policy fits .* MiB per device; estimated peaks: none .*; blocks,offload"):
+        chosen(peaks[-1] - 1)
+    assert remat.policy("budget:2GiB") == remat.Budget(2 * 2**30) and remat.policy("budget:1.5 MB").bytes == 1_500_000
+    for bad in ("budget:", "budget:-1GB", "budget:lots", "budget:1GB,offload"):
+        with pytest.raises(ValueError, match="budget:SIZE"):
+            remat.policy(bad)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import optree
 import pytest
 import torch
 import train_cases as T
@@ -294,3 +295,24 @@ def test_gloo_zero3_one_rank_and_without_shared_memory_equal_one_device(one_devi
     monkeypatch.setenv("FSHARDED_SHM", "0")
     for res in run_on_ranks(Z.zero3_losses, 2, 2):
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(one_device["losses"][:6]), **TOL)
+
+
+def test_a_step_does_not_keep_the_parameters_it_was_built_from():
+    # The plan keeps the leaves' shapes (meta stand-ins), not their values: a step holds its
+    # plan for its life, and at ZeRO-3 the values would be a whole model per rank.
+    import gc
+    import weakref
+
+    params = gpt.init(gpt.GPTConfig.tiny(), 0)
+    plan = fs.parallel.zero(3)(fs.P(), params)
+    assert {x.device.type for x in optree.tree_leaves(plan.params)} == {"meta"}
+    step = fs.train_step(gpt.loss, fs.optim.adamw(1e-3), mesh=fs.Mesh({"data": 2}), param_specs=plan,
+                         blocks="blocks")
+    state = step.init(params)
+    leaf = weakref.ref(optree.tree_leaves(params)[0])
+    del params
+    gc.collect()
+    assert leaf() is None
+    cfg = gpt.GPTConfig.tiny()
+    state, _ = step(state, {"tokens": torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1))})
+    assert int(state.step) == 1

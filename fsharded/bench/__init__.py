@@ -94,6 +94,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             "per rank, peak RSS, losses",
         ),
         Benchmark(
+            "remat",
+            "fsharded.bench.remat",
+            "each remat policy (none, blocks:K, blocks, blocks,offload) on one device: step time and peak "
+            "activations against keeping every activation",
+        ),
+        Benchmark(
             "offload",
             "fsharded.bench.offload",
             "the optimizer state in memory, host memory and NVMe files (ZeRO-3, 2 gloo ranks) vs DeepSpeed's "

@@ -11,7 +11,9 @@ weight decay 0.01, clipping 1.0) at ZeRO-3 on the same batches, with the optimiz
 
 - in device memory: ``fs.parallel.zero(3)``;
 - in host memory: ``zero(3, offload_optimizer="cpu")``;
-- in files under ``--nvme-path``: ``zero(3, offload_optimizer="nvme", nvme_path=...)``.
+- in files under ``--nvme-path``: ``zero(3, offload_optimizer="nvme", nvme_path=...)``;
+- and with the parameters there too (ZeRO-Infinity): ``zero(3, offload_optimizer="nvme",
+  offload_params="nvme", nvme_path=...)``.
 
 DeepSpeed (when importable) runs the same model as an ``nn.Module`` whose forward is
 ``gpt.loss``, at ZeRO-3 (built under ``deepspeed.zero.Init``, each block's weights freed
@@ -22,7 +24,9 @@ the host tier moves nothing out of RAM, and what it shows is the cost of its cop
 
 Each framework runs in fresh processes of its own (``ru_maxrss`` is a per-process
 high-water mark): warm-up steps, then timed steps (the slowest rank's time per step, the
-median), and the peak RSS of the rank that needs most. The NVMe tier's bandwidth is
+median), and the peak RSS of the rank that needs most (after the warm-up, every framework's
+process hands the heap memory it freed back to the system, ``malloc_trim``, so the peak
+counts what the framework holds, not what the allocator kept). The NVMe tier's bandwidth is
 measured on the same disk in the same run: a large file written and read back by the same
 I/O pool, ``O_DIRECT``, 4 MiB requests; against it, the time our NVMe update spent moving
 the moments per step.
@@ -49,7 +53,7 @@ import torch
 
 from fsharded.bench import Qty, Report, Row, Section, add_output_args
 
-TIERS = ("none", "cpu", "nvme")
+TIERS = ("none", "cpu", "nvme", "nvme+params")
 OURS, DS = "fsharded", "DeepSpeed"
 
 
@@ -99,7 +103,9 @@ class _Ours:
         from fsharded.models import gpt
 
         params = job.params()
-        kw = {} if tier == "none" else {"offload_optimizer": tier, "nvme_path": job.nvme_path}
+        kw = {} if tier == "none" else {"offload_optimizer": tier.split("+")[0], "nvme_path": job.nvme_path}
+        if tier == "nvme+params":
+            kw["offload_params"] = "nvme"
         self.step = fs.train_step(gpt.loss, fs.optim.adamw(job.lr, weight_decay=job.wd), mesh=fs.Mesh({"data": job.ranks}),
                                   param_specs=fs.parallel.zero(3, **kw)(P(), params), clip=job.clip, donate=True,
                                   blocks="blocks")
@@ -184,6 +190,8 @@ def worker(job: Job, framework: str, tier: str) -> dict:
             finally:
                 io["s"] += time.perf_counter() - t0
                 io["bytes"] += 2 * sum(m.numel() * m.element_size() for ms in moments for m in ms)
+                if off.params == "nvme":
+                    io["bytes"] += 2 * sum(p.numel() * p.element_size() for p in params)
 
         offload.stream_update = timed
         run = _Ours(job, tier)
@@ -191,6 +199,7 @@ def worker(job: Job, framework: str, tier: str) -> dict:
     for i in range(job.warmup):
         losses.append(run(i))
     out["init_peak_kb"] = _hwm_kb()  # building the model and the state, and the first step
+    _trim()
     _reset_hwm()
     io["s"], io["bytes"] = 0.0, 0
     for i in range(job.warmup, job.warmup + job.steps):
@@ -213,6 +222,17 @@ def _hwm_kb() -> int:
     except OSError:  # pragma: no cover - not Linux
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _trim() -> None:
+    """Give the heap memory this process freed back to the system (glibc's ``malloc_trim``;
+    nothing elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        pass
 
 
 def _reset_hwm() -> None:
@@ -316,7 +336,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         ds_nvme, why = _deepspeed_nvme_ok(ext) if deepspeed else (False, "")
         for framework in (OURS, DS) if deepspeed else (OURS,):
             for tier in TIERS:
-                if framework == DS and tier == "nvme" and not ds_nvme:
+                if framework == DS and (tier == "nvme+params" or (tier == "nvme" and not ds_nvme)):
                     continue
                 _log(f"{framework}, optimizer state {tier} ...")
                 runs[(framework, tier)] = run_on_new_ranks(worker, ranks, job, framework, tier)
@@ -340,6 +360,8 @@ def _rss(runs: dict, key: tuple[str, str]) -> float:
 
 def _name(key: tuple[str, str]) -> str:
     fw, tier = key
+    if tier == "nvme+params":
+        return f"{fw}, parameters and optimizer state on NVMe"
     return f"{fw}, optimizer state " + {"none": "in memory", "cpu": "in host memory", "nvme": "on NVMe"}[tier]
 
 
@@ -360,6 +382,8 @@ def _sections(job: Job, runs: dict, size: str, disk: tuple[float, float], deepsp
                    peer="ours with the optimizer state in memory, the same step", target=1.3,
                    rows=(Row(f"{_name(o['nvme'])} vs in memory", size, _step(runs, o["nvme"]),
                              _step(runs, o["none"])),
+                         Row(f"{_name(o['nvme+params'])} vs in memory", size, _step(runs, o["nvme+params"]),
+                             _step(runs, o["none"])),
                          Row(f"{_name(o['cpu'])} vs in memory", size, _step(runs, o["cpu"]),
                              _step(runs, o["none"]))), notes=tuple(notes))]
     if d:
@@ -367,17 +391,22 @@ def _sections(job: Job, runs: dict, size: str, disk: tuple[float, float], deepsp
         out.append(Section(title=f"step time against DeepSpeed, {job.ranks} gloo ranks",
                            peer="DeepSpeed ZeRO-3 with the same offload_optimizer device", target=0.8, rows=rows))
     rss = [Qty(f"{_name(o['nvme'])} vs in memory", size, _rss(runs, o["nvme"]), _rss(runs, o["none"]), unit="B"),
+           Qty(f"{_name(o['nvme+params'])} vs in memory", size, _rss(runs, o["nvme+params"]), _rss(runs, o["none"]),
+               unit="B"),
            Qty(f"{_name(o['cpu'])} vs in memory", size, _rss(runs, o["cpu"]), _rss(runs, o["none"]), unit="B")]
     rss += [Qty(f"{_name(o[t])} vs {_name(d[t])}", size, _rss(runs, o[t]), _rss(runs, d[t]), unit="B") for t in d]
     init = "; ".join(f"{_name(k)} {max(r['init_peak_kb'] for r in runs[k]) * 1024 / 1e9:.2f} GB" for k in runs)
     out.append(Section(title="peak RSS of the rank that needs most, while training", target=0.4,
                        peer="ours in memory (first rows), DeepSpeed (the others)", rows=tuple(rss),
                        notes=("the peak resident set (VmHWM) of each rank's process over the timed steps, started "
-                              "anew after the warm-up step (the process's imports and what it keeps count; the "
-                              "peaks of building the model and the state do not); on a CPU-only machine the host "
-                              "tier stays in the same RAM",
+                              "anew after the warm-up step and malloc_trim (the process's imports and what it keeps "
+                              "count; the peaks of building the model and the state do not); on a CPU-only machine "
+                              "the host tier stays in the same RAM",
                               f"the peak up to the end of the warm-up step (building the model and the state, the "
                               f"first step): {init}")))
+    if DS in {k[0] for k in runs}:
+        out[-1] = dataclasses.replace(out[-1], notes=out[-1].notes + (
+            "DeepSpeed's offload_param (parameters on NVMe) is not run here",))
     io_s = statistics.median(r["io_s"] for r in runs[o["nvme"]])
     io_b = max(r["io_bytes"] for r in runs[o["nvme"]])
     # Every rank streams its state at once, to the same disk: the floor is the time the disk

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ from fsharded import random as R
 from fsharded.parallel.blocks import Keyed
 from fsharded.spmd import _env
 
-__all__ = ["checkpoint", "Blocks", "policy"]
+__all__ = ["checkpoint", "Blocks", "Budget", "policy", "parse_bytes"]
 
 
 class _Remat(torch.autograd.Function):
@@ -262,22 +263,75 @@ def _rematerialised(block: Callable[..., Any], offload: bool = False) -> Callabl
     return run
 
 
-def policy(spec: Any) -> Blocks | None:
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"``, ``"512 MB"``, ``"1e9"`` -> bytes (a ``ValueError`` otherwise)."""
+    t = text.strip().lower().replace(" ", "")
+    unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if t.endswith(u)), "b")
+    number = t[: len(t) - len(unit)] if t.endswith(unit) else t
+    value = float(number) * _UNITS[unit]
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"expected a positive size, got {text!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The least recomputation whose step fits ``bytes`` per device: the step picks, at its
+    first call, the first of none, one block, ... every block, every block with its input
+    offloaded (``Blocks``) whose peak ``fs.estimate_memory`` puts at or under the budget,
+    measuring the loss on that call's batch (``"budget:8GiB"``). What it changes,
+    numerically: nothing (every candidate has the numbers of none)."""
+
+    bytes: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bytes, bool) or not isinstance(self.bytes, int) or self.bytes < 1:
+            raise ValueError(f"remat.Budget: bytes must be a positive int, got {self.bytes!r}")
+
+    def __str__(self) -> str:
+        return f"budget:{self.bytes}"
+
+    def candidates(self, n_blocks: int) -> list[Blocks | None]:
+        """The policies tried, from the least recomputation to the most: none, then every
+        K-th block for K from ``n_blocks`` down to 1 (each count of recomputed blocks once),
+        then every block with its input in host memory."""
+        out: list[Blocks | None] = [None]
+        counts = set()
+        for k in range(max(n_blocks, 1), 0, -1):
+            c = -(-n_blocks // k)
+            if c not in counts:
+                counts.add(c)
+                out.append(Blocks(k))
+        return out + [Blocks(1, offload=True)]
+
+
+def policy(spec: Any) -> Blocks | Budget | None:
     """A remat policy from what a user gives: None or ``"none"`` (keep every activation),
     ``"blocks"`` (recompute every block), ``"blocks:K"`` (every K-th block), either with
-    ``",offload"`` (their inputs in host memory: ``"blocks:2,offload"``), or a ``Blocks``."""
-    if spec is None or isinstance(spec, Blocks):
+    ``",offload"`` (their inputs in host memory: ``"blocks:2,offload"``), a ``Blocks``, or a
+    memory budget the step fits (``"budget:8GiB"``, ``Budget(bytes)``)."""
+    if spec is None or isinstance(spec, (Blocks, Budget)):
         return spec
     if isinstance(spec, str):
         head, *opts = [t.strip() for t in spec.strip().lower().split(",")]
         name, _, k = head.partition(":")
         if name == "none" and not k and not opts:
             return None
+        if name == "budget" and k and not opts:
+            try:
+                return Budget(parse_bytes(k))
+            except ValueError:
+                pass
         if name == "blocks" and set(opts) <= {"offload"} and len(opts) == len(set(opts)):
             try:
                 return Blocks(int(k) if k else 1, offload=bool(opts))
             except ValueError:
                 pass
     raise ValueError(f"remat: expected None, 'none', 'blocks', 'blocks:K' (every K-th block), either with "
-                     f"',offload' (inputs kept in host memory), or fs.parallel.remat.Blocks(every=K, "
-                     f"offload=...), got {spec!r}")
+                     f"',offload' (inputs kept in host memory), fs.parallel.remat.Blocks(every=K, "
+                     f"offload=...), or 'budget:SIZE' (the least recomputation that fits SIZE per device, e.g. "
+                     f"budget:8GiB), got {spec!r}")

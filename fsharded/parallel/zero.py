@@ -157,6 +157,16 @@ class ZeroPlan:
         return pl._replace(offload=self.offload) if self.offload is not None else pl
 
 
+def _shapes_of(params: Any) -> Any:
+    def meta(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.device.type == "meta":
+            return x
+        out = torch.empty(x.shape, dtype=x.dtype, device="meta")
+        return out.requires_grad_(x.requires_grad) if out.is_floating_point() or out.is_complex() else out
+
+    return optree.tree_map(meta, params)
+
+
 def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_forward: bool | None = None,
          offload_optimizer: str | None = None, nvme_path: str | None = None, offload_params: str | None = None,
          pin_memory: bool = True, bucket_elems: int | None = None, buffer_count: int = 2):
@@ -204,7 +214,9 @@ def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_
 
     def rule(specs: Any, params: Any) -> ZeroPlan:
         _tree.broadcast_prefix(specs, params, what="param_specs")  # fail early, with paths
-        return ZeroPlan(stage, axis, specs, params, min_size,
+        # The plan needs the leaves' shapes only: it keeps meta stand-ins, not the values (a
+        # step holds its plan for its life, and the values would be a whole model per rank).
+        return ZeroPlan(stage, axis, specs, _shapes_of(params), min_size,
                         None if reshard_after_forward is None else bool(reshard_after_forward), off)
 
     return rule

@@ -35,6 +35,7 @@ from fsharded.mesh._layout import dims
 from fsharded.mesh._spec import PartitionSpec
 from fsharded.parallel import offload as _offload
 from fsharded.parallel.pipeline import Pipelined
+from fsharded.parallel.remat import Budget
 from fsharded.parallel.remat import policy as remat_policy
 from fsharded.parallel.zero import Placement, ZeroPlan
 from fsharded.precision import as_policy, cast_tree
@@ -43,7 +44,7 @@ from fsharded.spmd._transfer import backend_for, local_shards, unshard
 from fsharded.spmd.collectives import mark_varying, pmean
 from fsharded.spmd.shard_map import shard_map
 from fsharded.step import _agree as _step_agree
-from fsharded.step import _held
+from fsharded.step import _held, _remat_budget
 from fsharded.step import _memory_guard as _step_memory
 from fsharded.step import _trainable as T
 from fsharded.step._batch import _batch_axes, _count_tokens, local_batch
@@ -128,7 +129,10 @@ def train_step(
     :param trainable: which leaves train (default: the leaves' ``requires_grad``).
     :param remat: which of the model's blocks (``run_block``) are recomputed in backward
         instead of keeping their activations: ``None`` / ``"none"``, ``"blocks"`` (every
-        block), ``"blocks:K"`` (every K-th), or an ``fs.parallel.remat.Blocks``.
+        block), ``"blocks:K"`` (every K-th), either with ``",offload"`` (their inputs in host
+        memory), an ``fs.parallel.remat.Blocks``, or ``"budget:SIZE"`` (``Budget``: the least
+        recomputation whose estimated peak fits SIZE per device, chosen at the first call;
+        ``step.remat`` then holds the choice).
     :returns: a ``TrainStep``: ``init(params)``, ``step(state, batch)``, ``collectives``,
         ``save`` / ``load``.
     """
@@ -559,6 +563,8 @@ class TrainStep:
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         state = counted(state)
+        if isinstance(self.remat, Budget):  # the least recomputation that fits, chosen once
+            self.remat = _remat_budget.choose(self, state, batch)
         self._validate(state, batch)
         self.guard.before(self, state)  # the learning rates the update is about to apply
         t0 = time.perf_counter()
