@@ -238,17 +238,22 @@ def _ds_activation_checkpointing(r: _Reader, kw: dict) -> None:
 _OFFLOAD = "zero_optimization.offload_optimizer"
 
 
+def _offload_device(r: _Reader, block: str) -> str | None:
+    """An offload block's ``device`` (None: not given; a ``null`` block is read as off)."""
+    node, last = r._node(block)
+    if isinstance(node, Mapping) and last in node and node[last] is None:  # "offload_optimizer": null
+        r.used.add(block)
+    return r.get(block + ".device", str, None,
+                 ((lambda v: v.lower() in ("none", "cpu", "nvme")), "one of \"none\", \"cpu\", \"nvme\""))
+
+
 def _ds_offload(r: _Reader, kw: dict) -> None:
     """``zero_optimization.offload_optimizer`` (and DeepSpeed's older ``cpu_offload``): the
     optimizer state in host memory or on NVMe (``TrainConfig.offload``). Its performance
     knobs (``fast_init``, ``pipeline_read``/``pipeline_write``: fsharded always reads the
     next bucket while updating this one) change no number; ``ratio`` below 1 (a part of the
     state left on the device) is not supported."""
-    node, last = r._node(_OFFLOAD)
-    if isinstance(node, Mapping) and last in node and node[last] is None:  # "offload_optimizer": null
-        r.used.add(_OFFLOAD)
-    device = r.get(_OFFLOAD + ".device", str, None,
-                   ((lambda v: v.lower() in ("none", "cpu", "nvme")), "one of \"none\", \"cpu\", \"nvme\""))
+    device = _offload_device(r, _OFFLOAD)
     old = r.get("zero_optimization.cpu_offload", bool, False)
     pin = r.get(_OFFLOAD + ".pin_memory", bool, None)
     old_pin = r.get("zero_optimization.cpu_offload_use_pin_memory", bool, None)
@@ -284,11 +289,7 @@ def _ds_offload_param(r: _Reader, kw: dict) -> None:
     optimizer state offloaded too (``offload_optimizer``: the update streams both).
     ``buffer_count``, ``buffer_size`` and ``max_in_cpu`` size DeepSpeed's own buffers and
     change no number: read quietly."""
-    node, last = r._node(_PARAM)
-    if isinstance(node, Mapping) and last in node and node[last] is None:  # "offload_param": null
-        r.used.add(_PARAM)
-    device = r.get(_PARAM + ".device", str, None,
-                   ((lambda v: v.lower() in ("none", "cpu", "nvme")), "one of \"none\", \"cpu\", \"nvme\""))
+    device = _offload_device(r, _PARAM)
     old = r.get("zero_optimization.cpu_offload_params", bool, False)
     nvme = r.get(_PARAM + ".nvme_path", str | None, None)
     pin = r.get(_PARAM + ".pin_memory", bool, None)
