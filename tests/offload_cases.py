@@ -65,14 +65,18 @@ def gloo_offload(world: int) -> dict:
     return out
 
 
-def train_then_die(ckpt: str, nvme_path: str, save_at: int, die_at: int) -> None:
+def train_then_die(ckpt: str, nvme_path: str, save_at: int, die_at: int, threads: int = 0) -> None:
     """One process, NVMe tier: train, save a checkpoint after step ``save_at``, then die
     (SIGKILL) in the middle of step ``die_at``'s update, with some of its writes to the
-    state files done and others not."""
+    state files done and others not. ``threads``: the caller's intra-op threads (other
+    counts sum in other orders: the numbers compared bit for bit would differ)."""
     import os
     import signal
 
     from fsharded.kernels import aio
+
+    if threads:
+        torch.set_num_threads(threads)
 
     step, params = make_step({"data": 1}, 2, "nvme", nvme_path=nvme_path)
     state = step.init(params)

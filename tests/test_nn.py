@@ -112,7 +112,11 @@ def gloo_runs(kinds: list[str]) -> dict:
 
 
 def assert_params_close(got: dict, want: dict) -> None:
-    """Final weights within 1e-5 (measured: <= 3.2e-6 after 20 steps)."""
+    """Final weights within 2e-5. Measured after 20 steps: <= 3.2e-6 on one machine; on
+    another, one element of nanoGPT's ``h.1.attn.c_proj.weight`` 1.15e-5 apart at every
+    ZeRO stage. Its first gradient is rounding noise (-4.4e-9, against a median of 1.4e-3),
+    and Adam's first step there, lr * g / (|g| + eps), follows the noise; the next
+    largest differences are 5.1e-6 and 4.1e-6."""
     for name, p in want.items():
         g = got[name]
         if name.endswith("attn.c_attn.bias"):
@@ -122,7 +126,7 @@ def assert_params_close(got: dict, want: dict) -> None:
             # apart). Compare the query and value parts only.
             d = p.shape[0] // 3
             g, p = torch.cat([g[:d], g[2 * d:]]), torch.cat([p[:d], p[2 * d:]])
-        torch.testing.assert_close(g, p, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(g, p, rtol=0, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 _PLAIN: dict = {}

@@ -180,7 +180,8 @@ def test_a_run_killed_mid_update_loses_nothing_after_resuming_from_its_checkpoin
     ckpt, nvme = str(tmp_path / "ckpt"), str(tmp_path / "nvme")
     os.makedirs(nvme)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-    code = f"import offload_cases as O; O.train_then_die({ckpt!r}, {nvme!r}, save_at=3, die_at=5)"
+    code = (f"import offload_cases as O; O.train_then_die({ckpt!r}, {nvme!r}, save_at=3, die_at=5, "
+            f"threads={torch.get_num_threads()})")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == -9, proc.stderr[-2000:]  # killed in its update, as arranged
     b = T.batches(8)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsharded.parallel.remat import policy
+
 __all__ = ["RematConfig"]
 
 
@@ -15,15 +17,14 @@ class RematConfig:
 
     policy: str = "none"
     """``none``, ``blocks`` (every block) or ``blocks:K`` (every K-th block), either with
-    ``,offload`` (the recomputed blocks' inputs kept in host memory)."""
+    ``,offload`` (the recomputed blocks' inputs kept in host memory), or ``budget:SIZE``
+    (the least recomputation that fits SIZE per device, e.g. ``budget:8GiB``)."""
 
     def __post_init__(self) -> None:
-        from fsharded.parallel.remat import policy
-
         try:
             if not isinstance(self.policy, str):
                 raise ValueError(self.policy)
             policy(self.policy)
         except ValueError:
             raise ValueError(f"invalid RematConfig:\n  remat.policy: expected none, blocks or blocks:K (every K-th "
-                             f"block), either with ,offload, got {self.policy!r}") from None
+                             f"block), either with ,offload, or budget:SIZE, got {self.policy!r}") from None
