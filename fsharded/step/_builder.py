@@ -607,10 +607,9 @@ class TrainStep:
         (the same on every rank): first the ranks agree on the call (settings, step count,
         batch), and, before the first step of a layout, on the collectives it will run and
         the memory it needs (a dry run); then each takes its rows."""
-        if not self.distributed:  # the forward reads parameters in files through their maps: check them first
-            off = self.placement(state.params, self._mask(state)).offload
-            if off is not None and off.params == "nvme":
-                _offload.verify(state.params)
+        off = getattr(self.param_specs, "offload", None)  # (a ZeRO plan's or a placement's)
+        if not self.distributed and off is not None and off.params == "nvme":
+            _offload.verify(state.params)  # the forward reads the files through their maps: check them first
         if self.distributed:
             _step_agree.agree(self, state, batch)
             batch = local_batch(sm, batch)
