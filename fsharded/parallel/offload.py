@@ -272,6 +272,9 @@ class Reading:
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.tensors = list(tensors)
         self.posted: list[tuple[torch.Tensor, _Leaf, list] | None] = []
+        if not _DIRS:  # no NVMe tier in this process: nothing to read
+            self.posted = [None] * len(self.tensors)
+            return
         for t in self.tensors:
             leaf = _leaf_of(t) if isinstance(t, torch.Tensor) and t.device.type == "cpu" else None
             if leaf is None:
