@@ -44,6 +44,30 @@ def activations(mesh: dict, stage: int, remat, categories=("activations",)) -> i
     return mem.peak_of(categories)
 
 
+def replays(mesh: dict, stage: int, remat) -> dict:
+    """Over one step, how many outputs a selective remat kept in forward, and how many of
+    them its recomputations took (hits) or ran again (misses)."""
+    from fsharded.parallel import remat as RM
+
+    made: list = []
+    kept_init = RM._Kept.__init__
+
+    def init(self, ops):
+        kept_init(self, ops)
+        made.append(self)
+
+    params = gpt.init(CONFIG, 0)
+    step = fs.train_step(gpt.loss, fs.optim.adamw(1e-3), mesh=fs.Mesh(mesh), blocks="blocks", remat=remat,
+                         param_specs=fs.parallel.zero(stage, min_size=16)(P(), params))
+    state = step.init(params)
+    RM._Kept.__init__ = init
+    try:
+        step(state, batches(1)[0])
+    finally:
+        RM._Kept.__init__ = kept_init
+    return {k: sum(getattr(m, k) for m in made) for k in ("recorded", "hits", "misses")}
+
+
 def run_hf_gpt2(mesh: dict, stage: int, remat, steps: int = 3) -> dict:
     """A Hugging Face GPT-2 built from a config (dropout 0.1 in train mode) through
     fs.nn.functional: the recomputed blocks draw the forward's dropout masks."""
@@ -73,4 +97,4 @@ def gloo_remat(world: int) -> dict:
     """On real ranks (ZeRO-3's prefetch and saved-tensor hooks around the recomputed
     blocks): every policy against none."""
     return {(stage, remat): run_gpt({"data": world}, stage, remat) for stage in (0, 3)
-            for remat in (None, "blocks", "blocks:2", "blocks:2,offload")}
+            for remat in (None, "blocks", "blocks:2", "blocks:2,offload", "blocks,dots")}

@@ -22,7 +22,8 @@ def _same(a: dict, b: dict, tol: dict = TOL) -> None:
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-@pytest.mark.parametrize("policy", ["blocks", "blocks:2", remat.Blocks(every=3), "blocks,offload"])
+@pytest.mark.parametrize("policy", ["blocks", "blocks:2", remat.Blocks(every=3), "blocks,offload", "blocks,dots",
+                                    "blocks:2,dots,offload"])
 def test_a_policy_gives_the_numbers_of_keeping_every_activation(stage, policy):
     _same(R.run_gpt({"data": 2}, stage, policy), R.run_gpt({"data": 2}, stage, None))
 
@@ -49,6 +50,49 @@ def test_the_memory_tracker_sees_what_each_policy_keeps():
     assert z3["blocks"] < z3[None] and z3["blocks:2"] == z3[None]
 
 
+def test_selective_remat_keeps_the_products_and_recomputes_the_rest():
+    act = {p: R.activations({"data": 1}, 0, p) for p in (None, "blocks,dots", "blocks")}
+    # It keeps the matrix products' outputs: less than every activation, more than inputs.
+    assert act["blocks"] < act["blocks,dots"] < act[None], act
+    # The recomputation takes every product it kept (none recomputed, none run twice),
+    # through the torch.func transforms and the virtual mesh's vmap.
+    count = R.replays({"data": 2}, 0, "blocks,dots")
+    assert count["misses"] == 0 and count["hits"] == count["recorded"] > 0, count
+    # ZeRO-3 on the virtual mesh recomputes its blocks to gather their weights again: with
+    # the policy it keeps their products too (more memory than its full recomputation).
+    z3 = R.replays({"data": 2}, 3, "blocks,dots")
+    assert z3["misses"] == 0 and z3["hits"] == z3["recorded"] == count["recorded"], (z3, count)
+    assert R.activations({"data": 2}, 3, "blocks,dots") > R.activations({"data": 2}, 3, None)
+    # An HF GPT-2 with dropout: the same numbers as none.
+    _same(R.run_hf_gpt2({"data": 2}, 0, "selective"), R.run_hf_gpt2({"data": 2}, 0, None))
+
+
+def test_checkpoint_replays_the_products_it_kept():
+    w = [torch.randn(32, 32, requires_grad=True) for _ in range(3)]
+    x0 = torch.randn(4, 8, 32, requires_grad=True)
+
+    def run(save):
+        x = x0
+        for wi in w:
+            x = remat.checkpoint(lambda a, b: torch.nn.functional.gelu(torch.tanh(a @ b) @ b.T), save=save)(x, wi)
+        return torch.autograd.grad(x.square().sum(), [x0, *w])
+
+    for a, b in zip(run("dots"), run(None), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    def live(save):
+        with fs.memory.track() as mem:
+            x = x0
+            for wi in w:
+                x = remat.checkpoint(lambda a, b: torch.tanh(a @ b) @ b.T, save=save)(x, wi)
+            return mem.live_bytes()["activations"]
+
+    one = 4 * 8 * 32 * 4
+    # Kept: each block's two products (the second is its output); the tanh between is not.
+    assert live("dots") == 6 * one and live(None) == 3 * one
+    with pytest.raises(ValueError, match="save must be"):
+        remat.checkpoint(lambda a: a, save="matmuls")
+
+
 def test_offloaded_block_inputs_leave_the_device_activations():
     # The tiny GPT's block input is 16 rows x 16 positions x 16 features in fp32: 16 kB,
     # four blocks. With offload every one of them is a host copy between forward and
@@ -73,7 +117,7 @@ def test_estimate_memory_counts_the_activations_a_policy_keeps():
     params = gpt.init(R.CONFIG, 0)
     batch = R.batches(1, rows=16)[0]
     specs = fs.parallel.zero(0, min_size=16)(fs.P(), params)
-    for policy in (None, "blocks:2", "blocks", "blocks,offload"):
+    for policy in (None, "blocks:2", "blocks", "blocks,offload", "blocks,dots"):
         est = fs.estimate_memory(params, specs, fs.optim.adamw(1e-3), mesh=fs.Mesh({"data": 1}), loss=gpt.loss,
                                  batch=batch, remat=policy)
         measured = R.activations({"data": 1}, 0, policy)  # in the step, by the memory tracker
@@ -112,7 +156,7 @@ def test_policies_on_two_gloo_ranks_give_the_numbers_of_none():
 
     for res in run_on_ranks(R.gloo_remat, 2, 2):
         for stage in (0, 3):
-            for policy in ("blocks", "blocks:2", "blocks:2,offload"):
+            for policy in ("blocks", "blocks:2", "blocks:2,offload", "blocks,dots"):
                 _same(res[(stage, policy)], res[(stage, None)])
     # And as the virtual mesh computes them.
     _same(res[(3, "blocks")], R.run_gpt({"data": 2}, 3, "blocks"), ACROSS)
@@ -120,7 +164,8 @@ def test_policies_on_two_gloo_ranks_give_the_numbers_of_none():
 
 def test_bad_policies_are_refused_by_name():
     params = gpt.init(R.CONFIG, 0)
-    for bad in ("every", "blocks:0", "blocks:x", 3, remat, "blocks,cpu", "blocks,offload,offload", "none,offload"):
+    for bad in ("every", "blocks:0", "blocks:x", 3, remat, "blocks,cpu", "blocks,offload,offload", "none,offload",
+                "blocks,dots,dots", "selective:2"):
         with pytest.raises(ValueError, match="remat"):
             fs.train_step(gpt.loss, fs.optim.adamw(1e-3), remat=bad)
     with pytest.raises(ValueError, match="every must be an int >= 1"):
@@ -135,6 +180,8 @@ def test_bad_policies_are_refused_by_name():
         step(step.init(params), R.batches(1)[0])
     assert str(remat.policy("blocks:2")) == "blocks:2" and remat.policy("none") is None
     assert remat.policy(" Blocks:2, offload") == remat.Blocks(2, offload=True)
+    assert remat.policy("blocks:2,offload,dots") == remat.Blocks(2, offload=True, save="dots")
+    assert remat.policy("selective") == remat.Blocks(save="dots") and str(remat.Blocks(save="dots")) == "blocks,dots"
     assert str(remat.Blocks(2, offload=True)) == "blocks:2,offload"
     with pytest.raises(ValueError, match="offload must be a bool"):
         remat.Blocks(offload="cpu")
@@ -214,20 +261,22 @@ def test_a_remat_budget_picks_the_least_recomputation_that_fits():
     batch = R.batches(1, rows=16)[0]
     mesh, opt = fs.Mesh({"data": 1}), fs.optim.adamw(1e-3)
     specs = fs.parallel.zero(0, min_size=16)(fs.P(), params)
-    cands = remat.Budget(1).candidates(4)  # none, 1 block, 2 blocks, all 4, all 4 with their inputs moved
-    assert [str(c) for c in cands] == ["None", "blocks:4", "blocks:3", "blocks", "blocks,offload"]
+    # none, all 4 selectively, 1 block, 2 blocks, all 4, all 4 with their inputs moved
+    cands = remat.Budget(1).candidates(4)
+    assert [str(c) for c in cands] == ["None", "blocks,dots", "blocks:4", "blocks:3", "blocks", "blocks,offload"]
     peaks = [fs.estimate_memory(params, specs, opt, mesh=mesh, loss=gpt.loss, batch=batch, remat=c).peak
              for c in cands]
-    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks), peaks
+    # Each whole-block count keeps less than the one before; selective keeps less than none.
+    assert peaks[2:] == sorted(peaks[2:], reverse=True) and len(set(peaks[2:])) == 4 and peaks[1] < peaks[0], peaks
 
     def chosen(budget):
         step = fs.train_step(gpt.loss, opt, mesh=mesh, blocks="blocks", param_specs=specs, remat=f"budget:{budget}")
         state, m = step(step.init(params), batch)
         return step.remat, float(m["loss"])
 
-    for i in range(len(cands)):  # a budget just above a candidate's peak, below the one before it
+    for i in range(len(cands)):  # a budget just above a candidate's peak: the first that fits
         got, loss = chosen(peaks[i] + 1)
-        assert got == cands[i], (i, got)
+        assert got == cands[next(j for j, p in enumerate(peaks) if p <= peaks[i] + 1)], (i, got)
     assert loss == chosen(peaks[0])[1]  # the same numbers whatever it picked
     with pytest.raises(ValueError, match=r"no policy fits .* MiB per device; estimated peaks: none .*; blocks,offload"):
         chosen(peaks[-1] - 1)

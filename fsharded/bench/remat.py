@@ -6,9 +6,10 @@ recomputation costs.
 
 One process, one device (``data=1``), fp32, AdamW (donated), ``torch.get_num_threads()``
 threads. The same GPT trains on the same batch under each policy of
-``train_step(remat=...)``: none, ``blocks:4`` (2 of the 8 blocks recomputed), ``blocks:2``
-(4), ``blocks`` (all 8) and ``blocks,offload`` (all 8, their inputs copied to host memory
-between forward and backward). The peer of every row is the same step keeping every
+``train_step(remat=...)``: none, ``blocks,dots`` (all 8 selectively: their matrix
+products kept, the element-wise ops recomputed), ``blocks:4`` (2 of the 8 blocks
+recomputed), ``blocks:2`` (4), ``blocks`` (all 8) and ``blocks,offload`` (all 8, their
+inputs copied to host memory between forward and backward). The peer of every row is the same step keeping every
 activation (``remat=None``):
 
 - time: the median step time over rounds, the policies timed once per round in an order
@@ -31,7 +32,7 @@ import torch
 
 from fsharded.bench import Qty, Report, Row, Section, add_output_args
 
-POLICIES = ("none", "blocks:4", "blocks:2", "blocks", "blocks,offload")
+POLICIES = ("none", "blocks,dots", "blocks:4", "blocks:2", "blocks", "blocks,offload")
 
 
 def _log(msg: str) -> None:

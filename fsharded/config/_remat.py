@@ -17,8 +17,10 @@ class RematConfig:
 
     policy: str = "none"
     """``none``, ``blocks`` (every block) or ``blocks:K`` (every K-th block), either with
-    ``,offload`` (the recomputed blocks' inputs kept in host memory), or ``budget:SIZE``
-    (the least recomputation that fits SIZE per device, e.g. ``budget:8GiB``)."""
+    ``,dots`` (selective: the matrix products' outputs kept, only the element-wise ops
+    recomputed; ``selective`` is ``blocks,dots``) and/or ``,offload`` (the recomputed
+    blocks' inputs kept in host memory), or ``budget:SIZE`` (the least recomputation that
+    fits SIZE per device, e.g. ``budget:8GiB``)."""
 
     def __post_init__(self) -> None:
         try:
@@ -27,4 +29,4 @@ class RematConfig:
             policy(self.policy)
         except ValueError:
             raise ValueError(f"invalid RematConfig:\n  remat.policy: expected none, blocks or blocks:K (every K-th "
-                             f"block), either with ,offload, or budget:SIZE, got {self.policy!r}") from None
+                             f"block), either with ,dots and/or ,offload, selective, or budget:SIZE, got {self.policy!r}") from None

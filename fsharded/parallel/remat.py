@@ -18,11 +18,17 @@ virtual mesh by vmap and would draw differently on a rank: use a scope).
 A policy (``Blocks``) applies it to a model's blocks in a training step
 (``train_step(..., remat="blocks")``): every block, or every k-th, runs through
 ``checkpoint``, so only its inputs are kept between forward and backward.
+
+Selective remat (``save="dots"``, JAX's ``checkpoint_policies.dots_saveable``, torch's
+selective activation checkpointing): the outputs of the matrix products are kept too, and
+the recomputation takes them instead of multiplying again, so backward re-runs only the
+cheap element-wise ops (norms, activations, residual adds).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import math
 from collections.abc import Callable
@@ -31,34 +37,36 @@ from typing import Any
 
 import optree
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsharded import _memory_hooks
 from fsharded import random as R
 from fsharded.parallel.blocks import Keyed
 from fsharded.spmd import _env
 
-__all__ = ["checkpoint", "Blocks", "Budget", "policy", "parse_bytes"]
+__all__ = ["checkpoint", "Blocks", "Budget", "policy", "parse_bytes", "SAVEABLE"]
 
 
 class _Remat(torch.autograd.Function):
     generate_vmap_rule = True
     vma_typed = True  # inside a shard_map body, its insides are typed (see _typed)
 
-    # apply(fn, rng, moved, *args, *copies): ``moved`` names the arguments kept in host
-    # memory between forward and backward (``copies``, one per name, made by the caller).
+    # apply(fn, rng, moved, kept, *args, *copies): ``moved`` names the arguments kept in
+    # host memory between forward and backward (``copies``, one per name, made by the
+    # caller); ``kept`` (a ``_Kept`` or None) holds the saved op outputs (selective remat).
 
     @staticmethod
-    def forward(fn, rng, moved, *tensors):
+    def forward(fn, rng, moved, kept, *tensors):
         args = tensors[:len(tensors) - len(moved)]
-        with torch.no_grad(), _keyed(rng):
+        with torch.no_grad(), _keyed(rng), (kept.recording() if kept is not None else contextlib.nullcontext()):
             return _typed(fn, args, None)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        fn, rng, moved, *tensors = inputs
+        fn, rng, moved, kept, *tensors = inputs
         n = len(tensors) - len(moved)
         args, copies = tensors[:n], dict(zip(moved, tensors[n:]))
-        ctx.fn, ctx.keyed, ctx.n = fn, rng is not None, n
+        ctx.fn, ctx.keyed, ctx.n, ctx.kept = fn, rng is not None, n, kept
         ctx.moved = {i: args[i].device for i in moved}  # where each goes back to
         mode = _mode()
         ctx.types = [mode.get(a) for a in args] if mode is not None else None
@@ -75,15 +83,17 @@ class _Remat(torch.autograd.Function):
         extra = (None,) * len(ctx.moved)  # the copies get no gradient
         # Differentiate only the floating inputs autograd wants a gradient for: integer
         # inputs (positions, masks) and constants ride along as they are.
-        want = [i for i, a in enumerate(args) if ctx.needs_input_grad[3 + i] and a.is_floating_point()]
+        want = [i for i, a in enumerate(args) if ctx.needs_input_grad[4 + i] and a.is_floating_point()]
         if not want:
-            return (None, None, None, *(None for _ in args), *extra)
+            return (None, None, None, None, *(None for _ in args), *extra)
+        kept, ctx.kept = ctx.kept, None  # taken once: a second backward recomputes all
 
         def f(*diff):
             full = list(args)
             for i, d in zip(want, diff):
                 full[i] = d
-            return _run_keyed(ctx.fn, rng, tuple(full), ctx.types)
+            with kept.replaying() if kept is not None else contextlib.nullcontext():
+                return _run_keyed(ctx.fn, rng, tuple(full), ctx.types)
 
         def dot(*diff):  # <f(diff), g>: its gradient is f's vjp with g (summed over outputs)
             outs = f(*diff)
@@ -100,7 +110,82 @@ class _Remat(torch.autograd.Function):
         # itself outlives it (one would keep the recomputed activations until backward ends).
         grads = torch.func.grad(dot, argnums=tuple(range(len(want))))(*(args[i] for i in want))
         grads = dict(zip(want, grads))
-        return (None, None, None, *(grads.get(i) for i in range(len(args))), *extra)
+        return (None, None, None, None, *(grads.get(i) for i in range(len(args))), *extra)
+
+
+SAVEABLE: dict[str, frozenset] = {
+    # JAX's dots_saveable: the matrix products (what ``matmul``, ``linear`` and ``einsum``
+    # become below autograd), batched or not.
+    "dots": frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                       torch.ops.aten.baddbmm.default}),
+}
+"""The op sets a selective remat can keep, by the name ``checkpoint(save=...)`` takes."""
+
+
+class _Kept:
+    """The outputs of one remat's saveable ops, in the order its forward ran them, and the
+    recomputation's use of them: each saveable op there takes the next kept output of the
+    same op, shapes and dtype instead of running. The recomputation runs the forward's ops
+    in the forward's order (the same function on the same inputs); should it not, the
+    first op that differs ends the replay and every op from there runs (``misses``), so a
+    divergence costs time, not numbers. The ops sit below autograd and the torch.func
+    transforms (a dispatch mode), so the recomputation still records each product's
+    backward, which needs its inputs, not its output."""
+
+    def __init__(self, ops: frozenset) -> None:
+        self.ops, self.outs = ops, []
+        self.recorded = self.hits = self.misses = 0  # outputs kept; taken, run again in recomputation
+
+    def recording(self) -> Any:
+        return _KeepMode(self, replay=False)
+
+    def replaying(self) -> Any:
+        return _KeepMode(self, replay=True)
+
+
+def _signature(func: Any, args: tuple) -> tuple:
+    return (func, tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in args))
+
+
+class _KeepMode(TorchDispatchMode):
+    def __init__(self, kept: _Kept, replay: bool) -> None:
+        super().__init__()
+        self.kept, self.replay = kept, replay
+        self.queue = list(reversed(kept.outs)) if replay else None
+        if replay:
+            kept.outs = []  # each kept output leaves with its use (freed as backward goes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kept = self.kept
+        if func not in kept.ops:
+            return func(*args, **kwargs)
+        sig = _signature(func, args)
+        if not self.replay:
+            out = func(*args, **kwargs)
+            kept.outs.append((sig, out))
+            kept.recorded += 1
+            return out
+        if self.queue and self.queue[-1][0] == sig:
+            kept.hits += 1
+            return self.queue.pop()[1]
+        kept.misses += 1
+        self.queue = []  # out of step with the forward: run everything from here
+        return func(*args, **kwargs)
+
+
+_SAVE: contextvars.ContextVar[frozenset | None] = contextvars.ContextVar("fsharded_remat_save", default=None)
+_INHERIT: Any = object()
+
+
+def _save_ops(save: Any) -> frozenset | None:
+    if save is _INHERIT:
+        return _SAVE.get()
+    if save is None:
+        return None
+    if isinstance(save, str) and save in SAVEABLE:
+        return SAVEABLE[save]
+    raise ValueError(f"remat: save must be None or one of {sorted(SAVEABLE)}, got {save!r}")
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -156,7 +241,8 @@ def _run_keyed(fn: Callable, rng: torch.Tensor | None, args: tuple, types: list 
 
 
 def checkpoint(fn: Callable[..., Any], *, key: torch.Tensor | None = None,
-               offload: Callable[[int, torch.Tensor], bool] | bool = False) -> Callable[..., Any]:
+               offload: Callable[[int, torch.Tensor], bool] | bool = False,
+               save: str | None = _INHERIT) -> Callable[..., Any]:
     """``fn`` (tensors in; a tensor or a pytree of tensors out, e.g. a block's ``(x, aux)``)
     recomputed in backward instead of stored.
 
@@ -168,7 +254,14 @@ def checkpoint(fn: Callable[..., Any], *, key: torch.Tensor | None = None,
     argument's position and value) in host memory between forward and backward, as
     DeepSpeed's ``cpu_checkpointing`` does: a copy is made in forward, the argument itself
     is not kept, and backward copies it back before recomputing. The numbers do not change
-    (the copies are exact)."""
+    (the copies are exact).
+
+    ``save``: keep the outputs of these ops as well (``"dots"``: the matrix products, see
+    ``SAVEABLE``), so backward recomputes only the ops between them. The same numbers: a
+    kept output is the value the recomputation would compute. Not given: what the
+    enclosing ``Blocks`` policy says (a block another handler recomputes, as ZeRO-3 does
+    to gather its weights again, follows the step's policy); None: keep nothing."""
+    ops = _save_ops(save)
 
     def wrapped(*args: torch.Tensor) -> Any:
         bad = [type(a).__name__ for a in args if not isinstance(a, torch.Tensor)]
@@ -191,7 +284,8 @@ def checkpoint(fn: Callable[..., Any], *, key: torch.Tensor | None = None,
             shape[:] = [tdef]
             return tuple(leaves)
 
-        out = _Remat.apply(flat, key if key is not None else R.fork(), moved, *args, *copies)
+        kept = _Kept(ops) if ops else None
+        out = _Remat.apply(flat, key if key is not None else R.fork(), moved, kept, *args, *copies)
         return optree.tree_unflatten(shape[0], list(out)) if shape else out
 
     return wrapped
@@ -214,14 +308,23 @@ class Blocks:
     (DeepSpeed's ``cpu_checkpointing``; ``"blocks,offload"``): copied out in forward, back
     before the block runs again. The same numbers; device memory holds no block input."""
 
+    save: str | None = None
+    """Selective remat (``"blocks,dots"``): keep the outputs of these ops too (``"dots"``:
+    the matrix products, JAX's ``dots_saveable``), so backward recomputes only the
+    element-wise ops between them. The same numbers; more memory than recomputing all of a
+    block, far less time."""
+
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"remat.Blocks: every must be an int >= 1, got {self.every!r}")
         if not isinstance(self.offload, bool):
             raise ValueError(f"remat.Blocks: offload must be a bool, got {self.offload!r}")
+        if self.save is not None and self.save not in SAVEABLE:
+            raise ValueError(f"remat.Blocks: save must be None or one of {sorted(SAVEABLE)}, got {self.save!r}")
 
     def __str__(self) -> str:
-        return ("blocks" if self.every == 1 else f"blocks:{self.every}") + (",offload" if self.offload else "")
+        return (("blocks" if self.every == 1 else f"blocks:{self.every}") + (f",{self.save}" if self.save else "")
+                + (",offload" if self.offload else ""))
 
     def handler(self, inner: Callable[..., Any] | None = None,
                 done: Callable[[Any], bool] | None = None) -> Callable[..., Any]:
@@ -231,14 +334,23 @@ class Blocks:
         count = itertools.count()
 
         def handle(block: Callable[..., Any], params: Any, *args: Any, **kw: Any) -> Any:
-            if next(count) % self.every == 0 and not (done is not None and done(params)):
-                block = _rematerialised(block, self.offload)
-            return inner(block, params, *args, **kw) if inner is not None else block(params, *args, **kw)
+            chosen = next(count) % self.every == 0
+            recomputed = done is not None and done(params)
+            if chosen and not recomputed:
+                block = _rematerialised(block, self.offload, self.save)
+            if inner is None:
+                return block(params, *args, **kw)
+            # A chosen block ``inner`` recomputes itself keeps what this policy keeps.
+            tok = _SAVE.set(SAVEABLE[self.save] if chosen and recomputed and self.save else None)
+            try:
+                return inner(block, params, *args, **kw)
+            finally:
+                _SAVE.reset(tok)
 
         return handle
 
 
-def _rematerialised(block: Callable[..., Any], offload: bool = False) -> Callable[..., Any]:
+def _rematerialised(block: Callable[..., Any], offload: bool = False, save: str | None = None) -> Callable[..., Any]:
     """``block(params, *args, **kw)`` through ``checkpoint``: its parameters and tensor
     arguments are the inputs kept (``offload``: its tensor arguments, not its parameters,
     in host memory); a keyed block's key goes in too."""
@@ -258,7 +370,7 @@ def _rematerialised(block: Callable[..., Any], offload: bool = False) -> Callabl
             return plain(optree.tree_unflatten(pdef, list(tensors[:n])), *a, **k)
 
         moved = (lambda i, _a: i >= n) if offload else False
-        return checkpoint(f, key=key, offload=moved)(*leaves, *(e for e, t in zip(extra, is_t) if t))
+        return checkpoint(f, key=key, offload=moved, save=save)(*leaves, *(e for e, t in zip(extra, is_t) if t))
 
     return run
 
@@ -281,8 +393,8 @@ def parse_bytes(text: str) -> int:
 @dataclass(frozen=True)
 class Budget:
     """The least recomputation whose step fits ``bytes`` per device: the step picks, at its
-    first call, the first of none, one block, ... every block, every block with its input
-    offloaded (``Blocks``) whose peak ``fs.estimate_memory`` puts at or under the budget,
+    first call, the first of none, every block selectively (its matrix products kept), one
+    block, ... every block, every block with its input offloaded (``Blocks``) whose peak ``fs.estimate_memory`` puts at or under the budget,
     measuring the loss on that call's batch (``"budget:8GiB"``). What it changes,
     numerically: nothing (every candidate has the numbers of none)."""
 
@@ -296,10 +408,11 @@ class Budget:
         return f"budget:{self.bytes}"
 
     def candidates(self, n_blocks: int) -> list[Blocks | None]:
-        """The policies tried, from the least recomputation to the most: none, then every
-        K-th block for K from ``n_blocks`` down to 1 (each count of recomputed blocks once),
-        then every block with its input in host memory."""
-        out: list[Blocks | None] = [None]
+        """The policies tried, from the least recomputation to the most: none, every block
+        selectively (only element-wise ops recomputed, no product), then every K-th block
+        for K from ``n_blocks`` down to 1 (each count of recomputed blocks once), then every
+        block with its input in host memory."""
+        out: list[Blocks | None] = [None, Blocks(1, save="dots")]
         counts = set()
         for k in range(max(n_blocks, 1), 0, -1):
             c = -(-n_blocks // k)
@@ -312,8 +425,10 @@ class Budget:
 def policy(spec: Any) -> Blocks | Budget | None:
     """A remat policy from what a user gives: None or ``"none"`` (keep every activation),
     ``"blocks"`` (recompute every block), ``"blocks:K"`` (every K-th block), either with
-    ``",offload"`` (their inputs in host memory: ``"blocks:2,offload"``), a ``Blocks``, or a
-    memory budget the step fits (``"budget:8GiB"``, ``Budget(bytes)``)."""
+    ``",dots"`` (selective: the matrix products' outputs kept, ``"selective"`` for
+    ``"blocks,dots"``) and/or ``",offload"`` (their inputs in host memory:
+    ``"blocks:2,offload"``), a ``Blocks``, or a memory budget the step fits
+    (``"budget:8GiB"``, ``Budget(bytes)``)."""
     if spec is None or isinstance(spec, (Blocks, Budget)):
         return spec
     if isinstance(spec, str):
@@ -326,12 +441,16 @@ def policy(spec: Any) -> Blocks | Budget | None:
                 return Budget(parse_bytes(k))
             except ValueError:
                 pass
-        if name == "blocks" and set(opts) <= {"offload"} and len(opts) == len(set(opts)):
+        if name == "selective" and not k:
+            name, opts = "blocks", ["dots", *opts]
+        if name == "blocks" and set(opts) <= {"offload", *SAVEABLE} and len(opts) == len(set(opts)) \
+                and len(set(opts) & set(SAVEABLE)) <= 1:
             try:
-                return Blocks(int(k) if k else 1, offload=bool(opts))
+                save = next((o for o in opts if o in SAVEABLE), None)
+                return Blocks(int(k) if k else 1, offload="offload" in opts, save=save)
             except ValueError:
                 pass
     raise ValueError(f"remat: expected None, 'none', 'blocks', 'blocks:K' (every K-th block), either with "
-                     f"',offload' (inputs kept in host memory), fs.parallel.remat.Blocks(every=K, "
-                     f"offload=...), or 'budget:SIZE' (the least recomputation that fits SIZE per device, e.g. "
+                     f"',dots' (selective: matrix products kept; 'selective' = 'blocks,dots') and/or ',offload' "
+                     f"(inputs kept in host memory), fs.parallel.remat.Blocks(every=K, save=..., offload=...), or 'budget:SIZE' (the least recomputation that fits SIZE per device, e.g. "
                      f"budget:8GiB), got {spec!r}")
