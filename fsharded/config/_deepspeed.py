@@ -265,6 +265,10 @@ def _ds_offload(r: _Reader, kw: dict) -> None:
     tier = device.lower() if device is not None else ("cpu" if old else "none")
     if tier == "none":
         _ds_offload_param(r, kw)
+        if r.has(_ZENFLOW) and r._node(_ZENFLOW)[0][_ZENFLOW.rsplit(".", 1)[1]] is not None:
+            r.use_block(_ZENFLOW)
+            r.unsupported.append((f"{_ZENFLOW} without offload_optimizer", "ZenFlow overlaps the host-memory "
+                                  "optimizer update: set offload_optimizer.device to \"cpu\" (as DeepSpeed requires)"))
         return
     off: dict = {"optimizer": tier}
     if nvme is not None:
@@ -278,6 +282,62 @@ def _ds_offload(r: _Reader, kw: dict) -> None:
                               "fsharded offloads all of it"))
     kw["offload"] = off
     _ds_offload_param(r, kw)
+    _ds_zenflow(r, off)
+
+
+_ZENFLOW = "zero_optimization.zenflow"
+
+
+def _ds_zenflow(r: _Reader, off: dict) -> None:
+    """``zero_optimization.zenflow``, over a host-memory ``offload_optimizer``
+    (``OffloadConfig.zenflow``): ``topk_ratio``, ``full_warm_up_rounds`` (warm-up steps)
+    and ``select_interval`` in steps (``select_strategy: step``; ``auto`` and ``epoch``,
+    which DeepSpeed counts in epochs, take fsharded's default of 100 steps, noted).
+    ``overlap_step: true`` is fsharded's mode, the host update one step late beside the
+    next step, on the cold gradients summed over ``update_interval`` steps (``auto``,
+    which DeepSpeed adapts as it runs, takes 1, noted); ``false`` with ``update_interval``
+    1 is the exact update, and above 1 (a host update in line every k steps) is not
+    supported. ``offload``, ``auto_ratio``, ``pt_reserved_cores_perc`` and
+    ``steps_per_epoch`` change no number here: read quietly."""
+    if not r.has(_ZENFLOW):
+        return
+    node, last = r._node(_ZENFLOW)
+    if node[last] is None:
+        r.used.add(_ZENFLOW)
+        return
+    ratio = r.get(_ZENFLOW + ".topk_ratio", float, 0.1, ((lambda v: 0 < v <= 1), "a fraction in (0, 1]"))
+    strategy = r.get(_ZENFLOW + ".select_strategy", str, "auto",
+                     ((lambda v: v in ("auto", "step", "epoch")), "one of \"auto\", \"step\", \"epoch\""))
+    interval = r.get(_ZENFLOW + ".select_interval", int, None, _int_ge(1))
+    update = r.get(_ZENFLOW + ".update_interval", int, None, _int_ge(1))
+    overlap = r.get(_ZENFLOW + ".overlap_step", bool, False)
+    warmup = r.get(_ZENFLOW + ".full_warm_up_rounds", int, 0, _int_ge(0))
+    for knob, tp in (("offload", bool), ("auto_ratio", float), ("pt_reserved_cores_perc", float),
+                     ("steps_per_epoch", int)):
+        r.get(f"{_ZENFLOW}.{knob}", tp, None)
+    if off.get("optimizer") != "cpu" or off.get("params", "none") != "none":
+        r.unsupported.append((f"{_ZENFLOW} with offload_optimizer.device = {off.get('optimizer')!r}"
+                              + (f" and offload_param.device = {off['params']!r}" if off.get("params") else ""),
+                              "ZenFlow over another tier than host memory, or with offloaded parameters: fsharded "
+                              "overlaps the host-memory update only"))
+        return
+    if not overlap and update is not None and update > 1:
+        r.unsupported.append((f"{_ZENFLOW}.overlap_step = false with update_interval = {update}", "the cold rows' "
+                              "update run in line every few steps: fsharded runs it beside the next step "
+                              "(overlap_step: true)"))
+        return
+    if not overlap:
+        r.notes.append(f"{_ZENFLOW}: overlap_step false with update_interval 1 is the exact update (every row "
+                       f"updated each step): run as offload_optimizer alone")
+        return
+    if strategy != "step" or interval is None:
+        r.notes.append(f"{_ZENFLOW}: select_strategy {strategy!r} reselects once per epoch in DeepSpeed; fsharded "
+                       f"reselects every {interval or 100} steps (offload.zenflow_select_interval)")
+    if update is None:
+        r.notes.append(f"{_ZENFLOW}: update_interval auto adapts as DeepSpeed runs; fsharded sums the cold rows' "
+                       f"gradients over 1 step (offload.zenflow_update_interval)")
+    off.update(zenflow=True, zenflow_topk_ratio=ratio, zenflow_select_interval=interval or 100,
+               zenflow_warmup_steps=warmup, zenflow_update_interval=update or 1)
 
 
 _PARAM = "zero_optimization.offload_param"

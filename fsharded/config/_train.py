@@ -463,12 +463,12 @@ class TrainConfig:
             "data": ((lambda v: bool(v)), "'stdlib' or a path"),
             "log_every": _int_ge(1),
         })
-        if self.offload.active and not self.zero_stage:
-            errors.append(f"  offload.optimizer={self.offload.optimizer}: needs zero_stage 1, 2 or 3 (as DeepSpeed's "
+        off = self.offload if isinstance(self.offload, OffloadConfig) else OffloadConfig()  # (a dict: reported)
+        if off.active and not self.zero_stage:
+            errors.append(f"  offload.optimizer={off.optimizer}: needs zero_stage 1, 2 or 3 (as DeepSpeed's "
                           f"offload_optimizer does)")
-        if self.offload.params != "none" and self.zero_stage != 3:
-            errors.append(f"  offload.params={self.offload.params}: needs zero_stage 3 (as DeepSpeed's offload_param "
-                          f"does)")
+        if off.params != "none" and self.zero_stage != 3:
+            errors.append(f"  offload.params={off.params}: needs zero_stage 3 (as DeepSpeed's offload_param does)")
         _raise(type(self), errors)
         mb = self.pipeline.microbatches
         if mb is not None and self.grad_accum_steps not in (None, mb):

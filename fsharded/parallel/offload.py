@@ -49,9 +49,61 @@ import torch
 
 from fsharded.kernels import aio
 
-__all__ = ["Offload", "TIERS", "place", "place_params", "in_tier", "fetch", "Reading", "verify", "stream_update", "nvme_files"]
+__all__ = ["Offload", "ZenFlow", "TIERS", "place", "place_params", "in_tier", "fetch", "Reading", "verify", "stream_update", "nvme_files"]
 
 TIERS = ("cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class ZenFlow:
+    """ZenFlow's overlapped update (DeepSpeed's ``zero_optimization.zenflow``) over the host
+    tier: the most important rows of each parameter's gradient are updated on the device
+    at once, and the rest on the host while the next step's forward and backward run.
+
+    Each step, per parameter shard (a row is a slice along dim 0; a leaf of fewer than 2
+    dims is all important):
+
+    - the ``topk_ratio`` of its rows with the largest gradient L1 norm, chosen at the first
+      step and again every ``select_interval`` steps, are *hot*: the optimizer updates them
+      on the device with this step's gradient, their moments held on the device;
+    - the other rows are *cold*: their gradients are summed on the host over
+      ``update_interval`` steps; then the host tier's update of them with the mean starts
+      once the step ends and runs beside the next step; its result lands when that next
+      step updates. So with ``update_interval=1`` a cold row's update from step t's
+      gradient first reaches the forward of step t+2, one step late; a hot row's reaches
+      step t+1, as without ZenFlow.
+
+    What it changes, numerically: the cold rows train one step stale (the gradient of step
+    t is taken at parameters that lack step t-1's cold update), and with
+    ``update_interval`` k > 1 on the mean gradient of k steps, one optimizer step per k
+    steps (its counter and learning rate those of the step it starts at, as DeepSpeed
+    does); the hot rows are exact. With ``topk_ratio=1`` every row is hot and the numbers
+    are those of the exact update. A selection falls at the first step of an interval
+    (``select_interval`` is rounded up to whole intervals), so no row changes sides
+    within one.
+    ``warmup_steps`` (DeepSpeed's ``full_warm_up_rounds``) first steps run the exact
+    update. A reselection lands the update in flight first. A checkpoint (``step.save``)
+    and ``step.settle(state)`` land it too, and apply the gradients summed so far as an
+    interval of their own (the running job and a job resumed from that checkpoint then
+    continue alike); the selection starts afresh after one."""
+
+    topk_ratio: float = 0.1
+    select_interval: int = 100
+    warmup_steps: int = 0
+    update_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.topk_ratio, bool) or not isinstance(self.topk_ratio, (int, float)) \
+                or not 0 < self.topk_ratio <= 1:
+            raise ValueError(f"zenflow: topk_ratio must be a fraction in (0, 1], got {self.topk_ratio!r}")
+        for name in ("select_interval", "warmup_steps", "update_interval"):
+            v, least = getattr(self, name), (0 if name == "warmup_steps" else 1)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"zenflow: {name} must be an int >= {least}, got {v!r}")
+
+    def rows(self, n: int) -> int:
+        """Hot rows of a shard of ``n`` rows: the ratio rounded up (none of none)."""
+        return min(n, math.ceil(self.topk_ratio * n))
 
 
 @dataclass(frozen=True)
@@ -74,6 +126,8 @@ class Offload:
     bucket_elems: int = 1 << 22
     buffer_count: int = 2
     direct: bool = True
+    zenflow: ZenFlow | None = None
+    """ZenFlow's overlapped update of the host tier (``ZenFlow``): None for the exact one."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in (None, *TIERS):
@@ -93,6 +147,13 @@ class Offload:
             raise ValueError(f"offload: bucket_elems must be an int >= 1024, got {self.bucket_elems!r}")
         if not isinstance(self.buffer_count, int) or self.buffer_count < 1:
             raise ValueError(f"offload: buffer_count must be a positive int, got {self.buffer_count!r}")
+        if self.zenflow is not None:
+            if not isinstance(self.zenflow, ZenFlow):
+                raise ValueError(f"zenflow must be a fsharded.parallel.offload.ZenFlow, got {self.zenflow!r}")
+            if self.optimizer != "cpu" or self.params is not None:
+                raise ValueError(f"zenflow needs offload_optimizer='cpu' and the parameters in device memory (its "
+                                 f"host update overlaps the device's compute), got offload_optimizer="
+                                 f"{self.optimizer!r}, offload_params={self.params!r}")
 
     @property
     def active(self) -> bool:
@@ -103,7 +164,9 @@ class Offload:
         if self.params is not None and self.params == self.optimizer:
             return f"parameters and optimizer state {where[self.params]}"
         out = f"optimizer state {where[self.optimizer]}"
-        return out + (f", parameters {where[self.params]}" if self.params is not None else "")
+        out += f", parameters {where[self.params]}" if self.params is not None else ""
+        return out + (f", zenflow (top {self.zenflow.topk_ratio:g} of rows on the device, the rest one step "
+                      f"stale)" if self.zenflow is not None else "")
 
 
 # -- the NVMe tier's files --------------------------------------------------------------------

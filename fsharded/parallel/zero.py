@@ -39,7 +39,7 @@ import torch
 from fsharded.mesh import _tree
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, _entry_axes
-from fsharded.parallel.offload import Offload
+from fsharded.parallel.offload import Offload, ZenFlow
 
 __all__ = ["Placement", "ZeroPlan", "zero", "shard_leaf_spec"]
 
@@ -169,7 +169,8 @@ def _shapes_of(params: Any) -> Any:
 
 def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_forward: bool | None = None,
          offload_optimizer: str | None = None, nvme_path: str | None = None, offload_params: str | None = None,
-         pin_memory: bool = True, bucket_elems: int | None = None, buffer_count: int = 2):
+         pin_memory: bool = True, bucket_elems: int | None = None, buffer_count: int = 2,
+         zenflow: Any = None):
     """The ZeRO ``stage`` (0-3) over mesh ``axis``, as a rewrite of a parameter spec tree.
 
     ``reshard_after_forward`` (stage 3; FSDP's name for it): ``True`` frees each block's
@@ -207,10 +208,14 @@ def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_
         raise ValueError(f"zero: offload_params={offload_params!r} is ZeRO-3's parameter offload; stage {stage} keeps "
                          f"the parameters whole on every device for use (use zero(3, ...))")
     off = None
+    zenflow = ZenFlow() if zenflow is True else (None if zenflow is False else zenflow)
+    if zenflow is not None and offload_optimizer in (None, "none"):
+        raise ValueError("zero: zenflow overlaps the host tier's update with the next step: it needs "
+                         "offload_optimizer='cpu'")
     if offload_optimizer not in (None, "none") or offload_params is not None:
         off = Offload(None if offload_optimizer == "none" else offload_optimizer, offload_params, nvme_path=nvme_path,
                       pin_memory=pin_memory, buffer_count=buffer_count,
-                      bucket_elems=Offload.bucket_elems if bucket_elems is None else bucket_elems)
+                      bucket_elems=Offload.bucket_elems if bucket_elems is None else bucket_elems, zenflow=zenflow)
 
     def rule(specs: Any, params: Any) -> ZeroPlan:
         _tree.broadcast_prefix(specs, params, what="param_specs")  # fail early, with paths

@@ -62,7 +62,8 @@ from fsharded.step._model_state import init_model_state, new_model_state
 from fsharded.step._scaling import DynamicScaling, NoScaling
 from fsharded.step._state import TrainState, counted, load_state
 from fsharded.step._transform import ClipByGlobalNorm, GradientTransform, NoClip, Transformed
-from fsharded.step._update import PureUpdate, choose_update, tiered, tiered_params
+from fsharded.step._update import OffloadedUpdate, PureUpdate, choose_update, tiered, tiered_params
+from fsharded.step._zenflow import ZenFlowUpdate
 
 __all__ = ["TrainState", "TrainStep", "train_step"]
 
@@ -219,6 +220,9 @@ class TrainStep:
         self._agreed: set = set()
         self._trainable_checked: set = set()  # states whose trained leaves match trainable=
         self.staging = checkpoint.Staging()  # save_async's host buffer, reused between saves
+        # ZenFlow's updates (parallel.offload.ZenFlow), per parameter structure and backend:
+        # each holds an update in flight between steps, so it outlives a rebuilt plan.
+        self._zenflow: dict = {}
 
     @property
     def bucket_elems(self) -> int:
@@ -379,10 +383,22 @@ class TrainStep:
             return None
         return _held.state_owners(state, holding.checkpoint_owners(), self._mask(state))
 
+    def settle(self, state: TrainState) -> TrainState:
+        """Put into ``state`` what the step holds for it between steps: with ZenFlow
+        (``parallel.offload.ZenFlow``), the host update in flight lands in the parameters
+        and the hot rows' moments go back to the tier; the next step selects afresh. A
+        checkpoint does this first. Nothing to do otherwise. Returns ``state`` (updated in
+        place)."""
+        for update in self._zenflow.values():
+            update.settle(state.params)
+        return state
+
     def save(self, state: TrainState, directory: Any, *, overwrite: bool = False) -> str:
         """Write ``state`` to ``directory`` (``fsharded.checkpoint``): every leaf under its
         path with its global shape and spec; on real ranks each rank writes its own shards
-        (call it on every rank). Returns the directory."""
+        (call it on every rank). Returns the directory. With ZenFlow the update in flight
+        lands first (``settle``), in the running state too."""
+        self.settle(state)
         with _step_agree.saving("save", int(state.step), directory, self.distributed):
             return checkpoint.save(directory, state, self.state_specs(state), self.mesh,
                                    overwrite=overwrite, owners=self._owners(state))
@@ -395,6 +411,7 @@ class TrainStep:
         ``max_staged_bytes`` bounds the copies held at once. The copy goes into host memory
         the step keeps for its next save (``step.staging``: this device's share of the
         state; ``step.staging.release()`` frees it)."""
+        self.settle(state)
         with _step_agree.saving("save_async", int(state.step), directory, self.distributed):
             return checkpoint.save_async(directory, state, self.state_specs(state), self.mesh,
                                          overwrite=overwrite, max_staged_bytes=max_staged_bytes,
@@ -406,7 +423,11 @@ class TrainStep:
         and key as saved). ``like``: a state of this step (``step.init(params)``), or the
         global params to make one from; by default the parameter tree as it was saved
         (``checkpoint.tree_like``: a flat dict of dotted names stays one). A checkpoint saved
-        before the state counted skipped steps (``TrainState.skipped``) loads with 0."""
+        before the state counted skipped steps (``TrainState.skipped``) loads with 0. With
+        ZenFlow, what the step held for the state it was running is dropped: the loaded
+        state replaces it (a checkpoint holds its update landed)."""
+        for update in self._zenflow.values():
+            update.forget()
         return load_state(self, directory, like)
 
     # -- the step ----------------------------------------------------------------------
@@ -540,6 +561,11 @@ class TrainStep:
         transform = GradientTransform(scaling, self._clipping, layout.t_master, self.mesh.axis_names, partial=partial)
         update = choose_update(self.optimizer, donate=self.donate, eager=eager,
                                params=T.view(state.params, layout.updated), offload=pl.offload)
+        if isinstance(update, OffloadedUpdate) and pl.offload.zenflow is not None:
+            zkey = (optree.tree_structure(state.params), eager)
+            if zkey not in self._zenflow:
+                self._zenflow[zkey] = ZenFlowUpdate(self.optimizer, eager, pl.offload, self.donate)
+            update = self._zenflow[zkey]
         specs = _tree.broadcast_prefix(self.state_specs(state), state)
         # The loss unscoped once it drew nothing (a run that drew after all redone scoped; on
         # real ranks by every rank together).

@@ -189,7 +189,29 @@ class OffloadedUpdate(PureUpdate):
             # New parameters (a copy of a value under the vmap levels is new beneath them);
             # parameters in a tier are updated there, as the moments are.
             params = optree.tree_map(lambda t: t.clone(), params)
-        p_leaves, p_def = optree.tree_flatten(params)
+        run = self._inputs(grads, factor, opt_state, params)
+        return params, run.state_after(self._stream(run))
+
+    def _stream(self, run: _Run) -> torch.Tensor:
+        """``offload.stream_update`` of every leaf of ``run``; its found_inf."""
+        back: list[tuple[torch.Tensor, torch.Tensor]] = []  # strided leaves, updated in contiguous copies
+        flat_p = []
+        for b in run.p_base:
+            c = b if b.is_contiguous() else b.contiguous()
+            if c is not b:
+                back.append((b, c))
+            flat_p.append(c.view(-1))
+        flat_g = [g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1) for g in run.g_base]
+        found = _offload.stream_update(run.step, flat_p, flat_g, [[m.view(-1) for m in ms] for ms in run.moments],
+                                       run.decay, self.offload)
+        for b, c in back:
+            b.copy_(c)
+        return found
+
+    def _inputs(self, grads: Any, factor: torch.Tensor | None, opt_state: Any, params: Any) -> _Run:
+        """This update's tensors beneath the vmap levels, checked: the moments in their
+        tier and laid out as their parameters."""
+        p_leaves = optree.tree_leaves(params)
         s_leaves, s_def = optree.tree_flatten(opt_state)
         p_base = [beneath(x) for x in p_leaves]
         g_base = [_aligned(beneath(g), b) for g, b in zip(optree.tree_leaves(grads), p_base)]
@@ -211,22 +233,27 @@ class OffloadedUpdate(PureUpdate):
                                                        for b, _ in p_base):
             raise RuntimeError(f"offload: the parameters are not in their tier ({self.offload.describe()}): make "
                                f"the state with step.init(params) or step.load")
-        back: list[tuple[torch.Tensor, torch.Tensor]] = []  # strided leaves, updated in contiguous copies
-        flat_p = []
-        for b, _ in p_base:
-            c = b if b.is_contiguous() else b.contiguous()
-            if c is not b:
-                back.append((b, c))
-            flat_p.append(c.view(-1))
-        flat_g = [g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1) for g in g_base]
-        found = _offload.stream_update(step, flat_p, flat_g, [[m.view(-1) for m in ms] for ms in moments],
-                                       optim.decay_flags(self.optimizer, params), self.offload)
-        for b, c in back:
-            b.copy_(c)
-        new_s = step.finish(found)
-        ids = {id(b): w for b, w in zip(s_base, s_leaves)}
+        return _Run([b for b, _ in p_base], [len(lv) for _, lv in p_base], g_base, s_leaves, s_base, step,
+                    moments, optim.decay_flags(self.optimizer, params))
+
+
+class _Run:
+    """One offloaded update's tensors beneath the vmap levels: ``p_base`` (each parameter
+    with one leading dim per level: ``levels`` of them), ``g_base`` (its gradient, aligned
+    to it), ``moments`` (per moment, one tensor per leaf, in the tier), the ``FusedStep``
+    and the decay flags."""
+
+    def __init__(self, p_base: list, levels: list[int], g_base: list, s_leaves: list, s_base: list,
+                 step: Any, moments: list, decay: list[bool] | None) -> None:
+        self.p_base, self.levels, self.g_base, self.s_leaves, self.s_base = p_base, levels, g_base, s_leaves, s_base
+        self.step, self.moments, self.decay = step, moments, decay
+
+    def state_after(self, found: torch.Tensor) -> Any:
+        """The new optimizer state: the moments' wrappers (updated in place), new counters."""
+        new_s = self.step.finish(found)
+        ids = {id(b): w for b, w in zip(self.s_base, self.s_leaves)}
         out = [ids.get(id(x), x) for x in optree.tree_leaves(new_s)]
-        return optree.tree_unflatten(p_def, p_leaves), optree.tree_unflatten(optree.tree_structure(new_s), out)
+        return optree.tree_unflatten(optree.tree_structure(new_s), out)
 
 
 def _aligned(g: tuple[torch.Tensor, tuple[int, ...]], p: tuple[torch.Tensor, tuple[int, ...]]) -> torch.Tensor:

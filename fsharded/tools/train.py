@@ -659,6 +659,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
               + (f", ZeRO-{cfg.zero_stage}" if cfg.zero_stage else "")
               + (f", optimizer state offloaded to {cfg.offload.optimizer}" if cfg.offload.active else "")
               + (f", parameters offloaded to {cfg.offload.params}" if cfg.offload.params != "none" else "")
+              + (f", zenflow top {cfg.offload.zenflow_topk_ratio:g}" if cfg.offload.zenflow else "")
               + (f", remat {cfg.remat.policy}" if cfg.remat.policy != "none" else "")
               + seq.describe()
               + (f", pipeline {cfg.pipeline.schedule} with {cfg.grad_accum_steps} micro-batches" if piped else "")
