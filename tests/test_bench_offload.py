@@ -1,5 +1,5 @@
 """Smoke test of `fsharded bench offload` (ours only, on 2 gloo ranks; no timing asserted):
-the four tiers train the same GPT with the same first-step loss, and every table is made."""
+the five tiers train the same GPT with the same first-step loss, and every table is made."""
 
 import os
 import subprocess
@@ -26,6 +26,7 @@ def test_bench_offload_quick_runs(tmp_path):
     for row in ("| fsharded, optimizer state on NVMe vs in memory |",
                 "| fsharded, optimizer state in host memory vs in memory |",
                 "| fsharded, parameters and optimizer state on NVMe vs in memory |",
+                "| fsharded, ZenFlow over the host tier vs the exact host tier |",
                 "| our NVMe update's time per step (moments read, updated, written) |"):
         assert row in out, out
     assert "first-step losses: fsharded, optimizer state in memory" in out and "MISMATCH" not in out

@@ -46,7 +46,7 @@ def test_zenflow_follows_its_own_stale_reference(zf):
     assert max((x - y).abs().max().item() for x, y in zip(got["params"], exact["params"])) > 1e-3
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_row_hot_or_warm_up_is_the_exact_update(stage):
     exact = Z.run({"data": 2}, stage, None, 5, clip=T.CLIP)
     assert _bitwise(Z.run({"data": 2}, stage, ZenFlow(1.0), 5, clip=T.CLIP), exact)
@@ -185,6 +185,22 @@ def test_zenflow_on_two_gloo_ranks_follows_the_virtual_mesh():
     zf = ZenFlow(0.25, select_interval=3, update_interval=2)
     for res in run_on_ranks(Z.gloo_zenflow, 2, 2):
         assert _bitwise(res["all_hot"], res["exact"])
-        for stage in (1, 2):  # each rank selects its shard's rows, as each virtual device does
+        for stage in (1, 2, 3):  # each rank selects its shard's rows, as each virtual device does
             _close(res["stale"][stage], Z.run({"data": 2}, stage, zf, 8, clip=T.CLIP), ACROSS)
-            assert res["stale"][stage]["losses"] != res["exact"]["losses"][:5] + res["stale"][stage]["losses"][5:]
+
+
+def test_estimate_memory_counts_zenflows_hot_moments_and_host_copies():
+    params = gpt.init(T.CONFIG, 0)
+    mesh, opt = fs.Mesh({"data": 2}), fs.optim.adamw(1e-3)
+    est = {zf: fs.estimate_memory(params, fs.parallel.zero(2, min_size=16, offload_optimizer="cpu", zenflow=zf)(
+        P(), params), opt, mesh=mesh) for zf in (None, ZenFlow(0.25), ZenFlow(1.0))}
+    shards = []  # each device's shard of every leaf: sharded on dim 0 over data=2 where it is 16+ elements
+    for x in optree.tree_leaves(params):
+        shards.append(x.shape if x.numel() < 16 or x.shape[0] % 2 else (x.shape[0] // 2, *x.shape[1:]))
+    total = sum(torch.Size(s).numel() for s in shards)
+    hot = sum(ZenFlow(0.25).rows(s[0] if len(s) >= 2 else 1) * (torch.Size(s).numel() // (s[0] if len(s) >= 2 else 1))
+              for s in shards)
+    assert est[ZenFlow(0.25)].optimizer - est[None].optimizer == 2 * 4 * hot  # mu and nu of the hot rows, fp32
+    assert est[ZenFlow(1.0)].optimizer - est[None].optimizer == 2 * 4 * total
+    assert est[ZenFlow(0.25)].staging - est[None].staging == 3 * 4 * total  # in flight, its gradients, the next sums
+    assert any("zenflow" in n for n in est[ZenFlow(0.25)].notes)

@@ -13,7 +13,10 @@ weight decay 0.01, clipping 1.0) at ZeRO-3 on the same batches, with the optimiz
 - in host memory: ``zero(3, offload_optimizer="cpu")``;
 - in files under ``--nvme-path``: ``zero(3, offload_optimizer="nvme", nvme_path=...)``;
 - and with the parameters there too (ZeRO-Infinity): ``zero(3, offload_optimizer="nvme",
-  offload_params="nvme", nvme_path=...)``.
+  offload_params="nvme", nvme_path=...)``;
+- ZenFlow's overlapped update over the host tier: ``zero(3, offload_optimizer="cpu",
+  zenflow=ZenFlow(0.1))``: a tenth of the rows updated at once, the rest one step stale in
+  a thread beside the next step (other numbers from the second step on, by design).
 
 DeepSpeed (when importable) runs the same model as an ``nn.Module`` whose forward is
 ``gpt.loss``, at ZeRO-3 (built under ``deepspeed.zero.Init``, each block's weights freed
@@ -53,7 +56,7 @@ import torch
 
 from fsharded.bench import Qty, Report, Row, Section, add_output_args
 
-TIERS = ("none", "cpu", "nvme", "nvme+params")
+TIERS = ("none", "cpu", "nvme", "nvme+params", "zenflow")
 OURS, DS = "fsharded", "DeepSpeed"
 
 
@@ -101,11 +104,14 @@ class _Ours:
         import fsharded as fs
         from fsharded import P
         from fsharded.models import gpt
+        from fsharded.parallel.offload import ZenFlow
 
         params = job.params()
         kw = {} if tier == "none" else {"offload_optimizer": tier.split("+")[0], "nvme_path": job.nvme_path}
         if tier == "nvme+params":
             kw["offload_params"] = "nvme"
+        if tier == "zenflow":
+            kw = {"offload_optimizer": "cpu", "zenflow": ZenFlow(0.1)}
         self.step = fs.train_step(gpt.loss, fs.optim.adamw(job.lr, weight_decay=job.wd), mesh=fs.Mesh({"data": job.ranks}),
                                   param_specs=fs.parallel.zero(3, **kw)(P(), params), clip=job.clip, donate=True,
                                   blocks="blocks")
@@ -336,7 +342,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         ds_nvme, why = _deepspeed_nvme_ok(ext) if deepspeed else (False, "")
         for framework in (OURS, DS) if deepspeed else (OURS,):
             for tier in TIERS:
-                if framework == DS and (tier == "nvme+params" or (tier == "nvme" and not ds_nvme)):
+                if framework == DS and (tier in ("nvme+params", "zenflow") or (tier == "nvme" and not ds_nvme)):
                     continue
                 _log(f"{framework}, optimizer state {tier} ...")
                 runs[(framework, tier)] = run_on_new_ranks(worker, ranks, job, framework, tier)
@@ -362,6 +368,8 @@ def _name(key: tuple[str, str]) -> str:
     fw, tier = key
     if tier == "nvme+params":
         return f"{fw}, parameters and optimizer state on NVMe"
+    if tier == "zenflow":
+        return f"{fw}, ZenFlow over the host tier"
     return f"{fw}, optimizer state " + {"none": "in memory", "cpu": "in host memory", "nvme": "on NVMe"}[tier]
 
 
@@ -385,7 +393,11 @@ def _sections(job: Job, runs: dict, size: str, disk: tuple[float, float], deepsp
                          Row(f"{_name(o['nvme+params'])} vs in memory", size, _step(runs, o["nvme+params"]),
                              _step(runs, o["none"])),
                          Row(f"{_name(o['cpu'])} vs in memory", size, _step(runs, o["cpu"]),
-                             _step(runs, o["none"]))), notes=tuple(notes))]
+                             _step(runs, o["none"])),
+                         Row(f"{_name(o['zenflow'])} vs in memory", size, _step(runs, o["zenflow"]),
+                             _step(runs, o["none"])),
+                         Row(f"{_name(o['zenflow'])} vs the exact host tier", size, _step(runs, o["zenflow"]),
+                             _step(runs, o["cpu"]))), notes=tuple(notes))]
     if d:
         rows = tuple(Row(f"{_name(o[t])} vs {_name(d[t])}", size, _step(runs, o[t]), _step(runs, d[t])) for t in d)
         out.append(Section(title=f"step time against DeepSpeed, {job.ranks} gloo ranks",
@@ -393,7 +405,9 @@ def _sections(job: Job, runs: dict, size: str, disk: tuple[float, float], deepsp
     rss = [Qty(f"{_name(o['nvme'])} vs in memory", size, _rss(runs, o["nvme"]), _rss(runs, o["none"]), unit="B"),
            Qty(f"{_name(o['nvme+params'])} vs in memory", size, _rss(runs, o["nvme+params"]), _rss(runs, o["none"]),
                unit="B"),
-           Qty(f"{_name(o['cpu'])} vs in memory", size, _rss(runs, o["cpu"]), _rss(runs, o["none"]), unit="B")]
+           Qty(f"{_name(o['cpu'])} vs in memory", size, _rss(runs, o["cpu"]), _rss(runs, o["none"]), unit="B"),
+           Qty(f"{_name(o['zenflow'])} vs in memory", size, _rss(runs, o["zenflow"]), _rss(runs, o["none"]),
+               unit="B")]
     rss += [Qty(f"{_name(o[t])} vs {_name(d[t])}", size, _rss(runs, o[t]), _rss(runs, d[t]), unit="B") for t in d]
     init = "; ".join(f"{_name(k)} {max(r['init_peak_kb'] for r in runs[k]) * 1024 / 1e9:.2f} GB" for k in runs)
     out.append(Section(title="peak RSS of the rank that needs most, while training", target=0.4,
@@ -406,7 +420,8 @@ def _sections(job: Job, runs: dict, size: str, disk: tuple[float, float], deepsp
                               f"first step): {init}")))
     if DS in {k[0] for k in runs}:
         out[-1] = dataclasses.replace(out[-1], notes=out[-1].notes + (
-            "DeepSpeed's offload_param (parameters on NVMe) is not run here",))
+            "DeepSpeed's offload_param (parameters on NVMe) and its ZenFlow (stages 1-2, a CUDA device) are not "
+            "run here",))
     io_s = statistics.median(r["io_s"] for r in runs[o["nvme"]])
     io_b = max(r["io_bytes"] for r in runs[o["nvme"]])
     # Every rank streams its state at once, to the same disk: the floor is the time the disk

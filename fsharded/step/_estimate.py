@@ -325,6 +325,15 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
         staging = sets * width * mb * (2 + (2 if off.optimizer == "nvme" else 0))
         notes.append(f"optimizer moments offloaded ({off.describe()}): {offloaded / 2**20:,.2f} MiB off the device; "
                      f"the update's host staging buffers {staging / 2**20:,.2f} MiB")
+        if off.zenflow is not None:  # the hot rows' moments on the device; host copies for the thread
+            shards = [x for x in optree.tree_leaves(meta) if isinstance(x, torch.Tensor)]
+            rows = [x.shape[0] if x.dim() >= 2 else 1 for x in shards]
+            hot = sum(off.zenflow.rows(r) * (x.numel() // max(r, 1)) for x, r in zip(shards, rows))
+            hot_bytes = hot * mb * (1 if optimizer.fused.kind == "lion" else 2)
+            opt_bytes += hot_bytes
+            staging += 3 * sum(x.numel() for x in shards) * mb
+            notes.append(f"zenflow: the hot rows' moments on the device {hot_bytes / 2**20:,.2f} MiB; host copies "
+                         f"of the parameters and gradients (the update in flight, the next interval's sums)")
     off_params = 0
     if off is not None and off.params is not None and policy.master_dtype == torch.float32:
         off_params = sum(T.pick(master_n, mask)) * mb  # the trained (fp32) master shards
