@@ -18,10 +18,16 @@ def batches(n: int = 3, rows: int = 8) -> list[dict]:
     return [{"tokens": torch.randint(0, 256, (rows, CONFIG.seq_len + 1), generator=g)} for _ in range(n)]
 
 
+def _specs(mesh: dict, stage: int, params):
+    """ZeRO ``stage`` over ``data``; with a ``tensor`` axis, over the GPT's tensor-parallel specs."""
+    base = gpt.tensor_parallel_specs(params) if mesh.get("tensor", 1) > 1 else P()
+    return fs.parallel.zero(stage, min_size=16)(base, params)
+
+
 def run_gpt(mesh: dict, stage: int, remat, steps: int = 3) -> dict:
     params = gpt.init(CONFIG, 0)
     step = fs.train_step(gpt.loss, fs.optim.adamw(1e-3, weight_decay=0.01), mesh=fs.Mesh(mesh), clip=1.0,
-                         param_specs=fs.parallel.zero(stage, min_size=16)(P(), params), blocks="blocks", remat=remat)
+                         param_specs=_specs(mesh, stage, params), blocks="blocks", remat=remat)
     state = step.init(params)
     losses = []
     for b in batches(steps):
@@ -30,14 +36,15 @@ def run_gpt(mesh: dict, stage: int, remat, steps: int = 3) -> dict:
     return {"losses": losses, "params": optree.tree_leaves(step.params(state))}
 
 
-def activations(mesh: dict, stage: int, remat, categories=("activations",)) -> int:
-    """The peak bytes of activations in one step (the memory tracker), the state registered."""
+def activations(mesh: dict, stage: int, remat, categories=("activations",), per_device: bool = False) -> int:
+    """The peak bytes of activations in one step (the memory tracker), the state registered;
+    ``per_device``: one device's (the virtual mesh's storages divided by their copies)."""
     params = gpt.init(CONFIG, 0)
     step = fs.train_step(gpt.loss, fs.optim.adamw(1e-3), mesh=fs.Mesh(mesh), blocks="blocks", remat=remat,
-                         param_specs=fs.parallel.zero(stage, min_size=16)(P(), params), donate=True)
+                         param_specs=_specs(mesh, stage, params), donate=True)
     b = batches(1, rows=16)[0]
     state, _ = step(step.init(params), b)
-    with fs.memory.track() as mem:
+    with fs.memory.track(mesh=step.mesh if per_device else None) as mem:
         mem.register(state.params, "parameters")
         mem.register(state.opt_state, "optimizer state")
         step(state, b)
@@ -96,5 +103,8 @@ def run_hf_gpt2(mesh: dict, stage: int, remat, steps: int = 3) -> dict:
 def gloo_remat(world: int) -> dict:
     """On real ranks (ZeRO-3's prefetch and saved-tensor hooks around the recomputed
     blocks): every policy against none."""
-    return {(stage, remat): run_gpt({"data": world}, stage, remat) for stage in (0, 3)
-            for remat in (None, "blocks", "blocks:2", "blocks:2,offload", "blocks,dots")}
+    out = {(stage, remat): run_gpt({"data": world}, stage, remat) for stage in (0, 3)
+           for remat in (None, "blocks", "blocks:2", "blocks:2,offload", "blocks,dots")}
+    for remat in (None, "blocks,partition", "blocks,partition,offload"):  # tensor parallel: inputs split
+        out[("tensor", remat)] = run_gpt({"data": 1, "tensor": world}, 0, remat)
+    return out

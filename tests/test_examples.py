@@ -324,6 +324,22 @@ def _check_example(ns, out):
         assert torch.equal(a, b)
 ''',
         replace={}, check=lambda ns, out: ns["_check_example"](ns, out)),
+    # docs/guides/offload.md: ZenFlow; one step settled is the exact step (the cold rows'
+    # update landed), bit for bit.
+    "zenflow=ZenFlow(topk_ratio=0.1, select_interval=100)": dict(
+        before='''
+def _check_example(ns, out):
+    import optree
+    import fsharded as fs
+    from fsharded import P
+    from fsharded.models import gpt
+    ref = fs.train_step(gpt.loss, fs.optim.adamw(3e-4), mesh=fs.Mesh({"data": 2}),
+                        param_specs=fs.parallel.zero(2, offload_optimizer="cpu")(P(), ns["params"]))
+    want, _ = ref(ref.init(ns["params"]), {"tokens": ns["tokens"]})
+    for a, b in zip(optree.tree_leaves(ns["state"]), optree.tree_leaves(want), strict=True):
+        assert torch.equal(a, b)
+''',
+        replace={}, check=lambda ns, out: ns["_check_example"](ns, out)),
     # docs/migration/deepspeed.md: a DeepSpeed config read into the step it describes.
     "fs.optim.adamw(o.lr, *o.betas, eps=o.eps": dict(
         before='''

@@ -93,6 +93,35 @@ def test_checkpoint_replays_the_products_it_kept():
         remat.checkpoint(lambda a: a, save="matmuls")
 
 
+@pytest.mark.parametrize("policy", ["blocks,partition", "blocks:2,partition,offload", "blocks,dots,partition"])
+def test_partitioned_inputs_give_the_numbers_of_none(policy):
+    # Tensor parallel over two virtual devices (and ZeRO-3 over data beside it): each
+    # recomputed block keeps half of its input, gathered whole again in backward.
+    _same(R.run_gpt({"data": 1, "tensor": 2}, 0, policy), R.run_gpt({"data": 1, "tensor": 2}, 0, None))
+    _same(R.run_gpt({"data": 2, "tensor": 2}, 3, policy), R.run_gpt({"data": 2, "tensor": 2}, 3, None))
+
+
+def test_partitioned_block_inputs_keep_one_part_per_device():
+    # The tiny GPT's block input is 16 x 16 x 16 fp32 (16 kB), four blocks, the same on
+    # both tensor shards: each device keeps half of each (the virtual mesh holds both
+    # devices' halves, as much as one whole input: counted per device).
+    block_input = 16 * 16 * 16 * 4
+    mesh = {"data": 1, "tensor": 2}
+    whole = R.activations(mesh, 0, "blocks", per_device=True)
+    parted = R.activations(mesh, 0, "blocks,partition", per_device=True)
+    assert whole - parted >= 3 * block_input // 2, (whole, parted)
+    # With offload the parts go to host memory: half of each input per device.
+    assert R.activations(mesh, 0, "blocks,partition,offload", categories=("offloaded activations",),
+                         per_device=True) == 4 * block_input // 2
+    assert R.activations(mesh, 0, "blocks,offload", categories=("offloaded activations",),
+                         per_device=True) == 4 * block_input
+    # A tensor axis of size 1: nothing to split, the memory of "blocks"; no such axis: an error.
+    assert R.activations({"data": 1, "tensor": 1}, 0, "blocks,partition") == \
+        R.activations({"data": 1, "tensor": 1}, 0, "blocks")
+    with pytest.raises(ValueError, match="partition axis 'model' is not an axis"):
+        R.run_gpt({"data": 1}, 0, "blocks,partition:model", steps=1)
+
+
 def test_offloaded_block_inputs_leave_the_device_activations():
     # The tiny GPT's block input is 16 rows x 16 positions x 16 features in fp32: 16 kB,
     # four blocks. With offload every one of them is a host copy between forward and
@@ -158,6 +187,8 @@ def test_policies_on_two_gloo_ranks_give_the_numbers_of_none():
         for stage in (0, 3):
             for policy in ("blocks", "blocks:2", "blocks:2,offload", "blocks,dots"):
                 _same(res[(stage, policy)], res[(stage, None)])
+        for policy in ("blocks,partition", "blocks,partition,offload"):
+            _same(res[("tensor", policy)], res[("tensor", None)])
     # And as the virtual mesh computes them.
     _same(res[(3, "blocks")], R.run_gpt({"data": 2}, 3, "blocks"), ACROSS)
 
@@ -165,7 +196,7 @@ def test_policies_on_two_gloo_ranks_give_the_numbers_of_none():
 def test_bad_policies_are_refused_by_name():
     params = gpt.init(R.CONFIG, 0)
     for bad in ("every", "blocks:0", "blocks:x", 3, remat, "blocks,cpu", "blocks,offload,offload", "none,offload",
-                "blocks,dots,dots", "selective:2"):
+                "blocks,dots,dots", "selective:2", "blocks,partition,partition"):
         with pytest.raises(ValueError, match="remat"):
             fs.train_step(gpt.loss, fs.optim.adamw(1e-3), remat=bad)
     with pytest.raises(ValueError, match="every must be an int >= 1"):
@@ -182,6 +213,8 @@ def test_bad_policies_are_refused_by_name():
     assert remat.policy(" Blocks:2, offload") == remat.Blocks(2, offload=True)
     assert remat.policy("blocks:2,offload,dots") == remat.Blocks(2, offload=True, save="dots")
     assert remat.policy("selective") == remat.Blocks(save="dots") and str(remat.Blocks(save="dots")) == "blocks,dots"
+    assert remat.policy("blocks,partition,offload") == remat.Blocks(offload=True, partition="tensor")
+    assert str(remat.policy("blocks:2,partition:model")) == "blocks:2,partition:model"
     assert str(remat.Blocks(2, offload=True)) == "blocks:2,offload"
     with pytest.raises(ValueError, match="offload must be a bool"):
         remat.Blocks(offload="cpu")
@@ -215,12 +248,13 @@ def test_deepspeeds_activation_checkpointing_block_is_a_remat_policy():
     assert from_deepspeed({**ds, **at_defaults}, data_parallel_size=2).remat.policy == "blocks"
     cpu = {"activation_checkpointing": {"cpu_checkpointing": True, "synchronize_checkpoint_boundary": True}}
     assert from_deepspeed({**ds, **cpu}, data_parallel_size=2).remat.policy == "blocks,offload"
-    # Splitting the kept inputs over tensor ranks: nothing to split without a tensor axis.
+    # Splitting the kept inputs over tensor ranks (a no-op without a tensor axis), with and
+    # without the parts in host memory.
     part = {"activation_checkpointing": {"partition_activations": True}}
     assert from_deepspeed({**ds, **part}, data_parallel_size=2).remat.policy == "blocks"
-    with pytest.raises(ValueError, match="activation_checkpointing.partition_activations = True: the checkpointed "
-                                         "inputs split over the tensor-parallel ranks"):
-        from_deepspeed({**ds, **part}, data_parallel_size=2, mesh={"data": 2, "tensor": 2})
+    both = {"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}}
+    assert from_deepspeed({**ds, **both}, data_parallel_size=2,
+                          mesh={"data": 2, "tensor": 2}).remat.policy == "blocks,partition,offload"
     with pytest.raises(ValueError, match=r"activation_checkpointing\.cpu_checkpointing: expected bool"):
         from_deepspeed({**ds, "activation_checkpointing": {"cpu_checkpointing": "yes"}}, data_parallel_size=2)
     with pytest.raises(ValueError, match=r"activation_checkpointing\.cpu_chekpointing: not a key"):

@@ -210,9 +210,9 @@ def _ds_activation_checkpointing(r: _Reader, kw: dict) -> None:
     (``deepspeed.checkpointing.checkpoint`` around each one). ``fsharded train`` checkpoints
     the model's blocks: the block given (even at its defaults) is ``remat.policy: blocks``,
     and ``cpu_checkpointing: true`` keeps their inputs in host memory (``blocks,offload``).
-    ``partition_activations`` splits the kept inputs over the tensor-parallel ranks: with
-    no tensor axis there is nothing to split (DeepSpeed's does nothing either); with one,
-    it is not supported yet. ``contiguous_memory_optimization``, ``number_checkpoints``
+    ``partition_activations`` splits the kept inputs over the tensor-parallel ranks
+    (``blocks,partition``: each keeps its part, gathered whole in backward; with no tensor
+    axis there is nothing to split, and DeepSpeed's does nothing either). ``contiguous_memory_optimization``, ``number_checkpoints``
     (the buffers it preallocates), ``synchronize_checkpoint_boundary`` and ``profile``
     change no number and are read quietly."""
     node, last = r._node(_AC)
@@ -229,10 +229,8 @@ def _ds_activation_checkpointing(r: _Reader, kw: dict) -> None:
     for knob in ("contiguous_memory_optimization", "synchronize_checkpoint_boundary", "profile"):
         r.get(f"{_AC}.{knob}", bool, None)
     r.get(_AC + ".number_checkpoints", int | None, None)
-    if partition and kw["mesh"].get("tensor", 1) > 1:
-        r.unsupported.append((f"{_AC}.partition_activations = True", "the checkpointed inputs split over the "
-                              "tensor-parallel ranks: fsharded keeps each whole on every tensor rank"))
-    kw["remat"] = {"policy": "blocks,offload" if cpu else "blocks"}
+    split = partition and kw["mesh"].get("tensor", 1) > 1
+    kw["remat"] = {"policy": "blocks" + (",partition" if split else "") + (",offload" if cpu else "")}
 
 
 _OFFLOAD = "zero_optimization.offload_optimizer"

@@ -43,6 +43,7 @@ from fsharded import _memory_hooks
 from fsharded import random as R
 from fsharded.parallel.blocks import Keyed
 from fsharded.spmd import _env
+from fsharded.spmd.collectives import all_gather_invariant, axis_index, axis_size, is_bound
 
 __all__ = ["checkpoint", "Blocks", "Budget", "policy", "parse_bytes", "SAVEABLE"]
 
@@ -51,9 +52,10 @@ class _Remat(torch.autograd.Function):
     generate_vmap_rule = True
     vma_typed = True  # inside a shard_map body, its insides are typed (see _typed)
 
-    # apply(fn, rng, moved, kept, *args, *copies): ``moved`` names the arguments kept in
-    # host memory between forward and backward (``copies``, one per name, made by the
-    # caller); ``kept`` (a ``_Kept`` or None) holds the saved op outputs (selective remat).
+    # apply(fn, rng, moved, kept, *args, *copies): ``moved`` (a ``_Stand``) names the
+    # arguments kept as stand-ins between forward and backward (``copies``, one per name,
+    # made by the caller: host copies, this shard's part, or both); ``kept`` (a ``_Kept``
+    # or None) holds the saved op outputs (selective remat).
 
     @staticmethod
     def forward(fn, rng, moved, kept, *tensors):
@@ -67,7 +69,9 @@ class _Remat(torch.autograd.Function):
         n = len(tensors) - len(moved)
         args, copies = tensors[:n], dict(zip(moved, tensors[n:]))
         ctx.fn, ctx.keyed, ctx.n, ctx.kept = fn, rng is not None, n, kept
-        ctx.moved = {i: args[i].device for i in moved}  # where each goes back to
+        # How each stand-in becomes its argument again: its device, shape, and how it was made.
+        ctx.moved = {i: (args[i].device, tuple(args[i].shape), how) for i, how in zip(moved, moved.hows)}
+        ctx.axis = moved.axis
         mode = _mode()
         ctx.types = [mode.get(a) for a in args] if mode is not None else None
         # The host copies instead of the arguments they stand for: those are not kept.
@@ -78,8 +82,8 @@ class _Remat(torch.autograd.Function):
     def backward(ctx, *gs):
         saved = ctx.saved_tensors
         rng, args = (saved[0], saved[1:]) if ctx.keyed else (None, saved)
-        if ctx.moved:  # back from host memory (a real copy, on a CPU device too)
-            args = tuple(_to_device(a, ctx.moved[i]) if i in ctx.moved else a for i, a in enumerate(args))
+        if ctx.moved:  # back from host memory (a real copy, on a CPU device too), gathered whole
+            args = tuple(_restore(a, *ctx.moved[i], ctx.axis) if i in ctx.moved else a for i, a in enumerate(args))
         extra = (None,) * len(ctx.moved)  # the copies get no gradient
         # Differentiate only the floating inputs autograd wants a gradient for: integer
         # inputs (positions, masks) and constants ride along as they are.
@@ -188,6 +192,47 @@ def _save_ops(save: Any) -> frozenset | None:
     raise ValueError(f"remat: save must be None or one of {sorted(SAVEABLE)}, got {save!r}")
 
 
+class _Stand(tuple):
+    """The positions of the arguments a remat keeps as stand-ins (a tuple of ints), with
+    ``hows``: per position, what its stand-in is (``"part"``: this shard's part of it over
+    ``axis``, gathered back in backward; ``"host"``: a host-memory copy; or both)."""
+
+    def __new__(cls, positions: tuple, hows: tuple = (), axis: str | None = None) -> _Stand:
+        out = super().__new__(cls, positions)
+        out.hows, out.axis = hows, axis
+        return out
+
+
+def _part(t: torch.Tensor, axis: str, n: int) -> torch.Tensor:
+    """This shard's ``1/n`` of ``t`` (invariant over ``axis``), flattened and padded: a new
+    tensor, so the whole one is not kept alive by it."""
+    flat = t.detach().reshape(-1)
+    pad = (-flat.numel()) % n
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    me = axis_index(axis).reshape(1).to(flat.device)
+    return flat.view(n, -1).index_select(0, me).reshape(-1)
+
+
+def _restore(t: torch.Tensor, device: torch.device, shape: tuple, how: tuple, axis: str | None) -> torch.Tensor:
+    """A stand-in made its argument again: back to ``device`` from host memory, and the
+    parts of every shard over ``axis`` gathered whole."""
+    if "host" in how:
+        t = _to_device(t, device)
+    if "part" in how:
+        t = all_gather_invariant(t, axis, dim=0, tiled=True)[:math.prod(shape)].view(shape)
+    return t
+
+
+def _partitioned(axis: str | None) -> int:
+    """Shards over ``axis`` a remat's inputs are split into (1: not split)."""
+    if axis is None:
+        return 1
+    if not is_bound(axis):
+        raise ValueError(f"remat: partition axis {axis!r} is not an axis of the mesh this runs on")
+    return axis_size(axis)
+
+
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """A host-memory copy of ``t``, detached (page-locked where ``t`` is on a GPU, copied
     without waiting: the copy back in backward is ordered after it on the same stream). A
@@ -242,7 +287,8 @@ def _run_keyed(fn: Callable, rng: torch.Tensor | None, args: tuple, types: list 
 
 def checkpoint(fn: Callable[..., Any], *, key: torch.Tensor | None = None,
                offload: Callable[[int, torch.Tensor], bool] | bool = False,
-               save: str | None = _INHERIT) -> Callable[..., Any]:
+               save: str | None = _INHERIT,
+               partition: str | tuple[str, Callable[[int, torch.Tensor], bool]] | None = None) -> Callable[..., Any]:
     """``fn`` (tensors in; a tensor or a pytree of tensors out, e.g. a block's ``(x, aux)``)
     recomputed in backward instead of stored.
 
@@ -260,17 +306,39 @@ def checkpoint(fn: Callable[..., Any], *, key: torch.Tensor | None = None,
     ``SAVEABLE``), so backward recomputes only the ops between them. The same numbers: a
     kept output is the value the recomputation would compute. Not given: what the
     enclosing ``Blocks`` policy says (a block another handler recomputes, as ZeRO-3 does
-    to gather its weights again, follows the step's policy); None: keep nothing."""
+    to gather its weights again, follows the step's policy); None: keep nothing.
+
+    ``partition`` (a mesh axis, or ``(axis, predicate)`` naming the inputs as ``offload``
+    does; DeepSpeed's ``partition_activations``): keep only this shard's part of each such
+    input that is the same on every shard of ``axis`` (a tensor-parallel block's input),
+    and gather the parts whole in backward before recomputing. With ``offload`` the part
+    is what goes to host memory. The same numbers; 1/n of those inputs kept per shard, one
+    all-gather of them in backward. An input that varies over the axis (or any input where
+    the varying axes are not typed) is kept whole."""
     ops = _save_ops(save)
+    axis, parted = (partition, True) if isinstance(partition, str) or partition is None else partition
 
     def wrapped(*args: torch.Tensor) -> Any:
         bad = [type(a).__name__ for a in args if not isinstance(a, torch.Tensor)]
         if bad:
             raise TypeError(f"checkpoint: arguments must be tensors (close over the rest), got {bad}")
-        moved = tuple(i for i, a in enumerate(args) if a.is_floating_point() and (
-            offload(i, a) if callable(offload) else offload))
-        copies = [_to_host(args[i]) for i in moved]
-        _memory_hooks.label(copies, "offloaded activations")
+        n = _partitioned(axis)
+        mode = _mode()
+        stands: dict[int, tuple[torch.Tensor, tuple]] = {}
+        for i, a in enumerate(args):
+            if not a.is_floating_point():
+                continue
+            how = ()
+            t = a
+            if n > 1 and mode is not None and axis not in mode.get(a) and (parted(i, a) if callable(parted) else parted):
+                t, how = _part(a, axis, n), ("part",)
+            if offload(i, a) if callable(offload) else offload:
+                t, how = _to_host(t), (*how, "host")
+                _memory_hooks.label([t], "offloaded activations")
+            if how:
+                stands[i] = (t, how)
+        moved = _Stand(tuple(stands), tuple(h for _, h in stands.values()), axis)
+        copies = [t for t, _ in stands.values()]
         shape: list = []
 
         def flat(*a: torch.Tensor) -> Any:
@@ -314,17 +382,28 @@ class Blocks:
     element-wise ops between them. The same numbers; more memory than recomputing all of a
     block, far less time."""
 
+    partition: str | None = None
+    """Keep only this shard's part of each recomputed block's inputs over this mesh axis
+    (``"blocks,partition"``: the ``tensor`` axis; DeepSpeed's ``partition_activations``),
+    where they are the same on every shard of it (a tensor-parallel block's input), and
+    gather them whole in backward before the block runs again. The same numbers; 1/n of
+    the block inputs kept, one all-gather each in backward."""
+
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"remat.Blocks: every must be an int >= 1, got {self.every!r}")
+        if self.partition is not None and (not isinstance(self.partition, str) or not self.partition):
+            raise ValueError(f"remat.Blocks: partition must be a mesh axis name, got {self.partition!r}")
         if not isinstance(self.offload, bool):
             raise ValueError(f"remat.Blocks: offload must be a bool, got {self.offload!r}")
         if self.save is not None and self.save not in SAVEABLE:
             raise ValueError(f"remat.Blocks: save must be None or one of {sorted(SAVEABLE)}, got {self.save!r}")
 
     def __str__(self) -> str:
+        part = "" if self.partition is None else (",partition" if self.partition == "tensor"
+                                                  else f",partition:{self.partition}")
         return (("blocks" if self.every == 1 else f"blocks:{self.every}") + (f",{self.save}" if self.save else "")
-                + (",offload" if self.offload else ""))
+                + part + (",offload" if self.offload else ""))
 
     def handler(self, inner: Callable[..., Any] | None = None,
                 done: Callable[[Any], bool] | None = None) -> Callable[..., Any]:
@@ -337,7 +416,7 @@ class Blocks:
             chosen = next(count) % self.every == 0
             recomputed = done is not None and done(params)
             if chosen and not recomputed:
-                block = _rematerialised(block, self.offload, self.save)
+                block = _rematerialised(block, self.offload, self.save, self.partition)
             if inner is None:
                 return block(params, *args, **kw)
             # A chosen block ``inner`` recomputes itself keeps what this policy keeps.
@@ -350,7 +429,8 @@ class Blocks:
         return handle
 
 
-def _rematerialised(block: Callable[..., Any], offload: bool = False, save: str | None = None) -> Callable[..., Any]:
+def _rematerialised(block: Callable[..., Any], offload: bool = False, save: str | None = None,
+                    partition: str | None = None) -> Callable[..., Any]:
     """``block(params, *args, **kw)`` through ``checkpoint``: its parameters and tensor
     arguments are the inputs kept (``offload``: its tensor arguments, not its parameters,
     in host memory); a keyed block's key goes in too."""
@@ -370,7 +450,9 @@ def _rematerialised(block: Callable[..., Any], offload: bool = False, save: str 
             return plain(optree.tree_unflatten(pdef, list(tensors[:n])), *a, **k)
 
         moved = (lambda i, _a: i >= n) if offload else False
-        return checkpoint(f, key=key, offload=moved, save=save)(*leaves, *(e for e, t in zip(extra, is_t) if t))
+        parted = None if partition is None else (partition, lambda i, _a: i >= n)
+        return checkpoint(f, key=key, offload=moved, save=save, partition=parted)(
+            *leaves, *(e for e, t in zip(extra, is_t) if t))
 
     return run
 
@@ -426,7 +508,8 @@ def policy(spec: Any) -> Blocks | Budget | None:
     """A remat policy from what a user gives: None or ``"none"`` (keep every activation),
     ``"blocks"`` (recompute every block), ``"blocks:K"`` (every K-th block), either with
     ``",dots"`` (selective: the matrix products' outputs kept, ``"selective"`` for
-    ``"blocks,dots"``) and/or ``",offload"`` (their inputs in host memory:
+    ``"blocks,dots"``), ``",partition"`` (their inputs split over the ``tensor`` axis;
+    ``",partition:AXIS"`` another) and/or ``",offload"`` (their inputs in host memory:
     ``"blocks:2,offload"``), a ``Blocks``, or a memory budget the step fits
     (``"budget:8GiB"``, ``Budget(bytes)``)."""
     if spec is None or isinstance(spec, (Blocks, Budget)):
@@ -443,14 +526,18 @@ def policy(spec: Any) -> Blocks | Budget | None:
                 pass
         if name == "selective" and not k:
             name, opts = "blocks", ["dots", *opts]
-        if name == "blocks" and set(opts) <= {"offload", *SAVEABLE} and len(opts) == len(set(opts)) \
-                and len(set(opts) & set(SAVEABLE)) <= 1:
+        parts = [o.partition(":")[2] or "tensor" for o in opts if o.partition(":")[0] == "partition"]
+        rest = [o for o in opts if o.partition(":")[0] != "partition"]
+        if name == "blocks" and set(rest) <= {"offload", *SAVEABLE} and len(rest) == len(set(rest)) \
+                and len(set(rest) & set(SAVEABLE)) <= 1 and len(parts) <= 1:
             try:
-                save = next((o for o in opts if o in SAVEABLE), None)
-                return Blocks(int(k) if k else 1, offload="offload" in opts, save=save)
+                save = next((o for o in rest if o in SAVEABLE), None)
+                return Blocks(int(k) if k else 1, offload="offload" in rest, save=save,
+                              partition=parts[0] if parts else None)
             except ValueError:
                 pass
     raise ValueError(f"remat: expected None, 'none', 'blocks', 'blocks:K' (every K-th block), either with "
-                     f"',dots' (selective: matrix products kept; 'selective' = 'blocks,dots') and/or ',offload' "
-                     f"(inputs kept in host memory), fs.parallel.remat.Blocks(every=K, save=..., offload=...), or 'budget:SIZE' (the least recomputation that fits SIZE per device, e.g. "
+                     f"',dots' (selective: matrix products kept; 'selective' = 'blocks,dots'), ',partition[:AXIS]' "
+                     f"(inputs split over the tensor axis) and/or ',offload' (inputs kept in host memory), "
+                     f"fs.parallel.remat.Blocks(every=K, save=..., partition=..., offload=...), or 'budget:SIZE' (the least recomputation that fits SIZE per device, e.g. "
                      f"budget:8GiB), got {spec!r}")

@@ -7,6 +7,7 @@ by it, the fused kernels apply it as the gradients load (``inv_scale``)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import optree
@@ -18,7 +19,7 @@ from fsharded.spmd import _manifest
 from fsharded.spmd._virtual import beneath
 
 __all__ = ["PureUpdate", "DonatedUpdate", "FusedUpdate", "CopiedFusedUpdate", "StackedFusedUpdate",
-           "CopiedStackedFusedUpdate", "OffloadedUpdate", "choose_update", "tiered", "tiered_params"]
+           "CopiedStackedFusedUpdate", "OffloadedUpdate", "HostUpdate", "choose_update", "tiered", "tiered_params"]
 
 
 class PureUpdate:
@@ -275,15 +276,20 @@ def _aligned(g: tuple[torch.Tensor, tuple[int, ...]], p: tuple[torch.Tensor, tup
 
 def tiered(optimizer: Any, opt_state: Any, offload: Any) -> Any:
     """``opt_state`` with its moments (the tensors shaped like parameters) in ``offload``'s
-    optimizer tier (``parallel.offload.place``); unchanged without one. Needs an optimizer
-    with a fused form, whose state says which entries are its moments."""
+    optimizer tier (``parallel.offload.place``); unchanged without one. An optimizer with a
+    fused form says which entries are its moments; one without (the host tier only) has
+    every tensor of its state that is not a scalar placed there."""
     if offload is None or not offload.active:
         return opt_state
     form = getattr(optimizer, "fused", None)
     if not isinstance(form, optim.FusedForm):
-        raise NotImplementedError(
-            f"offload_optimizer={offload.optimizer!r} needs an optimizer with a fused form (fs.optim.adamw, adam or "
-            f"lion, not wrapped in a chain): its moments are what the tier holds")
+        _host_only(offload)
+        leaves, tdef = optree.tree_flatten(opt_state)
+        where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.dim() > 0]
+        placed = _offload.place([leaves[i] for i in where], offload)
+        for i, x in zip(where, placed):
+            leaves[i] = x
+        return optree.tree_unflatten(tdef, leaves)
     moments = opt_state[form.moments]
     fields = [f for f in ("mu", "nu") if hasattr(moments, f)]
     placed = {}
@@ -293,6 +299,48 @@ def tiered(optimizer: Any, opt_state: Any, offload: Any) -> Any:
     out = list(opt_state)
     out[form.moments] = moments._replace(**placed)
     return tuple(out) if type(opt_state) is tuple else type(opt_state)(*out)
+
+
+def _host_only(offload: Any) -> None:
+    """An optimizer without a fused form runs its update on host copies: the host tier
+    only, and the parameters in device memory."""
+    if offload.optimizer != "cpu" or offload.params is not None or offload.zenflow is not None:
+        raise NotImplementedError(
+            f"{offload.describe()}: an optimizer without a fused form (fs.optim.adamw, adam or lion, not wrapped in "
+            f"a chain) is updated on host copies, with its state in host memory (offload_optimizer='cpu', the "
+            f"parameters in device memory, no zenflow); the NVMe tier, parameter offload and ZenFlow stream the "
+            f"state through the fused kernel")
+
+
+class HostUpdate(PureUpdate):
+    """An optimizer without a fused form with its state in host memory (the host tier):
+    the gradients and parameters are copied to the host, the optimizer's own update runs
+    there (in place on the state where the step runs eagerly, pure beneath the virtual
+    mesh's vmap), and the new parameters are copied back. What it changes, numerically:
+    nothing (the same ops on the same values, on the host). A dry run leaves the state as
+    it is, as ``OffloadedUpdate`` does."""
+
+    def __init__(self, optimizer: Any, eager: bool, offload: Any, donate: bool) -> None:
+        super().__init__(optimizer, eager)
+        self.offload, self.donate = offload, donate
+
+    def __call__(self, grads: Any, factor: torch.Tensor | None, opt_state: Any, params: Any, *,
+                 ok: torch.Tensor | None = None) -> tuple[Any, Any]:
+        if _manifest.dry() or (self.eager and _skip(ok)):  # (pure: the caller drops a skipped result)
+            return params, opt_state
+        for x in optree.tree_leaves(opt_state):
+            if isinstance(x, torch.Tensor) and x.dim() > 0 and beneath(x)[0].device.type != "cpu":
+                raise RuntimeError(f"offload: the optimizer state is not in its tier ({self.offload.describe()}): "
+                                   f"make it with step.init(params) or step.load")
+        host = lambda t: t.detach().to("cpu", copy=True)  # noqa: E731 - a real copy, on a CPU device too
+        hp, hg = optree.tree_map(host, params), optree.tree_map(host, grads)
+        with optim.donating() if self.eager else contextlib.nullcontext():  # the state: in place, in its tier
+            new_hp, opt_state = super().__call__(hg, None if factor is None else factor.to("cpu"), opt_state, hp)
+        if self.donate and self.eager:
+            for p, n in zip(optree.tree_leaves(params), optree.tree_leaves(new_hp)):
+                p.copy_(n, non_blocking=True)
+            return params, opt_state
+        return optree.tree_map(lambda n, p: n.to(p.device, copy=True), new_hp, params), opt_state
 
 
 def tiered_params(params: Any, offload: Any) -> Any:
@@ -312,10 +360,8 @@ def choose_update(optimizer: Any, *, donate: bool, eager: bool, params: Any, off
     fused = optim.has_fused(optimizer) and all(t.dtype == torch.float32 for t in optree.tree_leaves(params))
     if offload is not None and offload.active:
         if not fused:
-            raise NotImplementedError(
-                f"offload_optimizer={offload.optimizer!r} streams the optimizer state through the fused update, "
-                f"which needs fp32 master weights and an optimizer with a fused form (fs.optim.adamw, adam or "
-                f"lion, not wrapped in a chain); this optimizer or these weights have none")
+            _host_only(offload)
+            return HostUpdate(optimizer, eager, offload, donate)
         return OffloadedUpdate(optimizer, eager, offload, donate)
     if donate and fused:
         return FusedUpdate(optimizer, eager) if eager else StackedFusedUpdate(optimizer, eager)
