@@ -72,11 +72,11 @@ TRAIN_CFG = {"bias": False}
 
 def train(mesh_axes: dict, name: str, v: int, steps: int, m: int = 2, zero: int = 0, layers: int = 4,
           batch: int = 8, tensor: bool = False, manifest: bool = False, reshard: bool | None = None,
-          **cfg) -> dict:
+          remat=None, **cfg) -> dict:
     """``steps`` steps of the tiny GPT pipelined over ``pipe`` (on the virtual mesh, or on
     this process's rank under torch.distributed): the losses, and the parameters after;
     ``manifest``: also the step's collectives, as (op, axis) pairs in order; ``reshard``:
-    ZeRO-3's ``reshard_after_forward``."""
+    ZeRO-3's ``reshard_after_forward``; ``remat``: the step's remat policy."""
     import fsharded as fs
     cfg = {**TRAIN_CFG, **cfg}
     params, tokens = setup(layers=layers, batch=batch, **cfg)
@@ -87,7 +87,7 @@ def train(mesh_axes: dict, name: str, v: int, steps: int, m: int = 2, zero: int 
     specs = fs.parallel.zero(zero, axis="data", min_size=8, reshard_after_forward=reshard)(specs, params) \
         if zero else specs
     kw = {"param_specs": specs} if specs is not None else {}
-    step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, **kw)
+    step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, remat=remat, **kw)
     kept: list = []
     out = _steps(step, params, tokens, steps, state=kept)
     if manifest:
@@ -180,12 +180,20 @@ def train_saving(mesh_axes: dict, name: str, steps: int, directory: str, *, load
 
 # -- Hugging Face models through fs.nn ----------------------------------------------------------
 
+def gloo_remat(world: int) -> dict:
+    """On each rank: the pipelined GPT (and ZeRO-3 per block beside it) with remat policies."""
+    out = {}
+    for policy in (None, "blocks", "blocks:2,offload"):
+        out[("pipe", policy)] = train({"pipe": world}, "one_f_one_b", 1, 3, remat=policy)
+    return out
+
+
 def hf_loss(fm, p, b):
     return fm.apply(p, input_ids=b["input_ids"], labels=b["input_ids"]).loss
 
 
 def hf_train(kind: str, mesh_axes: dict, name: str, steps: int, layers: int = 4, v: int = 1,
-             dropout: float = 0.0) -> dict:
+             dropout: float = 0.0, remat=None) -> dict:
     """``steps`` steps of a tiny Hugging Face model (``model_zoo.hf_llama`` / ``hf_gpt2``) cut
     by ``fs.nn.pipeline_stages`` over ``pipe`` (without a pipe axis: accumulated over the
     same 2 micro-batches); ``dropout``: GPT-2's three dropout rates."""
@@ -206,7 +214,7 @@ def hf_train(kind: str, mesh_axes: dict, name: str, steps: int, layers: int = 4,
     # GPT-2's attention bias holds the key bias, whose gradient is zero up to rounding, which
     # Adam would turn into steps of the learning rate: SGD for it.
     opt = fs.optim.adamw(1e-2) if kind == "llama" else fs.optim.sgd(0.5)
-    step = fs.train_step(loss, opt, mesh=mesh, accumulation=accumulation)
+    step = fs.train_step(loss, opt, mesh=mesh, accumulation=accumulation, remat=remat)
     state = step.init(fm.params)
     losses = []
     for i in range(steps):

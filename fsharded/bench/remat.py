@@ -12,8 +12,10 @@ recomputed), ``blocks:2`` (4), ``blocks`` (all 8) and ``blocks,offload`` (all 8,
 inputs copied to host memory between forward and backward). The peer of every row is the same step keeping every
 activation (``remat=None``):
 
-- time: the median step time over rounds, the policies timed once per round in an order
-  that rotates every round;
+- time: the median step time over rounds, each policy in a fresh process of its own (one
+  warm-up step, then the timed ones): in one process the policies timed after one another
+  disturbed each other's heaps (the step keeping every activation took 1.4 times its own
+  time alone);
 - memory: the peak bytes of activations in one step, as the memory tracker counts them
   (``fs.memory.track``: saved activations, temporaries and activation gradients; the
   offloaded inputs are not activations on the device), and beside it what
@@ -23,10 +25,13 @@ activation (``remat=None``):
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import multiprocessing
 import statistics
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -39,10 +44,37 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _batch(cfg: Any, rows: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"tokens": torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len + 1), generator=g)}
+
+
+def _timed(model: dict, rows: int, name: str, rounds: int) -> tuple[float, list[float]]:
+    """In a fresh process: the first step's loss under policy ``name``, and the times of
+    ``rounds`` steps after it."""
+    import fsharded as fs
+    from fsharded import P
+    from fsharded.models import gpt
+
+    cfg = gpt.GPTConfig(**model)
+    params, batch = gpt.init(cfg, 0), _batch(cfg, rows)
+    step = fs.train_step(gpt.loss, fs.optim.adamw(1e-4, weight_decay=0.01), mesh=fs.Mesh({"data": 1}),
+                         param_specs=fs.parallel.zero(0)(P(), params), blocks="blocks",
+                         remat=None if name == "none" else name, donate=True)
+    state, m = step(step.init(params), batch)
+    first, times = float(m["loss"]), []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        state, m = step(state, batch)
+        float(m["loss"])
+        times.append(time.perf_counter() - t0)
+    return first, times
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a small GPT and few rounds")
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds (each times every policy once)")
+    p.add_argument("--rounds", type=int, default=None, help="timed steps per policy")
     add_output_args(p)
     return p
 
@@ -59,9 +91,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     else:
         cfg = gpt.GPTConfig(vocab_size=8192, d_model=512, n_layers=8, n_heads=8, seq_len=512)
         rows, rounds = 8, args.rounds or 5
-    params = gpt.init(cfg, 0)
-    g = torch.Generator().manual_seed(0)
-    batch = {"tokens": torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len + 1), generator=g)}
+    params, batch = gpt.init(cfg, 0), _batch(cfg, rows)
     mesh = fs.Mesh({"data": 1})
     specs = fs.parallel.zero(0)(P(), params)
     opt = fs.optim.adamw(1e-4, weight_decay=0.01)
@@ -71,14 +101,17 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
                                      "model": f"GPT {n_params / 1e6:.1f}M params (d_model={cfg.d_model} "
                                               f"blocks={cfg.n_layers} seq={cfg.seq_len}), fp32, one device",
                                      "batch": f"{rows} x {cfg.seq_len} tokens"})
-    steps, states, losses, acts, est = {}, {}, {}, {}, {}
+    losses, acts, est, times = {}, {}, {}, {}
+    ctx = multiprocessing.get_context("spawn")
     for name in POLICIES:
         _log(f"{name} ...")
+        with ctx.Pool(1) as pool:
+            losses[name], times[name] = pool.apply(_timed, (dataclasses.asdict(cfg), rows, name, rounds))
+    for name in POLICIES:
         policy = None if name == "none" else name
         step = fs.train_step(gpt.loss, opt, mesh=mesh, param_specs=specs, blocks="blocks", remat=policy,
                              donate=True)
-        state, m = step(step.init(params), batch)  # the first step: the same loss whatever the policy
-        losses[name] = float(m["loss"])
+        state, _ = step(step.init(params), batch)
         with fs.memory.track() as mem:
             mem.register(state.params, "parameters")
             mem.register(state.opt_state, "optimizer state")
@@ -86,19 +119,11 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         acts[name] = mem.peak_of(("activations",))
         est[name] = fs.estimate_memory(params, specs, opt, mesh=mesh, loss=gpt.loss, batch=batch,
                                        remat=policy).activations
-        steps[name], states[name] = step, state
-    times: dict[str, list[float]] = {name: [] for name in POLICIES}
-    for r in range(rounds):
-        order = POLICIES[r % len(POLICIES):] + POLICIES[:r % len(POLICIES)]
-        for name in order:
-            t0 = time.perf_counter()
-            states[name], m = steps[name](states[name], batch)
-            float(m["loss"])
-            times[name].append(time.perf_counter() - t0)
+        del step, state
     med = {name: statistics.median(ts) for name, ts in times.items()}
     first = "; ".join(f"{k} {v:.6f}" for k, v in losses.items())
     notes = (f"first-step losses (the same numbers under every policy): {first}",
-             f"{rounds} rounds, each policy once per round in a rotating order; the median step")
+             f"each policy in a fresh process: a warm-up step, then {rounds} timed steps; the median step")
     others = [p for p in POLICIES if p != "none"]
     report.sections = [
         Section(title="step time of each policy against keeping every activation", peer="remat=None, the same step",

@@ -59,6 +59,7 @@ class ModuleStages(Stages):
         first, stop = self.ranges[s].start, self.ranges[s].stop
         last = s == self.n - 1
         seen = [0]
+        outer = _blocks.current()  # the step's own (a remat policy, ZeRO-3's gathers): it runs this stage's blocks
 
         def handler(block: Callable, p: Any, h: Any, *args: Any, **kwargs: Any) -> Any:
             i = seen[0]
@@ -67,7 +68,7 @@ class ModuleStages(Stages):
                 return h  # an earlier stage's block
             if i == first and s > 0:
                 h = x  # what the previous stage sent
-            out = block(p, h, *args, **kwargs)
+            out = outer(block, p, h, *args, **kwargs) if outer is not None else block(p, h, *args, **kwargs)
             if i == stop - 1 and not last:
                 raise _Cut(out)
             return out

@@ -76,3 +76,9 @@ class Keyed:
 def active() -> bool:
     """Whether a handler routes blocks now (the step's per-block ZeRO-3, a remat policy)."""
     return _HANDLER.get() is not None
+
+
+def current() -> Callable[..., Any] | None:
+    """The handler that routes blocks now (None: they run plainly): a handler installed
+    inside another hands its blocks on to it (``handler(block, params, ...)``) to compose."""
+    return _HANDLER.get()

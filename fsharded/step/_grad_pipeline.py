@@ -31,6 +31,7 @@ from fsharded import comm
 from fsharded.mesh._mesh import Mesh
 from fsharded.parallel import _buckets as B
 from fsharded.parallel import zero3
+from fsharded.parallel.blocks import current as current_handler
 from fsharded.parallel.blocks import handling
 from fsharded.parallel.pipeline import (
     Mailbox,
@@ -76,8 +77,10 @@ class PipelineGradients:
     gathers_by_stage = True  # ZeRO-3 gathers this rank's stages' weights, not the model's: no blocks= needed
 
     def __init__(self, pipe: Pipelined, inputs: Inputs, reduction: Reduction, layout: Layout, *, policy: Any,
-                 scaling: Any, batch_axes: tuple[str, ...], functional: bool, distributed: bool, cap: int) -> None:
+                 scaling: Any, batch_axes: tuple[str, ...], functional: bool, distributed: bool, cap: int,
+                 remat: Any = None) -> None:
         self.pipe, self.inputs, self.reduction, self.mesh = pipe, inputs, reduction, layout.mesh
+        self.remat = remat  # the step's remat policy, applied to the stages' blocks per micro-batch
         self.policy, self.scaling, self.functional, self.distributed = policy, scaling, functional, distributed
         self.table = pipe.table(self.mesh.shape[pipe.axis])
         self.assumed = _assumable(layout, batch_axes, pipe.axis)
@@ -104,6 +107,8 @@ class PipelineGradients:
         stages, sched, axis = self.pipe.stages, self.table, self.pipe.axis
         mine = self._mine()
         counted = self._counted_rank()
+        if self.remat is not None:
+            stages = _Recomputed(stages, self.remat)
         # ZeRO-3: a stage's sharded leaves are gathered at its GATHER action of the table
         # and their gradients reduce-scattered at its RELEASE (``with_gathers``).
         weights = None
@@ -379,9 +384,31 @@ class _BlocksGathered:
                     frozen.add(id(t))
         # Plain autograd re-gathers by saved-tensor hooks; torch.func, and a dry run (whose
         # manifest then lists backward's gathers as they run), by a remat of the block.
+        hooks = not g.functional and not _manifest.dry()
         handler = zero3.block_handler(specs_of, lay.axis, lay.mesh, g.cap, None, True, set(), frozen=frozen,
-                                      hooks=not g.functional and not _manifest.dry())
+                                      hooks=hooks)
+        handler.recomputes = not hooks  # (a remat policy inside it does not recompute its blocks twice)
         with handling(handler):
+            return self.stages.forward(s, params, x, batch, state=state)
+
+
+class _Recomputed:
+    """``Stages`` whose blocks follow the step's remat policy (``train_step(remat=...)``),
+    in every stage's forward, per micro-batch: the policy's handler is installed around the
+    stage's forward, handing its blocks on to the handler already there (ZeRO-3's per-block
+    gathers, which recompute the blocks themselves under torch.func: not twice). The policy
+    counts the blocks of each stage's forward (``"blocks:K"``: every K-th of the stage's)."""
+
+    def __init__(self, stages: Any, policy: Any) -> None:
+        self.stages, self.policy = stages, policy
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stages, name)
+
+    def forward(self, s: int, params: dict, x: Any, batch: Any, state: Any = None) -> Any:
+        inner = current_handler()
+        done = (lambda _p: True) if getattr(inner, "recomputes", False) else None
+        with handling(self.policy.handler(inner, done=done)):
             return self.stages.forward(s, params, x, batch, state=state)
 
 

@@ -52,13 +52,10 @@ def choose_gradients(layout: Layout, loss_fn: Callable, *, policy: Any, scaling:
     autograd); ``distributed``: real ranks with plain autograd (reductions in backward,
     ZeRO-3 prefetch); ``cap``: elements per communication bucket."""
     if isinstance(loss_fn, Pipelined):
-        if remat is not None:
-            raise NotImplementedError(f"train_step: remat={str(remat)!r} with a pipelined loss is not supported yet; "
-                                      f"recompute inside the stages' blocks (fs.parallel.remat.checkpoint)")
         check_pipelined(loss_fn, layout, accumulation=accumulation)
         return PipelineGradients(loss_fn, Inputs(layout, cap), Reduction(layout, batch_axes, cap, policy.reduce_dtype),
                                  layout, policy=policy, scaling=scaling, batch_axes=batch_axes, functional=not eager,
-                                 distributed=distributed, cap=cap)
+                                 distributed=distributed, cap=cap, remat=remat)
     common = dict(policy=policy, scaling=scaling, check_loss=check_loss, cap=cap, remat=remat)
     if gathers_blocks(layout):
         loss: LocalLoss = BlockLoss(layout, loss_fn, distributed=distributed, **common)

@@ -1,0 +1,73 @@
+"""``train_step(remat=...)`` with a pipelined loss: each stage's blocks recomputed in
+backward per micro-batch, with the numbers of keeping every activation."""
+
+from __future__ import annotations
+
+import pipeline_cases as C
+import pytest
+import torch
+
+TOL = dict(rtol=1e-6, atol=1e-7)
+
+
+def _same(a: dict, b: dict, tol: dict = TOL) -> None:
+    torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), **tol)
+    torch.testing.assert_close(a["params"], b["params"], **tol)
+
+
+@pytest.mark.parametrize("name,v", [("one_f_one_b", 1), ("interleaved", 2), ("gpipe", 1)])
+@pytest.mark.parametrize("policy", ["blocks", "blocks:2,offload", "blocks,dots"])
+def test_pipelined_blocks_recomputed_give_the_numbers_of_none(name, v, policy):
+    _same(C.train({"pipe": 2}, name, v, 3, remat=policy), C.train({"pipe": 2}, name, v, 3))
+
+
+def test_with_zero3_gathering_per_block_and_tensor_parallel():
+    # ZeRO-3 regathering each block per micro-batch (its own recomputation under
+    # torch.func: the policy adds none of its own), and tensor parallelism beside it.
+    mesh = {"data": 2, "pipe": 2}
+    _same(C.train(mesh, "one_f_one_b", 1, 3, zero=3, reshard=True, remat="blocks"),
+          C.train(mesh, "one_f_one_b", 1, 3, zero=3, reshard=True))
+    mesh = {"pipe": 2, "tensor": 2}
+    _same(C.train(mesh, "one_f_one_b", 1, 3, tensor=True, remat="blocks,partition"),
+          C.train(mesh, "one_f_one_b", 1, 3, tensor=True))
+
+
+def test_a_hugging_face_model_cut_into_stages_with_dropout():
+    # fs.nn.pipeline_stages runs the stage's blocks through its own cut, which hands them
+    # to the policy: the recomputed blocks draw the forward's dropout masks.
+    _same(C.hf_train("gpt2", {"pipe": 2}, "one_f_one_b", 3, dropout=0.1, remat="blocks"),
+          C.hf_train("gpt2", {"pipe": 2}, "one_f_one_b", 3, dropout=0.1))
+
+
+def test_the_recomputed_stages_keep_fewer_activations(monkeypatch):
+    import fsharded as fs
+    from fsharded.models import gpt
+    from fsharded.parallel import remat
+
+    calls = []
+    orig = remat._Remat.apply
+    monkeypatch.setattr(remat._Remat, "apply", lambda *a: calls.append(1) or orig(*a))
+    out = {}
+    for policy in (None, "blocks"):
+        params, tokens = C.setup(layers=4, batch=8, **C.TRAIN_CFG)
+        stages = C.gpt_stages.pipeline_stages(params, 2, attention="einsum")
+        loss = C.pp.pipelined(stages, schedule="gpipe", microbatches=2)
+        step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=fs.Mesh({"pipe": 2}), remat=policy)
+        state, _ = step(step.init(params), {"tokens": tokens})
+        with fs.memory.track() as mem:
+            mem.register(state.params, "parameters")
+            mem.register(state.opt_state, "optimizer state")
+            step(state, {"tokens": tokens})
+        out[policy] = mem.peak_of(("activations",))
+    assert out["blocks"] < out[None], out
+    assert calls  # the stages' blocks went through the remat
+    del gpt
+
+
+@pytest.mark.multiprocess
+def test_on_two_gloo_pipe_ranks():
+    from fsharded.testing import run_on_ranks
+
+    for res in run_on_ranks(C.gloo_remat, 2, 2):
+        for policy in ("blocks", "blocks:2,offload"):
+            _same(res[("pipe", policy)], res[("pipe", None)])
