@@ -184,7 +184,7 @@ def gloo_remat(world: int) -> dict:
     """On each rank: the pipelined GPT (and ZeRO-3 per block beside it) with remat policies."""
     out = {}
     for policy in (None, "blocks", "blocks:2,offload"):
-        out[("pipe", policy)] = train({"pipe": world}, "one_f_one_b", 1, 3, remat=policy)
+        out[("pipe", policy)] = train({"pipe": world}, "1f1b", 1, 3, remat=policy)
     return out
 
 

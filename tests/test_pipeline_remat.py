@@ -15,7 +15,7 @@ def _same(a: dict, b: dict, tol: dict = TOL) -> None:
     torch.testing.assert_close(a["params"], b["params"], **tol)
 
 
-@pytest.mark.parametrize("name,v", [("one_f_one_b", 1), ("interleaved", 2), ("gpipe", 1)])
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved", 2), ("gpipe", 1)])
 @pytest.mark.parametrize("policy", ["blocks", "blocks:2,offload", "blocks,dots"])
 def test_pipelined_blocks_recomputed_give_the_numbers_of_none(name, v, policy):
     _same(C.train({"pipe": 2}, name, v, 3, remat=policy), C.train({"pipe": 2}, name, v, 3))
@@ -25,18 +25,18 @@ def test_with_zero3_gathering_per_block_and_tensor_parallel():
     # ZeRO-3 regathering each block per micro-batch (its own recomputation under
     # torch.func: the policy adds none of its own), and tensor parallelism beside it.
     mesh = {"data": 2, "pipe": 2}
-    _same(C.train(mesh, "one_f_one_b", 1, 3, zero=3, reshard=True, remat="blocks"),
-          C.train(mesh, "one_f_one_b", 1, 3, zero=3, reshard=True))
+    _same(C.train(mesh, "1f1b", 1, 3, zero=3, reshard=True, remat="blocks"),
+          C.train(mesh, "1f1b", 1, 3, zero=3, reshard=True))
     mesh = {"pipe": 2, "tensor": 2}
-    _same(C.train(mesh, "one_f_one_b", 1, 3, tensor=True, remat="blocks,partition"),
-          C.train(mesh, "one_f_one_b", 1, 3, tensor=True))
+    _same(C.train(mesh, "1f1b", 1, 3, tensor=True, remat="blocks,partition"),
+          C.train(mesh, "1f1b", 1, 3, tensor=True))
 
 
 def test_a_hugging_face_model_cut_into_stages_with_dropout():
     # fs.nn.pipeline_stages runs the stage's blocks through its own cut, which hands them
     # to the policy: the recomputed blocks draw the forward's dropout masks.
-    _same(C.hf_train("gpt2", {"pipe": 2}, "one_f_one_b", 3, dropout=0.1, remat="blocks"),
-          C.hf_train("gpt2", {"pipe": 2}, "one_f_one_b", 3, dropout=0.1))
+    _same(C.hf_train("gpt2", {"pipe": 2}, "1f1b", 3, dropout=0.1, remat="blocks"),
+          C.hf_train("gpt2", {"pipe": 2}, "1f1b", 3, dropout=0.1))
 
 
 def test_the_recomputed_stages_keep_fewer_activations(monkeypatch):
@@ -71,3 +71,16 @@ def test_on_two_gloo_pipe_ranks():
     for res in run_on_ranks(C.gloo_remat, 2, 2):
         for policy in ("blocks", "blocks:2,offload"):
             _same(res[("pipe", policy)], res[("pipe", None)])
+
+
+def test_estimate_memory_measures_a_pipelined_loss_under_a_policy():
+    import fsharded as fs
+
+    params, tokens = C.setup(layers=8, batch=8, **C.TRAIN_CFG)  # 4 blocks per stage
+    stages = C.gpt_stages.pipeline_stages(params, 2, attention="einsum")
+    loss = C.pp.pipelined(stages, schedule="gpipe", microbatches=2)
+    mesh = fs.Mesh({"pipe": 2})
+    est = {p: fs.estimate_memory(params, None, fs.optim.adamw(1e-2), mesh=mesh, loss=loss,
+                                 batch={"tokens": tokens}, remat=p) for p in (None, "blocks:2", "blocks")}
+    a = {p: e.activations for p, e in est.items()}
+    assert a["blocks"] < a["blocks:2"] < a[None], a

@@ -135,8 +135,10 @@ class _DeepSpeed:
         if tier != "none":
             zero["offload_optimizer"] = {"device": tier.split("+")[0], "nvme_path": job.nvme_path, "pin_memory": False}
         if tier == "nvme+params":  # ZeRO-Infinity: the parameters on NVMe too
+            # Its swap buffers hold a whole partition each: the largest leaf's (the embedding).
+            largest = max(x.numel() for x in _leaves(job.params())) // job.ranks + 1
             zero["offload_param"] = {"device": "nvme", "nvme_path": job.nvme_path, "pin_memory": False,
-                                     "buffer_count": 5, "buffer_size": max(job.block_numel(), 1 << 20)}
+                                     "buffer_count": 5, "buffer_size": max(job.block_numel(), largest)}
         cfg = {"train_micro_batch_size_per_gpu": job.micro, "gradient_accumulation_steps": 1,
                "gradient_clipping": job.clip, "zero_optimization": zero, "steps_per_print": 1 << 30,
                "optimizer": {"type": "AdamW", "params": {"lr": job.lr, "weight_decay": job.wd}},
@@ -159,6 +161,12 @@ class _DeepSpeed:
         mean = loss.detach().clone()  # the global batch's loss, as ours reports it
         dist.all_reduce(mean)
         return float(mean) / dist.get_world_size()
+
+
+def _leaves(tree: Any) -> list:
+    import optree
+
+    return optree.tree_leaves(tree)
 
 
 def _quiet() -> None:

@@ -26,6 +26,7 @@ from fsharded.mesh import _tree
 from fsharded.mesh._layout import local_slice
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, shard_shape
+from fsharded.parallel.blocks import current as current_handler
 from fsharded.parallel.blocks import handling
 from fsharded.parallel.pipeline import Pipelined, check, split_batch
 from fsharded.parallel.remat import checkpoint
@@ -171,15 +172,12 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     if pl.trainable is None or trainable is not None:
         pl = pl.freeze(T.resolve(trainable, params))
     kw = dict(policy=policy, mesh=mesh, bucket_elems=bucket_elems, blocks=blocks)
-    if isinstance(loss, Pipelined) and remat is not None:
-        raise NotImplementedError("estimate_memory: a remat policy with a pipelined loss is not supported yet "
-                                  "(train_step refuses the pair too)")
     if isinstance(loss, Pipelined) and mesh.shape.get(loss.axis, 1) > 1:
         if activation_bytes is None and batch is None:
             raise ValueError("estimate_memory: loss= needs a batch= (a global batch, as train_step takes)")
         n = mesh.shape[loss.axis]
         acts = [int(activation_bytes)] * n if activation_bytes is not None else \
-            pipeline_activations(loss, params, pl, mesh, policy, batch, batch_spec)
+            pipeline_activations(loss, params, pl, mesh, policy, batch, batch_spec, remat)
         owners = loss.owners(_tree.tree_flatten_with_paths(params)[0], n)
         # ZeRO-3 gathers each stage's weights once per step (the table's GATHER), or its
         # blocks one at a time per micro-batch (reshard_after_forward=True).
@@ -197,7 +195,7 @@ def estimate_memory(params: Any, specs: Any, optimizer: Any, *, precision: Any =
     elif isinstance(loss, Pipelined):
         if batch is None:
             raise ValueError("estimate_memory: loss= needs a batch= (a global batch, as train_step takes)")
-        activations, notes = _pipeline_activations(loss, params, pl, mesh, policy, batch, batch_spec)
+        activations, notes = _pipeline_activations(loss, params, pl, mesh, policy, batch, batch_spec, remat)
     elif loss is not None:
         if batch is None:
             raise ValueError("estimate_memory: loss= needs a batch= (a global batch, as train_step takes)")
@@ -466,11 +464,12 @@ def placement_of(specs: Any, params: Any, mesh: Mesh) -> Placement:
 
 
 def pipeline_activations(pipe: Pipelined, params: Any, pl: Any, mesh: Mesh, policy: Any, batch: Any,
-                         batch_spec: Any) -> list[int]:
+                         batch_spec: Any, remat: Any = None) -> list[int]:
     """Per rank along the pipe axis, the activation bytes it holds at its peak: the table's
     bound of micro-batches held at once (``check(...).peak_activations``) times the most
     one micro-batch of any of its stages holds (each stage measured alone, on meta
-    tensors, from its input as received to its backward)."""
+    tensors, from its input as received to its backward; with ``remat``, the step's remat
+    policy, its blocks recomputed as the step's stage forward recomputes them)."""
     if pipe.axis not in mesh.shape:
         raise ValueError(f"estimate_memory: the loss is pipelined over {pipe.axis!r}, which {mesh!r} does not have")
     sched = pipe.table(mesh.shape[pipe.axis])
@@ -486,7 +485,12 @@ def pipeline_activations(pipe: Pipelined, params: Any, pl: Any, mesh: Mesh, poli
                     x = st.forward(t, st.params_of(p, t), x, micro)
                     x = x[0] if isinstance(x, tuple) else x  # (its own loss terms and metrics aside)
             x = x.clone().requires_grad_()  # as received: a buffer of this stage's
-        y = st.forward(s, st.params_of(p, s), x, micro)
+        if remat is None:
+            y = st.forward(s, st.params_of(p, s), x, micro)
+        else:  # as the step's stage forward: the policy's handler around it, over the one there
+            inner = current_handler()
+            with handling(remat.handler(inner, done=(lambda _p: True) if inner is not None else None)):
+                y = st.forward(s, st.params_of(p, s), x, micro)
         if isinstance(y, tuple):  # (activation or loss, the stage's own loss terms, metrics)
             y, extra, _ = y
             if extra is not None:
@@ -499,8 +503,8 @@ def pipeline_activations(pipe: Pipelined, params: Any, pl: Any, mesh: Mesh, poli
 
 
 def _pipeline_activations(pipe: Pipelined, params: Any, pl: Any, mesh: Mesh, policy: Any, batch: Any,
-                          batch_spec: Any) -> tuple[int, list[str]]:
-    per_rank = pipeline_activations(pipe, params, pl, mesh, policy, batch, batch_spec)
+                          batch_spec: Any, remat: Any = None) -> tuple[int, list[str]]:
+    per_rank = pipeline_activations(pipe, params, pl, mesh, policy, batch, batch_spec, remat)
     worst = max(range(len(per_rank)), key=per_rank.__getitem__)
     return per_rank[worst], [
         f"pipelined over {pipe.axis!r}: activations per rank {[f'{b / 2**20:,.2f} MiB' for b in per_rank]} "
