@@ -64,6 +64,17 @@ def test_the_recomputed_stages_keep_fewer_activations(monkeypatch):
     del gpt
 
 
+def test_selective_remat_replays_every_product_in_the_stages(monkeypatch):
+    from fsharded.parallel import remat
+
+    made = []
+    kept_init = remat._Kept.__init__
+    monkeypatch.setattr(remat._Kept, "__init__", lambda self, ops: made.append(self) or kept_init(self, ops))
+    C.train({"pipe": 2}, "1f1b", 1, 1, remat="blocks,dots")
+    assert made and sum(k.misses for k in made) == 0
+    assert sum(k.hits for k in made) == sum(k.recorded for k in made) > 0
+
+
 @pytest.mark.multiprocess
 def test_on_two_gloo_pipe_ranks():
     from fsharded.testing import run_on_ranks

@@ -33,16 +33,19 @@ def _close(a: dict, b: dict, tol: dict) -> None:
         torch.testing.assert_close(x, y, **tol)
 
 
-@pytest.mark.parametrize("zf", [ZenFlow(0.25, select_interval=3), ZenFlow(0.25, select_interval=3, update_interval=2),
-                                ZenFlow(0.5, select_interval=2, warmup_steps=2, update_interval=3)], ids=str)
-def test_zenflow_follows_its_own_stale_reference(zf):
+@pytest.mark.parametrize("zf,clip", [(ZenFlow(0.25, select_interval=3), None),
+                                     (ZenFlow(0.25, select_interval=3, update_interval=2), None),
+                                     (ZenFlow(0.5, select_interval=2, warmup_steps=2, update_interval=3), None),
+                                     (ZenFlow(0.25, select_interval=3, update_interval=3), 0.5)], ids=str)
+def test_zenflow_follows_its_own_stale_reference(zf, clip):
     # The step (a thread on the host tier, hot rows on the device, a landing one step
     # later) against the rule written out in plain torch: the same within rounding (the
-    # C++ kernel against torch's ops).
-    got, ref = Z.run({"data": 1}, 1, zf, 8), Z.reference(zf, 8)
+    # C++ kernel against torch's ops). With clipping, each step's cold gradients are summed
+    # with that step's factor.
+    got, ref = Z.run({"data": 1}, 1, zf, 8, clip=clip), Z.reference(zf, 8, clip=clip)
     _close(got, ref, dict(rtol=1e-5, atol=2e-6))
     # And the rule is not the exact update: the cold rows trained stale.
-    exact = Z.run({"data": 1}, 1, None, 8)
+    exact = Z.run({"data": 1}, 1, None, 8, clip=clip)
     assert max((x - y).abs().max().item() for x, y in zip(got["params"], exact["params"])) > 1e-3
 
 
@@ -68,7 +71,9 @@ def test_zenflow_converges_within_two_percent_of_the_exact_update():
 
 
 def test_a_checkpoint_lands_the_update_and_a_resumed_run_continues_alike(tmp_path):
-    zf = ZenFlow(0.25, select_interval=3, update_interval=2)
+    # (The warm-up is counted by the state's own step count: a resumed job does not warm
+    # up again.)
+    zf = ZenFlow(0.25, select_interval=3, update_interval=2, warmup_steps=2)
     batches = T.batches(9)
     step, params = Z.make_step({"data": 2}, 2, zf)
     state = step.init(params)
@@ -89,11 +94,15 @@ def test_a_checkpoint_lands_the_update_and_a_resumed_run_continues_alike(tmp_pat
         assert float(m["loss"]) == want
     step2.settle(state2)
     assert all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(step2.params(state2)), running, strict=True))
-    # The same step loading it again drops what it held for its running state.
+    # The same step loading it again settles what it held into its running state (which
+    # stays usable), and the loaded state continues alike.
+    state, _ = step(state, batches[0])  # an update in flight again
     state3 = step.load(tmp_path / "ck")
     for b in batches[5:]:
         state3, m = step(state3, b)
     assert float(m["loss"]) == losses[-1]
+    step.settle(state3)
+    step(state, batches[0])  # settled by the load: nothing held for it any more
 
 
 def test_another_state_is_refused_while_the_update_is_in_flight():

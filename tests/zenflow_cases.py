@@ -42,17 +42,19 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1) if t.dim() >= 2 else t.reshape(1, -1)
 
 
-def _adamw(p: list, g: list, m: list, v: list, step: int) -> None:
+def _adamw(p: list, g: list, m: list, v: list, step: int, scale: float = 1.0) -> None:
     fused_adamw_reference_(p, g, m, v, lr=T.LR, beta1=B1, beta2=B2, eps=EPS, weight_decay=T.WD, step=step,
-                           check_finite=False)
+                           check_finite=False, inv_scale=scale)
 
 
-def reference(zf: ZenFlow, steps: int) -> dict:
+def reference(zf: ZenFlow, steps: int, clip: float | None = None) -> dict:
     """ZenFlow's rule on one device in plain torch, with no thread and no tier: the hot
     rows (the top ``topk_ratio`` of each leaf's rows by gradient L1 norm, reselected at the
     first step of an interval once ``select_interval`` steps have passed) take AdamW at
     once with moments of their own; the rest take AdamW on the mean gradient of each
-    ``update_interval`` steps, applied when the step after the interval updates."""
+    ``update_interval`` steps, applied when the step after the interval updates. ``clip``:
+    each step's gradients scaled by its clipping factor (``optim.clip_factor`` of their
+    global norm), the cold ones as they are summed."""
     params = optree.tree_leaves(gpt.init(T.CONFIG, 0))
     treedef = optree.tree_structure(gpt.init(T.CONFIG, 0))
     p = [x.clone() for x in params]
@@ -71,8 +73,9 @@ def reference(zf: ZenFlow, steps: int) -> dict:
         g, loss = torch.func.grad_and_value(lambda q, b=batch: gpt.loss(optree.tree_unflatten(treedef, q), b))(p)
         losses.append(float(loss))
         g = [x.contiguous() for x in g]
+        f = float(fs.optim.clip_factor(fs.optim.global_norm(g), clip)) if clip is not None else 1.0
         if t < zf.warmup_steps:
-            _adamw(p, [x.clone() for x in g], m, v, t + 1)
+            _adamw(p, [x.clone() for x in g], m, v, t + 1, f)
             continue
         if pend is not None:
             land()
@@ -89,9 +92,10 @@ def reference(zf: ZenFlow, steps: int) -> dict:
             since = 0
         for x, gx, (idx, hm, hv) in zip(p, g, hot):
             ph = _rows(x)[idx].clone()
-            _adamw([ph], [_rows(gx)[idx].clone()], [hm], [hv], t + 1)
+            _adamw([ph], [_rows(gx)[idx].clone()], [hm], [hv], t + 1, f)
             _rows(x)[idx] = ph
-        summed = [x.clone() for x in g] if summed is None else [a + x for a, x in zip(summed, g)]
+        scaled = [x * f for x in g] if f != 1.0 else g
+        summed = [x.clone() for x in scaled] if summed is None else [a + x for a, x in zip(summed, scaled)]
         count += 1
         if count == zf.update_interval:
             pend = [x.clone() for x in p]

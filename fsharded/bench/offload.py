@@ -20,9 +20,11 @@ weight decay 0.01, clipping 1.0) at ZeRO-3 on the same batches, with the optimiz
 
 DeepSpeed (when importable) runs the same model as an ``nn.Module`` whose forward is
 ``gpt.loss``, at ZeRO-3 (built under ``deepspeed.zero.Init``, each block's weights freed
-after forward), with its ``AdamW`` and ``offload_optimizer`` ``none``, ``cpu`` and ``nvme``,
-and ``nvme`` with ``offload_param`` ``nvme`` too (DeepSpeedCPUAdam; its NVMe swapper needs
-its ``async_io`` op, which needs ``libaio``: where that cannot be built the row says so). On a CPU-only machine the "device" is host memory:
+after forward), with its ``AdamW`` and ``offload_optimizer`` ``none``, ``cpu`` and ``nvme``
+(DeepSpeedCPUAdam; its NVMe swapper needs its ``async_io`` op, which needs ``libaio``: where
+that cannot be built the row says so). Its ``offload_param`` is not run: its swapper wants
+a buffer per parameter gathered at once (74 when the model is loaded, each the size of the
+largest partition: 4 GB per rank here). On a CPU-only machine the "device" is host memory:
 the host tier moves nothing out of RAM, and what it shows is the cost of its copies.
 
 Each framework runs in fresh processes of its own (``ru_maxrss`` is a per-process
@@ -133,12 +135,7 @@ class _DeepSpeed:
         zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0,
                                 "stage3_prefetch_bucket_size": job.block_numel(), "stage3_max_reuse_distance": 0}
         if tier != "none":
-            zero["offload_optimizer"] = {"device": tier.split("+")[0], "nvme_path": job.nvme_path, "pin_memory": False}
-        if tier == "nvme+params":  # ZeRO-Infinity: the parameters on NVMe too
-            # Its swap buffers hold a whole partition each: the largest leaf's (the embedding).
-            largest = max(x.numel() for x in _leaves(job.params())) // job.ranks + 1
-            zero["offload_param"] = {"device": "nvme", "nvme_path": job.nvme_path, "pin_memory": False,
-                                     "buffer_count": 5, "buffer_size": max(job.block_numel(), largest)}
+            zero["offload_optimizer"] = {"device": tier, "nvme_path": job.nvme_path, "pin_memory": False}
         cfg = {"train_micro_batch_size_per_gpu": job.micro, "gradient_accumulation_steps": 1,
                "gradient_clipping": job.clip, "zero_optimization": zero, "steps_per_print": 1 << 30,
                "optimizer": {"type": "AdamW", "params": {"lr": job.lr, "weight_decay": job.wd}},
@@ -161,12 +158,6 @@ class _DeepSpeed:
         mean = loss.detach().clone()  # the global batch's loss, as ours reports it
         dist.all_reduce(mean)
         return float(mean) / dist.get_world_size()
-
-
-def _leaves(tree: Any) -> list:
-    import optree
-
-    return optree.tree_leaves(tree)
 
 
 def _quiet() -> None:
@@ -353,7 +344,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         ds_nvme, why = _deepspeed_nvme_ok(ext) if deepspeed else (False, "")
         for framework in (OURS, DS) if deepspeed else (OURS,):
             for tier in TIERS:
-                if framework == DS and (tier == "zenflow" or (tier.startswith("nvme") and not ds_nvme)):
+                if framework == DS and (tier in ("nvme+params", "zenflow") or (tier == "nvme" and not ds_nvme)):
                     continue
                 _log(f"{framework}, optimizer state {tier} ...")
                 runs[(framework, tier)] = run_on_new_ranks(worker, ranks, job, framework, tier)
@@ -431,7 +422,8 @@ def _sections(job: Job, runs: dict, size: str, disk: tuple[float, float], deepsp
                               f"first step): {init}")))
     if DS in {k[0] for k in runs}:
         out[-1] = dataclasses.replace(out[-1], notes=out[-1].notes + (
-            "DeepSpeed's ZenFlow (stages 1-2, a CUDA device) is not run here",))
+            "DeepSpeed's offload_param (a swap buffer per parameter gathered at once, each as large as the "
+            "largest partition) and its ZenFlow (stages 1-2, a CUDA device) are not run here",))
     io_s = statistics.median(r["io_s"] for r in runs[o["nvme"]])
     io_b = max(r["io_bytes"] for r in runs[o["nvme"]])
     # Every rank streams its state at once, to the same disk: the floor is the time the disk

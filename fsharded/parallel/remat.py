@@ -132,7 +132,8 @@ class _Kept:
     same op, shapes and dtype instead of running. The recomputation runs the forward's ops
     in the forward's order (the same function on the same inputs); should it not, the
     first op that differs ends the replay and every op from there runs (``misses``), so a
-    divergence costs time, not numbers. The ops sit below autograd and the torch.func
+    divergence costs time, not numbers. A kept output changed in place after it was made
+    (its version moved: an in-place op in the forward) is not taken either. The ops sit below autograd and the torch.func
     transforms (a dispatch mode), so the recomputation still records each product's
     backward, which needs its inputs, not its output."""
 
@@ -167,10 +168,12 @@ class _KeepMode(TorchDispatchMode):
         sig = _signature(func, args)
         if not self.replay:
             out = func(*args, **kwargs)
-            kept.outs.append((sig, out))
+            kept.outs.append((sig, out, out._version))
             kept.recorded += 1
             return out
-        if self.queue and self.queue[-1][0] == sig:
+        # The next kept output, if it is this op's and unchanged since (an in-place op on
+        # it in the forward, e.g. an in-place activation, would make it another value).
+        if self.queue and self.queue[-1][0] == sig and self.queue[-1][1]._version == self.queue[-1][2]:
             kept.hits += 1
             return self.queue.pop()[1]
         kept.misses += 1

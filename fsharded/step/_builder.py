@@ -385,10 +385,12 @@ class TrainStep:
 
     def settle(self, state: TrainState) -> TrainState:
         """Put into ``state`` what the step holds for it between steps: with ZenFlow
-        (``parallel.offload.ZenFlow``), the host update in flight lands in the parameters
-        and the hot rows' moments go back to the tier; the next step selects afresh. A
-        checkpoint does this first. Nothing to do otherwise. Returns ``state`` (updated in
-        place)."""
+        (``parallel.offload.ZenFlow``), the host update in flight lands in the parameters,
+        the cold gradients summed so far are applied, and the hot rows' moments go back to
+        the tier; the next step selects afresh. A checkpoint does this first; read
+        ``step.params(state)`` or ``state.opt_state`` after it (before, they are what the
+        next forward sees, and the host thread may still be writing the moments). Nothing
+        to do otherwise. Returns ``state`` (updated in place)."""
         for update in self._zenflow.values():
             update.settle(state.params)
         return state
@@ -424,10 +426,10 @@ class TrainStep:
         global params to make one from; by default the parameter tree as it was saved
         (``checkpoint.tree_like``: a flat dict of dotted names stays one). A checkpoint saved
         before the state counted skipped steps (``TrainState.skipped``) loads with 0. With
-        ZenFlow, what the step held for the state it was running is dropped: the loaded
-        state replaces it (a checkpoint holds its update landed)."""
+        ZenFlow, what the step held for the state it ran last is settled into that state
+        first (``settle``): nothing of it is lost, and the loaded state starts afresh."""
         for update in self._zenflow.values():
-            update.forget()
+            update.settle()
         return load_state(self, directory, like)
 
     # -- the step ----------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Any
 import optree
 import torch
 
+from fsharded import optim
 from fsharded.parallel import offload as _offload
 from fsharded.spmd import _manifest
 from fsharded.spmd._virtual import beneath
@@ -58,17 +59,21 @@ def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
 
 
 class _Pending:
-    """The tier's update of one step running in a thread: ``params`` (host copies of the
-    parameters, updated in place) once ``wait`` returns."""
+    """The tier's update of one interval running in a thread: ``params`` (host copies of the
+    parameters, updated in place) once ``wait`` returns. ``ready``: where the copies come
+    from a GPU, the event after them, which the thread waits for before it reads them."""
 
-    def __init__(self, run: _Run, params: list[torch.Tensor], grads: list[torch.Tensor], offload: Any) -> None:
+    def __init__(self, held: _Held, params: list[torch.Tensor], grads: list[torch.Tensor], offload: Any,
+                 ready: Any = None) -> None:
         self.params, self.error = params, None
-        moments = [[m.view(-1) for m in ms] for ms in run.moments]
+        step, moments, decay = held.cold, held.moments, held.decay
 
         def work() -> None:
             try:
-                _offload.stream_update(run.step, [p.view(-1) for p in params], [g.view(-1) for g in grads],
-                                       moments, run.decay, offload)
+                if ready is not None:
+                    ready.synchronize()
+                _offload.stream_update(step, [p.view(-1) for p in params], [g.view(-1) for g in grads],
+                                       moments, decay, offload)
             except BaseException as e:  # noqa: BLE001 - raised where the step waits for it
                 self.error = e
 
@@ -82,6 +87,18 @@ class _Pending:
         return self.params
 
 
+class _Held:
+    """What a step keeps of its update for the next one (not its gradients): the state's
+    parameters and moments as ``_rows`` views, the moments flat for the tier's update, the
+    decay flags, and the ``FusedStep`` the cold rows are updated with (the clipping factor
+    already applied to their gradients as they were summed)."""
+
+    def __init__(self, run: _Run, p3: list[torch.Tensor], m3: list[list[torch.Tensor]], optimizer: Any) -> None:
+        self.p3, self.m3, self.decay = p3, m3, run.decay
+        self.moments = [[m.view(-1) for m in ms] for ms in run.moments]
+        self.cold = optim.FusedStep(optimizer, run.step.state, inv_scale=1.0)
+
+
 class ZenFlowUpdate(OffloadedUpdate):
     """``OffloadedUpdate`` with ZenFlow's split (see the module doc and ``ZenFlow``). It
     holds, between steps, the update in flight, the cold gradients summed so far and the
@@ -93,12 +110,11 @@ class ZenFlowUpdate(OffloadedUpdate):
         self.zf = offload.zenflow
         self.pending: _Pending | None = None
         self.hot: list | None = None  # per leaf: (row index (devices, k), [hot moment (devices, k, elems)])
-        self.summed: list[torch.Tensor] | None = None  # host sums of this interval's gradients
+        self.summed: list[torch.Tensor] | None = None  # host sums of this interval's clipped gradients
         self.count = 0  # steps summed in ``summed``
         self.since = 0  # steps since the selection
-        self.steps = 0  # steps updated (the warm-up counts them)
         self.held: tuple | None = None  # the state it holds things for: its parameters' storages
-        self.last: tuple | None = None  # that state's (run, parameter rows, moment rows)
+        self.last: _Held | None = None  # what it keeps of that state's last update
 
     def __call__(self, grads: Any, factor: torch.Tensor | None, opt_state: Any, params: Any, *,
                  ok: torch.Tensor | None = None) -> tuple[Any, Any]:
@@ -116,21 +132,19 @@ class ZenFlowUpdate(OffloadedUpdate):
         m3 = [[_rows(m, lv) for m in ms] for ms, lv in zip(zip(*run.moments), run.levels)] if run.moments \
             else [[] for _ in p3]
         self._land(p3)  # into this state's (the one it was started for) parameters
-        self.held, self.last = _key(run.p_base), (run, p3, m3)
-        if self.steps < self.zf.warmup_steps:  # the exact update, whole
-            self.steps += 1
-            return params, run.state_after(self._stream(run))
+        self.held, self.last = _key(run.p_base), _Held(run, p3, m3, self.optimizer)
+        if int(run.step.state[-1].count.reshape(-1)[0]) < self.zf.warmup_steps:  # the exact update, whole (the
+            return params, run.state_after(self._stream(run))    # state's own count: it resumes)
         g3 = [_rows(g if g.shape == p.shape else g.expand(p.shape), lv)
               for g, p, lv in zip(run.g_base, run.p_base, run.levels)]
         if (self.hot is None or self.since >= self.zf.select_interval) and not self.count:
             self._write_back(m3)
             self._select(g3, m3)
         found = self._update_hot(run, p3, g3)
-        self._sum(run.g_base)
+        self._sum(run.g_base, run.step.inv_scale)
         if self.count == self.zf.update_interval:
-            self._start(run)
+            self._start()
         self.since += 1
-        self.steps += 1
         return params, run.state_after(found)
 
     # -- the pieces --------------------------------------------------------------------------
@@ -145,17 +159,22 @@ class ZenFlowUpdate(OffloadedUpdate):
     def _holds(self) -> bool:
         return self.pending is not None or self.hot is not None or self.count > 0
 
-    def _sum(self, g_base: list[torch.Tensor]) -> None:
-        """This step's gradients into the interval's host sums."""
-        pin = self.offload.pin_memory and torch.cuda.is_available()
+    def _sum(self, g_base: list[torch.Tensor], inv_scale: float | torch.Tensor) -> None:
+        """This step's gradients, times its clipping factor, into the interval's host sums
+        (copied in full before the host reads them: a GPU's copies are waited for)."""
+        scale = float(inv_scale)
         if self.summed is None:
-            self.summed = [_host_copy(g, pin) for g in g_base]
+            self.summed = [g.detach().to("cpu", copy=True).contiguous() for g in g_base]
+            if scale != 1.0:
+                for acc in self.summed:
+                    acc.mul_(scale)
         else:
             for acc, g in zip(self.summed, g_base):
-                acc.add_(g.to(acc.device, non_blocking=True).reshape(acc.shape))
+                g = g.detach().to("cpu").reshape(acc.shape)
+                acc.add_(g * scale if scale != 1.0 else g)
         self.count += 1
 
-    def _start(self, run: _Run) -> None:
+    def _start(self) -> None:
         """The tier's update of the interval's mean gradient, in a thread, on host copies
         of the parameters as they are now (their cold rows do not change until it lands)."""
         summed, n = self.summed, self.count
@@ -163,8 +182,14 @@ class ZenFlowUpdate(OffloadedUpdate):
         if n > 1:
             for acc in summed:
                 acc.div_(n)
+        held = self.last
         pin = self.offload.pin_memory and torch.cuda.is_available()
-        self.pending = _Pending(run, [_host_copy(p, pin) for p in run.p_base], summed, self.offload)
+        copies = [_host_copy(p, pin) for p in held.p3]
+        ready = None
+        if any(p.device.type == "cuda" for p in held.p3):
+            ready = torch.cuda.Event()
+            ready.record()
+        self.pending = _Pending(held, copies, summed, self.offload, ready)
 
     def _land(self, p3: list[torch.Tensor]) -> None:
         """The update in flight into ``p3``'s cold rows (its hot rows are newer)."""
@@ -175,7 +200,7 @@ class ZenFlowUpdate(OffloadedUpdate):
             idx, _ = hot
             if idx.shape[1] == p.shape[1]:  # every row hot: nothing of the host's to take
                 continue
-            h = host.view(p.shape)
+            h = host.view(p.shape)  # (a host copy of p: its shape)
             if idx.shape[1]:
                 ie = idx.unsqueeze(-1).expand(*idx.shape, p.shape[2])
                 h.scatter_(1, ie.to(h.device), p.gather(1, ie).to(h.device))
@@ -227,27 +252,21 @@ class ZenFlowUpdate(OffloadedUpdate):
             p.scatter_(1, ie, ph)
         return found
 
-    def settle(self, params: Any) -> None:
-        """Put what the step holds for the state it returned last (``params`` its
-        parameters) into it: the update in flight lands, the gradients summed so far are
-        applied as an interval of their own (their update run and landed now), the hot
-        rows' moments go back to the tier, and the next step selects afresh. Another
-        state is an error."""
+    def settle(self, params: Any = None) -> None:
+        """Put what the step holds for the state it returned last into it (``params``: that
+        state's parameters, checked; None: the state it holds, whichever): the update in
+        flight lands, the gradients summed so far are applied as an interval of their own
+        (their update run and landed now), the hot rows' moments go back to the tier, and
+        the next step selects afresh. Another state is an error."""
         if not self._holds():
             return
-        if not set(self.held) <= set(_key([beneath(t)[0] for t in optree.tree_leaves(params)])):
+        if params is not None and \
+                not set(self.held) <= set(_key([beneath(t)[0] for t in optree.tree_leaves(params)])):
             self._check(())
-        run, p3, m3 = self.last
-        self._land(p3)
+        held = self.last
+        self._land(held.p3)
         if self.count:
-            self._start(run)
-            self._land(p3)
-        self._write_back(m3)
+            self._start()
+            self._land(held.p3)
+        self._write_back(held.m3)
         self.held = self.last = None
-
-    def forget(self) -> None:
-        """Drop what the step holds (its state was replaced: a checkpoint was loaded)."""
-        if self.pending is not None:
-            self.pending.thread.join()
-        self.pending = self.hot = self.summed = self.held = self.last = None
-        self.count = 0

@@ -719,7 +719,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     elapsed = time.perf_counter() - t_start
     steady_steps = cfg.steps - start - 1 if t_steady is not None else cfg.steps - start
     steady_time = (time.perf_counter() - t_steady) if t_steady is not None else elapsed
-    full = step.params(state)
+    full = step.params(step.settle(state))  # (ZenFlow: the last host update lands first)
     with torch.no_grad():
         ms = step.model_state(state) if biased else None
         val_loss = sum(float(gpt.loss(full, val.batch_at(j), ms, moe=mcfg.moe, train=False)[0] if biased else
