@@ -213,9 +213,10 @@ def test_offload_refuses_what_it_cannot_do(tmp_path):
         fs.parallel.zero(3, offload_params="cpu")
     with pytest.raises(ValueError, match="ZeRO-3's parameter offload; stage 2 keeps"):
         fs.parallel.zero(2, offload_optimizer="cpu", offload_params="cpu")
-    # The tiers hold a fused optimizer's moments: another optimizer is refused when the
-    # state is made, not trained in memory behind the user's back.
-    step, _ = O.make_step({"data": 2}, 2, "cpu", optimizer=fs.optim.sgd(0.1, momentum=0.9))
+    # The NVMe tier streams a fused optimizer's moments: another optimizer is refused when
+    # the state is made, not trained in memory behind the user's back (the host tier runs
+    # it on host copies: tests/test_offload_host_optimizers.py).
+    step, _ = O.make_step({"data": 2}, 2, "nvme", nvme_path=str(tmp_path), optimizer=fs.optim.sgd(0.1, momentum=0.9))
     with pytest.raises(NotImplementedError, match="fused form"):
         step.init(params)
     # A state made by a step without offload is not in the tier: an error, not a silent
