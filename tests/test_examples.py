@@ -17,6 +17,7 @@ import subprocess
 import sys
 import types
 
+import commands
 import pytest
 import torch
 
@@ -612,15 +613,27 @@ def _argv(cmd: str) -> list[str]:
 
 @pytest.mark.multiprocess
 def test_readme_command_lines_run(tmp_path):
-    for name, text in _FILES.items():
-        (tmp_path / name).write_text(text)
+    # Each command in a directory of its own (they write the same default paths), two at
+    # a time; the plot last, over the metrics the run that names them wrote.
     cmds = _command_lines()
     assert any("torchrun" in c for _, c in cmds) and any("plot" in c for _, c in cmds)
-    for line, cmd in cmds:
-        if " plot " in f" {cmd} ":
-            # The other run's metrics: the same file under the second name.
-            (tmp_path / "other.jsonl").write_text((tmp_path / "metrics.jsonl").read_text())
+    plots = [(line, c) for line, c in cmds if " plot " in f" {c} "]
+    runs = [(line, c) for line, c in cmds if (line, c) not in plots]
+    dirs = []
+    for k, _ in enumerate(runs):
+        dirs.append(tmp_path / f"run{k}")
+        dirs[-1].mkdir()
+        for name, text in _FILES.items():
+            (dirs[-1] / name).write_text(text)
+    results = commands.run_all([_argv(c) for _, c in runs], cwds=dirs, timeout=300, env=ENV)
+    for (line, cmd), r in zip(runs, results):
+        assert r.returncode == 0, f"{line}: {cmd}\n{r.stderr[-3000:]}"
+    [metrics] = [d / "metrics.jsonl" for d in dirs if (d / "metrics.jsonl").exists()]
+    for line, cmd in plots:
+        # The other run's metrics: the same file under the second name.
+        (tmp_path / "metrics.jsonl").write_text(metrics.read_text())
+        (tmp_path / "other.jsonl").write_text(metrics.read_text())
         r = subprocess.run(_argv(cmd), capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
         assert r.returncode == 0, f"{line}: {cmd}\n{r.stderr[-3000:]}"
     assert (tmp_path / "curves.png").stat().st_size > 0
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+    assert len(metrics.read_text().splitlines()) == 3

@@ -5,6 +5,11 @@ ZeRO-1/2 on the data axis."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+
+import commands
 import optree
 import pipeline_cases as C
 import pytest
@@ -97,45 +102,53 @@ def test_what_the_pipeline_cannot_run_is_refused_with_the_fix():
 
 # -- fsharded train -------------------------------------------------------------------------
 
-def _cli(args, tmp_path, name, torchrun=0):
-    import json
-    import os
-    import subprocess
-    import sys
-    metrics = tmp_path / f"{name}.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+def _cli_argv(args, tmp_path, name, torchrun=0):
+    from fsharded.testing import free_port
     head = [sys.executable, "-m", "fsharded", "train"]
     if torchrun:
-        from fsharded.testing import free_port
         head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(torchrun),
                 "--master_port", str(free_port()), "-m", "fsharded", "train"]
-    r = subprocess.run([*head, "--preset", "tiny", "--seq-len", "32", "--batch", "2", "--steps", "5",
-                        "--set", "data=stdlib:300000", "--set", "model.n_layers=4", "--metrics", str(metrics),
-                        *args], capture_output=True, text=True, timeout=240, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout, [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    return [*head, "--preset", "tiny", "--seq-len", "32", "--batch", "2", "--steps", "5",
+            "--set", "data=stdlib:300000", "--set", "model.n_layers=4", "--metrics", str(tmp_path / f"{name}.jsonl"),
+            *args]
+
+
+def _cli_all(runs, tmp_path):
+    """{name: (stdout, losses)} of ``fsharded train`` runs given as name: (args, torchrun),
+    two at a time."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+    results = commands.run_all([_cli_argv(a, tmp_path, n, t) for n, (a, t) in runs.items()], timeout=240, env=env)
+    out = {}
+    for name, r in zip(runs, results):
+        assert r.returncode == 0, (name, r.stderr[-3000:])
+        lines = (tmp_path / f"{name}.jsonl").read_text().splitlines()
+        out[name] = r.stdout, [json.loads(line)["loss"] for line in lines]
+    return out
 
 
 @pytest.mark.multiprocess
 def test_fsharded_train_with_a_pipe_axis_trains_as_accumulation_does(tmp_path):
     # The same micro-batches, averaged: pipelined over pipe=2 as 1F1B and ZB, on the
     # virtual mesh and under torchrun, and accumulated without a pipeline.
-    out, base = _cli(["--mesh", "data=1", "--set", "grad_accum_steps=4"], tmp_path, "base")
-    out, piped = _cli(["--mesh", "pipe=2", "--set", "pipeline.microbatches=4"], tmp_path, "pipe")
-    assert "Mesh(pipe=2) on the virtual backend" in out and "pipeline 1f1b with 4 micro-batches" in out
-    _, zb = _cli(["--mesh", "pipe=2", "--set", "pipeline.schedule=zb", "--set", "pipeline.microbatches=4"],
-                 tmp_path, "zb")
-    out, ranks = _cli(["--mesh", "pipe=2", "--set", "pipeline.microbatches=4"], tmp_path, "ranks", torchrun=2)
-    assert "on the distributed backend" in out
-    out, seq = _cli(["--mesh", "pipe=2,seq=2", "--set", "pipeline.microbatches=4"], tmp_path, "seq")
-    assert "sequence over seq=2 (ulysses, contiguous)" in out
-    for other in (piped, zb, ranks, seq):
-        assert other == pytest.approx(base, rel=1e-5, abs=1e-5), (other, base)
-    # mixture of experts, with aux-loss-free routing biases (the model state) too
     moe = ["--set", "model.moe.experts=4", "--set", "model.moe.top_k=2", "--set", "model.moe.bias_update_rate=0.05"]
-    _, moe_base = _cli(["--mesh", "expert=2", "--set", "grad_accum_steps=4", *moe], tmp_path, "moe_base")
-    _, moe_piped = _cli(["--mesh", "pipe=2,expert=2", "--set", "pipeline.microbatches=4", *moe], tmp_path, "moe")
-    assert moe_piped == pytest.approx(moe_base, rel=1e-5, abs=1e-5), (moe_piped, moe_base)
+    got = _cli_all({
+        "base": (["--mesh", "data=1", "--set", "grad_accum_steps=4"], 0),
+        "pipe": (["--mesh", "pipe=2", "--set", "pipeline.microbatches=4"], 0),
+        "zb": (["--mesh", "pipe=2", "--set", "pipeline.schedule=zb", "--set", "pipeline.microbatches=4"], 0),
+        "ranks": (["--mesh", "pipe=2", "--set", "pipeline.microbatches=4"], 2),
+        "seq": (["--mesh", "pipe=2,seq=2", "--set", "pipeline.microbatches=4"], 0),
+        # mixture of experts, with aux-loss-free routing biases (the model state) too
+        "moe_base": (["--mesh", "expert=2", "--set", "grad_accum_steps=4", *moe], 0),
+        "moe": (["--mesh", "pipe=2,expert=2", "--set", "pipeline.microbatches=4", *moe], 0),
+    }, tmp_path)
+    out = got["pipe"][0]
+    assert "Mesh(pipe=2) on the virtual backend" in out and "pipeline 1f1b with 4 micro-batches" in out
+    assert "on the distributed backend" in got["ranks"][0]
+    assert "sequence over seq=2 (ulysses, contiguous)" in got["seq"][0]
+    base = got["base"][1]
+    for name in ("pipe", "zb", "ranks", "seq"):
+        assert got[name][1] == pytest.approx(base, rel=1e-5, abs=1e-5), (name, got[name][1], base)
+    assert got["moe"][1] == pytest.approx(got["moe_base"][1], rel=1e-5, abs=1e-5), (got["moe"][1], got["moe_base"][1])
 
 
 def test_fsharded_train_counts_each_stages_micro_batches_held_in_its_memory_check(capsys, monkeypatch):
