@@ -95,3 +95,37 @@ def test_estimate_memory_measures_a_pipelined_loss_under_a_policy():
                                  batch={"tokens": tokens}, remat=p) for p in (None, "blocks:2", "blocks")}
     a = {p: e.activations for p, e in est.items()}
     assert a["blocks"] < a["blocks:2"] < a[None], a
+
+
+def test_a_remat_budget_with_a_pipeline_picks_the_least_recomputation_that_fits():
+    # The policies count each stage's blocks (2 here); the peak is the pipe rank's that
+    # needs most: its stages' state and the schedule's micro-batches in flight.
+    import fsharded as fs
+    from fsharded.parallel import remat
+
+    params, tokens = C.setup(layers=4, batch=8, **C.TRAIN_CFG)
+    loss = C.pp.pipelined(C.gpt_stages.pipeline_stages(params, 2, attention="einsum"), schedule="1f1b",
+                          microbatches=4)
+    mesh, opt, batch = fs.Mesh({"pipe": 2}), fs.optim.adamw(1e-2), {"tokens": tokens}
+    cands = remat.Budget(1).candidates(2)
+    assert [str(c) for c in cands] == ["None", "blocks,dots", "blocks:2", "blocks", "blocks,offload"]
+    peaks = [fs.estimate_memory(params, fs.P(), opt, mesh=mesh, loss=loss, batch=batch, remat=c).peak for c in cands]
+    # Recomputing more blocks leaves less waiting in each micro-batch in flight.
+    assert peaks[0] > peaks[2] > peaks[3] > peaks[4], peaks
+
+    def run(policy):
+        step = fs.train_step(loss, opt, mesh=mesh, remat=policy)
+        state = step.init(params)
+        losses = []
+        for _ in range(2):
+            state, m = step(state, batch)
+            losses.append(float(m["loss"]))
+        return step.remat, losses
+
+    _, ref = run(None)
+    for i in range(len(cands)):  # a budget just above a candidate's peak: the first that fits
+        got, losses = run(f"budget:{peaks[i] + 1}")
+        assert got == cands[next(j for j, p in enumerate(peaks) if p <= peaks[i] + 1)], (i, got, peaks)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), **TOL)
+    with pytest.raises(ValueError, match=r"no policy fits .* MiB per device; estimated peaks: none .*; blocks,offload"):
+        run(f"budget:{min(peaks) - 1}")

@@ -223,14 +223,6 @@ def test_bad_policies_are_refused_by_name():
             fs.train_step(gpt.loss, fs.optim.adamw(1e-3), remat=bad)
     with pytest.raises(ValueError, match="every must be an int >= 1"):
         remat.Blocks(every=0)
-    # A pipelined loss takes a policy (tests/test_pipeline_remat.py), not a budget yet.
-    from fsharded.models import gpt_stages
-    from fsharded.parallel import pipeline as pp
-
-    piped = pp.pipelined(gpt_stages.pipeline_stages(params, 2), microbatches=2)
-    step = fs.train_step(piped, fs.optim.adamw(1e-3), mesh=fs.Mesh({"pipe": 2}), remat="budget:1GiB")
-    with pytest.raises(NotImplementedError, match="pipelined"):
-        step(step.init(params), R.batches(1)[0])
     assert str(remat.policy("blocks:2")) == "blocks:2" and remat.policy("none") is None
     assert remat.policy(" Blocks:2, offload") == remat.Blocks(2, offload=True)
     assert remat.policy("blocks:2,offload,dots") == remat.Blocks(2, offload=True, save="dots")

@@ -29,6 +29,7 @@ from fsharded.mesh._spec import PartitionSpec, shard_shape
 from fsharded.parallel.blocks import current as current_handler
 from fsharded.parallel.blocks import handling
 from fsharded.parallel.pipeline import Pipelined, check, split_batch
+from fsharded.parallel.pipeline._execute import HEADER_BYTES
 from fsharded.parallel.remat import checkpoint
 from fsharded.parallel.remat import policy as remat_policy
 from fsharded.parallel.zero import Placement, ZeroPlan
@@ -299,7 +300,7 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
                     if isinstance(x, torch.Tensor))
     if measure is not None:
         loss, batch, batch_spec, remat = measure
-        activations, with_grads, ran_on = _measure_activations(loss, params, pl, mesh, policy, batch,
+        activations, with_grads, ran_on, _ = _measure_activations(loss, params, pl, mesh, policy, batch,
                                                                batch_spec, remat)
         if remat is not None:
             notes.append(f"activations measured with the blocks remat {remat} recomputes")
@@ -383,9 +384,10 @@ def _block_index(params: Any, paths: list[str], blocks: str | None) -> list[int 
 
 
 def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: Any, batch: Any,
-                         batch_spec: Any, remat: Any = None) -> tuple[int, int, str]:
+                         batch_spec: Any, remat: Any = None) -> tuple[int, int, str, int]:
     """Peak bytes of one device's forward + backward other than parameters and their
-    gradients, the peak with their gradients, and what they were measured on: stand-ins
+    gradients, the peak with their gradients, what they were measured on, and the bytes
+    the forward leaves for backward (held from its end until backward): stand-ins
     for device 0's shards, tried in
     turn (``fsharded.spmd._schedule``): meta tensors, fake tensors, and for a loss that
     reads values on the host, copies of the shards' values on CPU (one real forward and
@@ -435,14 +437,15 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
                 mem.register(local, "parameters")
                 with handling(handler):
                     out = loss(optree.tree_unflatten(tdef, local), local_batch)
+                held = mem.live_bytes().get("activations", 0)  # what waits for backward
                 if isinstance(out, tuple):  # (loss, metrics[, stats]), as train_step takes it
                     out = out[0]
                 grads = torch.autograd.grad(out, local, allow_unused=True)
                 mem.reclassify([g for g in grads if g is not None], "gradients")
-            return mem.peak_of(("activations",)), mem.peak_of(("activations", "gradients"))
+            return mem.peak_of(("activations",)), mem.peak_of(("activations", "gradients")), held
 
     try:
-        kind, (peak, with_grads) = _schedule.first_run(attempt, what="estimate_memory", fix=_FIX)
+        kind, (peak, with_grads, held) = _schedule.first_run(attempt, what="estimate_memory", fix=_FIX)
     except _schedule.DryRunError:
         raise
     except Exception as e:
@@ -450,7 +453,7 @@ def _measure_activations(loss: Any, params: Any, pl: Any, mesh: Mesh, policy: An
             f"estimate_memory: could not run the loss on one device's shards "
             f"({type(e).__name__}: {e}); pass activation_bytes= instead"
         ) from e
-    return peak, with_grads, kind.name
+    return peak, with_grads, kind.name, held
 
 
 def placement_of(specs: Any, params: Any, mesh: Mesh) -> Placement:
@@ -465,11 +468,13 @@ def placement_of(specs: Any, params: Any, mesh: Mesh) -> Placement:
 
 def pipeline_activations(pipe: Pipelined, params: Any, pl: Any, mesh: Mesh, policy: Any, batch: Any,
                          batch_spec: Any, remat: Any = None) -> list[int]:
-    """Per rank along the pipe axis, the activation bytes it holds at its peak: the table's
-    bound of micro-batches held at once (``check(...).peak_activations``) times the most
-    one micro-batch of any of its stages holds (each stage measured alone, on meta
-    tensors, from its input as received to its backward; with ``remat``, the step's remat
-    policy, its blocks recomputed as the step's stage forward recomputes them)."""
+    """Per rank along the pipe axis, the activation bytes it holds at its peak: of the
+    table's bound of micro-batches held at once (``check(...).peak_activations``), one at
+    the peak of its backward and the others holding what their forward left for backward,
+    the most of any of the rank's stages, and the gradient arriving from the next stage
+    (each stage measured alone, on meta tensors, from its input as received to its
+    backward; with ``remat``, the step's remat policy, its
+    blocks recomputed as the step's stage forward recomputes them: only their inputs wait)."""
     if pipe.axis not in mesh.shape:
         raise ValueError(f"estimate_memory: the loss is pipelined over {pipe.axis!r}, which {mesh!r} does not have")
     sched = pipe.table(mesh.shape[pipe.axis])
@@ -495,11 +500,23 @@ def pipeline_activations(pipe: Pipelined, params: Any, pl: Any, mesh: Mesh, poli
             y, extra, _ = y
             if extra is not None:
                 return y.float().sum() + extra.float()
+        if s < st.n - 1:  # its gradient arrives from the next stage: a buffer of its size
+            arriving[s] = y.numel() * y.element_size()
         return y.float() if s == st.n - 1 else y.float().sum()
 
-    one = [_measure_activations(functools.partial(stage_loss, s), params, pl, mesh, policy, batch,
-                                batch_spec)[0] for s in range(st.n)]
-    return [bound[r] * max(one[s] for s in range(st.n) if sched.rank_of(s) == r) for r in range(sched.ranks)]
+    arriving = [0] * st.n
+
+    one = [_measure_activations(functools.partial(stage_loss, s), params, pl, mesh, policy, batch, batch_spec)
+           for s in range(st.n)]
+    out = []
+    for r in range(sched.ranks):
+        mine = [one[s] for s in range(st.n) if sched.rank_of(s) == r]
+        # One micro-batch in its backward (its peak) and the others in flight waiting for
+        # theirs, each holding what its forward left (with remat, its blocks' inputs).
+        grad_in = max(arriving[s] for s in range(st.n) if sched.rank_of(s) == r)
+        # (and the transport's header buffer: the first value of a kind comes with one)
+        out.append((bound[r] - 1) * max(m[3] for m in mine) + max(m[0] for m in mine) + grad_in + HEADER_BYTES)
+    return out
 
 
 def _pipeline_activations(pipe: Pipelined, params: Any, pl: Any, mesh: Mesh, policy: Any, batch: Any,

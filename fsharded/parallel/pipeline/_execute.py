@@ -44,7 +44,7 @@ from fsharded.parallel.pipeline._deferred import Deferred, Deferring, add_into, 
 from fsharded.parallel.pipeline._stages import Stages
 from fsharded.parallel.pipeline._table import WEIGHTS, Action, Schedule
 
-__all__ = ["Mailbox", "PointToPoint", "Result", "run"]
+__all__ = ["HEADER_BYTES", "Mailbox", "PointToPoint", "Result", "run"]
 
 
 class Mailbox:
@@ -81,6 +81,9 @@ class Mailbox:
 
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+_HEAD = 11  # int64 words of a header: dtype, dims, up to 7 sizes, type code, keys drawn
+HEADER_BYTES = _HEAD * 8
+"""Bytes of the header buffer a receiving rank holds for the first value of each kind."""
 
 
 class PointToPoint:
@@ -141,7 +144,7 @@ class PointToPoint:
         code = self.types[0](value) if self.types is not None else 0
         known = self._known.get(kind)
         if known is None:
-            head = torch.zeros(11, dtype=torch.int64)
+            head = torch.zeros(_HEAD, dtype=torch.int64)
             head[:2 + value.dim()] = torch.tensor([_DTYPES.index(value.dtype), value.dim(), *value.shape])
             head[9], head[10] = code, draws
             self._pending.append(dist.isend(head, peer, group=self.group, tag=tag))
@@ -189,7 +192,7 @@ class PointToPoint:
             out = torch.empty(shape, dtype=dtype)
             dist.recv(out, peer, group=self.group, tag=tag + 1)
         else:
-            head = torch.empty(11, dtype=torch.int64)
+            head = torch.empty(_HEAD, dtype=torch.int64)
             dist.recv(head, peer, group=self.group, tag=tag)
             dtype, nd, code = _DTYPES[int(head[0])], int(head[1]), int(head[9])
             shape = tuple(int(x) for x in head[2:2 + nd])
