@@ -118,20 +118,41 @@ def test_another_state_is_refused_while_the_update_is_in_flight():
     step(other, T.batches(1)[0])
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zenflow_over_the_nvme_tier_gives_the_host_tiers_numbers(stage, tmp_path):
+    # The cold rows' update streams the moments through the files; a selection reads the
+    # hot rows' moments from them and writes them back through the tier's checksummed I/O
+    # (a write through the memory map would be caught as a corrupted file at the next read).
+    from fsharded.parallel import offload
+
+    zf = ZenFlow(0.25, select_interval=2, update_interval=2)
+    host = Z.run({"data": 2}, stage, zf, 7, clip=T.CLIP)
+    step, params = Z.make_step({"data": 2}, stage, zf, clip=T.CLIP, offload="nvme", nvme_path=str(tmp_path))
+    state = step.init(params)
+    assert offload.nvme_files(state.opt_state)
+    losses = []
+    for b in T.batches(7):
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    step.settle(state)
+    offload.verify(state.opt_state)  # every file holds what the tier wrote
+    got = {"losses": losses, "params": [x.clone() for x in optree.tree_leaves(step.params(state))]}
+    assert _bitwise(got, host)
+
+
 def test_zenflow_is_refused_where_it_does_not_apply(tmp_path):
     params = gpt.init(T.CONFIG, 0)
-    with pytest.raises(ValueError, match="needs offload_optimizer='cpu'"):
+    with pytest.raises(ValueError, match="needs offload_optimizer='cpu' or 'nvme'"):
         fs.parallel.zero(2, zenflow=True)
-    with pytest.raises(ValueError, match="zenflow needs offload_optimizer='cpu'"):
-        fs.parallel.zero(2, offload_optimizer="nvme", nvme_path=str(tmp_path), zenflow=True)
-    with pytest.raises(ValueError, match="zenflow needs"):
-        fs.parallel.zero(3, offload_optimizer="cpu", offload_params="cpu", zenflow=True)
+    for tier in ("cpu", "nvme"):
+        with pytest.raises(ValueError, match="zenflow needs .* the parameters in device memory"):
+            fs.parallel.zero(3, offload_optimizer=tier, offload_params=tier, nvme_path=str(tmp_path), zenflow=True)
     for bad in (dict(topk_ratio=0), dict(topk_ratio=1.5), dict(select_interval=0), dict(update_interval=0),
                 dict(warmup_steps=-1)):
         with pytest.raises(ValueError, match="zenflow: "):
             ZenFlow(**bad)
     assert fs.parallel.zero(2, offload_optimizer="cpu", zenflow=True)(P(), params).offload.zenflow == ZenFlow()
-    with pytest.raises(ValueError, match="offload.zenflow: needs offload.optimizer cpu"):
+    with pytest.raises(ValueError, match="offload.zenflow: needs offload.optimizer cpu or nvme"):
         TrainConfig.from_dict({"zero_stage": 2, "offload": {"zenflow": True}})
     with pytest.raises(ValueError, match="zenflow_topk_ratio"):
         TrainConfig.from_dict({"zero_stage": 2, "offload": {"optimizer": "cpu", "zenflow": True,
@@ -163,10 +184,14 @@ def test_deepspeeds_zenflow_block_maps_onto_the_placement():
     with pytest.warns(UserWarning, match="is the exact update"):
         off = from_deepspeed(_ds({"overlap_step": False, "update_interval": 1})).offload
     assert off.optimizer == "cpu" and "zenflow" not in off.zero_kwargs()
-    # Refused by name: no host tier, NVMe, in line every k steps.
+    # Over the NVMe tier.
+    off = from_deepspeed(_ds(block, offload={"device": "nvme", "nvme_path": "/tmp"})).offload
+    assert off.optimizer == "nvme" and off.zero_kwargs()["zenflow"] == ZenFlow(0.05, 8, 2, 4)
+    # Refused by name: no tier, offloaded parameters, in line every k steps.
+    stage3 = _ds({"overlap_step": True})
+    stage3["zero_optimization"].update(stage=3, offload_param={"device": "cpu"})
     for cfg, match in ((_ds({"overlap_step": True}, offload={"device": "none"}), "zenflow without offload_optimizer"),
-                       (_ds({"overlap_step": True}, offload={"device": "nvme", "nvme_path": "/tmp"}),
-                        "zenflow with offload_optimizer.device = 'nvme'"),
+                       (stage3, "zenflow with offload_optimizer.device = 'cpu' and offload_param.device = 'cpu'"),
                        (_ds({"overlap_step": False, "update_interval": 4}), "overlap_step = false with update")):
         with pytest.raises(ValueError, match=match):
             from_deepspeed(cfg)
@@ -188,14 +213,15 @@ def test_fsharded_train_runs_zenflow_from_a_deepspeed_config(tmp_path, capsys):
 
 
 @pytest.mark.multiprocess
-def test_zenflow_on_two_gloo_ranks_follows_the_virtual_mesh():
+def test_zenflow_on_two_gloo_ranks_follows_the_virtual_mesh(tmp_path):
     from fsharded.testing import run_on_ranks
 
     zf = ZenFlow(0.25, select_interval=3, update_interval=2)
-    for res in run_on_ranks(Z.gloo_zenflow, 2, 2):
+    for res in run_on_ranks(Z.gloo_zenflow, 2, 2, str(tmp_path)):
         assert _bitwise(res["all_hot"], res["exact"])
         for stage in (1, 2, 3):  # each rank selects its shard's rows, as each virtual device does
             _close(res["stale"][stage], Z.run({"data": 2}, stage, zf, 8, clip=T.CLIP), ACROSS)
+        assert _bitwise(res["nvme"], res["stale"][2])  # the NVMe tier: the host tier's numbers
 
 
 def test_estimate_memory_counts_zenflows_hot_moments_and_host_copies():

@@ -17,9 +17,9 @@ B1, B2, EPS = 0.9, 0.999, 1e-8
 
 
 def make_step(mesh: dict, stage: int, zenflow: ZenFlow | None, *, donate: bool = True, clip=None,
-              offload: str | None = "cpu", lr: float = T.LR):
+              offload: str | None = "cpu", lr: float = T.LR, nvme_path: str | None = None):
     params = gpt.init(T.CONFIG, 0)
-    kw = dict(offload_optimizer=offload, bucket_elems=4096) if offload else {}
+    kw = dict(offload_optimizer=offload, bucket_elems=4096, nvme_path=nvme_path) if offload else {}
     plan = fs.parallel.zero(stage, min_size=16, zenflow=zenflow, **kw)(P(), params)
     step = fs.train_step(gpt.loss, fs.optim.adamw(lr, weight_decay=T.WD), mesh=fs.Mesh(mesh), param_specs=plan,
                          clip=clip, donate=donate, blocks="blocks")
@@ -27,8 +27,10 @@ def make_step(mesh: dict, stage: int, zenflow: ZenFlow | None, *, donate: bool =
 
 
 def run(mesh: dict, stage: int, zenflow: ZenFlow | None, steps: int, *, donate: bool = True, clip=None,
-        offload: str | None = "cpu", batches: list | None = None, lr: float = T.LR) -> dict:
-    step, params = make_step(mesh, stage, zenflow, donate=donate, clip=clip, offload=offload, lr=lr)
+        offload: str | None = "cpu", batches: list | None = None, lr: float = T.LR,
+        nvme_path: str | None = None) -> dict:
+    step, params = make_step(mesh, stage, zenflow, donate=donate, clip=clip, offload=offload, lr=lr,
+                             nvme_path=nvme_path)
     state = step.init(params)
     losses = []
     for b in batches if batches is not None else T.batches(steps):
@@ -112,12 +114,13 @@ def reference(zf: ZenFlow, steps: int, clip: float | None = None) -> dict:
     return {"losses": losses, "params": p}
 
 
-def gloo_zenflow(world: int) -> dict:
+def gloo_zenflow(world: int, nvme_path: str) -> dict:
     """On each rank: ZenFlow at ZeRO 1, 2 and 3, stale and with every row hot, against the
-    exact offloaded update."""
+    exact offloaded update; and over the NVMe tier at ZeRO-2."""
     zf = ZenFlow(0.25, select_interval=3, update_interval=2)
     return {
         "stale": {stage: run({"data": world}, stage, zf, 8, clip=T.CLIP) for stage in (1, 2, 3)},
         "all_hot": run({"data": world}, 2, ZenFlow(1.0), 5),
         "exact": run({"data": world}, 2, None, 5),
+        "nvme": run({"data": world}, 2, zf, 8, clip=T.CLIP, offload="nvme", nvme_path=nvme_path),
     }

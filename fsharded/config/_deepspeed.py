@@ -287,7 +287,7 @@ _ZENFLOW = "zero_optimization.zenflow"
 
 
 def _ds_zenflow(r: _Reader, off: dict) -> None:
-    """``zero_optimization.zenflow``, over a host-memory ``offload_optimizer``
+    """``zero_optimization.zenflow``, over a host-memory or NVMe ``offload_optimizer``
     (``OffloadConfig.zenflow``): ``topk_ratio``, ``full_warm_up_rounds`` (warm-up steps)
     and ``select_interval`` in steps (``select_strategy: step``; ``auto`` and ``epoch``,
     which DeepSpeed counts in epochs, take fsharded's default of 100 steps, noted).
@@ -313,11 +313,11 @@ def _ds_zenflow(r: _Reader, off: dict) -> None:
     for knob, tp in (("offload", bool), ("auto_ratio", float), ("pt_reserved_cores_perc", float),
                      ("steps_per_epoch", int)):
         r.get(f"{_ZENFLOW}.{knob}", tp, None)
-    if off.get("optimizer") != "cpu" or off.get("params", "none") != "none":
+    if off.get("optimizer") not in ("cpu", "nvme") or off.get("params", "none") != "none":
         r.unsupported.append((f"{_ZENFLOW} with offload_optimizer.device = {off.get('optimizer')!r}"
                               + (f" and offload_param.device = {off['params']!r}" if off.get("params") else ""),
-                              "ZenFlow over another tier than host memory, or with offloaded parameters: fsharded "
-                              "overlaps the host-memory update only"))
+                              "ZenFlow with offloaded parameters: fsharded updates the hot rows where the "
+                              "parameters are, in device memory"))
         return
     if not overlap and update is not None and update > 1:
         r.unsupported.append((f"{_ZENFLOW}.overlap_step = false with update_interval = {update}", "the cold rows' "

@@ -33,7 +33,8 @@ class OffloadConfig:
     zenflow: bool = False
     """ZenFlow's overlapped update (``fsharded.parallel.offload.ZenFlow``; DeepSpeed's
     ``zenflow`` block): the important rows updated on the device each step, the rest one
-    step stale on the host beside the next step. Needs ``optimizer`` cpu."""
+    step stale on the host beside the next step. Needs ``optimizer`` cpu or nvme, and
+    ``params`` none."""
     zenflow_topk_ratio: float = 0.1
     """The fraction of each shard's rows updated on the device."""
     zenflow_select_interval: int = 100
@@ -62,9 +63,10 @@ class OffloadConfig:
         r = self.zenflow_topk_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
             errors.append(f"  offload.zenflow_topk_ratio: expected a fraction in (0, 1], got {r!r}")
-        if self.zenflow and (self.optimizer != "cpu" or self.params != "none"):
-            errors.append(f"  offload.zenflow: needs offload.optimizer cpu and offload.params none (its host update "
-                          f"overlaps the device's compute), got optimizer {self.optimizer}, params {self.params}")
+        if self.zenflow and (self.optimizer not in ("cpu", "nvme") or self.params != "none"):
+            errors.append(f"  offload.zenflow: needs offload.optimizer cpu or nvme and offload.params none (its hot "
+                          f"rows are updated on the device, the rest by the tier beside the next step), got "
+                          f"optimizer {self.optimizer}, params {self.params}")
         if errors:
             raise ValueError("invalid OffloadConfig:\n" + "\n".join(errors))
 

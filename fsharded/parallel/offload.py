@@ -49,7 +49,7 @@ import torch
 
 from fsharded.kernels import aio
 
-__all__ = ["Offload", "ZenFlow", "TIERS", "place", "place_params", "in_tier", "fetch", "Reading", "verify", "stream_update", "nvme_files"]
+__all__ = ["Offload", "ZenFlow", "TIERS", "place", "place_params", "in_tier", "fetch", "Reading", "store", "verify", "stream_update", "nvme_files"]
 
 TIERS = ("cpu", "nvme")
 
@@ -150,10 +150,11 @@ class Offload:
         if self.zenflow is not None:
             if not isinstance(self.zenflow, ZenFlow):
                 raise ValueError(f"zenflow must be a fsharded.parallel.offload.ZenFlow, got {self.zenflow!r}")
-            if self.optimizer != "cpu" or self.params is not None:
-                raise ValueError(f"zenflow needs offload_optimizer='cpu' and the parameters in device memory (its "
-                                 f"host update overlaps the device's compute), got offload_optimizer="
-                                 f"{self.optimizer!r}, offload_params={self.params!r}")
+            if self.optimizer not in TIERS or self.params is not None:
+                raise ValueError(f"zenflow needs offload_optimizer='cpu' or 'nvme' and the parameters in device "
+                                 f"memory (its hot rows are updated there at once, the host update overlaps the "
+                                 f"device's compute), got offload_optimizer={self.optimizer!r}, "
+                                 f"offload_params={self.params!r}")
 
     @property
     def active(self) -> bool:
@@ -380,6 +381,17 @@ def fetch(t: torch.Tensor) -> torch.Tensor:
     into this process's memory) and checked against the checksums the tier wrote; any
     other tensor as it is."""
     return Reading([t]).wait()[0]
+
+
+def store(t: torch.Tensor, values: torch.Tensor) -> None:
+    """``values`` into ``t``: for a tensor of an NVMe tier, written to its file through
+    ``aio`` (not through its memory map) with fresh checksums; any other tensor copied
+    into. What a caller changed in a ``fetch`` of ``t`` goes back this way."""
+    leaf = _leaf_of(t)
+    if leaf is None:
+        t.copy_(values)
+        return
+    _write_all(leaf, values.detach().reshape(-1))
 
 
 def verify(tree: Any) -> None:

@@ -211,7 +211,7 @@ def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_
     zenflow = ZenFlow() if zenflow is True else (None if zenflow is False else zenflow)
     if zenflow is not None and offload_optimizer in (None, "none"):
         raise ValueError("zero: zenflow overlaps the host tier's update with the next step: it needs "
-                         "offload_optimizer='cpu'")
+                         "offload_optimizer='cpu' or 'nvme'")
     if offload_optimizer not in (None, "none") or offload_params is not None:
         off = Offload(None if offload_optimizer == "none" else offload_optimizer, offload_params, nvme_path=nvme_path,
                       pin_memory=pin_memory, buffer_count=buffer_count,

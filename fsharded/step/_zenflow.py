@@ -8,7 +8,8 @@ virtual mesh's levels (one device on a real rank):
 1. land the host update started by the last step (its cold rows into the parameters);
 2. at a selection (the first step, then every ``select_interval`` steps) write the hot
    rows' device moments back to the tier and pick the new hot rows (the largest gradient
-   L1 norm), their moments fetched to the device;
+   L1 norm), their moments fetched to the device (an NVMe tier's moments read and written
+   whole through its checksummed I/O);
 3. update the hot rows on the device (the fused kernel on gathered rows);
 4. add the gradients to the interval's host sums; at the interval's last step, start the
    tier's update with their mean, on host copies of the parameters, in a thread
@@ -215,7 +216,11 @@ class ZenFlowUpdate(OffloadedUpdate):
             if idx.shape[1]:
                 for m, h in zip(ms, hot):
                     ie = idx.unsqueeze(-1).expand(*idx.shape, m.shape[2]).to(m.device)
-                    m.scatter_(1, ie, h.to(m.device))
+                    # (an NVMe tier's moment: read, its rows put in, written back, checksummed)
+                    whole = _offload.fetch(m)
+                    whole.scatter_(1, ie, h.to(m.device))
+                    if whole is not m:
+                        _offload.store(m, whole)
         self.hot = None
 
     def _select(self, g3: list[torch.Tensor], m3: list[list[torch.Tensor]]) -> None:
@@ -229,7 +234,7 @@ class ZenFlowUpdate(OffloadedUpdate):
             else:
                 idx = g.abs().sum(-1).topk(k, dim=1).indices.sort(dim=1).values
             ie = idx.unsqueeze(-1).expand(*idx.shape, g.shape[2])
-            self.hot.append((idx, [m.gather(1, ie.to(m.device)).to(g.device) for m in ms]))
+            self.hot.append((idx, [_offload.fetch(m).gather(1, ie.to(m.device)).to(g.device) for m in ms]))
         self.since = 0
 
     def _update_hot(self, run: _Run, p3: list[torch.Tensor], g3: list[torch.Tensor]) -> torch.Tensor:
