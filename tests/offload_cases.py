@@ -147,3 +147,52 @@ def gloo_param_offload(world: int) -> dict:
                      "block_leaves": len(optree.tree_leaves(params["blocks"])),
                      "files": len(fs.parallel.offload.nvme_files(state.params))}
     return out
+
+
+def gloo_param_offload_stages(world: int, nvme_path: str) -> dict:
+    """On each rank, ZeRO 1 and 2 with the master shards in a tier against device memory,
+    bit for bit; the parameter files' pages read through their maps by the time the update
+    starts (the step reads the shards through aio before its gather); and a corrupted
+    file of a leaf outside the blocks (ZeRO-3 gathers it inside the loss) at the next step."""
+    from fsharded.parallel import offload
+
+    out = {}
+    update = offload.stream_update
+    for stage in (1, 2):
+        ref = run({"data": world}, stage, None)
+        for tier in ("cpu", "nvme"):
+            step, params = make_step({"data": world}, stage, tier, params_tier=tier, nvme_path=nvme_path)
+            state = step.init(params)
+            files = fs.parallel.offload.nvme_files(state.params)
+            seen = [0]
+
+            def measured(*a, seen=seen, files=files, **k):
+                seen[0] = max(seen[0], sum(mapped_rss(files).values()))
+                return update(*a, **k)
+
+            offload.stream_update = measured
+            losses = []
+            try:
+                for b in T.batches(STEPS):
+                    state, m = step(state, b)
+                    losses.append(float(m["loss"]))
+            finally:
+                offload.stream_update = update
+            got = {"losses": losses, "params": step.params(state)}
+            out[(stage, tier)] = {"same": same(ref, got), "files": len(files), "mapped": seen[0]}
+    errors = {}
+    for stage in (2, 3):
+        step, params = make_step({"data": world}, stage, "nvme", params_tier="nvme", nvme_path=nvme_path)
+        b = T.batches(1)[0]
+        state, _ = step(step.init(params), b)
+        victim = offload.nvme_files(optree.tree_leaves(state.params["emb"]))[0]
+        with open(victim, "r+b") as raw:  # each rank its own file: both stop before the gather
+            raw.seek(16)
+            raw.write(b"\x7f\x7f\x7f\x7f")
+        try:
+            step(state, b)
+            errors[stage] = None
+        except RuntimeError as e:
+            errors[stage] = (victim, str(e))
+    out["errors"] = errors
+    return out

@@ -50,6 +50,35 @@ def test_parameter_offload_on_two_gloo_ranks_reads_each_blocks_shards_from_the_t
         assert nvme["block_rss"] == 0, nvme["block_rss"]
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("tiers", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_master_shards_in_a_tier_at_zero_1_and_2_equal_device_memory(stage, tiers):
+    # The master weights' shards in host memory or files; the step gathers the parameters
+    # it computes with from them at its start, and the update streams them.
+    got = O.run({"data": 2}, stage, tiers[0], params_tier=tiers[1])
+    assert O.same(got, O.run({"data": 2}, stage, None))
+    assert got["param_files"] == (len(optree.tree_leaves(gpt.init(T.CONFIG, 0))) if tiers[1] == "nvme" else 0)
+
+
+@pytest.mark.multiprocess
+def test_master_shards_in_a_tier_at_zero_1_and_2_on_two_gloo_ranks(tmp_path):
+    from fsharded.testing import run_on_ranks
+
+    for res in run_on_ranks(O.gloo_param_offload_stages, 2, 2, str(tmp_path)):
+        for stage in (1, 2):
+            for tier in ("cpu", "nvme"):
+                r = res[(stage, tier)]
+                assert r["same"], (stage, tier)
+                assert r["files"] == (len(optree.tree_leaves(gpt.init(T.CONFIG, 0))) if tier == "nvme" else 0)
+                # Read through aio before the gather, not through the files' memory maps.
+                assert r["mapped"] == 0, (stage, tier, r["mapped"])
+        # A corrupted file of a leaf outside the blocks, at ZeRO-2 (the step's gather) and
+        # ZeRO-3 (the loss's): an error naming it, on the rank that reads it.
+        for stage in (2, 3):
+            victim, msg = res["errors"][stage]
+            assert "does not hold what the step wrote" in msg and victim in msg, (stage, msg)
+
+
 def test_fetch_reads_a_tier_tensor_and_checks_it(tmp_path):
     off = offload.Offload("nvme", "nvme", nvme_path=str(tmp_path), bucket_elems=2048)
     x = torch.randn(5000)
@@ -115,13 +144,19 @@ def test_the_memory_estimate_counts_offloaded_parameters(tmp_path):
         assert e.host == base.host + (base.master if pt == "cpu" else 2 * 2048 * 4 * 0) + \
             (2 * 2048 * 4 if pt == "nvme" else 0)
         assert any("master parameters offloaded" in n for n in e.notes)
+    # ZeRO 1 and 2: the master shards off the device likewise.
+    for stage in (1, 2):
+        on, off = (fs.estimate_memory(params, fs.parallel.zero(stage, offload_params=pt, **kw)(P(), params),
+                                      fs.optim.adamw(1e-3), mesh=mesh) for pt in (None, "cpu"))
+        assert off.offloaded_params == on.master > 0 and off.master == 0 and off.peak == on.peak - on.master
+        assert any("read back at the step's start" in n for n in off.notes)
 
 
 def test_parameter_offload_refuses_what_it_cannot_do(tmp_path):
     with pytest.raises(ValueError, match="needs offload_optimizer= as well"):
         fs.parallel.zero(3, offload_params="nvme", nvme_path=str(tmp_path))
-    with pytest.raises(ValueError, match="ZeRO-3's parameter offload"):
-        fs.parallel.zero(1, offload_optimizer="cpu", offload_params="cpu")
+    with pytest.raises(ValueError, match="stage 0 does not shard them"):
+        fs.parallel.zero(0, offload_optimizer="cpu", offload_params="cpu")
     with pytest.raises(ValueError, match="offload_params must be None, 'cpu' or 'nvme'"):
         fs.parallel.zero(3, offload_optimizer="cpu", offload_params="disk")
     with pytest.raises(ValueError, match="needs nvme_path"):
@@ -134,7 +169,7 @@ def test_parameter_offload_refuses_what_it_cannot_do(tmp_path):
 
 
 def test_a_deepspeed_offload_param_config_trains_with_the_numbers_of_one_without(tmp_path, capsys):
-    from fsharded.config import from_deepspeed
+    from fsharded.config import TrainConfig, from_deepspeed
     from fsharded.tools import train
 
     nvme = tmp_path / "nvme"
@@ -172,6 +207,13 @@ def test_a_deepspeed_offload_param_config_trains_with_the_numbers_of_one_without
     cfg = from_deepspeed({**base, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                                         "cpu_offload_params": True}}, data_parallel_size=2)
     assert (cfg.offload.optimizer, cfg.offload.params) == ("cpu", "cpu")
-    with pytest.raises(ValueError, match="offload.params=cpu: needs zero_stage 3"):
-        from_deepspeed({**base, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
-                                                      "offload_param": {"device": "cpu"}}}, data_parallel_size=2)
+    # DeepSpeed reads offload_param at ZeRO-3 only: at stage 2 it is not applied (noted).
+    with pytest.warns(UserWarning, match="at stage 3 only, so at stage 2 it is not applied"):
+        cfg = from_deepspeed({**base, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                                            "offload_param": {"device": "cpu"}}}, data_parallel_size=2)
+    assert (cfg.offload.optimizer, cfg.offload.params) == ("cpu", "none")
+    # fsharded's own config keeps the master shards in the tier at stages 1-2 as well; stage 0 is refused.
+    assert TrainConfig.from_dict({"zero_stage": 2, "offload": {"optimizer": "cpu", "params": "cpu"}}).offload.params \
+        == "cpu"
+    with pytest.raises(ValueError, match="offload.params=cpu: needs zero_stage 1, 2 or 3"):
+        TrainConfig.from_dict({"zero_stage": 0, "offload": {"optimizer": "cpu", "params": "cpu"}})

@@ -216,7 +216,6 @@ def test_policies_on_two_gloo_ranks_give_the_numbers_of_none():
 
 
 def test_bad_policies_are_refused_by_name():
-    params = gpt.init(R.CONFIG, 0)
     for bad in ("every", "blocks:0", "blocks:x", 3, remat, "blocks,cpu", "blocks,offload,offload", "none,offload",
                 "blocks,dots,dots", "selective:2", "blocks,partition,partition"):
         with pytest.raises(ValueError, match="remat"):

@@ -363,6 +363,12 @@ def _ds_offload_param(r: _Reader, kw: dict) -> None:
                               "parameters offloaded with the optimizer state in device memory: fsharded streams the "
                               "parameters through the offloaded update (set offload_optimizer.device too)"))
         return
+    stage = r.get("zero_optimization.stage", int, 0)
+    if stage != 3:  # DeepSpeed reads it at ZeRO-3 only
+        r.notes.append(f"{_PARAM}: DeepSpeed offloads parameters at stage 3 only, so at stage {stage} it is not "
+                       f"applied here either (fsharded's offload.params would keep the master shards in the tier "
+                       f"at stages 1-2 too)")
+        return
     if nvme is not None and off.get("nvme_path", nvme) != nvme:
         r.unsupported.append((f"{_PARAM}.nvme_path = {nvme!r}", "parameters on another disk than the optimizer "
                               "state: fsharded keeps both under one nvme_path"))

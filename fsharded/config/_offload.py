@@ -20,8 +20,8 @@ class OffloadConfig:
     optimizer: str = "none"
     """``none``, ``cpu`` or ``nvme``."""
     params: str = "none"
-    """Where ZeRO-3's parameter shards live: ``none``, ``cpu`` or ``nvme`` (DeepSpeed's
-    ``offload_param``; needs ``zero_stage`` 3 and ``optimizer`` offloaded too)."""
+    """Where the master weights' shards live: ``none``, ``cpu`` or ``nvme`` (DeepSpeed's
+    ``offload_param``, at ZeRO-3; here ``zero_stage`` 1-3, with ``optimizer`` offloaded too)."""
     nvme_path: str | None = None
     """A directory on the disk that holds the state (``nvme``)."""
     pin_memory: bool = True

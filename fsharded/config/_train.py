@@ -467,8 +467,8 @@ class TrainConfig:
         if off.active and not self.zero_stage:
             errors.append(f"  offload.optimizer={off.optimizer}: needs zero_stage 1, 2 or 3 (as DeepSpeed's "
                           f"offload_optimizer does)")
-        if off.params != "none" and self.zero_stage != 3:
-            errors.append(f"  offload.params={off.params}: needs zero_stage 3 (as DeepSpeed's offload_param does)")
+        if off.params != "none" and not self.zero_stage:
+            errors.append(f"  offload.params={off.params}: needs zero_stage 1, 2 or 3 (the master weights' shards)")
         _raise(type(self), errors)
         mb = self.pipeline.microbatches
         if mb is not None and self.grad_accum_steps not in (None, mb):

@@ -49,7 +49,7 @@ import torch
 
 from fsharded.kernels import aio
 
-__all__ = ["Offload", "ZenFlow", "TIERS", "place", "place_params", "in_tier", "fetch", "Reading", "store", "verify", "stream_update", "nvme_files"]
+__all__ = ["Offload", "ZenFlow", "TIERS", "place", "place_params", "in_tier", "fetch", "Reading", "read", "store", "verify", "stream_update", "nvme_files"]
 
 TIERS = ("cpu", "nvme")
 
@@ -117,8 +117,8 @@ class Offload:
 
     optimizer: str | None = None
     params: str | None = None
-    """Where the master parameters (ZeRO-3's shards) live: None for device memory, ``"cpu"``
-    or ``"nvme"`` (ZeRO-Infinity's ``offload_param``). Needs ``optimizer`` set."""
+    """Where the master parameters' shards live: None for device memory, ``"cpu"`` or
+    ``"nvme"`` (ZeRO-Infinity's ``offload_param``; ZeRO 1-3). Needs ``optimizer`` set."""
     # Where this host keeps its files: ranks may name different disks, so the path is not
     # part of the layout the ranks agree on (nor of the repr that shows it).
     nvme_path: str | None = field(default=None, compare=False, repr=False)
@@ -381,6 +381,37 @@ def fetch(t: torch.Tensor) -> torch.Tensor:
     into this process's memory) and checked against the checksums the tier wrote; any
     other tensor as it is."""
     return Reading([t]).wait()[0]
+
+
+class _Read(torch.autograd.Function):
+    """The values of NVMe-tier tensors read through ``aio`` (``Reading``), differentiable:
+    the gradient of each read passes to its tensor."""
+
+    @staticmethod
+    def forward(ctx, *ts: torch.Tensor) -> tuple:
+        return tuple(Reading(list(ts)).wait())
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple:
+        return grads
+
+
+def read(tensors: list) -> list:
+    """``tensors`` with every one of an NVMe tier replaced by its values read through
+    ``aio`` and checked (``fetch``), differentiably (the gradient goes to the file-backed
+    tensor); the others as they are. For code that would read the files through their
+    memory maps: unchecked, and into this process's page cache."""
+    if not _DIRS:
+        return list(tensors)
+    with torch._C.DisableTorchFunction():
+        at = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+              and _leaf_of(t) is not None]
+    if not at:
+        return list(tensors)
+    out = list(tensors)
+    for i, v in zip(at, _Read.apply(*(tensors[i] for i in at))):
+        out[i] = v
+    return out
 
 
 def store(t: torch.Tensor, values: torch.Tensor) -> None:

@@ -190,10 +190,12 @@ def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_
     streams them through host buffers, ``bucket_elems`` elements at a time with
     ``buffer_count`` buckets in flight, with the same numbers as in device memory
     (``fsharded.parallel.offload``). ``pin_memory``: page-locked host buffers where a GPU is
-    the device. ``offload_params`` (``"cpu"`` or ``"nvme"``, stage 3, with
+    the device. ``offload_params`` (``"cpu"`` or ``"nvme"``, stages 1-3, with
     ``offload_optimizer``; ZeRO-Infinity): the master parameters' shards live there too;
-    each block's shards are read from the tier (through ``aio`` for NVMe) just before its
-    gather, and the update streams them with the optimizer state. The same numbers.
+    at stage 3 each block's shards are read from the tier (through ``aio`` for NVMe) just
+    before its gather, at stages 1-2 every shard at the step's start before the gather of
+    the parameters it computes with; the update streams them with the optimizer state.
+    The same numbers.
 
     Returns ``rule(specs, params) -> ZeroPlan``; ``train_step`` resolves the plan against
     its mesh (``plan.resolve(mesh)`` gives the concrete ``Placement``). Specs that already
@@ -204,9 +206,9 @@ def zero(stage: int, axis: str = "data", *, min_size: int = 1024, reshard_after_
     if not isinstance(axis, str):
         raise ValueError(f"zero: axis must be a mesh axis name, got {axis!r}")
     offload_params = None if offload_params == "none" else offload_params
-    if offload_params is not None and stage != 3:
-        raise ValueError(f"zero: offload_params={offload_params!r} is ZeRO-3's parameter offload; stage {stage} keeps "
-                         f"the parameters whole on every device for use (use zero(3, ...))")
+    if offload_params is not None and stage == 0:
+        raise ValueError(f"zero: offload_params={offload_params!r} keeps the master weights' shards in a tier; stage 0 "
+                         f"does not shard them (use zero(1, ...) or above)")
     off = None
     zenflow = ZenFlow() if zenflow is True else (None if zenflow is False else zenflow)
     if zenflow is not None and offload_optimizer in (None, "none"):

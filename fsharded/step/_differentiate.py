@@ -20,6 +20,7 @@ import torch
 from fsharded import _memory_hooks as memory
 from fsharded.comm import _trace
 from fsharded.parallel import _buckets as B
+from fsharded.parallel import offload as _offload
 from fsharded.parallel.blocks import handling
 from fsharded.precision import cast_tree
 from fsharded.spmd import _manifest
@@ -130,6 +131,8 @@ class _Gather:
         here = lay.holding.here if lay.holding is not None else None
         if here is not None and not all(here):  # per-stage storage: the leaves held here
             return _held.on_held(self, leaves, here)
+        if lay.params_in_files:  # shards in NVMe files: read through the tier's checked I/O
+            leaves = _offload.read(list(leaves))
         out = B.gather_leaves(list(leaves), self.src, self.dst, lay.axis, lay.mesh, self.cap, frozen=lay.frozen)
         label(out, "parameters")  # the gathered weights are parameters, too
         return out
@@ -138,6 +141,8 @@ class _Gather:
         """The gather of the leaves at ``idx`` alone."""
         lay = self.layout
         frozen = [lay.frozen[i] for i in idx] if lay.frozen is not None else None
+        if lay.params_in_files:
+            leaves = _offload.read(list(leaves))
         out = B.gather_leaves(list(leaves), [self.src[i] for i in idx], [self.dst[i] for i in idx], lay.axis,
                               lay.mesh, self.cap, frozen=frozen)
         label(out, "parameters")

@@ -338,8 +338,9 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
         off_params = sum(T.pick(master_n, mask)) * mb  # the trained (fp32) master shards
         if off.params == "nvme":
             staging += sets * width * mb
-        notes.append(f"master parameters offloaded: {off_params / 2**20:,.2f} MiB off the device (each block's "
-                     f"shards read back just before its gather)")
+        when = "each block's shards read back just before its gather" if pl.stage == 3 else \
+            "the shards read back at the step's start, before its gather"
+        notes.append(f"master parameters offloaded: {off_params / 2**20:,.2f} MiB off the device ({when})")
     return MemoryEstimate(
         master=sum(master_n) * mb + frozen_bytes - off_params, offloaded_params=off_params,
         params_tier=off.params if off is not None else None, compute_params=compute, grads=grad_peak, optimizer=opt_bytes,

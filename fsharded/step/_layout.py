@@ -83,6 +83,9 @@ class Layout:
         mv = self.moves = Moves.of(pl)
         self.use, self.params, self.grads, self.master = (list(s) for s in mv[:4])
         self.axis, self.reshard = mv.axis, pl.reshards
+        # The master shards live in NVMe files (parameter offload): gathers read them through
+        # the tier's checked I/O, not through their memory maps.
+        self.params_in_files = getattr(pl.offload, "params", None) == "nvme"
         # ZeRO-3 under a pipeline: the blocks gathered per micro-batch (reshard_after_forward
         # given as True), not each stage once per step.
         self.regather_blocks = pl.reshard_after_forward is True
