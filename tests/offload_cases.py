@@ -55,13 +55,26 @@ def gloo_offload(world: int) -> dict:
     """On each rank: every ZeRO stage in device memory and with each tier, and whether
     they agree bit for bit; the offloaded runs' losses and parameters, to compare with the
     virtual mesh."""
+    from fsharded.parallel import _buckets
+
     out = {}
+    finish = _buckets.InBackward.finish
     for stage in (1, 2, 3):
         ref = run({"data": world}, stage, None)
         for tier in ("cpu", "nvme"):
-            got = run({"data": world}, stage, tier)
+            seen = []  # per backward: whether its buckets went to the host, how many before it ended
+
+            def recorded(self, seen=seen):
+                seen.append((self.to_host, self.streamed, len(self.buckets)))
+                return finish(self)
+
+            _buckets.InBackward.finish = recorded
+            try:
+                got = run({"data": world}, stage, tier)
+            finally:
+                _buckets.InBackward.finish = finish
             out[(stage, tier)] = {"same": same(ref, got), "files": got["files"], "moments": got["moments"],
-                                  "losses": got["losses"], "params": got["params"]}
+                                  "losses": got["losses"], "params": got["params"], "backward": seen}
     return out
 
 

@@ -110,6 +110,14 @@ def test_offload_on_two_gloo_ranks_equals_device_memory_and_the_virtual_mesh(in_
         for (stage, tier), r in res.items():
             assert r["same"], (stage, tier)
             assert r["files"] == (r["moments"] if tier == "nvme" else 0)
+            # ZeRO 1 and 2 reduce in backward, each bucket then copied to the host (the update
+            # runs there); ZeRO-1's all-reduced buckets at once, inside backward.
+            if stage < 3:
+                assert len(r["backward"]) == O.STEPS and all(h for h, _, _ in r["backward"]), r["backward"]
+                if stage == 1:
+                    assert all(s >= 1 for _, s, _ in r["backward"]), r["backward"]
+            else:  # (ZeRO-3's gradients come back through the gathers' transposes, on the device)
+                assert r["backward"] == []
             # The two backends agree (to the float rounding of their reductions).
             torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(in_memory[stage]["losses"]),
                                        rtol=1e-5, atol=1e-5)
@@ -276,11 +284,17 @@ def test_the_memory_estimate_knows_the_tiers(tmp_path):
     moments = sum(2 * 4 * math.prod(shard_shape(s, tuple(x.shape), mesh))
                   for s, x in zip(specs, optree.tree_leaves(params)))
     assert moments < 2 * 4 * sum(x.numel() for x in optree.tree_leaves(params))
+    grads = est[None].grads  # ZeRO-2's reduced shards and the last bucket beside them, in device memory
     for tier in ("cpu", "nvme"):
         e = est[tier]
         assert e.offloaded == moments and e.optimizer + e.offloaded == est[None].optimizer
-        assert e.peak == est[None].peak - moments  # off the device
-        # The update's staging: parameters and gradients per bucket in flight, and for NVMe the moments too.
-        assert e.staging == 2 * 2048 * 4 * (2 if tier == "cpu" else 4)
+        assert e.peak <= est[None].peak - moments  # off the device, and the gradients too
+        # The gradients go to the host bucket by bucket in backward: on the device, the bucket
+        # in flight and its shard (one bucket here: the model is smaller than the default).
+        total = sum(x.numel() for x in optree.tree_leaves(params))
+        assert e.placed_grads == 0 and e.grads == total * 4 + total * 4 // 2
+        # The update's staging: parameters and gradients per bucket in flight, and for NVMe the
+        # moments too; and the gradients it reads on the host.
+        assert e.staging == 2 * 2048 * 4 * (2 if tier == "cpu" else 4) + grads
         assert e.host == (moments if tier == "cpu" else 0) + e.staging
-        assert any("offloaded" in n for n in e.notes)
+        assert any("offloaded" in n for n in e.notes) and any("gradients copied to the host" in n for n in e.notes)

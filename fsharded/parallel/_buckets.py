@@ -309,6 +309,8 @@ class _Bucket:
         self.cols, self.missing = sum(w), set(idx)
         self.buf: torch.Tensor | None = None
         self.out: torch.Tensor | None = None
+        self.flight: InFlight | None = None  # its reduce-scatter, while in flight
+        self.host: torch.Tensor | None = None  # its reduced gradient, copied to the host
 
 
 class InBackwardLayout:
@@ -360,11 +362,24 @@ class InBackward:
 
     ``InBackwardLayout.of`` gives None where ``reduce_leaves`` does more than one batch
     axis' reduction per leaf (a leaf also sharded over the batch axis, hybrid meshes): the
-    step then reduces after backward."""
+    step then reduces after backward.
 
-    def __init__(self, layout: InBackwardLayout, dtype: torch.dtype, vma: Any) -> None:
+    ``to_host`` (the optimizer state in a memory tier: the update runs on the host): each
+    bucket's reduced gradient is copied to a host buffer as soon as its reduction is
+    complete, while backward goes on (a reduce-scatter found complete at a later leaf's
+    hook, or at ``finish``), and its device buffer is let go; ``finish`` gives views of the
+    host buffers. Pinned host buffers and asynchronous copies where the device is a GPU
+    (``pin``); on a CPU device the copies are real copies into buffers of their own, in
+    the same order. The same values: a copy, and the division by the axis size done on
+    the copy."""
+
+    def __init__(self, layout: InBackwardLayout, dtype: torch.dtype, vma: Any, *, to_host: bool = False,
+                 pin: bool = True) -> None:
         self.shapes, self.axis, self.mesh, self.n = layout.shapes, layout.axis, layout.mesh, layout.n
         self.dtype, self.vma = dtype, vma
+        self.to_host, self.pin = to_host, pin
+        self.copies: list = []  # (event, device buffer) of copies to the host in flight (GPU)
+        self.streamed = 0  # buckets copied to the host before backward ended
         self.buckets = [_Bucket(idx, dims, numels, self.n) for idx, dims, numels in layout.buckets]
         self.bucket_of = {i: b for b in self.buckets for i in b.idx}
         self.pending: list = []
@@ -402,6 +417,8 @@ class InBackward:
                 b.missing.discard(i)
                 if not b.missing:
                     self._reduce(b)
+                if self.to_host:  # the reductions complete by now go to the host
+                    self._drain(block=False)
                 # Autograd keeps what a hook returns as the leaf's gradient: a zero of the
                 # same shape and no memory (the value lives on in the bucket).
                 z = zeros.get(g.dtype)
@@ -435,25 +452,56 @@ class InBackward:
             else:
                 b.out = buf.new_empty(b.cols)
                 memory.label(b.out, "gradients")
-                issue(self.pending, InFlight(_shm.reduce_scatter_into(b.out, buf, g, async_op=True), buf, b.out))
+                b.flight = InFlight(_shm.reduce_scatter_into(b.out, buf, g, async_op=True), buf, b.out)
+                issue(self.pending, b.flight)
         b.buf = None  # the in-flight entry keeps a scattered bucket until it completes
+
+    def _drain(self, *, block: bool) -> None:
+        """Copy to the host the reduced buckets whose reduction is complete (``block``:
+        every reduced one, waiting for those in flight)."""
+        for b in self.buckets:
+            if b.out is None or b.host is not None:
+                continue
+            if b.flight is not None:
+                if not (block or b.flight.done()):
+                    continue
+                b.flight.finish()
+                b.flight = None
+            with torch._C.DisableTorchFunction(), torch.no_grad():
+                cuda = b.out.device.type == "cuda"
+                b.host = torch.empty(b.out.shape, dtype=b.out.dtype, pin_memory=self.pin and cuda)
+                b.host.copy_(b.out, non_blocking=cuda)
+                if cuda:  # the device buffer lives until its copy is done
+                    event = torch.cuda.Event()
+                    event.record()
+                    self.copies.append((event, b.out))
+            memory.label(b.host, "gradients")
+            if not block:
+                self.streamed += 1
+            b.out = None
 
     def finish(self) -> list:
         """After backward: complete every bucket (those with unused leaves too, in the same
         order on every rank) and give the reduced gradient of every leaf."""
         for b in self.buckets:
-            if b.out is None:
+            if b.out is None and b.host is None:
                 self._reduce(b)
+        if self.to_host:
+            self._drain(block=True)
+            for event, _ in self.copies:  # the host reads its copies from here on
+                event.synchronize()
+            self.copies.clear()
         for op in self.pending:
             op.finish()
         self.pending.clear()
         out: list = [None] * len(self.shapes)
         with torch.no_grad():
             for b in self.buckets:
+                red = b.host if b.host is not None else b.out
                 if b.dims is not None:
-                    b.out.div_(self.n)  # psum_scatter(...) / n, as reduce_leaves rounds it
+                    red.div_(self.n)  # psum_scatter(...) / n, as reduce_leaves rounds it
                 for i in b.idx:
-                    piece = b.out[b.offset[i]:b.offset[i] + b.width[i]]
+                    piece = red[b.offset[i]:b.offset[i] + b.width[i]]
                     if b.dims is None:
                         out[i] = piece.view(self.shapes[i])
                         t = self.types[i] - {self.axis}
@@ -465,5 +513,5 @@ class InBackward:
                         t = self.types[i]
                     if self.vma is not None:
                         self.vma.set(out[i], t)
-                b.out = None
+                b.out = b.host = b.flight = None
         return out

@@ -68,7 +68,7 @@ class MemoryEstimate:
     backward_grads: int = 0  # gradient bytes alive beside the activations in backward (buckets, a block's)
     gather_transient: int = 0  # ZeRO-1/2's gather of the master shards: the gathered bucket and its copies
     offloaded: int = 0  # optimizer moments kept in a memory tier (host memory or NVMe), not on the device
-    staging: int = 0  # the offloaded update's host staging buffers (host memory)
+    staging: int = 0  # the offloaded update's host staging buffers and the gradients it reads there (host memory)
     tier: str | None = None  # where ``offloaded`` lives: "cpu" (host memory) or "nvme" (files)
     offloaded_params: int = 0  # master parameters kept in a memory tier (ZeRO-3 parameter offload)
     params_tier: str | None = None  # where ``offloaded_params`` lives
@@ -255,6 +255,7 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
     largest_t = max(per_block_t.values(), default=0)
     outside_t = sum(n for n, j in zip(trained_n, T.pick(block_of, mask)) if j is None)
     placed = sum(grad_n) * rb
+    host_grads = 0  # gradients the update reads in host memory (the optimizer state in a tier)
     biggest_leaf = max(trained_n, default=0)
     compute, buffers, gather = 0, 0, 0
     if in_loss and per_block and pl.reshards:
@@ -290,6 +291,15 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
             grad_peak = placed + bucket
         else:  # the averaged buckets, and with ZeRO-1 this rank's slice taken out of them
             grad_peak = S_t * rb + (sum(master_n) * rb if any(mv.slice) else 0)
+        off_ = getattr(pl, "offload", None)
+        if off_ is not None and off_.active and off_.zenflow is None:
+            # The update runs on the host: each reduced bucket is copied there as backward
+            # goes on, so the device holds the buckets in flight only (a reduce-scattered
+            # one's shard beside it until copied).
+            host_grads, placed = grad_peak, 0
+            grad_peak = bucket + (bucket // mesh.shape[mv.axis] if any(mv.scatter) else 0)
+            notes.append(f"gradients copied to the host bucket by bucket in backward: {host_grads / 2**20:,.2f} MiB "
+                         f"there, the buckets in flight on the device")
     meta = optree.tree_unflatten(tdef, [
         torch.empty(shard_shape(m, s, mesh), dtype=policy.master_dtype, device="meta")
         for s, m in zip(shapes, master)
@@ -344,7 +354,7 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
     return MemoryEstimate(
         master=sum(master_n) * mb + frozen_bytes - off_params, offloaded_params=off_params,
         params_tier=off.params if off is not None else None, compute_params=compute, grads=grad_peak, optimizer=opt_bytes,
-        offloaded=offloaded, staging=staging, tier=off.optimizer if off is not None else None,
+        offloaded=offloaded, staging=staging + host_grads, tier=off.optimizer if off is not None else None,
         activations=activations, buffers=buffers, placed_grads=placed, notes=tuple(notes),
         params=held, update_copy=sum(master_n) * mb + opt_bytes, backward_grads=in_backward,
         gather_transient=gather,

@@ -86,6 +86,11 @@ class Layout:
         # The master shards live in NVMe files (parameter offload): gathers read them through
         # the tier's checked I/O, not through their memory maps.
         self.params_in_files = getattr(pl.offload, "params", None) == "nvme"
+        # The update runs on the host (the optimizer state in a tier; not ZenFlow's, whose hot
+        # rows are updated on the device): gradients reduced in backward go to the host then.
+        off = pl.offload
+        self.grads_to_host = off is not None and off.active and off.zenflow is None
+        self.pin = off.pin_memory if off is not None else True
         # ZeRO-3 under a pipeline: the blocks gathered per micro-batch (reshard_after_forward
         # given as True), not each stage once per step.
         self.regather_blocks = pl.reshard_after_forward is True

@@ -43,6 +43,7 @@ class Reduction:
     def __init__(self, layout: Layout, batch_axes: tuple[str, ...], cap: int, dtype: torch.dtype) -> None:
         self.src, self.grads, self.master = layout.t_params, layout.t_grads, layout.t_master
         self.batch_axes, self.mesh, self.cap, self.dtype = batch_axes, layout.mesh, cap, dtype
+        self.to_host, self.pin = layout.grads_to_host, layout.pin
         sliced = T.pick(layout.moves.slice, layout.updated)
         self.place = functools.partial(B.slice_leaves, from_specs=self.grads, to_specs=self.master,
                                        axis=layout.axis, mesh=self.mesh) if any(sliced) else _as_is
@@ -60,7 +61,9 @@ class Reduction:
         backward (``_buckets.InBackward``, hooked on ``x0``, the differentiated leaves), so
         a reduce-scattered gradient never exists whole at once; None where it cannot (a
         dry run, several batch axes, a leaf sharded over the batch axis) and the
-        reduction runs after backward."""
+        reduction runs after backward. With the optimizer state in a memory tier each
+        reduced bucket is copied to the host while backward goes on (``InBackward``'s
+        ``to_host``)."""
         if _manifest.dry():
             return None
         frame = _env.current()
@@ -69,4 +72,7 @@ class Reduction:
             self._layouts[shapes] = B.InBackwardLayout.of(list(shapes), self.src, self.grads, self.batch_axes,
                                                           self.mesh, self.cap)
         layout = self._layouts[shapes]
-        return None if layout is None else B.InBackward(layout, self.dtype, frame.vma if frame is not None else None)
+        if layout is None:
+            return None
+        return B.InBackward(layout, self.dtype, frame.vma if frame is not None else None, to_host=self.to_host,
+                            pin=self.pin)
