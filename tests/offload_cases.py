@@ -127,36 +127,43 @@ def mapped_rss(paths: list[str]) -> dict[str, int]:
     return out
 
 
+def watched(step, state, files: list[str], steps: int = STEPS) -> tuple[list, object, int]:
+    """``steps`` steps from ``state``: the losses, the state after, and the most bytes of
+    ``files`` resident through their memory maps when an update began (backward is over
+    then; the update's O_DIRECT writes drop the pages)."""
+    from fsharded.parallel import offload
+
+    update, seen = offload.stream_update, [0]
+
+    def measured(*a, **k):
+        seen[0] = max(seen[0], sum(mapped_rss(files).values()))
+        return update(*a, **k)
+
+    offload.stream_update = measured
+    losses = []
+    try:
+        for b in T.batches(steps):
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+    finally:
+        offload.stream_update = update
+    return losses, state, seen[0]
+
+
 def gloo_param_offload(world: int) -> dict:
     """On each rank, ZeRO-3 with the parameters in a tier against device memory, bit for
     bit; and how much of the blocks' parameter files came into memory through their maps
     in training (their shards are read through aio just before each gather)."""
-    from fsharded.parallel import offload
-
     ref = run({"data": world}, 3, None)
     out = {}
-    update = offload.stream_update
     for tier in ("cpu", "nvme"):
         step, params = make_step({"data": world}, 3, tier, params_tier=tier)
         state = step.init(params)
         blocks = fs.parallel.offload.nvme_files(state.params["blocks"])
-        seen = [0]
-
-        def measured(*a, seen=seen, blocks=blocks, **k):  # when backward is over (the update's O_DIRECT writes drop the pages)
-            seen[0] = max(seen[0], sum(mapped_rss(blocks).values()))
-            return update(*a, **k)
-
-        offload.stream_update = measured
-        losses = []
-        try:
-            for b in T.batches(STEPS):
-                state, m = step(state, b)
-                losses.append(float(m["loss"]))
-        finally:
-            offload.stream_update = update
+        losses, state, mapped = watched(step, state, blocks)
         got = {"losses": losses, "params": step.params(state)}
         out[tier] = {"same": same(ref, got), "losses": losses, "params": got["params"],
-                     "block_files": len(blocks), "block_rss": seen[0],
+                     "block_files": len(blocks), "block_rss": mapped,
                      "block_leaves": len(optree.tree_leaves(params["blocks"])),
                      "files": len(fs.parallel.offload.nvme_files(state.params))}
     return out
@@ -170,29 +177,15 @@ def gloo_param_offload_stages(world: int, nvme_path: str) -> dict:
     from fsharded.parallel import offload
 
     out = {}
-    update = offload.stream_update
     for stage in (1, 2):
         ref = run({"data": world}, stage, None)
         for tier in ("cpu", "nvme"):
             step, params = make_step({"data": world}, stage, tier, params_tier=tier, nvme_path=nvme_path)
             state = step.init(params)
             files = fs.parallel.offload.nvme_files(state.params)
-            seen = [0]
-
-            def measured(*a, seen=seen, files=files, **k):
-                seen[0] = max(seen[0], sum(mapped_rss(files).values()))
-                return update(*a, **k)
-
-            offload.stream_update = measured
-            losses = []
-            try:
-                for b in T.batches(STEPS):
-                    state, m = step(state, b)
-                    losses.append(float(m["loss"]))
-            finally:
-                offload.stream_update = update
+            losses, state, mapped = watched(step, state, files)
             got = {"losses": losses, "params": step.params(state)}
-            out[(stage, tier)] = {"same": same(ref, got), "files": len(files), "mapped": seen[0]}
+            out[(stage, tier)] = {"same": same(ref, got), "files": len(files), "mapped": mapped}
     errors = {}
     for stage in (2, 3):
         step, params = make_step({"data": world}, stage, "nvme", params_tier="nvme", nvme_path=nvme_path)
@@ -209,3 +202,23 @@ def gloo_param_offload_stages(world: int, nvme_path: str) -> dict:
             errors[stage] = (victim, str(e))
     out["errors"] = errors
     return out
+
+
+def gloo_param_offload_bf16(world: int, nvme_path: str) -> dict:
+    """On each rank, ZeRO-3 in bf16 with the parameters and optimizer state on NVMe against
+    device memory, bit for bit, and the parameter files' pages read through their maps by
+    the time the update starts (the shards are read through aio and cast as they travel)."""
+    params = gpt.init(T.CONFIG, 0)
+
+    def run(**kw) -> dict:
+        plan = fs.parallel.zero(3, min_size=16, **kw)(P(), params)
+        step = fs.train_step(gpt.loss, fs.optim.adamw(T.LR, weight_decay=T.WD), mesh=fs.Mesh({"data": world}),
+                             param_specs=plan, clip=T.CLIP, precision="bf16", blocks="blocks")
+        state = step.init(params)
+        files = fs.parallel.offload.nvme_files(state.params)
+        losses, state, mapped = watched(step, state, files, 5)
+        return {"losses": losses, "params": step.params(state), "files": len(files), "mapped": mapped}
+
+    ref = run()
+    got = run(offload_optimizer="nvme", offload_params="nvme", nvme_path=nvme_path, bucket_elems=BUCKET)
+    return {"same": same(ref, got), "files": got["files"], "mapped": got["mapped"]}

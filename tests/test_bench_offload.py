@@ -1,5 +1,5 @@
 """Smoke test of `fsharded bench offload` (ours only, on 2 gloo ranks; no timing asserted):
-the five tiers train the same GPT with the same first-step loss, and every table is made."""
+the six tiers train the same GPT with the same first-step loss, and every table is made."""
 
 import os
 import subprocess
@@ -27,8 +27,11 @@ def test_bench_offload_quick_runs(tmp_path):
                 "| fsharded, optimizer state in host memory vs in memory |",
                 "| fsharded, parameters and optimizer state on NVMe vs in memory |",
                 "| fsharded, ZenFlow over the host tier vs the exact host tier |",
+                "| fsharded, ZenFlow over the NVMe tier vs the exact NVMe tier |",
                 "| our NVMe update's time per step (moments read, updated, written) |"):
         assert row in out, out
     assert "first-step losses: fsharded, optimizer state in memory" in out and "MISMATCH" not in out
+    held = out.split("### RSS between steps")[1].split("###")[0]
+    assert "| fsharded, parameters and optimizer state on NVMe vs in memory |" in held
     assert "DeepSpeed, optimizer state" not in out
     assert os.listdir(tmp_path) == []  # the tier's files and the disk test's are gone

@@ -17,13 +17,15 @@ def test_model_states_reproduce_the_zero_paper_table():
     """Figure 1 of the ZeRO paper: 7.5B parameters, N=64, fp16 parameters and gradients,
     Adam with fp32 master (K=12): (2+2+K)P, 2P+2P+KP/N, 2P+(2+K)P/N, (2+2+K)P/N = 120 /
     31.4 / 16.6 / 1.9 GB. Within 5%, the issue's tolerance: the paper rounds to 0.1 GB, and
-    step counters aside nothing else is counted. Shapes only (meta tensors)."""
+    step counters aside nothing else is counted. Shapes only (meta tensors). At stage 3 no
+    fp16 copy of the shards is kept (each block's are cast as its gather sends them), so
+    the model states are (2+K)P/N = 1.64 GB, 2P/N below the paper's."""
     leaf = (15625, 16000)  # 250M elements; dim 1 divides by 64
     params = {"blocks": [{"w": torch.empty(leaf, device="meta")} for _ in range(30)]}
     assert sum(b["w"].numel() for b in params["blocks"]) == 7.5e9
     policy = fs.precision.Policy.fp16(reduce_dtype=torch.float16)
     mesh = fs.Mesh({"data": 64})
-    paper = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+    paper = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9 - 2 * 7.5e9 / 64 / GB}
     got = {}
     for stage in range(4):
         e = fs.estimate_memory(params, fs.parallel.zero(stage)(P(), params), fs.optim.adamw(1e-3),

@@ -79,6 +79,17 @@ def test_master_shards_in_a_tier_at_zero_1_and_2_on_two_gloo_ranks(tmp_path):
             assert "does not hold what the step wrote" in msg and victim in msg, (stage, msg)
 
 
+@pytest.mark.multiprocess
+def test_parameter_offload_in_bf16_on_two_gloo_ranks(tmp_path):
+    # Under mixed precision each block's fp32 shards are read from their files through aio
+    # and cast to bf16 as they travel (not cast whole, through their maps, at the start).
+    from fsharded.testing import run_on_ranks
+
+    for r in run_on_ranks(O.gloo_param_offload_bf16, 2, 2, str(tmp_path)):
+        assert r["same"] and r["files"] == len(optree.tree_leaves(gpt.init(T.CONFIG, 0))), r
+        assert r["mapped"] == 0, r
+
+
 def test_fetch_reads_a_tier_tensor_and_checks_it(tmp_path):
     off = offload.Offload("nvme", "nvme", nvme_path=str(tmp_path), bucket_elems=2048)
     x = torch.randn(5000)

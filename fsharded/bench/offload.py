@@ -10,19 +10,22 @@ Two gloo ranks (one torch thread each) train the same functional GPT (fp32, Adam
 weight decay 0.01, clipping 1.0) at ZeRO-3 on the same batches, with the optimizer state:
 
 - in device memory: ``fs.parallel.zero(3)``;
-- in host memory: ``zero(3, offload_optimizer="cpu")``;
+- in host memory: ``zero(3, offload_optimizer="cpu")``, and with the parameters there too
+  (``offload_params="cpu"``);
 - in files under ``--nvme-path``: ``zero(3, offload_optimizer="nvme", nvme_path=...)``;
 - and with the parameters there too (ZeRO-Infinity): ``zero(3, offload_optimizer="nvme",
   offload_params="nvme", nvme_path=...)``;
 - ZenFlow's overlapped update over the host tier: ``zero(3, offload_optimizer="cpu",
   zenflow=ZenFlow(0.1))``: a tenth of the rows updated at once, the rest one step stale in
-  a thread beside the next step (other numbers from the second step on, by design).
+  a thread beside the next step (other numbers from the second step on, by design); and
+  the same over the NVMe tier (``offload_optimizer="nvme"``).
 
 DeepSpeed (when importable) runs the same model as an ``nn.Module`` whose forward is
 ``gpt.loss``, at ZeRO-3 (built under ``deepspeed.zero.Init``, each block's weights freed
 after forward), with its ``AdamW`` and ``offload_optimizer`` ``none``, ``cpu`` and ``nvme``
 (DeepSpeedCPUAdam; its NVMe swapper needs its ``async_io`` op, which needs ``libaio``: where
-that cannot be built the row says so). Its ``offload_param`` is not run: its swapper wants
+that cannot be built the row says so), and ``offload_param`` ``cpu`` beside
+``offload_optimizer`` ``cpu``. Its ``offload_param`` ``nvme`` is not run: its swapper wants
 a buffer per parameter gathered at once (74 when the model is loaded, each the size of the
 largest partition: 4 GB per rank here). On a CPU-only machine the "device" is host memory:
 the host tier moves nothing out of RAM, and what it shows is the cost of its copies.
@@ -31,7 +34,8 @@ Each framework runs in fresh processes of its own (``ru_maxrss`` is a per-proces
 high-water mark): warm-up steps, then timed steps (the slowest rank's time per step, the
 median), and the peak RSS of the rank that needs most (after the warm-up, every framework's
 process hands the heap memory it freed back to the system, ``malloc_trim``, so the peak
-counts what the framework holds, not what the allocator kept). The NVMe tier's bandwidth is
+counts what the framework holds, not what the allocator kept), and the resident set after
+the timed steps (what each tier keeps in RAM between steps). The NVMe tier's bandwidth is
 measured on the same disk in the same run: a large file written and read back by the same
 I/O pool, ``O_DIRECT``, 4 MiB requests; against it, the time our NVMe update spent moving
 the moments per step.
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import importlib.util
 import logging
 import os
@@ -58,7 +63,7 @@ import torch
 
 from fsharded.bench import Qty, Report, Row, Section, add_output_args
 
-TIERS = ("none", "cpu", "nvme", "nvme+params", "zenflow")
+TIERS = ("none", "cpu", "cpu+params", "nvme", "nvme+params", "zenflow", "zenflow+nvme")
 OURS, DS = "fsharded", "DeepSpeed"
 
 
@@ -110,10 +115,11 @@ class _Ours:
 
         params = job.params()
         kw = {} if tier == "none" else {"offload_optimizer": tier.split("+")[0], "nvme_path": job.nvme_path}
-        if tier == "nvme+params":
-            kw["offload_params"] = "nvme"
-        if tier == "zenflow":
-            kw = {"offload_optimizer": "cpu", "zenflow": ZenFlow(0.1)}
+        if tier.endswith("+params"):
+            kw["offload_params"] = kw["offload_optimizer"]
+        if tier.startswith("zenflow"):
+            kw = {"offload_optimizer": "nvme" if tier == "zenflow+nvme" else "cpu", "zenflow": ZenFlow(0.1),
+                  "nvme_path": job.nvme_path}
         self.step = fs.train_step(gpt.loss, fs.optim.adamw(job.lr, weight_decay=job.wd), mesh=fs.Mesh({"data": job.ranks}),
                                   param_specs=fs.parallel.zero(3, **kw)(P(), params), clip=job.clip, donate=True,
                                   blocks="blocks")
@@ -135,7 +141,10 @@ class _DeepSpeed:
         zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0,
                                 "stage3_prefetch_bucket_size": job.block_numel(), "stage3_max_reuse_distance": 0}
         if tier != "none":
-            zero["offload_optimizer"] = {"device": tier, "nvme_path": job.nvme_path, "pin_memory": False}
+            device = tier.split("+")[0]
+            zero["offload_optimizer"] = {"device": device, "nvme_path": job.nvme_path, "pin_memory": False}
+            if tier.endswith("+params"):
+                zero["offload_param"] = {"device": device, "nvme_path": job.nvme_path, "pin_memory": False}
         cfg = {"train_micro_batch_size_per_gpu": job.micro, "gradient_accumulation_steps": 1,
                "gradient_clipping": job.clip, "zero_optimization": zero, "steps_per_print": 1 << 30,
                "optimizer": {"type": "AdamW", "params": {"lr": job.lr, "weight_decay": job.wd}},
@@ -217,7 +226,22 @@ def worker(job: Job, framework: str, tier: str) -> dict:
         times.append(time.perf_counter() - t0)
     out.update(losses=losses, times=times, peak_rss_kb=_hwm_kb(),
                io_s=io["s"] / job.steps, io_bytes=io["bytes"] / job.steps)
+    gc.collect()
+    _trim()
+    out["held_rss_kb"] = _rss_now_kb()  # what the process keeps between steps
     return out
+
+
+def _rss_now_kb() -> int:
+    """This process's resident set now (``VmRSS``)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return 0
 
 
 def _hwm_kb() -> int:
@@ -344,7 +368,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         ds_nvme, why = _deepspeed_nvme_ok(ext) if deepspeed else (False, "")
         for framework in (OURS, DS) if deepspeed else (OURS,):
             for tier in TIERS:
-                if framework == DS and (tier in ("nvme+params", "zenflow") or (tier == "nvme" and not ds_nvme)):
+                if framework == DS and (tier in ("nvme+params", "zenflow", "zenflow+nvme")
+                                        or (tier == "nvme" and not ds_nvme)):  # (see the module doc)
                     continue
                 _log(f"{framework}, optimizer state {tier} ...")
                 runs[(framework, tier)] = run_on_new_ranks(worker, ranks, job, framework, tier)
@@ -362,16 +387,16 @@ def _step(runs: dict, key: tuple[str, str]) -> float:
     return statistics.median(max(ts) for ts in zip(*per_rank))
 
 
-def _rss(runs: dict, key: tuple[str, str]) -> float:
-    return max(r["peak_rss_kb"] for r in runs[key]) * 1024.0
+def _rss(runs: dict, key: tuple[str, str], what: str = "peak_rss_kb") -> float:
+    return max(r[what] for r in runs[key]) * 1024.0
 
 
 def _name(key: tuple[str, str]) -> str:
     fw, tier = key
-    if tier == "nvme+params":
-        return f"{fw}, parameters and optimizer state on NVMe"
-    if tier == "zenflow":
-        return f"{fw}, ZenFlow over the host tier"
+    if tier.endswith("+params"):
+        return f"{fw}, parameters and optimizer state " + ("on NVMe" if tier.startswith("nvme") else "in host memory")
+    if tier.startswith("zenflow"):
+        return f"{fw}, ZenFlow over the " + ("NVMe tier" if tier == "zenflow+nvme" else "host tier")
     return f"{fw}, optimizer state " + {"none": "in memory", "cpu": "in host memory", "nvme": "on NVMe"}[tier]
 
 
@@ -396,10 +421,14 @@ def _sections(job: Job, runs: dict, size: str, disk: tuple[float, float], deepsp
                              _step(runs, o["none"])),
                          Row(f"{_name(o['cpu'])} vs in memory", size, _step(runs, o["cpu"]),
                              _step(runs, o["none"])),
+                         Row(f"{_name(o['cpu+params'])} vs in memory", size, _step(runs, o["cpu+params"]),
+                             _step(runs, o["none"])),
                          Row(f"{_name(o['zenflow'])} vs in memory", size, _step(runs, o["zenflow"]),
                              _step(runs, o["none"])),
                          Row(f"{_name(o['zenflow'])} vs the exact host tier", size, _step(runs, o["zenflow"]),
-                             _step(runs, o["cpu"]))), notes=tuple(notes))]
+                             _step(runs, o["cpu"])),
+                         Row(f"{_name(o['zenflow+nvme'])} vs the exact NVMe tier", size,
+                             _step(runs, o["zenflow+nvme"]), _step(runs, o["nvme"]))), notes=tuple(notes))]
     if d:
         rows = tuple(Row(f"{_name(o[t])} vs {_name(d[t])}", size, _step(runs, o[t]), _step(runs, d[t])) for t in d)
         out.append(Section(title=f"step time against DeepSpeed, {job.ranks} gloo ranks",
@@ -408,8 +437,12 @@ def _sections(job: Job, runs: dict, size: str, disk: tuple[float, float], deepsp
            Qty(f"{_name(o['nvme+params'])} vs in memory", size, _rss(runs, o["nvme+params"]), _rss(runs, o["none"]),
                unit="B"),
            Qty(f"{_name(o['cpu'])} vs in memory", size, _rss(runs, o["cpu"]), _rss(runs, o["none"]), unit="B"),
+           Qty(f"{_name(o['cpu+params'])} vs in memory", size, _rss(runs, o["cpu+params"]), _rss(runs, o["none"]),
+               unit="B"),
            Qty(f"{_name(o['zenflow'])} vs in memory", size, _rss(runs, o["zenflow"]), _rss(runs, o["none"]),
-               unit="B")]
+               unit="B"),
+           Qty(f"{_name(o['zenflow+nvme'])} vs in memory", size, _rss(runs, o["zenflow+nvme"]),
+               _rss(runs, o["none"]), unit="B")]
     rss += [Qty(f"{_name(o[t])} vs {_name(d[t])}", size, _rss(runs, o[t]), _rss(runs, d[t]), unit="B") for t in d]
     init = "; ".join(f"{_name(k)} {max(r['init_peak_kb'] for r in runs[k]) * 1024 / 1e9:.2f} GB" for k in runs)
     out.append(Section(title="peak RSS of the rank that needs most, while training", target=0.4,
@@ -422,8 +455,18 @@ def _sections(job: Job, runs: dict, size: str, disk: tuple[float, float], deepsp
                               f"first step): {init}")))
     if DS in {k[0] for k in runs}:
         out[-1] = dataclasses.replace(out[-1], notes=out[-1].notes + (
-            "DeepSpeed's offload_param (a swap buffer per parameter gathered at once, each as large as the "
+            "DeepSpeed's offload_param on NVMe (a swap buffer per parameter gathered at once, each as large as the "
             "largest partition) and its ZenFlow (stages 1-2, a CUDA device) are not run here",))
+    held = tuple(Qty(f"{_name(o[t])} vs in memory", size, _rss(runs, o[t], "held_rss_kb"),
+                     _rss(runs, o["none"], "held_rss_kb"), unit="B") for t in TIERS if t != "none")
+    held += tuple(Qty(f"{_name(o[t])} vs {_name(d[t])}", size, _rss(runs, o[t], "held_rss_kb"),
+                      _rss(runs, d[t], "held_rss_kb"), unit="B") for t in d)
+    out.append(Section(title="RSS between steps of the rank that holds most: what each tier keeps in RAM",
+                       peer="ours in memory (first rows), DeepSpeed (the others)", rows=held,
+                       notes=("the resident set (VmRSS) after the timed steps, garbage collected and the heap "
+                              "trimmed: the training state a tier leaves in memory, the process itself, and none of "
+                              "a step's transients (activations, gathered weights, unreduced gradients), which the "
+                              "peak above counts",)))
     io_s = statistics.median(r["io_s"] for r in runs[o["nvme"]])
     io_b = max(r["io_bytes"] for r in runs[o["nvme"]])
     # Every rank streams its state at once, to the same disk: the floor is the time the disk

@@ -25,12 +25,18 @@ from fsharded import comm
 from fsharded.comm import _shm
 from fsharded.mesh._mesh import Mesh
 from fsharded.parallel import offload
-from fsharded.parallel._buckets import InFlight, gather_leaves, issue, split_dim
+from fsharded.parallel._buckets import InFlight, gather_leaves, issue, scatter_leaves, split_dim
 from fsharded.parallel.blocks import Keyed
 from fsharded.parallel.remat import checkpoint
+from fsharded.spmd import _env
 from fsharded.spmd.collectives import psum_scatter
 
 __all__ = ["PendingGather", "Prefetch", "block_handler", "overlapped_backward", "run_regathered"]
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``x`` in ``dtype`` where that is a floating dtype it is not in (None: as it is)."""
+    return x if dtype is None or x.dtype == dtype or not x.is_floating_point() else x.to(dtype)
 
 
 class PendingGather:
@@ -38,23 +44,25 @@ class PendingGather:
     gives the gathered leaves. Not differentiable: for forward passes under no_grad."""
 
     def __init__(self, leaves: list, from_specs: list, to_specs: list, axis: str, mesh: Mesh,
-                 reading: offload.Reading | None = None) -> None:
-        self.leaves, self.n = [x.detach() for x in leaves], mesh.shape[axis]
-        leaves = self.leaves
+                 reading: offload.Reading | None = None, dtype: torch.dtype | None = None) -> None:
+        # ``dtype``: the shards are cast to it before they travel (the gathered weights' dtype).
+        raw = [x.detach() for x in leaves]
+        self.n = mesh.shape[axis]
         self.dims = [split_dim(f, t, axis) if axis in f.axes and axis not in t.axes else None
                      for f, t in zip(from_specs, to_specs)]
         moving = [i for i, d in enumerate(self.dims) if d is not None]
         self.moving = moving
         self.work = None
-        if not moving or self.n == 1:  # nothing to gather: the shards are the whole weights
-            if reading is not None:
-                reading.wait()
-            return
-        g = comm.axis_group(mesh, (axis,))
         with torch.no_grad():
             # A shard in an NVMe tier: read from its file (posted earlier by the prefetch).
-            values = (reading or offload.Reading(self.leaves)).wait()
-            src = [values[i] for i in moving]
+            values = (reading or offload.Reading(raw)).wait()
+            if not moving or self.n == 1:  # nothing to gather: the shards are the whole weights
+                self.leaves = [_cast(v, dtype) for v in values]
+                return
+            # (the gathered ones' shapes are read off the shards; the others as they are used)
+            self.leaves = [x if d is not None else _cast(v, dtype) for x, v, d in zip(raw, values, self.dims)]
+            g = comm.axis_group(mesh, (axis,))
+            src = [_cast(values[i], dtype) for i in moving]
             del values
             flat = torch.cat([x.movedim(self.dims[i], 0).reshape(-1) for i, x in zip(moving, src)])
             del src
@@ -129,16 +137,21 @@ def _reduce_scatter_async(rows: torch.Tensor, axis: str, mesh: Mesh, pending: li
 
 
 class _Gathered(torch.autograd.Function):
-    """Shards -> full weights (from a prefetch, or gathered here); backward: reduce-scatter."""
+    """Shards -> full weights (from a prefetch, or gathered here); backward: reduce-scatter.
+    ``info``'s ``dtype``: the shards are cast to it before they travel (the full weights'
+    dtype; None: as they are); ``reduce_dtype``: the gradients are reduce-scattered in it
+    (None: as they come) and handed back in the shards' dtype."""
 
     @staticmethod
     def forward(ctx, info, pending, cache, frozen, *shards):
-        m_specs, u_specs, axis, mesh, cap = info
+        m_specs, u_specs, axis, mesh, cap, dtype, _ = info
         ctx.info, ctx.cache = info, cache
+        ctx.dtypes = [s.dtype for s in shards]
         if pending is not None:
             fulls = pending.wait()
         else:
-            fulls = gather_leaves([offload.fetch(s.detach()) for s in shards], m_specs, u_specs, axis, mesh, cap)
+            fulls = gather_leaves([_cast(offload.fetch(s.detach()), dtype) for s in shards], m_specs, u_specs, axis,
+                                  mesh, cap)
         # Independent tensors (not views of one gather buffer, nor of the inputs), so the
         # block may use them like any parameter.
         out = tuple(f if (f._base is None and f is not s) else f.clone() for f, s in zip(fulls, shards))
@@ -150,7 +163,7 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        m_specs, u_specs, axis, mesh, cap = ctx.info
+        m_specs, u_specs, axis, mesh, cap, _, reduce_dtype = ctx.info
         if ctx.cache is not None:  # the block's backward is over: drop its re-gathered weights
             ctx.cache.clear()
         n = mesh.shape[axis]
@@ -166,10 +179,12 @@ class _Gathered(torch.autograd.Function):
             # What a memory tracker sees: the block's full parameter gradients (made in
             # backward, where the rest is activation gradients) and the bucket sent.
             memory.label([grads[i] for i in idx], "gradients")
-            rows = torch.cat([grads[i].movedim(dims[i], 0).reshape(n, -1) for i in idx], dim=1)
+            rows = torch.cat([_cast(grads[i], reduce_dtype).movedim(dims[i], 0).reshape(n, -1) for i in idx], dim=1)
             memory.label(rows, "gradients")
             pending = _PENDING.get()
-            if pending is not None:
+            # Handed back in another dtype than reduced in: converted once it has arrived.
+            back = any(rows.dtype != ctx.dtypes[i] for i in idx)
+            if pending is not None and not back:
                 # Issued without waiting: the rest of backward runs while it travels. The
                 # gradients handed to autograd are views of the output buffer, which nothing
                 # reads before the step waits on every pending reduce-scatter.
@@ -179,19 +194,21 @@ class _Gathered(torch.autograd.Function):
             for i, piece in zip(idx, mine.split([grads[i].numel() // n for i in idx])):
                 moved = list(grads[i].movedim(dims[i], 0).shape)
                 moved[0] //= n
-                out[i] = piece.reshape(moved).movedim(0, dims[i])
+                out[i] = _cast(piece.reshape(moved).movedim(0, dims[i]), ctx.dtypes[i])
             memory.label(mine, "gradients")
         return (None, None, None, None, *out)
 
 
 def run_regathered(block, p_tree_def, shards: list, args: tuple, kw: dict, m_specs: list, u_specs: list,
                    axis: str, mesh: Mesh, cap: int, pending: Any, *, regather: bool = True,
-                   fetch: Any = None, frozen: list[bool] | None = None) -> Any:
+                   fetch: Any = None, frozen: list[bool] | None = None, dtype: torch.dtype | None = None,
+                   reduce_dtype: torch.dtype | None = None) -> Any:
     """Forward of one block on gathered weights whose saved copies are dropped and gathered
     again in backward (``regather``: by ``fetch()``, a prefetching gatherer, or here), or
-    kept by autograd until backward."""
+    kept by autograd until backward. ``dtype``: the weights' dtype (the shards cast to it
+    before they travel); ``reduce_dtype``: their gradients' reduce-scatter's."""
     cache: dict[int, torch.Tensor] = {}
-    fulls = _Gathered.apply((m_specs, u_specs, axis, mesh, cap), pending, cache, frozen, *shards)
+    fulls = _Gathered.apply((m_specs, u_specs, axis, mesh, cap, dtype, reduce_dtype), pending, cache, frozen, *shards)
     if not regather:
         return block(optree.tree_unflatten(p_tree_def, list(fulls)), *args, **kw)
     ptrs = {f.untyped_storage().data_ptr(): i for i, f in enumerate(fulls)}
@@ -210,7 +227,8 @@ def run_regathered(block, p_tree_def, shards: list, args: tuple, kw: dict, m_spe
         if i not in cache:  # first weight backward needs: gather the block's in one bucket
             with torch.no_grad():
                 full = fetch() if fetch is not None else \
-                    gather_leaves([offload.fetch(x) for x in shard_refs], m_specs, u_specs, axis, mesh, cap)
+                    gather_leaves([_cast(offload.fetch(x), dtype) for x in shard_refs], m_specs, u_specs, axis, mesh,
+                                  cap)
             cache.update({j: f.contiguous() for j, f in enumerate(full)})
             memory.label(list(cache.values()), "parameters")  # gathered again for backward
         return cache[i].as_strided(shape, stride, offset)
@@ -226,7 +244,8 @@ class Prefetch:
     so it travels while block i's backward computes. Two blocks' full weights are alive at
     most (three around the last block, which is kept from forward to backward)."""
 
-    def __init__(self, blocks: list, specs_of: dict, axis: str, mesh: Mesh) -> None:
+    def __init__(self, blocks: list, specs_of: dict, axis: str, mesh: Mesh, dtype: torch.dtype | None = None) -> None:
+        self.dtype = dtype  # the shards are cast to it before they travel
         self.order = [optree.tree_leaves(b) for b in blocks]
         self.index = {id(lv[0]): i for i, lv in enumerate(self.order) if lv}
         self.specs_of, self.axis, self.mesh = specs_of, axis, mesh
@@ -244,7 +263,7 @@ class Prefetch:
         leaves = self.order[i]
         specs = [self.specs_of[id(t)] for t in leaves]
         g = PendingGather(leaves, [m for m, _ in specs], [u for _, u in specs], self.axis, self.mesh,
-                          reading=self.reads.pop(i, None))
+                          reading=self.reads.pop(i, None), dtype=self.dtype)
         self._read(i + ahead)  # the block after it in this pass
         return g
 
@@ -297,12 +316,70 @@ class Prefetch:
         return self.pending.pop(i)
 
 
+def _typing() -> Any:
+    """The shard_map body's varying-axes table, or None where nothing is typed (outside a
+    body, or a stretch run under ``VmaMode.assuming``)."""
+    frame = _env.current()
+    mode = frame.vma if frame is not None else None
+    return mode if mode is not None and mode.assumed is None else None
+
+
+class _CastGathered(torch.autograd.Function):
+    """``gather_leaves`` of shards cast to ``dtype`` first (the wire carries ``dtype``),
+    whose transpose reduce-scatters the gradients in ``reduce_dtype`` and hands them back
+    in the shards' dtype: the virtual mesh's form of ``_Gathered``'s casts (under
+    torch.func, vmapped by its generated rule). It types its own insides: each gathered
+    leaf has the type the gather gives it, not the union of every shard's."""
+
+    generate_vmap_rule = True
+    vma_typed = True
+
+    @staticmethod
+    def forward(info, types, *shards):
+        m_specs, u_specs, axis, mesh, cap, dtype, _, frozen = info
+        mode = _typing()
+        with mode.typing() if mode is not None and mode.dispatching else contextlib.nullcontext():
+            if mode is not None and types is not None:  # the shards' types as the body has them
+                for x, t in zip(shards, types):
+                    mode.set(x, t)
+            out = tuple(gather_leaves([_cast(s, dtype) for s in shards], m_specs, u_specs, axis, mesh, cap,
+                                      frozen=frozen))
+        if mode is not None:
+            mode.carry(out)
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        info, _, *shards = inputs
+        ctx.info, ctx.dtypes = info, [s.dtype for s in shards]
+        frozen = info[-1]
+        if frozen is not None:  # no gradient is made for what is not trained
+            ctx.set_materialize_grads(False)
+            ctx.mark_non_differentiable(*(o for o, f in zip(output, frozen) if f))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        m_specs, u_specs, axis, mesh, cap, _, reduce_dtype, _ = ctx.info
+        idx = [i for i, g in enumerate(grads) if g is not None]
+        got = scatter_leaves([_cast(grads[i], reduce_dtype) for i in idx], [m_specs[i] for i in idx],
+                             [u_specs[i] for i in idx], axis, mesh, cap)
+        out: list = [None] * len(grads)
+        for i, g in zip(idx, got):
+            out[i] = _cast(g, ctx.dtypes[i])
+        return (None, None, *out)
+
+
 def block_handler(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: Prefetch | None,
                   reshard: bool, kept: set, *, frozen: set | frozenset = frozenset(),
-                  hooks: bool = False) -> Callable[..., Any]:
+                  hooks: bool = False, dtype: torch.dtype | None = None,
+                  reduce_dtype: torch.dtype | None = None) -> Callable[..., Any]:
     """The ``run_block`` handler of a ZeRO-3 step: run each block on its gathered weights.
     ``frozen``: ids of the leaves that are not trained (gathered for use; no gradient of
-    theirs is computed or reduce-scattered).
+    theirs is computed or reduce-scattered). ``dtype``: the weights' dtype as the block
+    uses them (the shards, in the master dtype, cast to it before they travel; None: as
+    they are); ``reduce_dtype``: the dtype their gradients are reduce-scattered in (None:
+    the weights'), handed back in the shards' dtype (a policy's fp32 reduction of bf16
+    weights: gathered in bf16, reduced in fp32, as FSDP2's ``reduce_dtype`` does).
 
     With ``reshard`` the full weights live only while the block runs and are gathered
     again in backward (except for the leaves in ``kept``: the last block, whose backward
@@ -327,14 +404,15 @@ def block_handler(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: Pre
         if prefetch is not None:
             out = run_regathered(block, bdef, leaves, args, kw, m_specs, u_specs, axis, mesh, cap,
                                  prefetch.take_pending(leaves), regather=again,
-                                 fetch=prefetch.regather(leaves) if again else None, frozen=cold)
+                                 fetch=prefetch.regather(leaves) if again else None, frozen=cold, dtype=dtype,
+                                 reduce_dtype=reduce_dtype)
             first = optree.tree_leaves(out)[0] if optree.tree_leaves(out) else None
             if regather_any and isinstance(first, torch.Tensor) and first.requires_grad:
                 first.register_hook(prefetch.on_backward(leaves))
             return out
         if hooks:
             return run_regathered(block, bdef, leaves, args, kw, m_specs, u_specs, axis, mesh, cap, None,
-                                  regather=again, frozen=cold)
+                                  regather=again, frozen=cold, dtype=dtype, reduce_dtype=reduce_dtype)
         # Tensors among the block's other arguments go through the remat as inputs, so
         # their gradients (a residual stream, position embeddings) are not lost.
         extra, edef = optree.tree_flatten((args, kw))
@@ -343,7 +421,14 @@ def block_handler(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: Pre
 
         def run(*tensors: torch.Tensor) -> Any:
             shards, ts = list(tensors[:n]), iter(tensors[n:])
-            full = gather_leaves(shards, m_specs, u_specs, axis, mesh, cap, frozen=cold)
+            casts = dtype is not None and any(s.is_floating_point() and s.dtype != dtype for s in shards)
+            if not casts and reduce_dtype in (None, dtype):  # the weights travel and reduce as they are
+                full = gather_leaves(shards, m_specs, u_specs, axis, mesh, cap, frozen=cold)
+            else:
+                mode = _typing()
+                types = [mode.get(x) for x in shards] if mode is not None else None
+                full = list(_CastGathered.apply((m_specs, u_specs, axis, mesh, cap, dtype, reduce_dtype, cold),
+                                                types, *shards))
             memory.label(full, "parameters")  # the block's full weights, while it runs
             a, k = optree.tree_unflatten(edef, [next(ts) if t else e for e, t in zip(extra, is_t)])
             return block(optree.tree_unflatten(bdef, full), *a, **k)

@@ -218,6 +218,9 @@ class LocalLoss:
     the per-block loss leaves its blocks' leaves to their ``run_block``)."""
 
     backward_ctx = staticmethod(contextlib.nullcontext)  # around backward (eager): nothing
+    # Leaves the loss hands on in their own dtype (None: none), to be cast where they are
+    # gathered (the per-block loss's block leaves: ZeRO-3 casts them before they travel).
+    uncast: list[bool] | None = None
 
     def __init__(self, layout: Layout, loss_fn: Callable, *, policy: Any, scaling: Any,
                  check_loss: Callable, cap: int, to: list | None = None, remat: Any = None) -> None:
@@ -241,7 +244,9 @@ class LocalLoss:
     def __call__(self, p: Any, micro: Any, *, scale: Any, model_state: Any = None) -> tuple:
         leaves, tdef = optree.tree_flatten(p)
         leaves = self.gather(leaves)
-        p = optree.tree_unflatten(tdef, [cast_tree(x, self.policy.compute_dtype) for x in leaves])
+        keep = self.uncast or [False] * len(leaves)
+        p = optree.tree_unflatten(tdef, [x if k else cast_tree(x, self.policy.compute_dtype)
+                                         for x, k in zip(leaves, keep)])
         with self.running(p):
             out = self.loss_fn(p, micro) if model_state is None else self.loss_fn(p, micro, model_state)
         loss, extra = self.check_loss(out)

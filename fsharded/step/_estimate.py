@@ -84,9 +84,10 @@ class MemoryEstimate:
     @property
     def model_states(self) -> int:
         """Model states as the ZeRO paper counts them (its Figure 1): parameters as held
-        (fp16 / bf16 copies: full at stages 0-2, a shard at 3) + gradients in their placement
-        + optimizer state with the fp32 master weights: (2+2+K)P, 2P+2P+KP/N, 2P+(2+K)P/N,
-        (2+2+K)P/N for fp16 Adam (K=12)."""
+        (fp16 / bf16 copies: full at stages 0-2; none at 3, whose shards are cast block by
+        block as they are gathered) + gradients in their placement + optimizer state with
+        the fp32 master weights: (2+2+K)P, 2P+2P+KP/N, 2P+(2+K)P/N, (2+K)P/N for fp16 Adam
+        (K=12; the paper's stage 3 keeps a fp16 shard too, (2+2+K)P/N)."""
         return self.params + self.placed_grads + self.master + self.optimizer
 
     @property
@@ -259,12 +260,12 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
     biggest_leaf = max(trained_n, default=0)
     compute, buffers, gather = 0, 0, 0
     if in_loss and per_block and pl.reshards:
-        # Block shards cast to the param dtype, the rest gathered for the whole step; two
-        # blocks' full weights at a time (one computing, the next one's gather in flight:
-        # its buffer is one of the two). The peak is where backward starts, all activations
-        # alive and the last block's gradient being made (measured on 2 gloo ranks).
-        shards = sum(m for m, j in zip(master_n, T.pick(block_of, mask)) if j is not None)
-        held = (shards * pb if policy.param_dtype != policy.master_dtype else 0) + outside * pb
+        # The rest gathered for the whole step (the block shards are cast to the param dtype
+        # block by block, as they travel); two blocks' full weights at a time (one
+        # computing, the next one's gather in flight: its buffer is one of the two). The
+        # peak is where backward starts, all activations alive and the last block's
+        # gradient being made (measured on 2 gloo ranks).
+        held = outside * pb
         compute = 2 * largest * pb
         grad_peak, in_backward = placed, largest_t * rb + outside_t * rb
         notes.append(f"ZeRO-3: full weights of at most 2 blocks alive ({largest:,d} elements per block)")
@@ -348,7 +349,7 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
         off_params = sum(T.pick(master_n, mask)) * mb  # the trained (fp32) master shards
         if off.params == "nvme":
             staging += sets * width * mb
-        when = "each block's shards read back just before its gather" if pl.stage == 3 else \
+        when = "each block's shards read back just before its gather" if in_loss else \
             "the shards read back at the step's start, before its gather"
         notes.append(f"master parameters offloaded: {off_params / 2**20:,.2f} MiB off the device ({when})")
     return MemoryEstimate(

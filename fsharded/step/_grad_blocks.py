@@ -53,6 +53,10 @@ class BlockLoss(LocalLoss):
                          **kw)
         self.layout, self.cap, self.distributed = layout, kw["cap"], distributed
         self.specs = [(p, u) if b else None for p, u, b in zip(layout.params, layout.use, mask)]
+        # The block leaves reach their run_block in the master dtype: the gather casts them
+        # to the compute dtype before they travel, and its transpose reduce-scatters their
+        # gradients in the policy's reduce dtype (fp32 under bf16: as the other stages do).
+        self.uncast = [b and g for b, g in zip(mask, layout.moves.gather_in_loss)]
         self.cold = list(layout.frozen or [False] * len(mask))
         self._prefetch = None  # this call's (real ranks)
 
@@ -87,7 +91,8 @@ class BlockLoss(LocalLoss):
         specs_of = {id(x): s for x, s in zip(leaves, self.specs) if s is not None}
         frozen = {id(x) for x, c in zip(leaves, self.cold) if c}
         blocks = _tree.get_path(p, lay.blocks)
-        prefetch = zero3.Prefetch(blocks, specs_of, lay.axis, lay.mesh) \
+        dtype, reduce_dtype = self.policy.compute_dtype, self.policy.reduce_dtype
+        prefetch = zero3.Prefetch(blocks, specs_of, lay.axis, lay.mesh, dtype=dtype) \
             if self.distributed and not _manifest.dry() else None
         self._prefetch = prefetch
         # The last block's backward follows its forward at once: keep its weights.
@@ -98,4 +103,4 @@ class BlockLoss(LocalLoss):
             return lay.reshard and prefetch is None and bool(first) and id(first[0]) not in kept
 
         return zero3.block_handler(specs_of, lay.axis, lay.mesh, self.cap, prefetch, lay.reshard, kept,
-                                   frozen=frozen), remats
+                                   frozen=frozen, dtype=dtype, reduce_dtype=reduce_dtype), remats

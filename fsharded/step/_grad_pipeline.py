@@ -111,15 +111,17 @@ class PipelineGradients:
             stages = _Recomputed(stages, self.remat)
         # ZeRO-3: a stage's sharded leaves are gathered at its GATHER action of the table
         # and their gradients reduce-scattered at its RELEASE (``with_gathers``).
-        weights = None
+        weights, uncast = None, None
         if any(g and self.held[i] & set(mine) for i, g in enumerate(self.layout.moves.gather_in_loss)):
             sched = self.gathers_table
             index = optree.tree_unflatten(tdef, list(range(len(leaves))))  # each stage's leaves by index
             index = {s: optree.tree_leaves(stages.params_of(index, s)) for s in mine}
             weights = functools.partial(self._gather_stage, counted, index)
             if any(self.per_block):  # the blocks of the stages counted here: gathered by run_block
-                stages = _BlocksGathered(stages, self, index,
-                                         {s for s in mine if counted is None or sched.rank_of(s) == counted})
+                own = {s for s in mine if counted is None or sched.rank_of(s) == counted}
+                stages = _BlocksGathered(stages, self, index, own)
+                # (in the master dtype: their run_block casts them before they travel)
+                uncast = {s: [self.per_block[i] for i in index[s]] for s in own}
         micro = split_batch(batch, sched.microbatches)
         trained = None
         if self.layout.trainable is not None:  # frozen leaves enter their stages as constants
@@ -146,7 +148,7 @@ class PipelineGradients:
                           transport=transport, functional=self.functional,
                           scale=lambda y: self.scaling.scale(y, scale), trained=trained,
                           compute_dtype=self.policy.compute_dtype, counted=counted, state=model_state,
-                          weights=weights)
+                          weights=weights, uncast=uncast)
             except _vma.NeedsTyping:  # the pipe ranks may stand at different actions: no rerun
                 raise RuntimeError("pipeline: a stage asked for the varying-axes typing the step assumed "
                                    "away (a collective or a type question inside the model); please "
@@ -386,7 +388,7 @@ class _BlocksGathered:
         # manifest then lists backward's gathers as they run), by a remat of the block.
         hooks = not g.functional and not _manifest.dry()
         handler = zero3.block_handler(specs_of, lay.axis, lay.mesh, g.cap, None, True, set(), frozen=frozen,
-                                      hooks=hooks)
+                                      hooks=hooks, dtype=g.policy.compute_dtype, reduce_dtype=g.policy.reduce_dtype)
         handler.recomputes = not hooks  # (a remat policy inside it does not recompute its blocks twice)
         with handling(handler):
             return self.stages.forward(s, params, x, batch, state=state)

@@ -394,6 +394,7 @@ class _Run:
     weights: Any = None  # (stage, its stored params) -> (its whole params, the transpose of that), or None
     stored: dict[int, Any] = field(default_factory=dict)  # stage -> its params as stored (the table gathers them)
     compute_dtype: torch.dtype | None = None
+    uncast: dict[int, list[bool]] = field(default_factory=dict)  # stage -> its leaves kept in their dtype
     transposes: dict[int, Callable] = field(default_factory=dict)  # stage -> what its release runs
     arriving: dict[int, Any] = field(default_factory=dict)  # stage -> its gather in flight
     released: dict[int, list] = field(default_factory=dict)  # stage -> its stored params' gradients so far
@@ -413,7 +414,8 @@ class _Run:
         leaves = optree.tree_leaves(whole)
         memory.label(leaves, "parameters")
         self.dtypes[s] = [t.dtype for t in leaves]
-        self.params[s] = _cast(whole, self.compute_dtype)  # (the weights in their own dtype freed, if cast)
+        # (the weights in their own dtype freed, if cast)
+        self.params[s] = _cast(whole, self.compute_dtype, self.uncast.get(s))
         self.grads[s] = [None] * len(leaves)
 
     def stage_params(self, s: int) -> Any:
@@ -575,11 +577,15 @@ class Functional:
         return _activation(y), _Back(back, aux)
 
 
-def _cast(params: Any, dtype: torch.dtype | None) -> Any:
-    """``params`` with its floating leaves in ``dtype`` (None: as they are)."""
+def _cast(params: Any, dtype: torch.dtype | None, keep: list[bool] | None = None) -> Any:
+    """``params`` with its floating leaves in ``dtype`` (None: as they are), except those
+    ``keep`` marks (in leaf order)."""
     if dtype is None:
         return params
-    return optree.tree_map(lambda t: t.to(dtype) if t.is_floating_point() else t, params)
+    leaves, tdef = optree.tree_flatten(params)
+    keep = keep or [False] * len(leaves)
+    return optree.tree_unflatten(tdef, [t if k or not t.is_floating_point() else t.to(dtype)
+                                        for t, k in zip(leaves, keep)])
 
 
 def _seeds(y: Any, g: torch.Tensor | None) -> tuple[list, list]:
@@ -604,7 +610,8 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
         ranks: Sequence[int] | None = None, transport: Any = None, functional: bool = False,
         scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
         trained: dict[int, list[bool]] | None = None, compute_dtype: torch.dtype | None = None,
-        counted: Sequence[int] | None = None, state: Any = None, weights: Callable | None = None) -> Result:
+        counted: Sequence[int] | None = None, state: Any = None, weights: Callable | None = None,
+        uncast: dict[int, list[bool]] | None = None) -> Result:
     """Run ``schedule`` for the ranks ``ranks`` (default: all of them, in this process,
     over a ``Mailbox``; on real ranks pass this rank alone and a ``PointToPoint``).
     ``params[s]``: stage ``s``'s parameters (``Stages.params_of``) for every stage the
@@ -613,7 +620,9 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     micro-batch's loss before backward (fp16's loss scale: the gradients come back
     scaled, the loss does not); ``trained[s]``: which of stage ``s``'s leaves are
     differentiated (default all; the others' gradients come back as zeros);
-    ``compute_dtype``: the stages run on their parameters cast to it; ``counted``: the
+    ``compute_dtype``: the stages run on their parameters cast to it (but for the leaves
+    ``uncast[s]`` marks, in stage ``s``'s leaf order: their ``run_block`` casts them where
+    it gathers them); ``counted``: the
     ranks whose allocations a memory tracker counts (default all; a dry run of one rank's
     step runs the others' actions for their values only); ``state``: a model state the
     stages' blocks read (``Stages.block_state``: aux-loss-free routing biases), their
@@ -640,7 +649,8 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
     stored = {s: params[s] for s in mine}
     leaves = {s: optree.tree_leaves(params[s]) for s in mine}
     # One copy per stage in the compute dtype for the run (or for a gather), not one per micro-batch
-    params = {} if gathers else {s: _cast(params[s], compute_dtype) for s in mine}
+    uncast = dict(uncast or {})
+    params = {} if gathers else {s: _cast(params[s], compute_dtype, uncast.get(s)) for s in mine}
     split = frozenset((a.stage, a.mb) for r in ranks for a in schedule.actions[r] if a.kind == "I")
     # Under a key scope (a step's): one stream per micro-batch, reserved in order, as
     # gradient accumulation reserves them (derived only if a stage draws).
@@ -654,7 +664,7 @@ def run(schedule: Schedule, stages: Stages, params: dict[int, Any], micro: Seque
               {} if gathers else {s: [None] * len(leaves[s]) for s in mine}, split,
               Functional() if functional else Autograd(), scale, dict(trained or {}), keys,
               None if counted is None else set(counted), state, weights=weights, stored=stored,
-              compute_dtype=compute_dtype)
+              compute_dtype=compute_dtype, uncast=uncast)
     transport.begin(micro[0], keys is not None)
     walkers = [_Rank(r, ex) for r in ranks]
     t0 = time.perf_counter()
