@@ -60,6 +60,28 @@ def test_master_shards_in_a_tier_at_zero_1_and_2_equal_device_memory(stage, tier
     assert got["param_files"] == (len(optree.tree_leaves(gpt.init(T.CONFIG, 0))) if tiers[1] == "nvme" else 0)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_master_shards_in_a_tier_in_bf16_at_zero_1_and_2(stage, tmp_path):
+    # The fp32 shards read at the step's start and cast to bf16 before the gather.
+    params = gpt.init(T.CONFIG, 0)
+
+    def run(**kw) -> tuple:
+        step = fs.train_step(gpt.loss, fs.optim.adamw(T.LR, weight_decay=T.WD), mesh=fs.Mesh({"data": 2}),
+                             param_specs=fs.parallel.zero(stage, min_size=16, **kw)(P(), params), clip=T.CLIP,
+                             precision="bf16", blocks="blocks")
+        state = step.init(params)
+        losses = []
+        for b in T.batches(4):
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        return losses, optree.tree_leaves(step.params(state))
+
+    ref = run()
+    for tier in ("cpu", "nvme"):
+        got = run(offload_optimizer=tier, offload_params=tier, nvme_path=str(tmp_path), bucket_elems=2048)
+        assert got[0] == ref[0] and all(torch.equal(a, b) for a, b in zip(got[1], ref[1])), tier
+
+
 @pytest.mark.multiprocess
 def test_master_shards_in_a_tier_at_zero_1_and_2_on_two_gloo_ranks(tmp_path):
     from fsharded.testing import run_on_ranks
