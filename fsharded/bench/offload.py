@@ -228,32 +228,26 @@ def worker(job: Job, framework: str, tier: str) -> dict:
                io_s=io["s"] / job.steps, io_bytes=io["bytes"] / job.steps)
     gc.collect()
     _trim()
-    out["held_rss_kb"] = _rss_now_kb()  # what the process keeps between steps
+    out["held_rss_kb"] = _status_kb("VmRSS") or 0  # what the process keeps between steps
     return out
 
 
-def _rss_now_kb() -> int:
-    """This process's resident set now (``VmRSS``)."""
+def _status_kb(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``); None off Linux."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1])
     except OSError:  # pragma: no cover - not Linux
         pass
-    return 0
+    return None
 
 
 def _hwm_kb() -> int:
     """This process's peak resident set (``VmHWM``) since it started or was last reset."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    hwm = _status_kb("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def _trim() -> None:
