@@ -70,6 +70,14 @@ def test_on_two_gloo_ranks_too():
                                        rtol=1e-5, atol=1e-5)
 
 
+def test_fp16_with_loss_scaling_too():
+    # Scaled gradients reduce-scattered in fp32 (or fp16, asked for), unscaled after.
+    for policy in (Policy.fp16(), Policy.fp16(reduce_dtype=torch.float16)):
+        z2, z3 = _run({"data": 2}, 2, policy), _run({"data": 2}, 3, policy)
+        assert _bitwise(z3, z2), policy
+        assert z3["ops"][("psum_scatter", "backward", policy.reduce_dtype)] >= T.CONFIG.n_layers
+
+
 def test_with_tensor_parallel_blocks_too():
     # The blocks' shards sharded over tensor and data: gathered over data in bf16, typed as
     # the gather types them (replicated over what they are replicated over).
