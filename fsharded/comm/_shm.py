@@ -533,15 +533,18 @@ def all_reduce_(y: torch.Tensor, op: str, g: Any, *, divisor: int = 1) -> None:
     reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
     t0 = time.monotonic()
     try:
-        if y.dtype in _WIDEN:  # gloo and NCCL have no 16-bit ints: reduced as int32, which wraps alike
-            wide = y.to(_WIDEN[y.dtype])
-            dist.all_reduce(wide, op=reduce_op, group=g.group)
-            y.copy_(wide)
-            return
-        dist.all_reduce(y, op=reduce_op, group=g.group)
+        # gloo and NCCL have no 16-bit ints: reduced as int32, which wraps alike
+        t = y.to(_WIDEN[y.dtype]) if y.dtype in _WIDEN else y
+        if t.device.type == "cpu" and dist.get_backend(g.group) == "nccl":
+            # A host value on GPU ranks (the norm of gradients streamed to the host for an
+            # offloaded update): NCCL reduces device memory, so it goes there and back.
+            t = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(t, op=reduce_op, group=g.group)
+        if t is not y:
+            y.copy_(t)
     except RuntimeError as e:
         raise transport_error(g, name, e, t0) from None
-    if op == "sum" and divisor != 1:
+    if op == "sum" and divisor != 1 and y.is_floating_point():
         y.div_(divisor)
 
 
