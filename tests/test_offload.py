@@ -116,11 +116,8 @@ def test_offload_on_two_gloo_ranks_equals_device_memory_and_the_virtual_mesh(in_
                 assert len(r["backward"]) == O.STEPS and all(h for h, _, _ in r["backward"]), r["backward"]
                 if stage == 1:
                     assert all(s >= 1 for _, s, _ in r["backward"]), r["backward"]
-            else:  # ZeRO-3's come back through the gathers' transposes, each copied to the host
-                # once its reduce-scatter is done (those of the leaves gathered for the whole
-                # step inside backward: their reduce-scatter is not left in flight)
-                assert r["backward"] == [] and len(r["sinks"]) == O.STEPS, r["sinks"]
-                assert all(s >= 1 and n > 0 and on_host for s, n, on_host in r["sinks"]), r["sinks"]
+            else:  # (ZeRO-3's gradients come back through the gathers' transposes, on the device)
+                assert r["backward"] == []
             # The two backends agree (to the float rounding of their reductions).
             torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(in_memory[stage]["losses"]),
                                        rtol=1e-5, atol=1e-5)
@@ -301,8 +298,3 @@ def test_the_memory_estimate_knows_the_tiers(tmp_path):
         assert e.staging == 2 * 2048 * 4 * (2 if tier == "cpu" else 4) + grads
         assert e.host == (moments if tier == "cpu" else 0) + e.staging
         assert any("offloaded" in n for n in e.notes) and any("gradients copied to the host" in n for n in e.notes)
-    # ZeRO-3: each reduce-scattered gradient goes to the host once it is done.
-    z3 = {tier: fs.estimate_memory(params, fs.parallel.zero(3, **kw)(P(), params), opt, mesh=mesh)
-          for tier, kw in ((None, {}), ("cpu", dict(offload_optimizer="cpu", bucket_elems=2048)))}
-    assert z3["cpu"].placed_grads == 0 < z3[None].placed_grads and z3["cpu"].grads == 0
-    assert z3["cpu"].staging == 2 * 2048 * 4 * 2 + z3[None].grads

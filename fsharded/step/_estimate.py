@@ -259,7 +259,6 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
     host_grads = 0  # gradients the update reads in host memory (the optimizer state in a tier)
     biggest_leaf = max(trained_n, default=0)
     compute, buffers, gather = 0, 0, 0
-    bucket_in_flight = 0  # (ZeRO 1-2) the gradient bucket being reduced, and its shard
     if in_loss and per_block and pl.reshards:
         # The rest gathered for the whole step (the block shards are cast to the param dtype
         # block by block, as they travel); two blocks' full weights at a time (one
@@ -293,17 +292,15 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
             grad_peak = placed + bucket
         else:  # the averaged buckets, and with ZeRO-1 this rank's slice taken out of them
             grad_peak = S_t * rb + (sum(master_n) * rb if any(mv.slice) else 0)
-        bucket_in_flight = bucket + (bucket // mesh.shape[mv.axis] if any(mv.scatter) else 0)
-    off_ = getattr(pl, "offload", None)
-    if off_ is not None and off_.active and off_.zenflow is None:
-        # The update runs on the host: the reduced gradients are copied there as backward
-        # goes on (ZeRO 1-2: bucket by bucket, the device holding the buckets in flight and
-        # a reduce-scattered one's shard beside it until copied; ZeRO-3: each leaf's once
-        # its reduce-scatter is done).
-        host_grads, placed = grad_peak, 0
-        grad_peak = 0 if in_loss else bucket_in_flight
-        notes.append(f"gradients copied to the host in backward as they are reduced: {host_grads / 2**20:,.2f} MiB "
-                     f"there")
+        off_ = getattr(pl, "offload", None)
+        if off_ is not None and off_.active and off_.zenflow is None:
+            # The update runs on the host: each reduced bucket is copied there as backward
+            # goes on, so the device holds the buckets in flight only (a reduce-scattered
+            # one's shard beside it until copied).
+            host_grads, placed = grad_peak, 0
+            grad_peak = bucket + (bucket // mesh.shape[mv.axis] if any(mv.scatter) else 0)
+            notes.append(f"gradients copied to the host bucket by bucket in backward: {host_grads / 2**20:,.2f} MiB "
+                         f"there, the buckets in flight on the device")
     meta = optree.tree_unflatten(tdef, [
         torch.empty(shard_shape(m, s, mesh), dtype=policy.master_dtype, device="meta")
         for s, m in zip(shapes, master)
