@@ -27,16 +27,11 @@ from fsharded.mesh._mesh import Mesh
 from fsharded.parallel import offload
 from fsharded.parallel._buckets import InFlight, gather_leaves, issue, scatter_leaves, split_dim
 from fsharded.parallel.blocks import Keyed
-from fsharded.parallel.remat import checkpoint
-from fsharded.spmd import _env
+from fsharded.parallel.remat import _mode, checkpoint
+from fsharded.precision import cast_tree
 from fsharded.spmd.collectives import psum_scatter
 
 __all__ = ["PendingGather", "Prefetch", "block_handler", "overlapped_backward", "run_regathered"]
-
-
-def _cast(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """``x`` in ``dtype`` where that is a floating dtype it is not in (None: as it is)."""
-    return x if dtype is None or x.dtype == dtype or not x.is_floating_point() else x.to(dtype)
 
 
 class PendingGather:
@@ -57,12 +52,12 @@ class PendingGather:
             # A shard in an NVMe tier: read from its file (posted earlier by the prefetch).
             values = (reading or offload.Reading(raw)).wait()
             if not moving or self.n == 1:  # nothing to gather: the shards are the whole weights
-                self.leaves = [_cast(v, dtype) for v in values]
+                self.leaves = [cast_tree(v, dtype) for v in values]
                 return
             # (the gathered ones' shapes are read off the shards; the others as they are used)
-            self.leaves = [x if d is not None else _cast(v, dtype) for x, v, d in zip(raw, values, self.dims)]
+            self.leaves = [x if d is not None else cast_tree(v, dtype) for x, v, d in zip(raw, values, self.dims)]
             g = comm.axis_group(mesh, (axis,))
-            src = [_cast(values[i], dtype) for i in moving]
+            src = [cast_tree(values[i], dtype) for i in moving]
             del values
             flat = torch.cat([x.movedim(self.dims[i], 0).reshape(-1) for i, x in zip(moving, src)])
             del src
@@ -150,7 +145,7 @@ class _Gathered(torch.autograd.Function):
         if pending is not None:
             fulls = pending.wait()
         else:
-            fulls = gather_leaves([_cast(offload.fetch(s.detach()), dtype) for s in shards], m_specs, u_specs, axis,
+            fulls = gather_leaves([cast_tree(offload.fetch(s.detach()), dtype) for s in shards], m_specs, u_specs, axis,
                                   mesh, cap)
         # Independent tensors (not views of one gather buffer, nor of the inputs), so the
         # block may use them like any parameter.
@@ -179,7 +174,7 @@ class _Gathered(torch.autograd.Function):
             # What a memory tracker sees: the block's full parameter gradients (made in
             # backward, where the rest is activation gradients) and the bucket sent.
             memory.label([grads[i] for i in idx], "gradients")
-            rows = torch.cat([_cast(grads[i], reduce_dtype).movedim(dims[i], 0).reshape(n, -1) for i in idx], dim=1)
+            rows = torch.cat([cast_tree(grads[i], reduce_dtype).movedim(dims[i], 0).reshape(n, -1) for i in idx], dim=1)
             memory.label(rows, "gradients")
             pending = _PENDING.get()
             # Handed back in another dtype than reduced in: converted once it has arrived.
@@ -194,7 +189,7 @@ class _Gathered(torch.autograd.Function):
             for i, piece in zip(idx, mine.split([grads[i].numel() // n for i in idx])):
                 moved = list(grads[i].movedim(dims[i], 0).shape)
                 moved[0] //= n
-                out[i] = _cast(piece.reshape(moved).movedim(0, dims[i]), ctx.dtypes[i])
+                out[i] = cast_tree(piece.reshape(moved).movedim(0, dims[i]), ctx.dtypes[i])
             memory.label(mine, "gradients")
         return (None, None, None, None, *out)
 
@@ -227,7 +222,7 @@ def run_regathered(block, p_tree_def, shards: list, args: tuple, kw: dict, m_spe
         if i not in cache:  # first weight backward needs: gather the block's in one bucket
             with torch.no_grad():
                 full = fetch() if fetch is not None else \
-                    gather_leaves([_cast(offload.fetch(x), dtype) for x in shard_refs], m_specs, u_specs, axis, mesh,
+                    gather_leaves([cast_tree(offload.fetch(x), dtype) for x in shard_refs], m_specs, u_specs, axis, mesh,
                                   cap)
             cache.update({j: f.contiguous() for j, f in enumerate(full)})
             memory.label(list(cache.values()), "parameters")  # gathered again for backward
@@ -316,14 +311,6 @@ class Prefetch:
         return self.pending.pop(i)
 
 
-def _typing() -> Any:
-    """The shard_map body's varying-axes table, or None where nothing is typed (outside a
-    body, or a stretch run under ``VmaMode.assuming``)."""
-    frame = _env.current()
-    mode = frame.vma if frame is not None else None
-    return mode if mode is not None and mode.assumed is None else None
-
-
 class _CastGathered(torch.autograd.Function):
     """``gather_leaves`` of shards cast to ``dtype`` first (the wire carries ``dtype``),
     whose transpose reduce-scatters the gradients in ``reduce_dtype`` and hands them back
@@ -337,12 +324,12 @@ class _CastGathered(torch.autograd.Function):
     @staticmethod
     def forward(info, types, *shards):
         m_specs, u_specs, axis, mesh, cap, dtype, _, frozen = info
-        mode = _typing()
+        mode = _mode()
         with mode.typing() if mode is not None and mode.dispatching else contextlib.nullcontext():
             if mode is not None and types is not None:  # the shards' types as the body has them
                 for x, t in zip(shards, types):
                     mode.set(x, t)
-            out = tuple(gather_leaves([_cast(s, dtype) for s in shards], m_specs, u_specs, axis, mesh, cap,
+            out = tuple(gather_leaves([cast_tree(s, dtype) for s in shards], m_specs, u_specs, axis, mesh, cap,
                                       frozen=frozen))
         if mode is not None:
             mode.carry(out)
@@ -361,11 +348,11 @@ class _CastGathered(torch.autograd.Function):
     def backward(ctx, *grads):
         m_specs, u_specs, axis, mesh, cap, _, reduce_dtype, _ = ctx.info
         idx = [i for i, g in enumerate(grads) if g is not None]
-        got = scatter_leaves([_cast(grads[i], reduce_dtype) for i in idx], [m_specs[i] for i in idx],
+        got = scatter_leaves([cast_tree(grads[i], reduce_dtype) for i in idx], [m_specs[i] for i in idx],
                              [u_specs[i] for i in idx], axis, mesh, cap)
         out: list = [None] * len(grads)
         for i, g in zip(idx, got):
-            out[i] = _cast(g, ctx.dtypes[i])
+            out[i] = cast_tree(g, ctx.dtypes[i])
         return (None, None, *out)
 
 
@@ -425,7 +412,7 @@ def block_handler(specs_of: dict, axis: str, mesh: Mesh, cap: int, prefetch: Pre
             if not casts and reduce_dtype in (None, dtype):  # the weights travel and reduce as they are
                 full = gather_leaves(shards, m_specs, u_specs, axis, mesh, cap, frozen=cold)
             else:
-                mode = _typing()
+                mode = _mode()
                 types = [mode.get(x) for x in shards] if mode is not None else None
                 full = list(_CastGathered.apply((m_specs, u_specs, axis, mesh, cap, dtype, reduce_dtype, cold),
                                                 types, *shards))
