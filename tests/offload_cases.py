@@ -55,26 +55,43 @@ def gloo_offload(world: int) -> dict:
     """On each rank: every ZeRO stage in device memory and with each tier, and whether
     they agree bit for bit; the offloaded runs' losses and parameters, to compare with the
     virtual mesh."""
-    from fsharded.parallel import _buckets
+    from fsharded.parallel import _buckets, offload
 
     out = {}
-    finish = _buckets.InBackward.finish
+    finish, sunk = _buckets.InBackward.finish, _buckets.HostSink.finish
+    stream = offload.stream_update
     for stage in (1, 2, 3):
         ref = run({"data": world}, stage, None)
         for tier in ("cpu", "nvme"):
             seen = []  # per backward: whether its buckets went to the host, how many before it ended
+            sinks = []  # per backward (ZeRO-3): gradients copied to the host before it ended, and in all
 
             def recorded(self, seen=seen):
                 seen.append((self.to_host, self.streamed, len(self.buckets)))
                 return finish(self)
 
-            _buckets.InBackward.finish = recorded
+            def recorded_sink(self, taken=None, sinks=sinks):
+                out = sunk(self, taken)
+                mine = [g for g, w in zip(out, self.watched) if w]
+                sinks.append((self.streamed, len(mine), all(offload.on_host(g) for g in mine)))
+                return out
+
+            updates = []  # per update: its gradients read where backward put them on the host, of all
+
+            def recorded_update(step, params, grads, *a, updates=updates, **k):
+                updates.append((sum(offload.on_host(g) for g in grads), len(grads)))
+                return stream(step, params, grads, *a, **k)
+
+            _buckets.InBackward.finish, _buckets.HostSink.finish = recorded, recorded_sink
+            offload.stream_update = recorded_update
             try:
                 got = run({"data": world}, stage, tier)
             finally:
-                _buckets.InBackward.finish = finish
+                _buckets.InBackward.finish, _buckets.HostSink.finish = finish, sunk
+                offload.stream_update = stream
             out[(stage, tier)] = {"same": same(ref, got), "files": got["files"], "moments": got["moments"],
-                                  "losses": got["losses"], "params": got["params"], "backward": seen}
+                                  "losses": got["losses"], "params": got["params"], "backward": seen,
+                                  "sinks": sinks, "updates": updates}
     return out
 
 

@@ -101,6 +101,42 @@ def test_offload_equals_one_device_training():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_the_update_reads_gradients_streamed_to_the_host_where_they_are(monkeypatch):
+    """Gradients copied to the host during backward (``offload.to_host``) are read by the
+    streamed update in place: no gradient staging buffer, and the numbers of the copied path."""
+    from fsharded.parallel import offload
+
+    opt = fs.optim.adamw(1e-2, weight_decay=0.1)
+    shapes = [(370, 5), (3000,), (3, 70, 11)]
+    gen = torch.Generator().manual_seed(0)
+    params0 = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    tier = offload.Offload(optimizer="cpu", bucket_elems=1024)
+    made = []
+    staging = offload._Staging
+
+    def recorded(*a, **k):
+        made.append(staging(*a, **k))
+        return made[-1]
+
+    monkeypatch.setattr(offload, "_Staging", recorded)
+    out = {}
+    for how in ("device", "host"):
+        params = [p.clone().reshape(-1) for p in params0]
+        state = opt.init([p.clone() for p in params0])
+        step = fs.optim.FusedStep(opt, state)
+        moments = [[m.view(-1) for m in ms] for ms in step.moment_leaves()]
+        gs = [g.reshape(-1) for g in grads] if how == "device" else \
+            [offload.to_host(g)[0].reshape(-1) for g in grads]
+        assert [offload.on_host(g) for g in gs] == [how == "host"] * len(gs)
+        made.clear()
+        offload.stream_update(step, params, gs, moments, None, tier)
+        assert made and all(st.g.numel() == (0 if how == "host" else st.p.numel()) for st in made)
+        out[how] = params + [m for ms in moments for m in ms]
+    assert all(torch.equal(a, b) for a, b in zip(out["device"], out["host"]))
+    assert not torch.equal(out["host"][0], params0[0].reshape(-1))  # (it did update)
+
+
 @pytest.mark.multiprocess
 def test_offload_on_two_gloo_ranks_equals_device_memory_and_the_virtual_mesh(in_memory):
     from fsharded.testing import run_on_ranks
@@ -116,8 +152,13 @@ def test_offload_on_two_gloo_ranks_equals_device_memory_and_the_virtual_mesh(in_
                 assert len(r["backward"]) == O.STEPS and all(h for h, _, _ in r["backward"]), r["backward"]
                 if stage == 1:
                     assert all(s >= 1 for _, s, _ in r["backward"]), r["backward"]
-            else:  # (ZeRO-3's gradients come back through the gathers' transposes, on the device)
-                assert r["backward"] == []
+            else:  # ZeRO-3's come back through the gathers' transposes, each copied to the host
+                # once its reduce-scatter is done (those of the leaves gathered for the whole
+                # step inside backward: their reduce-scatter is not left in flight)
+                assert r["backward"] == [] and len(r["sinks"]) == O.STEPS, r["sinks"]
+                assert all(s >= 1 and n > 0 and on_host for s, n, on_host in r["sinks"]), r["sinks"]
+            # The update reads every gradient where backward put it on the host (no second copy).
+            assert r["updates"] == [(n, n) for _, n in r["updates"]] and len(r["updates"]) == O.STEPS, r["updates"]
             # The two backends agree (to the float rounding of their reductions).
             torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(in_memory[stage]["losses"]),
                                        rtol=1e-5, atol=1e-5)
@@ -293,8 +334,13 @@ def test_the_memory_estimate_knows_the_tiers(tmp_path):
         # in flight and its shard (one bucket here: the model is smaller than the default).
         total = sum(x.numel() for x in optree.tree_leaves(params))
         assert e.placed_grads == 0 and e.grads == total * 4 + total * 4 // 2
-        # The update's staging: parameters and gradients per bucket in flight, and for NVMe the
-        # moments too; and the gradients it reads on the host.
-        assert e.staging == 2 * 2048 * 4 * (2 if tier == "cpu" else 4) + grads
+        # The update's staging: parameters per bucket in flight, and for NVMe the moments too
+        # (the gradients it reads where backward put them, on the host).
+        assert e.staging == 2 * 2048 * 4 * (1 if tier == "cpu" else 3) + grads
         assert e.host == (moments if tier == "cpu" else 0) + e.staging
         assert any("offloaded" in n for n in e.notes) and any("gradients copied to the host" in n for n in e.notes)
+    # ZeRO-3: each reduce-scattered gradient goes to the host once it is done.
+    z3 = {tier: fs.estimate_memory(params, fs.parallel.zero(3, **kw)(P(), params), opt, mesh=mesh)
+          for tier, kw in ((None, {}), ("cpu", dict(offload_optimizer="cpu", bucket_elems=2048)))}
+    assert z3["cpu"].placed_grads == 0 < z3[None].placed_grads and z3["cpu"].grads == 0
+    assert z3["cpu"].staging == 2 * 2048 * 4 + z3[None].grads

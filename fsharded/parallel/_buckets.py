@@ -19,6 +19,7 @@ from fsharded import comm
 from fsharded.comm import _shm
 from fsharded.mesh._mesh import Mesh
 from fsharded.mesh._spec import PartitionSpec, _entry_axes
+from fsharded.parallel import offload
 from fsharded.spmd import _env, _manifest, _prims, _virtual
 from fsharded.spmd.collectives import (
     all_gather,
@@ -30,7 +31,7 @@ from fsharded.spmd.collectives import (
 )
 
 __all__ = ["buckets", "split_dim", "gather_leaves", "scatter_leaves", "reduce_leaves", "slice_leaves",
-           "InBackward", "InBackwardLayout", "InFlight", "issue"]
+           "HostSink", "InBackward", "InBackwardLayout", "InFlight", "issue"]
 
 
 def buckets(idx: list[int], sizes: list[int], cap: int) -> list[list[int]]:
@@ -264,6 +265,8 @@ def slice_leaves(leaves: list, from_specs: list, to_specs: list, axis: str, mesh
             moved = _moved(tuple(x.shape), d)
             moved[0] //= n
             out[i] = _unmoved(_rows(x, d, n).index_select(0, me).reshape(moved), d)
+            if offload.on_host(x):  # (a gradient streamed to the host: its slice is there too)
+                offload.mark_host(out[i])
     return out
 
 
@@ -373,6 +376,8 @@ class InBackward:
     the same order. The same values: a copy, and the division by the axis size done on
     the copy."""
 
+    reduced = True  # its gradients come reduced
+
     def __init__(self, layout: InBackwardLayout, dtype: torch.dtype, vma: Any, *, to_host: bool = False,
                  pin: bool = True) -> None:
         self.shapes, self.axis, self.mesh, self.n = layout.shapes, layout.axis, layout.mesh, layout.n
@@ -467,14 +472,9 @@ class InBackward:
                     continue
                 b.flight.finish()
                 b.flight = None
-            with torch._C.DisableTorchFunction(), torch.no_grad():
-                cuda = b.out.device.type == "cuda"
-                b.host = torch.empty(b.out.shape, dtype=b.out.dtype, pin_memory=self.pin and cuda)
-                b.host.copy_(b.out, non_blocking=cuda)
-                if cuda:  # the device buffer lives until its copy is done
-                    event = torch.cuda.Event()
-                    event.record()
-                    self.copies.append((event, b.out))
+            b.host, event = offload.to_host(b.out, pin=self.pin)
+            if event is not None:  # the device buffer lives until its copy is done
+                self.copies.append((event, b.out))
             memory.label(b.host, "gradients")
             if not block:
                 self.streamed += 1
@@ -514,4 +514,69 @@ class InBackward:
                     if self.vma is not None:
                         self.vma.set(out[i], t)
                 b.out = b.host = b.flight = None
+        return out
+
+
+class HostSink:
+    """The gradients backward makes for the differentiated leaves ``watch`` marks, copied to
+    the host as each becomes complete (real ranks, plain autograd; the optimizer state in a
+    memory tier, so the update runs there): a hook on each leaf takes its gradient, hands
+    autograd a stride-0 zero in its place, and copies it to a host buffer once the
+    collective that makes it is done (``in_flight(g)``: ZeRO-3's reduce-scatters),
+    at a later leaf's hook or at ``finish``; the device's copy is let go then. ``finish()``
+    after backward gives every watched leaf's gradient (on the host), the others' as
+    backward made them (``taken``). Its gradients are not reduced yet (``reduced``
+    False): the step's reduction runs on them after backward, as on the device."""
+
+    reduced = False
+
+    def __init__(self, watched: list[bool], in_flight: Any, *, pin: bool = True) -> None:
+        self.watched, self.in_flight, self.pin = watched, in_flight, pin
+        self.waiting: dict[int, torch.Tensor] = {}  # leaf -> its gradient, not yet copied
+        self.host: dict[int, torch.Tensor] = {}
+        self.copies: list = []  # (event, device tensor) of copies in flight (GPU)
+        self.streamed = 0  # gradients copied to the host before backward ended
+        self.n = 0
+
+    def watch(self, leaves: list) -> None:
+        self.n = len(leaves)
+        with torch._C.DisableTorchFunction():
+            for i, x in enumerate(leaves):
+                if self.watched[i]:
+                    x.register_hook(self._hook(i))
+
+    def _hook(self, i: int):
+        def hook(g: torch.Tensor) -> torch.Tensor:
+            if i in self.waiting or i in self.host:
+                raise RuntimeError(f"train_step: the gradient of parameter leaf {i} came twice in one backward (a "
+                                   f"backward run inside the loss through the parameters?)")
+            self.waiting[i] = g
+            self._drain(block=False)
+            with torch._C.DisableTorchFunction():
+                return torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)
+        return hook
+
+    def _drain(self, *, block: bool) -> None:
+        for i in [i for i, g in self.waiting.items() if block or not self.in_flight(g)]:
+            g = self.waiting.pop(i)
+            h, event = offload.to_host(g, pin=self.pin)
+            if event is not None:  # the device's copy lives until its copy is done
+                self.copies.append((event, g))
+            memory.label(h, "gradients")
+            self.host[i] = h
+            if not block:
+                self.streamed += 1
+
+    def finish(self, taken: list | None = None) -> list:
+        """Every watched leaf's gradient on the host (a zero where backward made none), the
+        others' from ``taken`` (what autograd returned for them)."""
+        self._drain(block=True)
+        for event, _ in self.copies:  # the host reads its copies from here on
+            event.synchronize()
+        self.copies.clear()
+        out = [self.host.get(i) if self.watched[i] else (taken[i] if taken is not None else None)
+               for i in range(self.n)]
+        # Let go of them here: the hooks keep this sink as long as the leaves they are on
+        # live, which may be past the step (the gradients are the update's to free).
+        self.host = {}
         return out

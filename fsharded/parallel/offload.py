@@ -41,6 +41,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +50,8 @@ import torch
 
 from fsharded.kernels import aio
 
-__all__ = ["Offload", "ZenFlow", "TIERS", "place", "place_params", "in_tier", "fetch", "Reading", "read", "store", "verify", "stream_update", "nvme_files"]
+__all__ = ["Offload", "ZenFlow", "TIERS", "place", "place_params", "in_tier", "fetch", "Reading", "read", "store",
+           "verify", "stream_update", "nvme_files", "to_host", "mark_host", "on_host"]
 
 TIERS = ("cpu", "nvme")
 
@@ -441,19 +443,83 @@ def _verify(leaf: _Leaf, k: int, crc: int) -> None:
                            f"was changed or corrupted; resume from the last checkpoint")
 
 
+# -- gradients on the host ------------------------------------------------------------------------
+
+_HOST: dict[int, weakref.ref] = {}  # storage address -> the host buffer (while it lives)
+
+
+def to_host(t: torch.Tensor, *, pin: bool = True) -> tuple[torch.Tensor, Any]:
+    """A copy of ``t`` in a host buffer of its own, known to the streamed update as already
+    on the host (``on_host``: the update reads it where it is instead of copying it into
+    its staging buffers). Where ``t`` is on a GPU: into pinned memory (``pin``), on a copy
+    stream of its own that waits for what the compute stream has queued so far (so the
+    copy overlaps the rest of backward), with the event the host waits on before it reads
+    the copy; the caller keeps ``t`` alive until then. Elsewhere a plain copy and no event."""
+    cuda = t.device.type == "cuda"
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin and cuda)
+        event = None
+        if cuda:
+            side = _copy_stream(t.device)
+            side.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(side):
+                h.copy_(t, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(side)
+        else:
+            h.copy_(t)
+    mark_host(h)
+    return h, event
+
+
+_COPY_STREAMS: dict = {}
+
+
+def _copy_stream(device: torch.device) -> Any:
+    """The side stream of ``device`` that copies gradients to the host."""
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _COPY_STREAMS[device]
+
+
+def mark_host(h: torch.Tensor) -> None:
+    """Note ``h`` (a CPU tensor) as a host buffer the streamed update reads where it is:
+    what ``to_host`` made, or what the host made from it (ZeRO-1's slice of a gradient
+    streamed whole)."""
+    key = h.untyped_storage().data_ptr()
+    _HOST[key] = weakref.ref(h, lambda _, key=key: _HOST.pop(key, None))
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """Whether ``t`` is (a view of) a buffer ``to_host`` or ``mark_host`` noted, still alive
+    (False for a value beneath the virtual mesh's vmap levels, which has no storage)."""
+    if not _HOST:
+        return False
+    with torch._C.DisableTorchFunction():
+        if t.device.type != "cpu":
+            return False
+        try:
+            ref = _HOST.get(t.untyped_storage().data_ptr())
+        except (NotImplementedError, RuntimeError):  # a batched (vmapped) tensor
+            return False
+    return ref is not None and ref() is not None
+
+
 # -- the streamed update --------------------------------------------------------------------------
 
 
 class _Staging:
-    """One bucket's host buffers: parameters and gradients (``width`` elements), and one
+    """One bucket's host buffers: parameters (``width`` elements) and gradients (``gwidth``:
+    none where every gradient is on the host already), and one
     per tensor list read from files (``files``: the NVMe tier's moments, and the parameters
     where they are there too; ``mwidth`` elements each, pieces at aligned offsets for
     ``O_DIRECT``)."""
 
-    def __init__(self, width: int, mwidth: int, files: int, dtype: torch.dtype, offload: Offload) -> None:
+    def __init__(self, width: int, mwidth: int, files: int, dtype: torch.dtype, offload: Offload, *,
+                 gwidth: int) -> None:
         pin = offload.pin_memory and torch.cuda.is_available()
         self.p = torch.empty(width, dtype=dtype, pin_memory=pin)
-        self.g = torch.empty(width, dtype=dtype, pin_memory=pin)
+        self.g = torch.empty(gwidth, dtype=dtype, pin_memory=pin)
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.m = [aio.aligned_empty(mwidth * itemsize).view(dtype) for _ in range(files)]
         self.reads: list = []  # (pending, leaf, piece) of the files being read in
@@ -518,7 +584,9 @@ def stream_update(step: Any, params: list[torch.Tensor], grads: list[torch.Tenso
     contiguous, the same sizes) and ``moments`` (one list per moment, in ``offload``'s
     tier), bucket by bucket through host staging buffers (see the module doc). What lives
     in files is read with ``aio`` (the next bucket's while this one is updated) and written
-    back the same way, never through its memory map. Returns found_inf (false unless the
+    back the same way, never through its memory map. Gradients streamed to the host during
+    backward (``to_host``) are read where they are, not copied into the staging buffers
+    again. Returns found_inf (false unless the
     step checks: non-finite steps are refused before the update)."""
     nvme = offload.optimizer == "nvme"
     p_files = offload.params == "nvme"
@@ -534,7 +602,8 @@ def stream_update(step: Any, params: list[torch.Tensor], grads: list[torch.Tenso
         files.append(_file_leaves(params, offload, "parameters"))
     width = max(b[-1].at + b[-1].hi - b[-1].lo for b in buckets)
     mwidth = max(b[-1].mat + b[-1].hi - b[-1].lo + aio.ALIGN for b in buckets) if files else 0
-    sets = [_Staging(width, mwidth, len(files), dtype, offload)
+    host = [on_host(g) for g in grads]
+    sets = [_Staging(width, mwidth, len(files), dtype, offload, gwidth=0 if all(host) else width)
             for _ in range(min(offload.buffer_count, len(buckets)))]
     cuda = params[0].device.type == "cuda"
 
@@ -563,8 +632,11 @@ def stream_update(step: Any, params: list[torch.Tensor], grads: list[torch.Tenso
             else:
                 ps.append(st.p[pc.at: pc.at + n])
                 ps[-1].copy_(params[pc.i][pc.lo:pc.hi], non_blocking=cuda)
-            gs.append(st.g[pc.at: pc.at + n])
-            gs[-1].copy_(grads[pc.i][pc.lo:pc.hi], non_blocking=cuda)
+            if host[pc.i]:  # streamed to the host in backward already: read where it is
+                gs.append(grads[pc.i][pc.lo:pc.hi])
+            else:
+                gs.append(st.g[pc.at: pc.at + n])
+                gs[-1].copy_(grads[pc.i][pc.lo:pc.hi], non_blocking=cuda)
             for j in range(len(moments)):
                 ms[j].append(st.m[j][pc.mat: pc.mat + n] if nvme else moments[j][pc.i].view(-1)[pc.lo:pc.hi])
             flags.append(True if decay is None else decay[pc.i])

@@ -31,7 +31,7 @@ from fsharded.parallel.remat import _mode, checkpoint
 from fsharded.precision import cast_tree
 from fsharded.spmd.collectives import psum_scatter
 
-__all__ = ["PendingGather", "Prefetch", "block_handler", "overlapped_backward", "run_regathered"]
+__all__ = ["PendingGather", "Prefetch", "block_handler", "in_flight", "overlapped_backward", "run_regathered"]
 
 
 class PendingGather:
@@ -113,6 +113,17 @@ def overlapped_backward():
         _PENDING.reset(tok)
         for op in pending:
             op.finish()
+
+
+def in_flight(t: torch.Tensor) -> bool:
+    """Whether ``t`` (a gradient backward made) is a view of a reduce-scatter still in
+    flight (inside ``overlapped_backward``); False for anything else."""
+    pending = _PENDING.get()
+    if not pending:
+        return False
+    ptr = t.untyped_storage().data_ptr()
+    return any(not op.done() and any(k.untyped_storage().data_ptr() == ptr for k in getattr(op, "keep", ()))
+               for op in pending)
 
 
 def track_pending(gather: Any) -> None:

@@ -62,7 +62,8 @@ def _autograd_grad_and_value(f, p, batch, *, backward_ctx=contextlib.nullcontext
     skips functorch's wrapping (~8%) where nothing is transformed. ``backward_ctx``: around
     the backward pass (ZeRO-3's overlapped reduce-scatters complete on its exit).
     ``reducer`` (``_buckets.InBackward``): reduces the gradients while backward runs; the
-    gradients returned are then its reduced ones."""
+    gradients returned are then its reduced ones. Or a ``_buckets.HostSink``: the gradients
+    of the leaves it watches are returned from the host, copied there as backward made them."""
     leaves, tdef = optree.tree_flatten(p)
     with torch.enable_grad():
         req = [x.detach().requires_grad_() for x in leaves]
@@ -72,11 +73,13 @@ def _autograd_grad_and_value(f, p, batch, *, backward_ctx=contextlib.nullcontext
             out, aux = f(optree.tree_unflatten(tdef, req), batch)
         with _trace.span("backward"), backward_ctx(), _untyped(mode):
             grads = torch.autograd.grad(out, req, allow_unused=True)
-    if reducer is not None:
+    if reducer is not None and reducer.reduced:
         del grads  # stride-0 stand-ins: the values are in the reducer's buckets
         with _trace.phase("reduce"):  # the buckets backward left: reduced after it
             grads = reducer.finish()
     else:  # what backward made for the parameters (the rest of it is activation gradients)
+        if reducer is not None:  # (those it watched: copied to the host as they were made)
+            grads = reducer.finish(list(grads))
         memory.label([g for g in grads if g is not None], "gradients")
         grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
     return optree.tree_unflatten(tdef, grads), optree.tree_map(torch.Tensor.detach, (out, aux))

@@ -259,6 +259,7 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
     host_grads = 0  # gradients the update reads in host memory (the optimizer state in a tier)
     biggest_leaf = max(trained_n, default=0)
     compute, buffers, gather = 0, 0, 0
+    bucket_in_flight = 0  # (ZeRO 1-2) the gradient bucket being reduced, and its shard
     if in_loss and per_block and pl.reshards:
         # The rest gathered for the whole step (the block shards are cast to the param dtype
         # block by block, as they travel); two blocks' full weights at a time (one
@@ -292,15 +293,17 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
             grad_peak = placed + bucket
         else:  # the averaged buckets, and with ZeRO-1 this rank's slice taken out of them
             grad_peak = S_t * rb + (sum(master_n) * rb if any(mv.slice) else 0)
-        off_ = getattr(pl, "offload", None)
-        if off_ is not None and off_.active and off_.zenflow is None:
-            # The update runs on the host: each reduced bucket is copied there as backward
-            # goes on, so the device holds the buckets in flight only (a reduce-scattered
-            # one's shard beside it until copied).
-            host_grads, placed = grad_peak, 0
-            grad_peak = bucket + (bucket // mesh.shape[mv.axis] if any(mv.scatter) else 0)
-            notes.append(f"gradients copied to the host bucket by bucket in backward: {host_grads / 2**20:,.2f} MiB "
-                         f"there, the buckets in flight on the device")
+        bucket_in_flight = bucket + (bucket // mesh.shape[mv.axis] if any(mv.scatter) else 0)
+    off_ = getattr(pl, "offload", None)
+    if off_ is not None and off_.active and off_.zenflow is None:
+        # The update runs on the host: the reduced gradients are copied there as backward
+        # goes on (ZeRO 1-2: bucket by bucket, the device holding the buckets in flight and
+        # a reduce-scattered one's shard beside it until copied; ZeRO-3: each leaf's once
+        # its reduce-scatter is done).
+        host_grads, placed = grad_peak, 0
+        grad_peak = 0 if in_loss else bucket_in_flight  # (the update reads them there: no staging of its own)
+        notes.append(f"gradients copied to the host in backward as they are reduced: {host_grads / 2**20:,.2f} MiB "
+                     f"there")
     meta = optree.tree_unflatten(tdef, [
         torch.empty(shard_shape(m, s, mesh), dtype=policy.master_dtype, device="meta")
         for s, m in zip(shapes, master)
@@ -332,7 +335,9 @@ def _estimate(params: Any, pl: Any, optimizer: Any, *, policy: Any, mesh: Mesh, 
         total = max(sum(master_n), 1)
         width = min(off.bucket_elems, total)
         sets = min(off.buffer_count, -(-total // width))
-        staging = sets * width * mb * (2 + (2 if off.optimizer == "nvme" else 0))
+        # Per set: parameters, gradients (none where they were streamed to the host), and
+        # the NVMe tier's two moments.
+        staging = sets * width * mb * (1 + (0 if host_grads else 1) + (2 if off.optimizer == "nvme" else 0))
         notes.append(f"optimizer moments offloaded ({off.describe()}): {offloaded / 2**20:,.2f} MiB off the device; "
                      f"the update's host staging buffers {staging / 2**20:,.2f} MiB")
         if off.zenflow is not None:  # the hot rows' moments on the device; host copies for the thread

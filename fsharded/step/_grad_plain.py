@@ -29,9 +29,10 @@ class Plain:
     reduction's (the gradients are cast to it first)."""
 
     def __init__(self, inputs: Inputs, loss: LocalLoss, reduction: Reduction, grad: Callable, *,
-                 dtype: torch.dtype, reduce_in_backward: bool = False) -> None:
+                 dtype: torch.dtype, reduce_in_backward: bool = False, eager_ranks: bool = False) -> None:
         self.inputs, self.loss, self.reduction, self.grad = inputs, loss, reduction, grad
         self.dtype, self.reduce_in_backward = dtype, reduce_in_backward
+        self.eager_ranks = eager_ranks  # real ranks, plain autograd: ZeRO-3's gradients may go to the host
 
     def __call__(self, params: Any, batch: Any, scale: Any, varying: tuple[str, ...], mark: Callable,
                  model_state: Any = None) -> tuple[list, torch.Tensor, tuple]:
@@ -40,7 +41,11 @@ class Plain:
         if reducer is not None:  # reduced into the gradient placement during backward
             g, (_, (loss, extra)) = self.grad(f, x0, batch, reducer=reducer)
             return self.reduction.place(optree.tree_leaves(g)), loss, extra
-        g, (_, (loss, extra)) = self.grad(f, x0, batch)
+        sink = self.reduction.host_sink() if self.eager_ranks else None
+        if sink is not None:  # the ZeRO-3 gradients to the host as backward makes them
+            g, (_, (loss, extra)) = self.grad(f, x0, batch, reducer=sink)
+        else:
+            g, (_, (loss, extra)) = self.grad(f, x0, batch)
         leaves = optree.tree_leaves(g)
         with torch._C.DisableTorchFunction():  # (a dtype read is no typed op)
             cast = any(t.dtype != self.dtype for t in leaves)

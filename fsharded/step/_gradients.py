@@ -67,4 +67,5 @@ def choose_gradients(layout: Layout, loss_fn: Callable, *, policy: Any, scaling:
     if accumulation > 1:
         return Accumulated(inputs, loss, reduction, grad, k=accumulation, dtype=policy.reduce_dtype)
     return Plain(inputs, loss, reduction, grad, dtype=policy.reduce_dtype,
-                 reduce_in_backward=distributed and eager and reduction.in_backward)
+                 reduce_in_backward=distributed and eager and reduction.in_backward,
+                 eager_ranks=distributed and eager)

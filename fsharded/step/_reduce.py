@@ -23,6 +23,7 @@ import torch
 
 from fsharded.comm import _trace
 from fsharded.parallel import _buckets as B
+from fsharded.parallel import zero3
 from fsharded.spmd import _env, _manifest
 from fsharded.step import _trainable as T
 from fsharded.step._layout import Layout
@@ -44,6 +45,10 @@ class Reduction:
         self.src, self.grads, self.master = layout.t_params, layout.t_grads, layout.t_master
         self.batch_axes, self.mesh, self.cap, self.dtype = batch_axes, layout.mesh, cap, dtype
         self.to_host, self.pin = layout.grads_to_host, layout.pin
+        # The leaves whose gradients come back summed over the ZeRO axis by a gather's
+        # transpose (ZeRO-3): their reduction is a division, which the host can do.
+        self.summed = T.pick(layout.moves.gather_in_loss, layout.updated)
+        self.axis = layout.axis
         sliced = T.pick(layout.moves.slice, layout.updated)
         self.place = functools.partial(B.slice_leaves, from_specs=self.grads, to_specs=self.master,
                                        axis=layout.axis, mesh=self.mesh) if any(sliced) else _as_is
@@ -55,6 +60,19 @@ class Reduction:
     def __call__(self, grads: list) -> list:
         with _trace.phase("reduce"):
             return self.place(B.reduce_leaves(grads, self.src, self.grads, self.batch_axes, self.mesh, self.cap))
+
+    def host_sink(self) -> B.HostSink | None:
+        """Real ranks, plain autograd, the optimizer state in a memory tier: the gradients
+        of the leaves a gather's transpose reduce-scatters (ZeRO-3) copied to the host as
+        backward makes them (``_buckets.HostSink``), where only the division by the axis
+        size is left of their reduction; None where another batch axis would reduce them
+        too (a collective, which stays on the device), or nothing is to be sunk."""
+        if not self.to_host or _manifest.dry() or not any(self.summed):
+            return None
+        live = [a for a in self.batch_axes if self.mesh.shape[a] > 1]
+        if live != [self.axis]:
+            return None
+        return B.HostSink(list(self.summed), zero3.in_flight, pin=self.pin)
 
     def during_backward(self, x0: Any) -> B.InBackward | None:
         """Real ranks, plain autograd: the bucketed reduction into ``grads`` run inside
