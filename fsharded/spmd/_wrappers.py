@@ -21,12 +21,14 @@ questions here are about one value, where the answer does not follow from the ba
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import optree
 import torch
 
-__all__ = ["is_wrapped", "plain", "transforms_active", "requires_grad", "readable_beneath_grad"]
+__all__ = ["is_wrapped", "plain", "capturing", "is_capturing", "transforms_active", "requires_grad",
+           "readable_beneath_grad"]
 
 _F = torch._C._functorch
 
@@ -40,11 +42,34 @@ def is_wrapped(t: torch.Tensor) -> bool:
 
 def plain(tree: Any) -> bool:
     """Every tensor in ``tree`` is an ordinary tensor, not a torch.func wrapper
-    (``is_wrapped``): where foreach kernels, in-place updates and reading a value on the
-    host apply. Decided by the values themselves, not by which transforms are active
-    around them."""
+    (``is_wrapped``), and no graph is being captured (``capturing``): where foreach
+    kernels, in-place updates and reading a value on the host apply. Decided by the values
+    themselves, not by which transforms are active around them."""
+    if _CAPTURING:
+        return False
     return not any(isinstance(t, torch.Tensor) and _F.is_functorch_wrapped_tensor(t)
                    for t in optree.tree_leaves(tree))
+
+
+_CAPTURING = 0
+
+
+@contextlib.contextmanager
+def capturing() -> Any:
+    """Around the capture of a step as one graph (``step.compile``): every value is a
+    traced stand-in that cannot be read on the host, so ``plain`` answers False and the
+    code takes its tensor-only forms (no host reads, no foreach-in-place shortcuts)."""
+    global _CAPTURING
+    _CAPTURING += 1
+    try:
+        yield
+    finally:
+        _CAPTURING -= 1
+
+
+def is_capturing() -> bool:
+    """Inside ``capturing``."""
+    return _CAPTURING > 0
 
 
 def transforms_active() -> bool:

@@ -55,6 +55,7 @@ from fsharded.step._checks import (
     _check_optimizer,
     _check_param_leaves,
 )
+from fsharded.step._compile import Captured
 from fsharded.step._gradients import GradientStrategy, Layout, choose_gradients, label
 from fsharded.step._guards import choose_guard
 from fsharded.step._keys import Keys
@@ -90,6 +91,7 @@ def train_step(
     model_state_specs: Any = None,
     trainable: Any = None,
     remat: Any = None,
+    compile: bool | str = False,  # noqa: A002 - the name users pass
 ) -> TrainStep:
     """Build a training step for ``loss_fn(params, batch) -> scalar``, written per shard.
 
@@ -134,6 +136,13 @@ def train_step(
         memory), an ``fs.parallel.remat.Blocks``, or ``"budget:SIZE"`` (``Budget``: the least
         recomputation whose estimated peak fits SIZE per device, chosen at the first call;
         ``step.remat`` then holds the choice).
+    :param compile: capture the whole step once per input signature as one graph and
+        compile it with Inductor (``step.compile()`` the same; see ``_compile``): the
+        numbers of the eager step to float rounding, faster. A string names another
+        ``torch.compile`` backend for the captured graph (``"aot_eager"``: no code
+        generation, for checking a capture quickly). Where it cannot apply (the virtual
+        mesh with several devices, an optimizer state in a memory tier) the step says so
+        once and runs eagerly.
     :returns: a ``TrainStep``: ``init(params)``, ``step(state, batch)``, ``collectives``,
         ``save`` / ``load``.
     """
@@ -143,7 +152,7 @@ def train_step(
                      check_schedule=check_schedule, blocks=blocks, seed=seed,
                      on_nonfinite=on_nonfinite, check_memory=check_memory,
                      update_model_state=update_model_state, model_state_specs=model_state_specs,
-                     trainable=trainable, remat=remat)
+                     trainable=trainable, remat=remat, compile=compile)
 
 
 class _Plan(NamedTuple):
@@ -166,8 +175,16 @@ class TrainStep:
     def __init__(self, loss_fn, optimizer, *, mesh, param_specs, batch_spec, precision,
                  accumulation, clip, check_finite, donate, backend, check_schedule=True,
                  blocks=None, seed=0, on_nonfinite="raise", check_memory=True,
-                 update_model_state=None, model_state_specs=None, trainable=None, remat=None):
+                 update_model_state=None, model_state_specs=None, trainable=None, remat=None,
+                 compile=False):  # noqa: A002
         self.loss_fn = loss_fn
+        if not isinstance(compile, (bool, str)) or compile == "":
+            raise TypeError(f"train_step: compile must be True, False or a torch.compile backend name, "
+                            f"got {compile!r}")
+        self.compiling = bool(compile)
+        self.compile_backend = compile if isinstance(compile, str) else "inductor"
+        self._captured: dict = {}  # per state layout: the step captured and compiled (_compile.Captured)
+        self._eager_said = False
         self.remat = remat_policy(remat)
         self.trainable = trainable
         if update_model_state is not None and not callable(update_model_state):
@@ -561,8 +578,9 @@ class TrainStep:
         if holding is not None and holding.partial:  # the norm: each pipe rank's part, summed
             partial = (holding.axis, T.pick([holding.counted(i) for i in range(len(layout.paths))], layout.updated))
         transform = GradientTransform(scaling, self._clipping, layout.t_master, self.mesh.axis_names, partial=partial)
+        graph = self.compiling and self._graph_applies(pl, eager) is None
         update = choose_update(self.optimizer, donate=self.donate, eager=eager,
-                               params=T.view(state.params, layout.updated), offload=pl.offload)
+                               params=T.view(state.params, layout.updated), offload=pl.offload, graph=graph)
         if isinstance(update, OffloadedUpdate) and pl.offload.zenflow is not None:
             zkey = (optree.tree_structure(state.params), eager)
             if zkey not in self._zenflow:
@@ -652,12 +670,75 @@ class TrainStep:
                 self._agreed.add(key)
         try:
             with torch.no_grad(), _trace.span("step"):
-                return sm.local(state, batch)
+                if not self.compiling:
+                    return sm.local(state, batch)
+                return self._run_captured(sm, state, batch)
         except RuntimeError as e:
             if not self.distributed:
                 raise
             # A rank that died, timed out or ran other collectives: say which step it was.
             raise RuntimeError(f"train_step: step {int(state.step) + 1} on rank {dist.get_rank()}: {e}") from e
+
+    # -- compile ----------------------------------------------------------------------------
+
+    def compile(self, backend: str = "inductor") -> TrainStep:
+        """This step, from now on captured once per input signature as one graph and
+        compiled with ``backend`` (``train_step(..., compile=True)``); returns the step."""
+        if not self.compiling:
+            self.compiling = True
+            self._compiled.clear()  # the plans take their graph forms
+        if backend != self.compile_backend:
+            self.compile_backend = backend
+            self._captured.clear()
+        return self
+
+    def _graph_applies(self, pl: Any, eager: bool) -> str | None:
+        """Why this layout's step cannot be captured as one graph (None: it can)."""
+        if not eager:
+            return ("the virtual mesh with several devices runs the step under vmap, which the capture does "
+                    "not trace yet")
+        off = getattr(pl, "offload", None)
+        if off is not None and off.active:
+            return (f"the optimizer state in a memory tier ({off.describe()}) is streamed through host buffers and "
+                    f"files between the step's ops")
+        return None
+
+    def _run_captured(self, sm: Any, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        """The step through its captured graph (``_compile.Captured``), or eagerly where the
+        capture does not apply (said once)."""
+        if self.distributed:
+            raise NotImplementedError(
+                "train_step(compile=True) on real ranks is not built yet: the step's collectives must enter "
+                "the graph as functional collectives. Pass compile=False under torchrun")
+        why = self._graph_applies(self.placement(state.params, self._mask(state)), self.mesh.size == 1)
+        if why is not None:
+            if not self._eager_said:
+                self._eager_said = True
+                warnings.warn(f"train_step(compile=True): {why}; this step runs eagerly", stacklevel=4)
+            new_state, metrics = sm.local(state, batch)
+            return new_state, {**metrics, "compile_s": torch.tensor(0.0)}
+        key = id(sm)
+        if key not in self._captured:
+            self._captured[key] = (sm, Captured(sm.local, backend=self.compile_backend))  # (sm kept: its id stays)
+        run = self._captured[key][1]
+        new_state, metrics = run(state, batch)
+        return new_state, {**metrics, "compile_s": torch.tensor(run.last_compile_s)}
+
+    @property
+    def compiles(self) -> int:
+        """How many input signatures this step captured and compiled so far."""
+        return sum(run.compiles for _, run in self._captured.values())
+
+    def graph(self, state: TrainState, batch: Any) -> Any:
+        """The graph ``compile=True`` captures for ``(state, batch)`` (a ``torch.fx``
+        GraphModule of aten ops: forward, backward, reductions and update)."""
+        state = counted(state)
+        sm = self._shard_mapped(state)
+        key = id(sm)
+        if key not in self._captured:
+            self._captured[key] = (sm, Captured(sm.local, backend=self.compile_backend))
+        with torch.no_grad():
+            return self._captured[key][1].graph(state, batch)
 
     def collectives(self, state: TrainState, batch: Any):
         """The manifest of one step: every collective in order, with bytes per rank."""

@@ -352,11 +352,16 @@ def tiered_params(params: Any, offload: Any) -> Any:
     return optree.tree_unflatten(tdef, _offload.place_params(leaves, offload))
 
 
-def choose_update(optimizer: Any, *, donate: bool, eager: bool, params: Any, offload: Any = None) -> PureUpdate:
-    """The update a step runs: streamed through host buffers where the optimizer state is
-    in a memory tier (``offload``); fused where the state is donated, plain fp32 tensors and
-    the optimizer has a fused form (beneath the vmap levels on the virtual mesh); in place
-    where donated; else pure."""
+def choose_update(optimizer: Any, *, donate: bool, eager: bool, params: Any, offload: Any = None,
+                  graph: bool = False) -> PureUpdate:
+    """The update a step runs: the pure form in a step captured as one graph (``graph``:
+    the compiler fuses its element-wise ops; no kernel reading scalars on the host);
+    streamed through host buffers where the optimizer state is in a memory tier
+    (``offload``); fused where the state is donated, plain fp32 tensors and the optimizer
+    has a fused form (beneath the vmap levels on the virtual mesh); in place where
+    donated; else pure."""
+    if graph:
+        return PureUpdate(optimizer, eager=False)
     fused = optim.has_fused(optimizer) and all(t.dtype == torch.float32 for t in optree.tree_leaves(params))
     if offload is not None and offload.active:
         if not fused:

@@ -1,0 +1,168 @@
+"""The step captured once per input signature as one graph and compiled (``compile=True``).
+
+``Captured(fn)`` wraps a step body that takes and returns pytrees of tensors (the
+shard-mapped step's ``local``). The first call with a signature (the tree structure, and
+each leaf's shape, dtype and device) traces ``fn`` with ``make_fx`` on fake tensors:
+forward, backward (autograd runs while tracing, so every custom ``autograd.Function``
+enters the graph through the backward it really runs, not through a re-derivation),
+the reductions, the gradient transformation and the update, as aten ops in one graph.
+The varying-axes typing and the step's other Python logic run at trace time only. The
+graph is then compiled with Inductor (``torch.compile``, static shapes) and cached; a
+later call with the same signature runs the compiled graph, another signature captures
+again (``compiles`` counts the captures).
+
+What may not be in the graph, checked on every capture (an error naming the op):
+
+- a read of a value on the host (``aten._local_scalar_dense``, ``item``): under fake
+  tensors such a read fails while tracing; the check is the second line;
+- a draw from torch's global generator (an op tagged ``nondeterministic_seeded``):
+  Inductor's generator would give other numbers than eager's; the step's random ops draw
+  from its keys (``fs.random``), which are tensors of the state.
+
+>>> run = Captured(sm.local)
+>>> out = run(state, batch)  # captured and compiled once, then run
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fsharded.spmd._wrappers import capturing
+
+__all__ = ["Captured", "host_reads", "global_draws"]
+
+_HOST_READS = ("aten._local_scalar_dense", "aten.item")
+
+
+def _ops(gm: torch.fx.GraphModule) -> list:
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def host_reads(gm: torch.fx.GraphModule) -> list[str]:
+    """The ops of ``gm`` that read a value back to the host."""
+    return [str(n.target) for n in _ops(gm) if any(str(n.target).startswith(h) for h in _HOST_READS)]
+
+
+def global_draws(gm: torch.fx.GraphModule) -> list[str]:
+    """The ops of ``gm`` that draw from torch's global generator."""
+    out = []
+    for n in _ops(gm):
+        tags = getattr(n.target, "tags", ())
+        if torch.Tag.nondeterministic_seeded in tags:
+            out.append(str(n.target))
+    return out
+
+
+def _signature(leaves: list) -> tuple:
+    with torch._C.DisableTorchFunction():
+        return tuple((tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else (type(x), x)
+                     for x in leaves)
+
+
+class _Graph:
+    """One captured signature: the traced graph, its compiled form and the output tree."""
+
+    def __init__(self, gm: torch.fx.GraphModule, run: Callable, out_def: Any) -> None:
+        self.gm, self.run, self.out_def = gm, run, out_def
+
+
+class Captured:
+    """``fn`` (tensor pytrees in, tensor pytrees out, no host reads) captured per input
+    signature and compiled with Inductor. ``__call__(*args)`` gives ``fn``'s result;
+    ``last_compile_s`` the seconds the last call spent capturing and compiling (0 when it
+    ran a graph already compiled: the first run of a graph compiles it, so that call's
+    time is counted whole); ``compiles`` how many signatures were captured."""
+
+    def __init__(self, fn: Callable, *, what: str = "train_step", backend: str = "inductor") -> None:
+        self.fn, self.what, self.backend = fn, what, backend
+        self.graphs: dict[tuple, _Graph] = {}
+        self.compiles = 0
+        self.last_compile_s = 0.0
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, tdef = optree.tree_flatten(args)
+        key = (tdef, _signature(leaves))
+        g = self.graphs.get(key)
+        self.last_compile_s = 0.0
+        if g is None:
+            t0 = time.perf_counter()
+            try:
+                g = self._capture(leaves, tdef)
+                out = g.run(*leaves)
+            except Exception as e:  # noqa: BLE001 - said below, with the eager step's own error if it has one
+                self._explain(args, e)
+                raise
+            self.graphs[key] = g
+            self.last_compile_s = time.perf_counter() - t0
+        else:
+            out = g.run(*leaves)
+        return optree.tree_unflatten(g.out_def, list(out))
+
+    def _explain(self, args: tuple, e: Exception) -> None:
+        """After a capture or a first compiled run failed with ``e``: the eager step's own
+        error where it has one (bad input is said as eagerly: the traced stand-ins do not
+        check everything the kernels do), else ``e`` said as the capture's. The captured
+        graph is pure, so the state passed in is as it was."""
+        try:
+            self.fn(*args)
+        except Exception as eager:  # noqa: BLE001 - re-raised as it is
+            raise eager from e
+        if isinstance(e, RuntimeError) and str(e).startswith(f"{self.what}(compile=True)"):
+            return  # (already ours: the caller re-raises it)
+        raise RuntimeError(f"{self.what}(compile=True): capturing or compiling the step failed, although it runs "
+                           f"eagerly ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Pass "
+                           f"compile=False") from e
+
+    def graph(self, *args: Any) -> torch.fx.GraphModule:
+        """The traced graph for ``args``' signature (captured if it is not yet)."""
+        leaves, tdef = optree.tree_flatten(args)
+        key = (tdef, _signature(leaves))
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(leaves, tdef)
+        return self.graphs[key].gm
+
+    def _capture(self, leaves: list, tdef: Any) -> _Graph:
+        out_def: list = []
+        positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        fixed = list(leaves)
+
+        def flat(*tensors: torch.Tensor) -> list:
+            xs = list(fixed)
+            for i, t in zip(positions, tensors):
+                xs[i] = t
+            out = self.fn(*optree.tree_unflatten(tdef, xs))
+            out_leaves, od = optree.tree_flatten(out)
+            out_def.append(od)
+            bad = [type(x).__name__ for x in out_leaves if not isinstance(x, torch.Tensor)]
+            if bad:
+                raise TypeError(f"{self.what}(compile=True): the step returned non-tensor leaves ({bad})")
+            return out_leaves
+
+        tensors = [leaves[i] for i in positions]
+        with capturing():
+            gm = make_fx(flat, tracing_mode="fake")(*tensors)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        reads, draws = host_reads(gm), global_draws(gm)
+        if reads:
+            raise RuntimeError(f"{self.what}(compile=True): the captured step reads values on the host "
+                               f"({sorted(set(reads))}); it cannot run as one graph. Pass compile=False")
+        if draws:
+            raise RuntimeError(
+                f"{self.what}(compile=True): the loss draws from torch's global generator "
+                f"({sorted(set(draws))}), which a compiled graph would draw other numbers from than eager "
+                f"does. Draw from the step's key instead (fs.random, or the nn ops the step's key scope "
+                f"covers), or pass compile=False")
+        compiled = torch.compile(gm, backend=self.backend, fullgraph=True, dynamic=False)
+        self.compiles += 1
+
+        def run(*xs: Any) -> Any:
+            return compiled(*[xs[i] for i in positions])
+
+        return _Graph(gm, run, out_def[-1])

@@ -1,0 +1,143 @@
+"""``train_step(compile=True)``: the step captured as one graph and compiled, against eager.
+
+The strategies run through the captured graph with torch.compile's ``eager`` backend (the
+graph's ops as captured, no code generation: what could drop or change a gradient is the
+capture); the bundled GPT and fp16's skipped steps through Inductor too."""
+
+from __future__ import annotations
+
+import warnings
+
+import compile_cases as C
+import optree
+import pytest
+import torch
+import train_cases as T
+
+import fsharded as fs
+from fsharded.models import gpt
+from fsharded.step import _compile
+
+# fp16 starting at a loss scale its gradients overflow at: the first steps are skipped
+# and the scale halves until they fit.
+FP16 = fs.precision.Policy.fp16(loss_scale=fs.precision.DynamicLossScale(initial_scale_power=20, hysteresis=1))
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return T.batches(C.STEPS)
+
+
+def test_the_compiled_gpt_step_equals_eager_and_reads_nothing_on_the_host(batches):
+    got, _ = C.both(lambda c: C.gpt_step(c), batches)  # Inductor
+    # The first call captured and compiled; the others ran the compiled graph.
+    assert got["compile_s"][0] > 0 and got["compile_s"][1:] == [0.0] * (C.STEPS - 1)
+    step, params = C.gpt_step(True)
+    state = step.init(params)
+    gm = step.graph(state, batches[0])
+    assert _compile.host_reads(gm) == [] and _compile.global_draws(gm) == []
+    ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert "aten._local_scalar_dense.default" not in ops and "aten.item.default" not in ops
+    # Forward, backward and the update are in it: three products per weight per layer
+    # (the forward's and the two of its gradient), and one sqrt per moment (Adam's).
+    mms = sum(op.startswith(("aten.mm", "aten.addmm", "aten.bmm")) for op in ops)
+    assert mms >= 3 * 4 * T.CONFIG.n_layers
+    assert sum(op.startswith("aten.sqrt") for op in ops) >= len(optree.tree_leaves(params))
+
+
+@pytest.mark.parametrize("case", ["bf16", "fp16", "accumulation", "remat", "remat-dots", "zero3-blocks", "sgd"])
+def test_each_strategy_compiled_equals_eager(batches, case):
+    make = {
+        "bf16": lambda c: C.gpt_step(c, precision="bf16"),
+        "fp16": lambda c: C.gpt_step(c, precision=FP16),
+        "accumulation": lambda c: C.gpt_step(c, accumulation=2),
+        "remat": lambda c: C.gpt_step(c, remat="blocks", blocks="blocks"),
+        "remat-dots": lambda c: C.gpt_step(c, remat="blocks,dots", blocks="blocks"),
+        "zero3-blocks": lambda c: C.gpt_step(c, stage=3, blocks="blocks"),
+        "sgd": lambda c: C.gpt_step(c, optimizer=fs.optim.sgd(0.1, momentum=0.9)),
+    }[case]
+    tol = 1e-5 if case not in ("bf16", "fp16") else 2e-3
+    got, eager = C.both(make, batches, tol=tol, backend="eager")
+    if case == "fp16":  # the first loss scales overflow: the same steps skipped, the same scales
+        assert sum(got["skipped"]) > 0 and got["skipped"] == eager["skipped"]
+
+
+def test_fp16_overflows_are_skipped_by_the_inductor_graph_as_eagerly(batches):
+    got, eager = C.both(lambda c: C.gpt_step(c, precision=FP16), batches, tol=2e-3)
+    assert got["skipped"] == eager["skipped"] and 0 < got["skipped"][-1] < C.STEPS
+    assert got["scales"] == eager["scales"]
+
+
+def test_a_hugging_face_gpt2_with_dropout_draws_the_eager_masks(batches):
+    got, eager = C.both(lambda c: C.hf_gpt2_step(c), batches, backend="eager")
+    # (dropout is on: the same masks, drawn from the step's key inside the graph)
+    nodrop = C.train(*C.hf_gpt2_step(False, dropout=0.0), batches)
+    assert nodrop["losses"] != eager["losses"]
+
+
+def test_a_loss_drawing_from_torchs_generator_is_refused(batches):
+    step, params = C.hf_gpt2_step("eager", seed=None)  # dropout from torch's global generator
+    with pytest.raises(RuntimeError, match="draws from torch's global generator"):
+        step(step.init(params), batches[0])
+
+
+def test_a_new_graph_only_for_a_new_shape_or_dtype(batches):
+    step, params = C.gpt_step("eager")
+    state = step.init(params)
+    b8 = batches[0]
+    b4 = {"tokens": b8["tokens"][:4]}
+    short = {"tokens": b8["tokens"][:, :9]}
+    seen = []
+    for b in (b8, b8, b4, b8, b4, short, b8):
+        state, m = step(state, b)
+        seen.append((step.compiles, float(m["compile_s"]) > 0))
+    assert seen == [(1, True), (1, False), (2, True), (2, False), (2, False), (3, True), (3, False)]
+    # A batch of another dtype is another signature too.
+    step = fs.train_step(lambda p, b: ((b["x"].to(p["w"].dtype) @ p["w"]) ** 2).mean(), fs.optim.sgd(0.1),
+                         compile="eager")
+    state = step.init({"w": torch.ones(3, 2)})
+    for dtype in (torch.float32, torch.float64, torch.float32):
+        state, _ = step(state, {"x": torch.ones(4, 3, dtype=dtype)})
+    assert step.compiles == 2
+
+
+def test_bad_input_is_the_eager_steps_error(batches):
+    step, params = C.gpt_step("eager")
+    with pytest.raises(RuntimeError, match="expected target dtype to be Long"):
+        step(step.init(params), {"tokens": batches[0]["tokens"].to(torch.int32)})
+
+
+def test_a_nonfinite_step_is_refused_and_the_state_kept(batches):
+    step, params = C.gpt_step("eager")
+    state = step.init(params)
+    state, _ = step(state, batches[0])
+    kept = [x.clone() for x in optree.tree_leaves(state.params)]
+    bad = dict(state.params, emb=state.params["emb"].clone())
+    bad["emb"][0, 0] = float("nan")
+    bad_state = state._replace(params=bad)
+    with pytest.raises(FloatingPointError, match="not applied"):
+        step(bad_state, batches[1])
+    assert all(torch.equal(a, b) for a, b in zip(kept, optree.tree_leaves(state.params)))
+    assert torch.isnan(bad_state.params["emb"][0, 0])  # (the state passed in, as it was)
+
+
+def test_where_the_capture_does_not_apply_the_step_says_so_and_runs_eagerly(batches, tmp_path):
+    got = {}
+    for compile_ in (False, True):
+        step, params = C.gpt_step(compile_, mesh={"data": 2})
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            got[compile_] = C.train(step, params, batches[:2])
+        said = [str(x.message) for x in w if "compile=True" in str(x.message)]
+        assert len(said) == (1 if compile_ else 0) and "virtual mesh" in said[0] if compile_ else not said
+    assert got[True]["losses"] == got[False]["losses"]
+    step, params = C.gpt_step(True, stage=2, zero_kw=dict(offload_optimizer="cpu"))
+    with pytest.warns(UserWarning, match="memory tier"):
+        C.train(step, params, batches[:1])
+
+
+def test_compile_takes_a_bool_or_a_backend_name():
+    with pytest.raises(TypeError, match="compile must be"):
+        fs.train_step(gpt.loss, fs.optim.adamw(1e-3), compile=1)
+    step = fs.train_step(gpt.loss, fs.optim.adamw(1e-3))
+    assert step.compile() is step and step.compiling and step.compile_backend == "inductor"
