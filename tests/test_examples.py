@@ -236,9 +236,34 @@ def _check_faults(ns: dict, out: str) -> None:
     assert torch.equal(sk.params(ns["s2"])["w"], sk.params(ns["s1"])["w"])
 
 
+def _check_compile(ns: dict, out: str) -> None:
+    # One graph captured at the first call (its compile time counted there only), and the
+    # compiled loss that of the same steps run eagerly.
+    import re as _re
+
+    assert ns["step"].compiles == 1 and _re.match(r"1 graph, compiled in [0-9.]+ s, then \[0\.0, 0\.0\]", out), out
+    eager = fs_train_eager(ns)
+    assert abs(float(ns["metrics"]["loss"]) - eager) < 1e-5, (out, eager)
+
+
+def fs_train_eager(ns: dict) -> float:
+    import fsharded as fs
+    from fsharded.models import gpt
+
+    step = fs.train_step(gpt.loss, fs.optim.adamw(3e-3), clip=1.0)
+    state = step.init(ns["params"])
+    for _ in range(3):
+        state, m = step(state, ns["batch"])
+    return float(m["loss"])
+
+
 # Each entry: a line that identifies the README block; the code run before it; text
 # replacements that scale it to a test (the block is otherwise run as written); a check.
 EXAMPLES = {
+    # (through the captured graph as it is, torch.compile's "eager" backend: Inductor's
+    # compile of the same step is test_compile's, and takes half a minute on 2 cores)
+    "step = fs.train_step(gpt.loss, fs.optim.adamw(3e-3), clip=1.0, compile=True)": dict(
+        before="", replace={"compile=True": 'compile="eager"'}, check=_check_compile),
     "from model import GPT, GPTConfig": dict(
         before="import tests_examples_hooks as H; H.nanogpt()",
         replace={"fm = fs.nn.functional(model)":

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fsharded.config._batch import resolve_batch
 from fsharded.config._deepspeed_unsupported import CHECKS, FEATURES, HOW_TO_RUN
 from fsharded.config._train import (
     _DTYPES,
@@ -37,7 +38,6 @@ from fsharded.config._train import (
     _int_ge,
     _no_duplicates,
     _read_json,
-    _resolve_batch,
     _type_name,
 )
 
@@ -475,7 +475,7 @@ def from_deepspeed(
         # as HF fills them from its arguments: micro_batch_size= (fsharded train --batch) sets them.
         auto_batch = any(k in r.auto for k in _DS_BATCH[:2])
         try:
-            kw["train_batch_size"], kw["micro_batch_size"], kw["grad_accum_steps"] = _resolve_batch(
+            kw["train_batch_size"], kw["micro_batch_size"], kw["grad_accum_steps"] = resolve_batch(
                 train, micro, accum, dp, names=(*_DS_BATCH, "data parallel size"),
                 default_micro=1 if auto_batch else None)
         except ValueError as e:

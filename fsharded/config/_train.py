@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from fsharded.config._batch import resolve_batch
 from fsharded.config._offload import OffloadConfig
 from fsharded.config._pipeline import PipelineConfig
 from fsharded.config._remat import RematConfig
@@ -336,41 +337,6 @@ class LossScaleConfig:
         )
 
 
-# -- batch arithmetic -----------------------------------------------------------------------
-
-
-def _resolve_batch(
-    train: int | None, micro: int | None, accum: int | None, dp: int, *,
-    names: tuple[str, str, str, str], default_micro: int | None,
-) -> tuple[int, int, int]:
-    """DeepSpeed's rule: any two of (train, micro, accum) give the third (rounding down,
-    then checked); train alone means accum = 1; micro alone means accum = 1."""
-    n_train, n_micro, n_accum, n_dp = names
-    how = ""
-    if train is None and micro is None:
-        if default_micro is None:
-            raise ValueError(f"either {n_train} or {n_micro} must be given")
-        micro = default_micro
-    if train is not None and micro is not None and accum is None:
-        accum = train // micro // dp
-        how = f" ({n_accum} derived as {train} // {micro} // {n_dp} {dp})"
-    elif train is not None and accum is not None and micro is None:
-        micro = train // dp // accum
-        how = f" ({n_micro} derived as {train} // {n_dp} {dp} // {accum})"
-    elif train is not None and micro is None:
-        accum, micro = 1, train // dp
-        how = f" ({n_micro} derived as {train} // {n_dp} {dp}, {n_accum} = 1)"
-    elif train is None:
-        accum = 1 if accum is None else accum
-        train = micro * accum * dp
-    if micro < 1 or accum < 1 or train != micro * accum * dp:
-        raise ValueError(
-            f"{n_train} {train} != {n_micro} {micro} * {n_accum} {accum} * {n_dp} {dp} "
-            f"= {micro * accum * dp}{how}"
-        )
-    return train, micro, accum
-
-
 # -- TrainConfig ----------------------------------------------------------------------------
 
 _BATCH = ("train_batch_size", "micro_batch_size", "grad_accum_steps")
@@ -437,6 +403,8 @@ class TrainConfig:
     """Where the optimizer state lives: device memory, host memory or NVMe (needs zero_stage 1-3)."""
     remat: RematConfig = field(default_factory=RematConfig)
     """Blocks recomputed in backward (``policy``: ``none``, ``blocks``, ``blocks:K``)."""
+    compile: bool = False
+    """Capture the step as one graph and compile it (``train_step(compile=True)``)."""
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -475,7 +443,7 @@ class TrainConfig:
             _raise(type(self), [f"  pipeline.microbatches {mb} != grad_accum_steps {self.grad_accum_steps}: the "
                                 f"pipeline's micro-batches are the accumulation; give one of them"])
         try:
-            triple = _resolve_batch(
+            triple = resolve_batch(
                 self.train_batch_size, self.micro_batch_size, self.grad_accum_steps if mb is None else mb,
                 self.data_parallel_size, default_micro=1,
                 names=(*_BATCH, "data parallel size (mesh['data'] x mesh['expert'])"),

@@ -163,6 +163,8 @@ def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
     p.add_argument("--accum", type=int, help="gradient accumulation steps")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="capture the step as one graph and compile it (--set compile=true)")
     p.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "lion", "adagrad", "lamb"])
     p.add_argument("--lr", type=float)
     p.add_argument("--schedule", help="constant, linear, WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle")
@@ -226,7 +228,7 @@ def make_config(args: argparse.Namespace, world_size: int = 1):
     for flag, key in (("steps", "steps"), ("batch", "micro_batch_size"), ("accum", "grad_accum_steps"),
                       ("seq_len", "seq_len"), ("precision", "precision"), ("optimizer", "optimizer.name"),
                       ("lr", "optimizer.lr"), ("clip", "grad_clip"), ("seed", "seed"), ("data", "data"),
-                      ("metrics", "metrics_file")):
+                      ("metrics", "metrics_file"), ("compile", "compile")):
         v = getattr(args, flag)
         if v is not None:
             flags[key] = v
@@ -626,7 +628,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     step = fs.train_step(piped or seq.loss, opt, mesh=mesh, param_specs=specs, batch_spec=seq.batch_spec,
                          precision=cfg.policy(), accumulation=1 if piped else cfg.grad_accum_steps,
                          clip=cfg.grad_clip or None, blocks="blocks", check_memory=not force, remat=cfg.remat.policy,
-                         donate=not cfg.policy().loss_scaling,
+                         donate=not cfg.policy().loss_scaling, compile=cfg.compile,
                          update_model_state=gpt.model_state_updater(mcfg.moe) if biased else None)
     state = step.init(params, gpt.init_model_state(params) if biased else None)
     start = 0
@@ -661,7 +663,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
               + (f", parameters offloaded to {cfg.offload.params}" if cfg.offload.params != "none" else "")
               + (f", zenflow top {cfg.offload.zenflow_topk_ratio:g}" if cfg.offload.zenflow else "")
               + (f", remat {cfg.remat.policy}" if cfg.remat.policy != "none" else "")
-              + seq.describe()
+              + (", compiled" if cfg.compile else "") + seq.describe()
               + (f", pipeline {cfg.pipeline.schedule} with {cfg.grad_accum_steps} micro-batches" if piped else "")
               + (f", {mcfg.moe.experts} experts top-{mcfg.moe.top_k} every {mcfg.moe.every} blocks"
                  + (f" over expert={experts}" if experts > 1 else "") if mcfg.moe is not None else ""), flush=True)
@@ -686,6 +688,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     bar = _Progress(cfg.steps, progress, cfg.log_every, main_rank)
     tok_per_step = global_batch * mcfg.seq_len
     losses: list[float] = []
+    compile_s = 0.0  # capturing and compiling the step (compile=True), its first runs included
     t_start = time.perf_counter()
     t_steady = None
     try:
@@ -702,6 +705,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
                 if peak is not None:
                     rec["mfu"] = FL.mfu(step_flops / devices, dt, peak)
             losses.append(rec["loss"])
+            compile_s += rec.get("compile_s", 0.0)
             bar.update(i + 1, rec)
             if metrics_f is not None:  # before the checkpoint: a checkpoint's step has its record
                 metrics_f.write(json.dumps(rec) + "\n")
@@ -736,6 +740,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
         "elapsed_s": elapsed,
         "collective_bytes_per_step": manifest.by_axis(),
         "collectives_per_step": len(manifest),
+        "compile_s": compile_s,
     }
     if step_flops is not None and steady_time > 0:
         per_device = step_flops * steady_steps / steady_time / devices
@@ -751,6 +756,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
             f"      {summary['tokens_per_s']:,.0f} tokens/s, {elapsed:.1f} s, {n_params:,} params, "
             f"mesh {dict(mesh.shape)}\n"
             f"      collectives per step: {summary['collectives_per_step']} ({by_axis} sent per rank)"
+            + (f"\n      compiled in {compile_s:.1f} s (the first step)" if compile_s > 0 else "")
             + (f"\n      {summary['flops_per_step'] / 1e9:,.2f} GFLOP per step, "
                f"{summary['tflops_per_s_per_device']:.3f} TFLOP/s "
                f"{'per rank' if dist_on else 'in this process'}"
