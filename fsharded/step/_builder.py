@@ -694,9 +694,6 @@ class TrainStep:
 
     def _graph_applies(self, pl: Any, eager: bool) -> str | None:
         """Why this layout's step cannot be captured as one graph (None: it can)."""
-        if not eager:
-            return ("the virtual mesh with several devices runs the step under vmap, which the capture does "
-                    "not trace yet")
         off = getattr(pl, "offload", None)
         if off is not None and off.active:
             return (f"the optimizer state in a memory tier ({off.describe()}) is streamed through host buffers and "

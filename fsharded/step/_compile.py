@@ -59,6 +59,29 @@ def global_draws(gm: torch.fx.GraphModule) -> list[str]:
     return out
 
 
+# Ops whose output layout the fake tensors' rule says is contiguous while the real kernel
+# may lay it out otherwise (advanced indexing under vmap: the batch dims' index tensors
+# restride it). A view the graph takes of such an output assumes the fake layout.
+_LAYOUT_FREE = (torch.ops.aten.index.Tensor,)
+
+
+def _pin_layouts(gm: torch.fx.GraphModule) -> None:
+    """After each op of ``_LAYOUT_FREE`` whose traced output is contiguous, a contiguous
+    copy, so what follows it sees the layout it was traced with (Inductor fuses the copy
+    into the op)."""
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in _LAYOUT_FREE:
+            continue
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not val.is_contiguous():
+            continue
+        with gm.graph.inserting_after(n):
+            c = gm.graph.call_function(torch.ops.aten.clone.default, (n,),
+                                       {"memory_format": torch.contiguous_format})
+        c.meta["val"] = val
+        n.replace_all_uses_with(c, delete_user_cb=lambda user, c=c: user is not c)
+
+
 def _signature(leaves: list) -> tuple:
     with torch._C.DisableTorchFunction():
         return tuple((tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else (type(x), x)
@@ -148,6 +171,7 @@ class Captured:
         with capturing():
             gm = make_fx(flat, tracing_mode="fake")(*tensors)
         gm.graph.eliminate_dead_code()
+        _pin_layouts(gm)
         gm.recompile()
         reads, draws = host_reads(gm), global_draws(gm)
         if reads:
