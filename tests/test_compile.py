@@ -191,3 +191,19 @@ def test_fsharded_train_compile_trains_the_compiled_step(monkeypatch, capsys, tm
     assert got["final_loss"] == pytest.approx(eager["final_loss"], abs=1e-5)
     recs = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert recs[0]["compile_s"] > 0 and [r["compile_s"] for r in recs[1:]] == [0.0, 0.0]
+
+
+def test_a_loss_reading_a_value_on_the_host_is_refused_not_baked_in():
+    # float(...) of a traced value would turn into a constant of the graph: the capture
+    # refuses it (the eager step runs, so the error says the capture failed).
+    def loss(p, b):
+        scale = float(b["x"].abs().max())  # a host read of this batch's value
+        return ((b["x"] @ p["w"]) ** 2).mean() / scale
+
+    step = fs.train_step(loss, fs.optim.sgd(0.1), compile="eager")
+    state = step.init({"w": torch.ones(3, 2)})
+    with pytest.raises(RuntimeError, match=r"capturing or compiling the step failed, although it runs eagerly"):
+        step(state, {"x": torch.ones(4, 3)})
+    assert step.compiles == 0
+    eager = fs.train_step(loss, fs.optim.sgd(0.1))
+    eager(eager.init({"w": torch.ones(3, 2)}), {"x": torch.ones(4, 3)})  # (it does run eagerly)

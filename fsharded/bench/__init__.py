@@ -82,6 +82,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             "`fsharded train` job",
         ),
         Benchmark(
+            "compile",
+            "fsharded.bench.compile",
+            "train_step(compile=True) vs our eager step, the eager PyTorch loop, torch.compile of its loss and "
+            "the matmul floor; the default `fsharded train` job with and without --compile",
+        ),
+        Benchmark(
             "nn",
             "fsharded.bench.nn",
             "a nanoGPT-style nn.Module through fs.nn.functional: train_step vs its eager loop "

@@ -1,0 +1,229 @@
+"""``fsharded bench compile``: the step captured as one graph and compiled, against eager
+steps, ``torch.compile`` of the plain loop, and the matmul floor.
+
+    fsharded bench compile            # GPT "small" (0.84 M params), batch 16x128, fp32
+    fsharded bench compile --quick    # tiny shapes, a smoke run
+
+Section 1 times one optimizer step of the same functional GPT on the same batch, one
+process: ``train_step(compile=True)`` (Inductor) against
+
+- our eager step (``donate=True``: the fused in-place AdamW, our fastest eager form);
+- the eager PyTorch loop a user would write (``loss.backward()``, ``clip_grad_norm_``,
+  ``torch.optim.AdamW(foreach=True)``);
+- the same loop with the model's loss under ``torch.compile`` (forward and backward
+  compiled by AOTAutograd and Inductor; the optimizer eager, as most loops run it);
+- the matmul floor: the model FLOPs of a step (``fsharded.tools.flops``) at the rate this
+  machine's largest square fp32 ``torch.mm`` reaches, measured in the same run (the
+  fastest GEMM shape: the floor is optimistic for the model's smaller products).
+
+All are checked to give the same parameters after the warm-up steps before timing; the
+rows alternate rounds. Section 2 runs the default ``fsharded train`` job (``data=2`` on
+the virtual mesh) with and without ``--compile``, alternating, and sets their steady
+tokens/s side by side; the compile time is in the notes. On real ranks the compiled step
+is not built yet: no FSDP2 row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Sequence
+
+import optree
+import torch
+
+import fsharded as fs
+from fsharded.bench import Report, Row, Section, add_output_args, alternate
+from fsharded.bench.train import _Eager
+from fsharded.models import gpt
+from fsharded.tools import flops as FL
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class _Compiled(_Eager):
+    """The eager loop with the loss under ``torch.compile`` (the optimizer eager)."""
+
+    def __init__(self, params, lr, wd, clip, foreach):
+        super().__init__(params, lr, wd, clip, foreach)
+        self.loss = torch.compile(gpt.loss)
+
+    def __call__(self, batch) -> torch.Tensor:
+        loss = self.loss(self.params, batch)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.leaves, self.clip)
+        self.opt.step()
+        return loss.detach()
+
+
+def gemm_rate(n: int = 1024, reps: int = 10) -> float:
+    """FLOP/s of this machine's fp32 ``torch.mm`` of two ``n x n`` matrices (the best of
+    ``reps``)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def _agree(a: list, b: list, what: str) -> None:
+    err = max(float((x - y.detach()).abs().max()) for x, y in zip(a, b))
+    if err > 1e-4:
+        raise RuntimeError(f"{what}: parameters differ from the compiled step's by {err:.3g}")
+
+
+def step_sections(cfg: gpt.GPTConfig, batch: int, *, rounds: int, iters: int) -> tuple[list[Section], float]:
+    lr, wd, clip = 1e-3, 0.01, 1.0
+    params = gpt.init(cfg, 0)
+    data = fs.data.Batches(fs.data.load_tokens("stdlib"), batch, cfg.seq_len, seed=0)
+    batches = [data.batch_at(i) for i in range(iters)]
+    compiled = fs.train_step(gpt.loss, fs.optim.adamw(lr, weight_decay=wd), clip=clip, compile=True)
+    eager = fs.train_step(gpt.loss, fs.optim.adamw(lr, weight_decay=wd), clip=clip, donate=True)
+    boxes = {"compiled": compiled.init(params), "eager": eager.init(params)}
+    loop, tloop = _Eager(params, lr, wd, clip, True), _Compiled(params, lr, wd, clip, True)
+    t0 = time.perf_counter()
+    boxes["compiled"], m = compiled(boxes["compiled"], batches[0])
+    compile_s = float(m["compile_s"])
+    _log(f"  compiled in {compile_s:.1f} s (first call {time.perf_counter() - t0:.1f} s)")
+    t0 = time.perf_counter()
+    tloop(batches[0])
+    torch_compile_s = time.perf_counter() - t0
+    boxes["eager"], _ = eager(boxes["eager"], batches[0])
+    loop(batches[0])
+    for b in batches[1:3]:
+        boxes["compiled"], _ = compiled(boxes["compiled"], b)
+        boxes["eager"], _ = eager(boxes["eager"], b)
+        loop(b)
+        tloop(b)
+    mine = optree.tree_leaves(compiled.params(boxes["compiled"]))
+    _agree(mine, optree.tree_leaves(eager.params(boxes["eager"])), "train_step (eager)")
+    _agree(mine, loop.leaves, "the eager loop")
+    _agree(mine, tloop.leaves, "the torch.compile loop")
+
+    def ours(name: str):
+        step = compiled if name == "compiled" else eager
+
+        def run() -> float:
+            t0 = time.perf_counter()
+            for b in batches:
+                boxes[name], m = step(boxes[name], b)
+            float(m["loss"])
+            return (time.perf_counter() - t0) / len(batches)
+        return run
+
+    def plain(fn):
+        def run() -> float:
+            t0 = time.perf_counter()
+            for b in batches:
+                loss = fn(b)
+            float(loss)
+            return (time.perf_counter() - t0) / len(batches)
+        return run
+
+    size = f"{batch}x{cfg.seq_len}"
+    rows = []
+    for label, peer in (("our eager step (donate=True)", ours("eager")), ("the eager PyTorch loop", plain(loop)),
+                        ("the loop with torch.compile(loss)", plain(tloop))):
+        a, p = alternate(ours("compiled"), peer, rounds)
+        rows.append(Row.from_samples(f"train_step(compile=True) vs {label}", size, a, p))
+        _log(f"  {rows[-1].case}: ratio {rows[-1].ratio:.2f}")
+    step_flops = FL.gpt_step_flops(params, batch=batch, seq_len=cfg.seq_len)
+    rate = gemm_rate()
+    floor = step_flops / rate
+    floors = []
+    for label, name in (("train_step(compile=True)", "compiled"), ("our eager step (donate=True)", "eager")):
+        a, _ = alternate(ours(name), lambda: floor, rounds)
+        floors.append(Row.from_samples(f"{label} vs the matmul floor", size, a, [floor] * len(a)))
+    notes = (f"{rounds} alternating rounds of {iters} steps; every form checked to give the compiled step's "
+             f"parameters after 3 steps",
+             f"capture and Inductor compile of train_step: {compile_s:.1f} s; torch.compile of the loss (its first "
+             f"step): {torch_compile_s:.1f} s")
+    return [
+        Section(title=f"one optimizer step of the GPT ({gpt.param_count(params):,} params, fp32), one process: "
+                      f"compiled against eager forms",
+                peer="as each row names it, on the same model, batch and weights", rows=tuple(rows), notes=notes),
+        Section(title="the same step against the matmul floor", peer="the step's model FLOPs at the machine's GEMM rate",
+                rows=tuple(floors), target=1.3,
+                notes=(f"the matmul floor: {step_flops / 1e9:.2f} GFLOP per step at {rate / 1e9:.1f} GFLOP/s (fp32 "
+                       f"torch.mm 1024^3, best of 10) = {floor * 1e3:.2f} ms; the target is the compiled row's",)),
+    ], compile_s
+
+
+def job_section(steps: int, *, quick: bool, rounds: int) -> Section:
+    """The default ``fsharded train`` job with and without ``--compile``, alternating
+    rounds of ``steps // rounds`` steps (each job's steady tokens/s: its first step, where
+    the compiled job compiles, excluded)."""
+    from fsharded.tools import train
+
+    per_round = max(3, steps // rounds)
+    base = ["--steps", str(per_round), "--progress", "off"] + (
+        ["--preset", "tiny", "--set", "model.vocab_size=256"] if quick else [])
+    summaries: dict[bool, list] = {True: [], False: []}
+
+    def job(compiled: bool):
+        cfg = train.make_config(train.build_parser().parse_args(base + (["--compile"] if compiled else [])))
+
+        def run() -> float:
+            with contextlib.redirect_stdout(sys.stderr):  # the job's log lines are not the report
+                summaries[compiled].append(train.run(cfg, progress="off"))
+            return 1.0 / summaries[compiled][-1]["tokens_per_s"]
+        return run
+
+    a, p = alternate(job(True), job(False), rounds)
+    first = summaries[True][0]
+    times = ", ".join(f"{x['compile_s']:.1f} s" for x in summaries[True])
+    row = Row.from_samples(f"fsharded train --compile vs fsharded train ({first['backend']} mesh {first['mesh']}), "
+                           f"per token", "default job", a, p)
+    return Section(
+        title="the default `fsharded train` job, compiled and eager",
+        peer="the same job without --compile",
+        rows=(row,), target=1 / 1.4,
+        notes=(f"{rounds} alternating rounds of a {per_round}-step job each; steady tokens/s (the first step "
+               f"excluded): compiled {1 / row.ours_s:,.0f}, eager {1 / row.peer_s:,.0f}: "
+               f"{row.peer_s / row.ours_s:.2f} times the eager rate (target: at least 1.4)",
+               f"compile time per job (capture and Inductor, the first step): "
+               f"{times}; the later jobs hit Inductor's "
+               f"cache of the first one's kernels",
+               f"final losses: compiled {summaries[True][-1]['final_loss']:.5f}, eager "
+               f"{summaries[False][-1]['final_loss']:.5f}"),
+    )
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog or "fsharded bench compile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke run)")
+    add_output_args(p)
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--job-steps", type=int, default=None, help="steps of the default job per round (default 60)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    args = build_parser(prog).parse_args(argv)
+    report = Report("compile", params={"torch": torch.__version__, "threads": torch.get_num_threads()})
+    if args.quick:
+        cfg, batch, rounds, iters, job_steps = gpt.GPTConfig.tiny(vocab_size=256), 4, args.rounds or 3, 3, 9
+    else:
+        cfg, batch, rounds, iters, job_steps = gpt.GPTConfig.small(), 16, args.rounds or 5, 10, 300
+    job_steps = args.job_steps * rounds if args.job_steps else job_steps
+    _log("one optimizer step ...")
+    sections, _ = step_sections(cfg, batch, rounds=rounds, iters=iters)
+    report.sections += sections
+    _log("the default fsharded train job ...")
+    report.sections.append(job_section(job_steps, quick=args.quick, rounds=rounds))
+    report.finish()
+    report.emit(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
