@@ -78,3 +78,28 @@ def both(make, batches, tol: float = 1e-5, backend: str | bool = True) -> tuple[
     close(got, eager, tol)
     assert step.compiles == 1
     return got, eager
+
+
+def gloo_compiled(world: int) -> dict:
+    """On each rank: three steps of the GPT at ZeRO 0-3 eager and through the captured
+    graph (functional collectives in it), their losses, norms and final parameters."""
+    out = {}
+    for stage in (0, 1, 2, 3):
+        runs = {}
+        for compile_ in (False, "eager"):
+            step, params = gpt_step(compile_, mesh={"data": world}, stage=stage, blocks="blocks" if stage == 3 else None)
+            r = train(step, params, T.batches(3))
+            runs[bool(compile_)] = {k: r[k] for k in ("losses", "norms", "params", "skipped", "scales", "compile_s")}
+            runs[bool(compile_)]["compiles"] = step.compiles
+        out[stage] = runs
+    return out
+
+
+def gloo_refused(world: int) -> str:
+    """On each rank: the error of a compiled step over a tensor axis (not built on real ranks)."""
+    step, params = gpt_step(True, mesh={"data": 1, "tensor": world})
+    try:
+        step(step.init(params), T.batches(1)[0])
+    except NotImplementedError as e:
+        return str(e)
+    return ""

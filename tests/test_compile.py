@@ -122,6 +122,26 @@ def test_a_nonfinite_step_is_refused_and_the_state_kept(batches):
     assert torch.isnan(bad_state.params["emb"][0, 0])  # (the state passed in, as it was)
 
 
+@pytest.mark.multiprocess
+def test_two_gloo_ranks_compiled_equal_eager_at_every_zero_stage():
+    from fsharded.testing import run_on_ranks
+
+    for res in run_on_ranks(C.gloo_compiled, 2, 2):
+        for stage, runs in res.items():
+            # (the reductions run in the graph as functional collectives over gloo, in another
+            # order than the eager step's bucketed shared-memory ones: equal to rounding)
+            C.close(runs[True], runs[False])
+            assert runs[True]["compiles"] == 1 and runs[True]["compile_s"][0] > 0, stage
+
+
+@pytest.mark.multiprocess
+def test_on_real_ranks_other_axes_than_the_batchs_are_refused_by_name():
+    from fsharded.testing import run_on_ranks
+
+    for said in run_on_ranks(C.gloo_refused, 2, 2):
+        assert "built for data parallelism and ZeRO" in said and "tensor=2" in said, said
+
+
 def test_with_the_optimizer_state_in_a_memory_tier_the_step_says_so_and_runs_eagerly(batches):
     got = {}
     for compile_ in (False, True):

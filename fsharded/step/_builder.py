@@ -140,9 +140,9 @@ def train_step(
         compile it with Inductor (``step.compile()`` the same; see ``_compile``): the
         numbers of the eager step to float rounding, faster. A string names another
         ``torch.compile`` backend for the captured graph (``"aot_eager"``: no code
-        generation, for checking a capture quickly). Where it cannot apply (the virtual
-        mesh with several devices, an optimizer state in a memory tier) the step says so
-        once and runs eagerly.
+        generation, for checking a capture quickly). Where it cannot apply (an optimizer
+        state in a memory tier) the step says so once and runs eagerly; on real ranks it
+        is built for the batch axes (data parallelism, ZeRO) only.
     :returns: a ``TrainStep``: ``init(params)``, ``step(state, batch)``, ``collectives``,
         ``save`` / ``load``.
     """
@@ -558,9 +558,13 @@ class TrainStep:
         holding = self._holding(state.params) if eager and self.distributed else None
         layout = Layout(pl, state.params, self.blocks, self.mesh, held=holding)
         scaling = DynamicScaling(self._scaler) if self._scaler is not None else NoScaling()
+        # A step captured as one graph reduces after backward, in the graph (its collectives
+        # functional; no hooks on real ranks' asynchronous transport).
+        graph = self.compiling and self._graph_applies(pl, eager) is None
         gradients = choose_gradients(layout, self.loss_fn, policy=self.policy, scaling=scaling,
                                      batch_axes=self.batch_axes, accumulation=self.accumulation,
-                                     eager=eager, distributed=self.distributed and eager, cap=self.bucket_elems,
+                                     eager=eager, distributed=self.distributed and eager and not graph,
+                                     cap=self.bucket_elems,
                                      remat=self.remat,
                                      check_loss=functools.partial(_check_loss, self.batch_axes, self.mesh,
                                                                   with_stats=self.update_model_state is not None))
@@ -578,7 +582,6 @@ class TrainStep:
         if holding is not None and holding.partial:  # the norm: each pipe rank's part, summed
             partial = (holding.axis, T.pick([holding.counted(i) for i in range(len(layout.paths))], layout.updated))
         transform = GradientTransform(scaling, self._clipping, layout.t_master, self.mesh.axis_names, partial=partial)
-        graph = self.compiling and self._graph_applies(pl, eager) is None
         update = choose_update(self.optimizer, donate=self.donate, eager=eager,
                                params=T.view(state.params, layout.updated), offload=pl.offload, graph=graph)
         if isinstance(update, OffloadedUpdate) and pl.offload.zenflow is not None:
@@ -589,8 +592,9 @@ class TrainStep:
         specs = _tree.broadcast_prefix(self.state_specs(state), state)
         # The loss unscoped once it drew nothing (a run that drew after all redone scoped; on
         # real ranks by every rank together).
+        # (A captured step is traced once per signature, scoped: no rank agreement on draws.)
         keys = Keys(watch=True, ranks=functools.partial(_step_agree.any_rank, self.mesh)) \
-            if self.distributed and eager else Keys(watch=True)
+            if self.distributed and eager and not graph else Keys(watch=True)
         return _Plan(layout, gradients, scaling, transform, update, eager, specs, keys)
 
     def _shard_mapped(self, state: TrainState):
@@ -653,6 +657,12 @@ class TrainStep:
         (the same on every rank): first the ranks agree on the call (settings, step count,
         batch), and, before the first step of a layout, on the collectives it will run and
         the memory it needs (a dry run); then each takes its rows."""
+        if self.compiling and self.distributed \
+                and any(n > 1 for a, n in self.mesh.shape.items() if a not in self.batch_axes):
+            raise NotImplementedError(
+                f"train_step(compile=True) on real ranks is built for data parallelism and ZeRO (the batch axes "
+                f"{self.batch_axes}) only; {self.mesh!r} also splits over other axes (tensor, sequence, expert or "
+                f"pipeline parallelism): pass compile=False under torchrun, or run it on the virtual mesh")
         off = getattr(self.param_specs, "offload", None)  # (a ZeRO plan's or a placement's)
         if not self.distributed and off is not None and off.params == "nvme":
             _offload.verify(state.params)  # the forward reads the files through their maps: check them first
@@ -703,10 +713,6 @@ class TrainStep:
     def _run_captured(self, sm: Any, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         """The step through its captured graph (``_compile.Captured``), or eagerly where the
         capture does not apply (said once)."""
-        if self.distributed:
-            raise NotImplementedError(
-                "train_step(compile=True) on real ranks is not built yet: the step's collectives must enter "
-                "the graph as functional collectives. Pass compile=False under torchrun")
         why = self._graph_applies(self.placement(state.params, self._mask(state)), self.mesh.size == 1)
         if why is not None:
             if not self._eager_said:
