@@ -227,3 +227,13 @@ def test_a_loss_reading_a_value_on_the_host_is_refused_not_baked_in():
     assert step.compiles == 0
     eager = fs.train_step(loss, fs.optim.sgd(0.1))
     eager(eager.init({"w": torch.ones(3, 2)}), {"x": torch.ones(4, 3)})  # (it does run eagerly)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_manifest_of_a_compiled_step_is_the_eager_ones(batches, stage):
+    got = {}
+    for compile_ in (False, True):
+        step, params = C.gpt_step(compile_, mesh={"data": 2}, stage=stage, blocks="blocks" if stage == 3 else None)
+        man = step.collectives(step.init(params), batches[0])
+        got[compile_] = [(e.op, e.axis, e.shape, e.bytes_sent) for e in man]
+    assert got[True] == got[False] and got[True]
