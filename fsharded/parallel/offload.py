@@ -49,6 +49,7 @@ import optree
 import torch
 
 from fsharded.kernels import aio
+from fsharded.spmd._wrappers import is_wrapped
 
 __all__ = ["Offload", "ZenFlow", "TIERS", "place", "place_params", "in_tier", "fetch", "Reading", "read", "store",
            "verify", "stream_update", "nvme_files", "to_host", "mark_host", "on_host"]
@@ -493,15 +494,12 @@ def mark_host(h: torch.Tensor) -> None:
 def on_host(t: torch.Tensor) -> bool:
     """Whether ``t`` is (a view of) a buffer ``to_host`` or ``mark_host`` noted, still alive
     (False for a value beneath the virtual mesh's vmap levels, which has no storage)."""
-    if not _HOST:
+    if not _HOST or is_wrapped(t):
         return False
     with torch._C.DisableTorchFunction():
         if t.device.type != "cpu":
             return False
-        try:
-            ref = _HOST.get(t.untyped_storage().data_ptr())
-        except (NotImplementedError, RuntimeError):  # a batched (vmapped) tensor
-            return False
+        ref = _HOST.get(t.untyped_storage().data_ptr())
     return ref is not None and ref() is not None
 
 
