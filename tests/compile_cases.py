@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
+
 import optree
 import torch
 import torch.nn.functional as F
@@ -96,10 +100,106 @@ def gloo_compiled(world: int) -> dict:
 
 
 def gloo_refused(world: int) -> str:
-    """On each rank: the error of a compiled step over a tensor axis (not built on real ranks)."""
-    step, params = gpt_step(True, mesh={"data": 1, "tensor": world})
+    """On each rank: the error of a compiled pipelined step over the pipe axis (not built
+    on real ranks)."""
+    from fsharded import train
+
+    args = ["--preset", "tiny", "--seq-len", "32", "--batch", "2", "--steps", "1", "--set", "data=stdlib:200000",
+            "--progress", "off", "--mesh", f"data=1,pipe={world}", "--accum", "2", "--compile"]
     try:
-        step(step.init(params), T.batches(1)[0])
+        with contextlib.redirect_stdout(io.StringIO()):
+            train.run(train.make_config(train.build_parser().parse_args(args)), progress="off")
     except NotImplementedError as e:
         return str(e)
     return ""
+
+
+# fsharded train's layouts over other axes than the batch's, on 2 real ranks, with the
+# torch.compile backend each runs the captured graph through (Inductor for ring attention,
+# whose exchanges enter the graph as collectives that Inductor schedules).
+GLOO_LAYOUTS = {
+    "tensor=2": (["--mesh", "data=1,tensor=2"], "eager"),
+    "Ulysses, seq=2": (["--mesh", "data=1,seq=2"], "eager"),
+    "ring attention, seq=2": (["--mesh", "data=1,seq=2", "--set", "model.seq_parallel=ring"], "inductor"),
+    "experts, expert=2": (["--mesh", "data=1,expert=2", "--set", "model.moe.experts=4"], "eager"),
+}
+
+
+def gloo_layouts(world: int, steps: int = 5) -> dict:
+    """On each rank: each of ``GLOO_LAYOUTS`` trained ``steps`` steps eagerly and compiled,
+    every step's loss (from the metrics file: rank 0's), the final validation loss and the
+    compile time of each."""
+    import json
+    import tempfile
+    from pathlib import Path
+    from unittest import mock
+
+    from fsharded import train
+    from fsharded.step import _compile
+
+    init = _compile.Captured.__init__
+    out = {}
+    for name, (mesh, backend) in GLOO_LAYOUTS.items():
+        runs = {}
+        for compiled in (False, True):
+            with tempfile.TemporaryDirectory() as d:
+                args = ["--preset", "tiny", "--seq-len", "32", "--batch", "2", "--steps", str(steps), "--set",
+                        "data=stdlib:200000", "--progress", "off", "--metrics", str(Path(d) / "m.jsonl"), *mesh]
+                cfg = train.make_config(train.build_parser().parse_args(args + (["--compile"] if compiled else [])))
+                with mock.patch.object(_compile.Captured, "__init__",
+                                       lambda self, fn, b=backend, **kw: init(self, fn, **{**kw, "backend": b})), \
+                        contextlib.redirect_stdout(io.StringIO()):
+                    summary = train.run(cfg, progress="off")
+                written = Path(d) / "m.jsonl"  # (rank 0 writes the metrics)
+                recs = [json.loads(x) for x in written.read_text().splitlines()] if written.exists() else []
+            runs[compiled] = {"losses": [r["loss"] for r in recs if "loss" in r], "val_loss": summary["val_loss"],
+                              "compile_s": summary["compile_s"]}
+        out[name] = runs
+    return out
+
+
+def gloo_eager_collective(world: int) -> str:
+    """On each rank: the error of a compiled step whose loss calls torch.distributed's
+    in-place all-reduce itself (the graph would lose it)."""
+    import torch.distributed as dist
+
+    def loss(p, b):
+        y = (b["x"] @ p["w"]).sum()
+        total = y.detach().clone()
+        dist.all_reduce(total)  # (in place, outside the graph's values)
+        return y / total
+
+    step = fs.train_step(loss, fs.optim.sgd(0.1), mesh=fs.Mesh({"data": world}), compile="eager")
+    try:
+        step(step.init({"w": torch.ones(3, 2)}), {"x": torch.ones(4, 3)})
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def _permute(t: torch.Tensor, *, g, perm) -> torch.Tensor:
+    from fsharded import comm
+
+    return comm.send_recv(t * 1.0, g, perm)
+
+
+def gloo_traced_permute(world: int) -> dict:
+    """On each rank: ``send_recv`` eagerly and as the graph ``make_fx`` traces of it (the
+    functional collective that stands for it in a captured step), for a cycle, a shift
+    that leaves position 0 receiving nothing, and a swap over a mesh axis whose positions
+    are not the group's ranks' order."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fsharded import comm
+
+    out = {}
+    for name, mesh, axes, perm in (
+            ("cycle", {"x": world}, ("x",), tuple((i, (i + 1) % world) for i in range(world))),
+            ("shift", {"x": world}, ("x",), tuple((i, i + 1) for i in range(world - 1))),
+            ("minor axis", {"a": world // 2, "b": 2}, ("b",), ((0, 1), (1, 0)))):
+        g = comm.axis_group(fs.Mesh(mesh), axes)
+        x = torch.arange(6.0).reshape(2, 3) + 10 * torch.distributed.get_rank()
+        gm = make_fx(functools.partial(_permute, g=g, perm=perm), tracing_mode="fake")(x)
+        out[name] = {"eager": comm.send_recv(x, g, perm), "traced": gm(x),
+                     "ops": sorted({str(n.target) for n in gm.graph.nodes if "c10d" in str(n.target)})}
+    return out

@@ -135,11 +135,51 @@ def test_two_gloo_ranks_compiled_equal_eager_at_every_zero_stage():
 
 
 @pytest.mark.multiprocess
-def test_on_real_ranks_other_axes_than_the_batchs_are_refused_by_name():
+def test_on_real_ranks_a_pipelined_loss_is_refused_by_name():
     from fsharded.testing import run_on_ranks
 
     for said in run_on_ranks(C.gloo_refused, 2, 2):
-        assert "built for data parallelism and ZeRO" in said and "tensor=2" in said, said
+        assert "pipelined loss on real ranks is not built" in said and "pipe=2" in said, said
+
+
+@pytest.mark.multiprocess
+def test_two_gloo_ranks_compiled_equal_eager_over_tensor_sequence_and_expert_axes():
+    from fsharded.testing import run_on_ranks
+
+    res = run_on_ranks(C.gloo_layouts, 2, 2)
+    for name in C.GLOO_LAYOUTS:
+        got, eager = res[0][name][True], res[0][name][False]  # (every step's loss, from rank 0's metrics)
+        assert len(got["losses"]) == len(eager["losses"]) == 5, name
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=1e-5,
+                                   msg=name)
+        for r in res:
+            got, eager = r[name][True], r[name][False]
+            assert got["compile_s"] > 0 and eager["compile_s"] == 0, name
+            assert got["val_loss"] == pytest.approx(eager["val_loss"], abs=1e-5), name
+
+
+@pytest.mark.multiprocess
+def test_a_traced_permute_is_one_collective_with_the_eager_exchanges_values():
+    from fsharded.testing import run_on_ranks
+
+    res = run_on_ranks(C.gloo_traced_permute, 2, 2)
+    for rank, r in enumerate(res):
+        for name, got in r.items():
+            assert torch.equal(got["traced"], got["eager"]), (rank, name)
+            assert got["ops"] == ["_c10d_functional.all_to_all_single.default",
+                                  "_c10d_functional.wait_tensor.default"], got["ops"]
+        other = torch.arange(6.0).reshape(2, 3) + 10 * (1 - rank)
+        assert torch.equal(r["cycle"]["traced"], other)
+        # (a position nothing is sent to gets zeros, as JAX's ppermute gives)
+        assert torch.equal(r["shift"]["traced"], other if rank == 1 else torch.zeros(2, 3))
+
+
+@pytest.mark.multiprocess
+def test_a_loss_calling_torch_distributed_itself_is_refused_not_dropped():
+    from fsharded.testing import run_on_ranks
+
+    for said in run_on_ranks(C.gloo_eager_collective, 2, 2):
+        assert "calls torch.distributed directly" in said and "c10d.allreduce_" in said, said
 
 
 def test_with_the_optimizer_state_in_a_memory_tier_the_step_says_so_and_runs_eagerly(batches):

@@ -17,10 +17,15 @@ process: ``train_step(compile=True)`` (Inductor) against
   fastest GEMM shape: the floor is optimistic for the model's smaller products).
 
 All are checked to give the same parameters after the warm-up steps before timing; the
-rows alternate rounds. Section 2 runs the default ``fsharded train`` job (``data=2`` on
+rows alternate rounds. Beside the floor, the bare gradient compiled the same way (``make_fx``
+of ``torch.func.grad_and_value(gpt.loss)``, then ``torch.compile``: no clipping, no update,
+no fsharded step) says how far Inductor itself gets from the floor on this model.
+
+Section 2 runs ZeRO-3 on 2 gloo ranks, compiled, against FSDP2 with each block under
+``torch.compile`` (torchtitan's recipe) in the same two processes (``_compile_ranks``;
+``--no-ranks`` skips it). Section 3 runs the default ``fsharded train`` job (``data=2`` on
 the virtual mesh) with and without ``--compile``, alternating, and sets their steady
-tokens/s side by side; the compile time is in the notes. On real ranks the compiled step
-is not built yet: no FSDP2 row.
+tokens/s side by side; the compile time is in the notes.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import argparse
 import contextlib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import optree
 import torch
@@ -59,6 +64,29 @@ class _Compiled(_Eager):
         torch.nn.utils.clip_grad_norm_(self.leaves, self.clip)
         self.opt.step()
         return loss.detach()
+
+
+def _bare_gradient(params: dict, batches: list) -> Callable[[], float]:
+    """Seconds per call of ``grad_and_value(gpt.loss)`` traced with ``make_fx`` and
+    compiled with Inductor: the model's forward and backward alone, as the compiler makes
+    them (a timed block over ``batches``; compiled here, before it is timed)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    leaves, tdef = optree.tree_flatten(params)
+
+    def grads(leaves: list, batch: dict):
+        return torch.func.grad_and_value(gpt.loss)(optree.tree_unflatten(tdef, leaves), batch)
+
+    fn = torch.compile(make_fx(grads, tracing_mode="fake")(leaves, batches[0]), fullgraph=True, dynamic=False)
+    fn(leaves, batches[0])
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        for b in batches:
+            _, loss = fn(leaves, b)
+        float(loss)
+        return (time.perf_counter() - t0) / len(batches)
+    return run
 
 
 def gemm_rate(n: int = 1024, reps: int = 10) -> float:
@@ -135,6 +163,7 @@ def step_sections(cfg: gpt.GPTConfig, batch: int, *, rounds: int, iters: int) ->
         a, p = alternate(ours("compiled"), peer, rounds)
         rows.append(Row.from_samples(f"train_step(compile=True) vs {label}", size, a, p))
         _log(f"  {rows[-1].case}: ratio {rows[-1].ratio:.2f}")
+    bare = _bare_gradient(params, batches)
     step_flops = FL.gpt_step_flops(params, batch=batch, seq_len=cfg.seq_len)
     rate = gemm_rate()
     floor = step_flops / rate
@@ -142,6 +171,9 @@ def step_sections(cfg: gpt.GPTConfig, batch: int, *, rounds: int, iters: int) ->
     for label, name in (("train_step(compile=True)", "compiled"), ("our eager step (donate=True)", "eager")):
         a, _ = alternate(ours(name), lambda: floor, rounds)
         floors.append(Row.from_samples(f"{label} vs the matmul floor", size, a, [floor] * len(a)))
+    a, _ = alternate(bare, lambda: floor, rounds)
+    floors.append(Row.from_samples("the bare gradient, make_fx + torch.compile (no update) vs the matmul floor",
+                                   size, a, [floor] * len(a)))
     notes = (f"{rounds} alternating rounds of {iters} steps; every form checked to give the compiled step's "
              f"parameters after 3 steps",
              f"capture and Inductor compile of train_step: {compile_s:.1f} s; torch.compile of the loss (its first "
@@ -153,7 +185,10 @@ def step_sections(cfg: gpt.GPTConfig, batch: int, *, rounds: int, iters: int) ->
         Section(title="the same step against the matmul floor", peer="the step's model FLOPs at the machine's GEMM rate",
                 rows=tuple(floors), target=1.3,
                 notes=(f"the matmul floor: {step_flops / 1e9:.2f} GFLOP per step at {rate / 1e9:.1f} GFLOP/s (fp32 "
-                       f"torch.mm 1024^3, best of 10) = {floor * 1e3:.2f} ms; the target is the compiled row's",)),
+                       f"torch.mm 1024^3, best of 10) = {floor * 1e3:.2f} ms; the target is the compiled row's",
+                       "the bare gradient: forward and backward alone (no clipping, no update), compiled as the "
+                       "step is: what Inductor makes of this model's products and element-wise work on this "
+                       "machine")),
     ], compile_s
 
 
@@ -203,6 +238,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke run)")
     add_output_args(p)
     p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--no-ranks", action="store_true", help="skip the 2-rank section (ZeRO-3 against FSDP2)")
     p.add_argument("--job-steps", type=int, default=None, help="steps of the default job per round (default 60)")
     return p
 
@@ -218,6 +254,12 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     _log("one optimizer step ...")
     sections, _ = step_sections(cfg, batch, rounds=rounds, iters=iters)
     report.sections += sections
+    if not args.no_ranks:
+        from fsharded.bench import _compile_ranks
+
+        _log("ZeRO-3 on 2 gloo ranks, against FSDP2 + compile ...")
+        report.sections.append(_compile_ranks.section(quick=args.quick, batch=2 if args.quick else 8,
+                                                      rounds=rounds, iters=iters))
     _log("the default fsharded train job ...")
     report.sections.append(job_section(job_steps, quick=args.quick, rounds=rounds))
     report.finish()

@@ -101,8 +101,9 @@ def send_recv_start(x: torch.Tensor, g: Any, perm: tuple[tuple[int, int], ...]) 
     nothing comes; its contents are undefined until ``wait()``) and the ``Pending``
     requests. The transfer proceeds in the transport's own threads meanwhile."""
     xs = x.contiguous()
-    if not tracing():  # every rank at this ppermute, with this shape and perm
-        _shm.check_permute(xs, g, perm)
+    if tracing():
+        return _traced_send_recv(xs, g, perm), Pending([])
+    _shm.check_permute(xs, g, perm)  # every rank at this ppermute, with this shape and perm
     out = torch.zeros_like(xs)
     ops = []
     for s, d in perm:
@@ -111,6 +112,23 @@ def send_recv_start(x: torch.Tensor, g: Any, perm: tuple[tuple[int, int], ...]) 
         if d == g.index:
             ops.append(dist.P2POp(dist.irecv, out, g.ranks[s], group=g.group))
     return out, Pending(dist.batch_isend_irecv(ops) if ops else [], xs, g)
+
+
+def _traced_send_recv(xs: torch.Tensor, g: Any, perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """``send_recv`` in the graph as one ``all_to_all_single`` over the group with a chunk
+    only for each pair of ``perm``: a collective, so every rank issues it in the graph's
+    order of collectives, where point-to-point ops, matched by the order each rank's
+    compiler scheduled them in, could pair up or wait crosswise."""
+    fc = torch.ops._c10d_functional
+    n, send, recv = xs.numel(), [0] * g.size, [0] * g.size  # (indexed by group rank)
+    for s, d in perm:
+        if s == g.index:
+            send[g.to_group[d]] = n
+        if d == g.index:
+            recv[g.to_group[s]] = n
+    flat = xs.reshape(-1)[:sum(send)]  # (empty where this position sends nothing)
+    out = fc.wait_tensor(fc.all_to_all_single(flat, recv, send, g.group_name))
+    return out.view(xs.shape) if sum(recv) else torch.zeros_like(xs)
 
 
 def _inverse(order: Sequence[int]) -> list[int]:

@@ -657,12 +657,13 @@ class TrainStep:
         (the same on every rank): first the ranks agree on the call (settings, step count,
         batch), and, before the first step of a layout, on the collectives it will run and
         the memory it needs (a dry run); then each takes its rows."""
-        if self.compiling and self.distributed \
-                and any(n > 1 for a, n in self.mesh.shape.items() if a not in self.batch_axes):
+        pipe = self.loss_fn
+        if self.compiling and self.distributed and isinstance(pipe, Pipelined) and self.mesh.shape.get(pipe.axis, 1) > 1:
             raise NotImplementedError(
-                f"train_step(compile=True) on real ranks is built for data parallelism and ZeRO (the batch axes "
-                f"{self.batch_axes}) only; {self.mesh!r} also splits over other axes (tensor, sequence, expert or "
-                f"pipeline parallelism): pass compile=False under torchrun, or run it on the virtual mesh")
+                f"train_step(compile=True) of a pipelined loss on real ranks is not built: each rank runs its "
+                f"stages' schedule and exchanges values point to point on its own, outside one graph; pass "
+                f"compile=False under torchrun (over {pipe.axis}={self.mesh.shape[pipe.axis]}), or run it on the "
+                f"virtual mesh, where it compiles")
         off = getattr(self.param_specs, "offload", None)  # (a ZeRO plan's or a placement's)
         if not self.distributed and off is not None and off.params == "nvme":
             _offload.verify(state.params)  # the forward reads the files through their maps: check them first

@@ -15,6 +15,9 @@ What may not be in the graph, checked on every capture (an error naming the op):
 
 - a read of a value on the host (``aten._local_scalar_dense``, ``item``): under fake
   tensors such a read fails while tracing; the check is the second line;
+- a call of torch.distributed's own (in-place) collectives or point-to-point ops
+  (``c10d.*``): traced, they work on buffers outside the graph's values, so the graph
+  would drop them; fsharded's collectives enter it as functional ops;
 - a draw from torch's global generator (an op tagged ``nondeterministic_seeded``):
   Inductor's generator would give other numbers than eager's; the step's random ops draw
   from its keys (``fs.random``), which are tensors of the state.
@@ -35,7 +38,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fsharded.spmd._wrappers import capturing
 
-__all__ = ["Captured", "host_reads", "global_draws"]
+__all__ = ["Captured", "host_reads", "global_draws", "eager_collectives"]
 
 _HOST_READS = ("aten._local_scalar_dense", "aten.item")
 
@@ -47,6 +50,12 @@ def _ops(gm: torch.fx.GraphModule) -> list:
 def host_reads(gm: torch.fx.GraphModule) -> list[str]:
     """The ops of ``gm`` that read a value back to the host."""
     return [str(n.target) for n in _ops(gm) if any(str(n.target).startswith(h) for h in _HOST_READS)]
+
+
+def eager_collectives(gm: torch.fx.GraphModule) -> list[str]:
+    """The ops of ``gm`` that are torch.distributed's in-place calls (``c10d.*``: a send,
+    a receive into a buffer, an all-reduce in place), not the functional collectives."""
+    return [str(n.target) for n in _ops(gm) if str(n.target).startswith("c10d.")]
 
 
 def global_draws(gm: torch.fx.GraphModule) -> list[str]:
@@ -170,6 +179,13 @@ class Captured:
         tensors = [leaves[i] for i in positions]
         with capturing():
             gm = make_fx(flat, tracing_mode="fake")(*tensors)
+        eager = eager_collectives(gm)  # (before dead code goes: their outputs are unused)
+        if eager:
+            raise RuntimeError(
+                f"{self.what}(compile=True): the step calls torch.distributed directly ({sorted(set(eager))}): "
+                f"such a call works in place on its buffers, outside the graph's values, so the graph would "
+                f"drop or misplace it. Use fsharded's collectives (fs.lax / fs.comm), which enter the graph as "
+                f"functional ops, or pass compile=False")
         gm.graph.eliminate_dead_code()
         _pin_layouts(gm)
         gm.recompile()
