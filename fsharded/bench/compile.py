@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -239,13 +241,39 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add_output_args(p)
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--no-ranks", action="store_true", help="skip the 2-rank section (ZeRO-3 against FSDP2)")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="use Inductor's usual cache (compile times then depend on earlier runs); by default the "
+                        "run starts from an empty cache of its own")
     p.add_argument("--job-steps", type=int, default=None, help="steps of the default job per round (default 60)")
     return p
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
-    report = Report("compile", params={"torch": torch.__version__, "threads": torch.get_num_threads()})
+    with contextlib.ExitStack() as stack:
+        if not args.warm_cache:  # compile times from nothing: Inductor's kernels cached in this run only
+            cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="fsharded-inductor-"))
+            stack.enter_context(_environ(TORCHINDUCTOR_CACHE_DIR=cache))
+        return _main(args)
+
+
+@contextlib.contextmanager
+def _environ(**env: str):
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _main(args: argparse.Namespace) -> int:
+    report = Report("compile", params={"torch": torch.__version__, "threads": torch.get_num_threads(),
+                                       "inductor_cache": "warm" if args.warm_cache else "empty at the start"})
     if args.quick:
         cfg, batch, rounds, iters, job_steps = gpt.GPTConfig.tiny(vocab_size=256), 4, args.rounds or 3, 3, 9
     else:

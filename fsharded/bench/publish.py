@@ -54,6 +54,8 @@ HEADLINE = (
     Headline("`fsharded train --compile` vs the same job eager, per token", "compile",
              "the default `fsharded train` job, compiled and eager",
              "fsharded train --compile vs fsharded train (virtual mesh {'data': 2}), per token"),
+    Headline("ZeRO-3 compiled vs FSDP2 + per-block torch.compile, 2 ranks", "compile",
+             "ZeRO-3 on 2 gloo ranks", "ZeRO-3 compiled vs FSDP2 + per-block torch.compile"),
     Headline("ZeRO-1 step vs DeepSpeed, 2 ranks", "zero", "step time, GPT 842,496 params fp32, 2 gloo ranks: "
              "fsharded vs DeepSpeed", "ZeRO-1 vs DeepSpeed ZeRO-1"),
     Headline("ZeRO-3 step vs DeepSpeed, 2 ranks", "zero", "step time, GPT 842,496 params fp32, 2 gloo ranks: "
