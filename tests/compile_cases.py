@@ -13,6 +13,7 @@ import train_cases as T
 
 import fsharded as fs
 from fsharded import P
+from fsharded.comm import _graph_ops
 from fsharded.models import gpt
 
 STEPS = 5
@@ -96,7 +97,31 @@ def gloo_compiled(world: int) -> dict:
             runs[bool(compile_)] = {k: r[k] for k in ("losses", "norms", "params", "skipped", "scales", "compile_s")}
             runs[bool(compile_)]["compiles"] = step.compiles
         out[stage] = runs
+        out[stage]["transports"] = _graph_ops.kinds(step.graph(r["state"], T.batches(1)[0]))
     return out
+
+
+def gloo_mixed_transports(world: int) -> dict:
+    """On each rank: a ZeRO-2 step captured where the first collective traced would go
+    over shared memory and the others over torch's functional ops: the capture is traced
+    again with the functional ops only; its graph's transports and its numbers."""
+    from unittest import mock
+
+    real = _graph_ops.uses_shm
+    calls = [0]
+
+    def first_only(g, dtype):
+        calls[0] += 1
+        return calls[0] == 1 and real(g, dtype)
+
+    runs = {}
+    for compile_ in (False, "eager"):
+        step, params = gpt_step(compile_, mesh={"data": world}, stage=2)
+        with mock.patch.object(_graph_ops, "uses_shm", first_only):
+            r = train(step, params, T.batches(3))
+            transports = _graph_ops.kinds(step.graph(r["state"], T.batches(1)[0])) if compile_ else set()
+        runs[bool(compile_)] = {k: r[k] for k in ("losses", "norms", "params", "skipped", "scales")}
+    return {"runs": runs, "transports": transports, "calls": calls[0]}
 
 
 def gloo_refused(world: int) -> str:
@@ -185,7 +210,8 @@ def _permute(t: torch.Tensor, *, g, perm) -> torch.Tensor:
 
 def gloo_traced_permute(world: int) -> dict:
     """On each rank: ``send_recv`` eagerly and as the graph ``make_fx`` traces of it (the
-    functional collective that stands for it in a captured step), for a cycle, a shift
+    collective that stands for it in a captured step: over shared memory, and torch's
+    functional one), for a cycle, a shift
     that leaves position 0 receiving nothing, and a swap over a mesh axis whose positions
     are not the group's ranks' order."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -199,7 +225,12 @@ def gloo_traced_permute(world: int) -> dict:
             ("minor axis", {"a": world // 2, "b": 2}, ("b",), ((0, 1), (1, 0)))):
         g = comm.axis_group(fs.Mesh(mesh), axes)
         x = torch.arange(6.0).reshape(2, 3) + 10 * torch.distributed.get_rank()
-        gm = make_fx(functools.partial(_permute, g=g, perm=perm), tracing_mode="fake")(x)
-        out[name] = {"eager": comm.send_recv(x, g, perm), "traced": gm(x),
-                     "ops": sorted({str(n.target) for n in gm.graph.nodes if "c10d" in str(n.target)})}
+        out[name] = {"eager": comm.send_recv(x, g, perm)}
+        for transport, scope in (("shm", contextlib.nullcontext), ("functional", _graph_ops.functional_only)):
+            with scope():
+                gm = make_fx(functools.partial(_permute, g=g, perm=perm), tracing_mode="fake")(x)
+            _graph_ops.reset()
+            out[name][transport] = gm(x)
+            out[name][transport + " ops"] = sorted({str(n.target) for n in gm.graph.nodes
+                                                    if "c10d" in str(n.target) or "shm" in str(n.target)})
     return out

@@ -128,6 +128,8 @@ def test_two_gloo_ranks_compiled_equal_eager_at_every_zero_stage():
 
     for res in run_on_ranks(C.gloo_compiled, 2, 2):
         for stage, runs in res.items():
+            # (the graph's collectives over the shared-memory transport, chained in program order)
+            assert runs.pop("transports") == {"shm"}, stage
             # (the reductions run in the graph as functional collectives over gloo, in another
             # order than the eager step's bucketed shared-memory ones: equal to rounding)
             C.close(runs[True], runs[False])
@@ -165,13 +167,23 @@ def test_a_traced_permute_is_one_collective_with_the_eager_exchanges_values():
     res = run_on_ranks(C.gloo_traced_permute, 2, 2)
     for rank, r in enumerate(res):
         for name, got in r.items():
-            assert torch.equal(got["traced"], got["eager"]), (rank, name)
-            assert got["ops"] == ["_c10d_functional.all_to_all_single.default",
-                                  "_c10d_functional.wait_tensor.default"], got["ops"]
+            assert torch.equal(got["shm"], got["eager"]) and torch.equal(got["functional"], got["eager"]), (rank, name)
+            assert got["shm ops"] == ["fsharded.shm_collective.default"], got["shm ops"]
+            assert got["functional ops"] == ["_c10d_functional.all_to_all_single.default",
+                                             "_c10d_functional.wait_tensor.default"], got["functional ops"]
         other = torch.arange(6.0).reshape(2, 3) + 10 * (1 - rank)
-        assert torch.equal(r["cycle"]["traced"], other)
+        assert torch.equal(r["cycle"]["eager"], other)
         # (a position nothing is sent to gets zeros, as JAX's ppermute gives)
-        assert torch.equal(r["shift"]["traced"], other if rank == 1 else torch.zeros(2, 3))
+        assert torch.equal(r["shift"]["eager"], other if rank == 1 else torch.zeros(2, 3))
+
+
+@pytest.mark.multiprocess
+def test_a_capture_reaching_two_transports_is_traced_again_with_one():
+    from fsharded.testing import run_on_ranks
+
+    for res in run_on_ranks(C.gloo_mixed_transports, 2, 2):
+        assert res["calls"] > 1 and res["transports"] == {"functional"}, res["transports"]
+        C.close(res["runs"][True], res["runs"][False])
 
 
 @pytest.mark.multiprocess

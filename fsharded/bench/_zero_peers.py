@@ -74,6 +74,17 @@ class FunctionalGPT(_Leaves):
             mod.load(b)
 
 
+def module_step(model: nn.Module, opt: torch.optim.Optimizer, clip: float, tokens: torch.Tensor) -> torch.Tensor:
+    """One step of the eager loop on a module (FSDP2's): forward, backward, clipping and
+    the optimizer; the loss, detached."""
+    loss = model(tokens)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 # -- bytes sent, counted at torch.distributed ------------------------------------------------
 
 

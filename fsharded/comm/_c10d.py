@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from fsharded.comm import _shm, _trace
+from fsharded.comm import _graph_ops, _shm, _trace
 
 __all__ = ["tracing", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv",
            "send_recv_start", "Pending", "all_gather_dim", "reduce_scatter_dim", "all_to_all_dims"]
@@ -30,6 +30,8 @@ def tracing() -> bool:
 def all_reduce(x: torch.Tensor, op: str, g: Any) -> torch.Tensor:
     """``x`` reduced with ``op`` over the process group ``g`` (a new tensor; traceable)."""
     if tracing():
+        if _graph_ops.uses_shm(g, x.dtype):
+            return _graph_ops.collective(op, x, g)
         fc = torch.ops._c10d_functional
         return fc.wait_tensor(fc.all_reduce(x.contiguous(), op, g.group_name))
     y = x.clone(memory_format=torch.contiguous_format)
@@ -40,6 +42,8 @@ def all_reduce(x: torch.Tensor, op: str, g: Any) -> torch.Tensor:
 def all_gather(x: torch.Tensor, g: Any) -> torch.Tensor:
     """(s, ...) -> (n * s, ...) in group-rank order."""
     if tracing():
+        if _graph_ops.uses_shm(g, x.dtype):
+            return _graph_ops.collective("all_gather", x, g)
         fc = torch.ops._c10d_functional
         return fc.wait_tensor(fc.all_gather_into_tensor(x.contiguous(), g.size, g.group_name))
     out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))
@@ -50,6 +54,8 @@ def all_gather(x: torch.Tensor, g: Any) -> torch.Tensor:
 def reduce_scatter(x: torch.Tensor, g: Any) -> torch.Tensor:
     """(n * c, ...) -> (c, ...), summed, chunk = group rank."""
     if tracing():
+        if _graph_ops.uses_shm(g, x.dtype):
+            return _graph_ops.collective("reduce_scatter", x, g)
         fc = torch.ops._c10d_functional
         return fc.wait_tensor(fc.reduce_scatter_tensor(x.contiguous(), "sum", g.size, g.group_name))
     out = x.new_empty((x.shape[0] // g.size, *x.shape[1:]))
@@ -60,6 +66,8 @@ def reduce_scatter(x: torch.Tensor, g: Any) -> torch.Tensor:
 def all_to_all(x: torch.Tensor, g: Any) -> torch.Tensor:
     """(n * c, ...) -> (n * c, ...): chunk i goes to group rank i."""
     if tracing():
+        if _graph_ops.uses_shm(g, x.dtype):
+            return _graph_ops.collective("all_to_all", x, g)
         fc = torch.ops._c10d_functional
         splits = [x.shape[0] // g.size] * g.size
         return fc.wait_tensor(fc.all_to_all_single(x.contiguous(), splits, splits, g.group_name))
@@ -115,10 +123,18 @@ def send_recv_start(x: torch.Tensor, g: Any, perm: tuple[tuple[int, int], ...]) 
 
 
 def _traced_send_recv(xs: torch.Tensor, g: Any, perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    """``send_recv`` in the graph as one ``all_to_all_single`` over the group with a chunk
-    only for each pair of ``perm``: a collective, so every rank issues it in the graph's
-    order of collectives, where point-to-point ops, matched by the order each rank's
-    compiler scheduled them in, could pair up or wait crosswise."""
+    """``send_recv`` in the graph as one all-to-all over the group: a collective, so every
+    rank issues it in the graph's order of collectives, where point-to-point ops, matched
+    by the order each rank's compiler scheduled them in, could pair up or wait crosswise.
+    Over shared memory (where the group runs there) its blocks are equal, zeros to the
+    positions not in a pair; else it is ``all_to_all_single`` with a chunk only for each
+    pair of ``perm``."""
+    if _graph_ops.uses_shm(g, xs.dtype):
+        dst = {g.to_group[d] for s, d in perm if s == g.index}
+        zero = torch.zeros_like(xs)
+        got = _graph_ops.collective("all_to_all", torch.stack([xs if r in dst else zero for r in range(g.size)]), g)
+        src = [s for s, d in perm if d == g.index]
+        return got[g.to_group[src[0]]] if src else zero
     fc = torch.ops._c10d_functional
     n, send, recv = xs.numel(), [0] * g.size, [0] * g.size  # (indexed by group rank)
     for s, d in perm:

@@ -513,12 +513,12 @@ def comm_for(x: torch.Tensor, g: Any) -> Any:
 
 
 @_trace.traced("all_reduce", 0)
-def all_reduce_(y: torch.Tensor, op: str, g: Any, *, divisor: int = 1) -> None:
+def all_reduce_(y: torch.Tensor, op: str, g: Any, *, divisor: int = 1, site: int | None = None) -> None:
     """In place over the group: ``op`` "sum" or "max" (``y`` contiguous); a sum is then
     divided by ``divisor`` (floating ``y``), rounded as ``psum(y) / divisor`` is."""
     if divisor != 1 and not y.is_floating_point():
         raise ValueError(f"all_reduce_: a divisor needs a floating-point tensor, not {y.dtype}")
-    c, site = comm_for(y, g), _site()
+    c, site = comm_for(y, g), (_site() if site is None else site)
     name = f"all_reduce({op})"
     if c is not None:
         if _observer is not None:
@@ -549,10 +549,10 @@ def all_reduce_(y: torch.Tensor, op: str, g: Any, *, divisor: int = 1) -> None:
 
 
 @_trace.traced("all_gather", 1)
-def all_gather_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op: bool = False) -> Any:
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op: bool = False, site: int | None = None) -> Any:
     """``out`` (n * numel) <- every group rank's ``x`` in group-rank order (both contiguous);
     a work handle when ``async_op`` (shared memory: already complete)."""
-    c, site = comm_for(x, g), _site()
+    c, site = comm_for(x, g), (_site() if site is None else site)
     if c is not None:
         if _observer is not None:
             _observer("all_gather_into_tensor", x, g.size)
@@ -571,9 +571,9 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op: boo
 
 
 @_trace.traced("reduce_scatter", 1)
-def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op: bool = False) -> Any:
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op: bool = False, site: int | None = None) -> Any:
     """``out`` <- the sum over the group of block ``group rank`` of ``x`` (n blocks)."""
-    c, site = comm_for(x, g), _site()
+    c, site = comm_for(x, g), (_site() if site is None else site)
     if c is not None:
         if _observer is not None:
             _observer("reduce_scatter_tensor", x, g.size)
@@ -597,12 +597,12 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, async_op:
 
 
 @_trace.traced("all_to_all", 1)
-def all_to_all_into(out: torch.Tensor, x: torch.Tensor, g: Any) -> None:
+def all_to_all_into(out: torch.Tensor, x: torch.Tensor, g: Any, *, site: int | None = None) -> None:
     """``out`` block j <- block ``group rank`` of group rank j's ``x`` (n equal blocks)."""
     if x.dim() == 0 or x.shape[0] % g.size:
         raise ValueError(f"all_to_all: dim 0 of shape {tuple(x.shape)} does not split into "
                          f"{g.size} equal blocks")
-    c, site = comm_for(x, g), _site()
+    c, site = comm_for(x, g), (_site() if site is None else site)
     if c is not None:
         if _observer is not None:
             _observer("all_to_all_single", x, g.size)

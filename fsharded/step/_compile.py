@@ -36,6 +36,7 @@ import optree
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fsharded.comm import _graph_ops
 from fsharded.spmd._wrappers import capturing
 
 __all__ = ["Captured", "host_reads", "global_draws", "eager_collectives"]
@@ -177,8 +178,14 @@ class Captured:
             return out_leaves
 
         tensors = [leaves[i] for i in positions]
-        with capturing():
-            gm = make_fx(flat, tracing_mode="fake")(*tensors)
+        try:
+            with capturing():
+                gm = make_fx(flat, tracing_mode="fake")(*tensors)
+            if _graph_ops.kinds(gm) == {"shm", "functional"}:  # one transport per graph: see _graph_ops
+                with capturing(), _graph_ops.functional_only():
+                    gm = make_fx(flat, tracing_mode="fake")(*tensors)
+        finally:
+            _graph_ops.reset()
         eager = eager_collectives(gm)  # (before dead code goes: their outputs are unused)
         if eager:
             raise RuntimeError(
