@@ -7,7 +7,7 @@ Every form trains the same functional GPT from the same weights on the same batc
 
 - ours compiled: ``train_step(compile=True)`` at ZeRO-3 with per-block gathers
   (``blocks="blocks"``): the whole step one Inductor graph per rank, its gathers and
-  reduce-scatters functional collectives over gloo;
+  reduce-scatters in it (over the shared-memory transport, as the eager step's);
 - ours eager: the same step eagerly (``donate=True``: the fused in-place AdamW);
 - FSDP2 + compile: each block ``torch.compile``'d, then ``fully_shard`` on each block and
   the root (torchtitan's order), ``loss.backward()``, ``clip_grad_norm_``, fused AdamW;
