@@ -124,18 +124,34 @@ def gloo_mixed_transports(world: int) -> dict:
     return {"runs": runs, "transports": transports, "calls": calls[0]}
 
 
-def gloo_refused(world: int) -> str:
-    """On each rank: the error of a compiled pipelined step over the pipe axis (not built
-    on real ranks)."""
-    from fsharded import train
+def gloo_pipelines(world: int) -> dict:
+    """On each of 4 ranks (data=2 x pipe=2): pipelined steps eagerly and through the
+    captured graph (the stages' values sent and received as ops of it): zero-bubble
+    with ZeRO-3 regathering per block, and 1F1B in fp16 from a loss scale that overflows
+    (skipped steps); each run's losses, scales, skips and parameters."""
+    import pipeline_cases as PC
 
-    args = ["--preset", "tiny", "--seq-len", "32", "--batch", "2", "--steps", "1", "--set", "data=stdlib:200000",
-            "--progress", "off", "--mesh", f"data=1,pipe={world}", "--accum", "2", "--compile"]
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            train.run(train.make_config(train.build_parser().parse_args(args)), progress="off")
-    except NotImplementedError as e:
-        return str(e)
+    mesh = {"data": 2, "pipe": 2}
+    out = {}
+    for compile_ in (False, "eager"):
+        zb = PC.train(mesh, "zb", 1, 3, m=4, zero=3, reshard=True, compile=compile_)
+        fp16 = PC.train_mixed(mesh, "1f1b", 5, "fp16", power=21, tied_embeddings=False, compile=compile_)
+        out[bool(compile_)] = {"zb": {k: zb[k] for k in ("losses", "norms", "params")}, "fp16": fp16}
+    return out
+
+
+def gloo_pipeline_functional(world: int) -> str:
+    """On each rank: the error of a compiled pipelined step whose other collectives would
+    run over torch's functional ops (not shared memory)."""
+    from unittest import mock
+
+    import pipeline_cases as PC
+
+    with mock.patch.object(_graph_ops, "uses_shm", lambda g, dtype: False):
+        try:
+            PC.train({"data": 1, "pipe": world}, "1f1b", 1, 1, compile="eager")
+        except NotImplementedError as e:
+            return str(e)
     return ""
 
 
@@ -147,10 +163,11 @@ GLOO_LAYOUTS = {
     "Ulysses, seq=2": (["--mesh", "data=1,seq=2"], "eager"),
     "ring attention, seq=2": (["--mesh", "data=1,seq=2", "--set", "model.seq_parallel=ring"], "inductor"),
     "experts, expert=2": (["--mesh", "data=1,expert=2", "--set", "model.moe.experts=4"], "eager"),
+    "pipeline 1F1B, pipe=2": (["--mesh", "data=1,pipe=2", "--accum", "2"], "eager"),
 }
 
 
-def gloo_layouts(world: int, steps: int = 5) -> dict:
+def gloo_layouts(world: int, steps: int = 5, names: list | None = None) -> dict:
     """On each rank: each of ``GLOO_LAYOUTS`` trained ``steps`` steps eagerly and compiled,
     every step's loss (from the metrics file: rank 0's), the final validation loss and the
     compile time of each."""
@@ -165,6 +182,8 @@ def gloo_layouts(world: int, steps: int = 5) -> dict:
     init = _compile.Captured.__init__
     out = {}
     for name, (mesh, backend) in GLOO_LAYOUTS.items():
+        if names is not None and name not in names:
+            continue
         runs = {}
         for compiled in (False, True):
             with tempfile.TemporaryDirectory() as d:

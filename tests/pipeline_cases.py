@@ -72,11 +72,12 @@ TRAIN_CFG = {"bias": False}
 
 def train(mesh_axes: dict, name: str, v: int, steps: int, m: int = 2, zero: int = 0, layers: int = 4,
           batch: int = 8, tensor: bool = False, manifest: bool = False, reshard: bool | None = None,
-          remat=None, **cfg) -> dict:
+          remat=None, compile: bool | str = False, **cfg) -> dict:  # noqa: A002
     """``steps`` steps of the tiny GPT pipelined over ``pipe`` (on the virtual mesh, or on
     this process's rank under torch.distributed): the losses, and the parameters after;
     ``manifest``: also the step's collectives, as (op, axis) pairs in order; ``reshard``:
-    ZeRO-3's ``reshard_after_forward``; ``remat``: the step's remat policy."""
+    ZeRO-3's ``reshard_after_forward``; ``remat``: the step's remat policy; ``compile``:
+    the step's (a torch.compile backend's name, or True for Inductor)."""
     import fsharded as fs
     cfg = {**TRAIN_CFG, **cfg}
     params, tokens = setup(layers=layers, batch=batch, **cfg)
@@ -87,7 +88,7 @@ def train(mesh_axes: dict, name: str, v: int, steps: int, m: int = 2, zero: int 
     specs = fs.parallel.zero(zero, axis="data", min_size=8, reshard_after_forward=reshard)(specs, params) \
         if zero else specs
     kw = {"param_specs": specs} if specs is not None else {}
-    step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, remat=remat, **kw)
+    step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, remat=remat, compile=compile, **kw)
     kept: list = []
     out = _steps(step, params, tokens, steps, state=kept)
     if manifest:
@@ -116,12 +117,13 @@ def _steps(step, params, tokens: torch.Tensor, steps: int, state: list | None = 
 
 def train_mixed(mesh_axes: dict | None, name: str, steps: int, precision: str, *, power: int = 16,
                 trainable=None, m: int = 2, v: int = 1, stored: bool = False, zero: int = 0,
-                reshard: bool | None = None, **cfg) -> dict:
+                reshard: bool | None = None, compile: bool | str = False, **cfg) -> dict:  # noqa: A002
     """``steps`` steps in ``precision`` (fp16: dynamic loss scaling from ``2**power``),
     pipelined over ``pipe`` on ``mesh_axes`` (``zero``: that ZeRO stage over ``data``,
     ``reshard``: ZeRO-3's ``reshard_after_forward``); or,
     with ``mesh_axes`` None, the uncut GPT on one device accumulating over the same ``m``
-    micro-batches. The losses, loss scales and skipped steps, and the parameters after."""
+    micro-batches (``compile``: the step's). The losses, loss scales and skipped steps, and
+    the parameters after."""
     import fsharded as fs
     from fsharded.precision import DynamicLossScale, Policy
     params, tokens = setup(**{**TRAIN_CFG, **cfg})
@@ -136,7 +138,7 @@ def train_mixed(mesh_axes: dict | None, name: str, steps: int, precision: str, *
     specs = {"param_specs": fs.parallel.zero(zero, axis="data", min_size=8, reshard_after_forward=reshard)(
         None, params)} if zero else {}
     step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, precision=policy, accumulation=acc,
-                         trainable=trainable, **specs)
+                         trainable=trainable, compile=compile, **specs)
     state = step.init(params)
     out = {"losses": [], "scales": [], "skipped": []}
     for i in range(steps):

@@ -137,11 +137,36 @@ def test_two_gloo_ranks_compiled_equal_eager_at_every_zero_stage():
 
 
 @pytest.mark.multiprocess
-def test_on_real_ranks_a_pipelined_loss_is_refused_by_name():
+def test_four_gloo_ranks_compiled_pipelines_equal_eager():
+    # data=2 x pipe=2: the stages' sends and receives are ops of each rank's graph,
+    # chained with its shared-memory collectives (ZeRO-3's gathers, the data and pipe sums).
     from fsharded.testing import run_on_ranks
 
-    for said in run_on_ranks(C.gloo_refused, 2, 2):
-        assert "pipelined loss on real ranks is not built" in said and "pipe=2" in said, said
+    for r in run_on_ranks(C.gloo_pipelines, 4, 4):
+        got, eager = r[True], r[False]
+        torch.testing.assert_close(torch.tensor(got["zb"]["losses"]), torch.tensor(eager["zb"]["losses"]),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(got["zb"]["norms"]), torch.tensor(eager["zb"]["norms"]),
+                                   rtol=1e-5, atol=1e-5)
+        for a, b in zip(optree.tree_leaves(got["zb"]["params"]), optree.tree_leaves(eager["zb"]["params"])):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        f, e = got["fp16"], eager["fp16"]
+        assert f["skipped"] == e["skipped"] and f["scales"] == e["scales"], (f["skipped"], e["skipped"])
+        assert 0 < e["skipped"][-1] < len(e["skipped"])  # (both kinds of step happened)
+        torch.testing.assert_close(torch.tensor(f["losses"]), torch.tensor(e["losses"]), rtol=1e-5, atol=1e-5)
+        # (fp16 gradients rounded otherwise by the traced ops' decompositions, through Adam at
+        # a learning rate of 1e-2: a gradient near zero can move its weight by up to the
+        # learning rate either way; within a tenth of it)
+        for a, b in zip(optree.tree_leaves(f["params"]), optree.tree_leaves(e["params"])):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.multiprocess
+def test_a_compiled_pipeline_whose_collectives_are_not_on_shared_memory_is_refused():
+    from fsharded.testing import run_on_ranks
+
+    for said in run_on_ranks(C.gloo_pipeline_functional, 2, 2):
+        assert "pipelined step's other collectives" in said and "compile=False" in said, said
 
 
 @pytest.mark.multiprocess

@@ -563,7 +563,7 @@ class TrainStep:
         graph = self.compiling and self._graph_applies(pl, eager) is None
         gradients = choose_gradients(layout, self.loss_fn, policy=self.policy, scaling=scaling,
                                      batch_axes=self.batch_axes, accumulation=self.accumulation,
-                                     eager=eager, distributed=self.distributed and eager and not graph,
+                                     eager=eager, distributed=self.distributed and eager, graph=graph,
                                      cap=self.bucket_elems,
                                      remat=self.remat,
                                      check_loss=functools.partial(_check_loss, self.batch_axes, self.mesh,
@@ -657,13 +657,6 @@ class TrainStep:
         (the same on every rank): first the ranks agree on the call (settings, step count,
         batch), and, before the first step of a layout, on the collectives it will run and
         the memory it needs (a dry run); then each takes its rows."""
-        pipe = self.loss_fn
-        if self.compiling and self.distributed and isinstance(pipe, Pipelined) and self.mesh.shape.get(pipe.axis, 1) > 1:
-            raise NotImplementedError(
-                f"train_step(compile=True) of a pipelined loss on real ranks is not built: each rank runs its "
-                f"stages' schedule and exchanges values point to point on its own, outside one graph; pass "
-                f"compile=False under torchrun (over {pipe.axis}={self.mesh.shape[pipe.axis]}), or run it on the "
-                f"virtual mesh, where it compiles")
         off = getattr(self.param_specs, "offload", None)  # (a ZeRO plan's or a placement's)
         if not self.distributed and off is not None and off.params == "nvme":
             _offload.verify(state.params)  # the forward reads the files through their maps: check them first
@@ -684,6 +677,8 @@ class TrainStep:
                 if not self.compiling:
                     return sm.local(state, batch)
                 return self._run_captured(sm, state, batch)
+        except NotImplementedError:
+            raise
         except RuntimeError as e:
             if not self.distributed:
                 raise

@@ -128,6 +128,8 @@ class Captured:
             try:
                 g = self._capture(leaves, tdef)
                 out = g.run(*leaves)
+            except NotImplementedError:  # (a form not built: said as it is, nothing run)
+                raise
             except Exception as e:  # noqa: BLE001 - said below, with the eager step's own error if it has one
                 self._explain(args, e)
                 raise
@@ -175,7 +177,8 @@ class Captured:
             bad = [type(x).__name__ for x in out_leaves if not isinstance(x, torch.Tensor)]
             if bad:
                 raise TypeError(f"{self.what}(compile=True): the step returned non-tensor leaves ({bad})")
-            return out_leaves
+            last = _graph_ops.end()  # (an output: no op of the chain is dead code, a send's included)
+            return out_leaves + ([last] if last is not None else [])
 
         tensors = [leaves[i] for i in positions]
         try:
@@ -186,6 +189,11 @@ class Captured:
                     gm = make_fx(flat, tracing_mode="fake")(*tensors)
         finally:
             _graph_ops.reset()
+        if {"p2p", "functional"} <= _graph_ops.kinds(gm):
+            raise NotImplementedError(
+                f"{self.what}(compile=True): this pipelined step's other collectives run over the process "
+                f"group's own backend (not the same-host shared-memory transport), and a graph does not yet "
+                f"order the pipeline's sends and receives with those; pass compile=False")
         eager = eager_collectives(gm)  # (before dead code goes: their outputs are unused)
         if eager:
             raise RuntimeError(
@@ -209,7 +217,9 @@ class Captured:
         compiled = torch.compile(gm, backend=self.backend, fullgraph=True, dynamic=False)
         self.compiles += 1
 
+        n_out = out_def[-1].num_leaves
+
         def run(*xs: Any) -> Any:
-            return compiled(*[xs[i] for i in positions])
+            return list(compiled(*[xs[i] for i in positions]))[:n_out]
 
         return _Graph(gm, run, out_def[-1])

@@ -72,16 +72,18 @@ class PipelineGradients:
     """``__call__(params, batch, scale, varying, mark, model_state=None) -> (placed gradient
     leaves, this shard's loss, (metrics, stats))`` by the pipeline's executor.
     ``functional``: differentiate with torch.func (the virtual mesh); ``distributed``: run
-    this rank's actions only, sending to the other pipe ranks."""
+    this rank's actions only, sending to the other pipe ranks; ``graph``: the step is
+    captured as one graph (ZeRO-3's stage gathers traced, not issued ahead)."""
 
     gathers_by_stage = True  # ZeRO-3 gathers this rank's stages' weights, not the model's: no blocks= needed
 
     def __init__(self, pipe: Pipelined, inputs: Inputs, reduction: Reduction, layout: Layout, *, policy: Any,
                  scaling: Any, batch_axes: tuple[str, ...], functional: bool, distributed: bool, cap: int,
-                 remat: Any = None) -> None:
+                 remat: Any = None, graph: bool = False) -> None:
         self.pipe, self.inputs, self.reduction, self.mesh = pipe, inputs, reduction, layout.mesh
         self.remat = remat  # the step's remat policy, applied to the stages' blocks per micro-batch
         self.policy, self.scaling, self.functional, self.distributed = policy, scaling, functional, distributed
+        self.graph = graph
         self.table = pipe.table(self.mesh.shape[pipe.axis])
         self.assumed = _assumable(layout, batch_axes, pipe.axis)
         self.batch_axes = batch_axes
@@ -253,7 +255,7 @@ class PipelineGradients:
                 whole[k] = f
         if not pos:
             return optree.tree_unflatten(stdef, whole), None
-        if self._local() and not self.functional and not _manifest.active():
+        if self._local() and not self.functional and not self.graph and not _manifest.active():
             # Real ranks: the all-gathers issued now, one compute action ahead, and waited for
             # at the stage's first use; their transpose (a reduce-scatter in the same buckets)
             # run by hand at the release. (A recorded step gathers as the dry run does.)
@@ -384,9 +386,10 @@ class _BlocksGathered:
                 specs_of[id(t)] = (lay.params[i], lay.use[i])
                 if lay.frozen is not None and lay.frozen[i]:
                     frozen.add(id(t))
-        # Plain autograd re-gathers by saved-tensor hooks; torch.func, and a dry run (whose
-        # manifest then lists backward's gathers as they run), by a remat of the block.
-        hooks = not g.functional and not _manifest.dry()
+        # Plain autograd re-gathers by saved-tensor hooks; torch.func, a dry run (whose
+        # manifest then lists backward's gathers as they run) and a graph's capture (whose
+        # traced values have no storage to key the hooks on), by a remat of the block.
+        hooks = not g.functional and not g.graph and not _manifest.dry()
         handler = zero3.block_handler(specs_of, lay.axis, lay.mesh, g.cap, None, True, set(), frozen=frozen,
                                       hooks=hooks, dtype=g.policy.compute_dtype, reduce_dtype=g.policy.reduce_dtype)
         handler.recomputes = not hooks  # (a remat policy inside it does not recompute its blocks twice)

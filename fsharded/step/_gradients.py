@@ -47,15 +47,17 @@ class GradientStrategy(Protocol):
 
 def choose_gradients(layout: Layout, loss_fn: Callable, *, policy: Any, scaling: Any,
                      batch_axes: tuple[str, ...], accumulation: int, eager: bool, distributed: bool,
-                     cap: int, check_loss: Callable, remat: Any = None) -> GradientStrategy:
+                     cap: int, check_loss: Callable, remat: Any = None, graph: bool = False) -> GradientStrategy:
     """The gradient strategy of one state layout. ``eager``: nothing is vmapped (plain
-    autograd); ``distributed``: real ranks with plain autograd (reductions in backward,
+    autograd); ``distributed``: real ranks with plain autograd (each rank its own pipeline
+    stages; but for a step captured as one graph, ``graph``: reductions in backward,
     ZeRO-3 prefetch); ``cap``: elements per communication bucket."""
     if isinstance(loss_fn, Pipelined):
         check_pipelined(loss_fn, layout, accumulation=accumulation)
         return PipelineGradients(loss_fn, Inputs(layout, cap), Reduction(layout, batch_axes, cap, policy.reduce_dtype),
                                  layout, policy=policy, scaling=scaling, batch_axes=batch_axes, functional=not eager,
-                                 distributed=distributed, cap=cap, remat=remat)
+                                 distributed=distributed, cap=cap, remat=remat, graph=graph)
+    distributed = distributed and not graph  # (a graph reduces after backward, in the graph)
     common = dict(policy=policy, scaling=scaling, check_loss=check_loss, cap=cap, remat=remat)
     if gathers_blocks(layout):
         loss: LocalLoss = BlockLoss(layout, loss_fn, distributed=distributed, **common)

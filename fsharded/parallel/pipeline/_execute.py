@@ -36,9 +36,11 @@ import optree
 import torch
 import torch.distributed as dist
 from torch.autograd.graph import GradientEdge
+from torch.utils._python_dispatch import _disable_current_modes
 
 from fsharded import _memory_hooks as memory
 from fsharded import random as R
+from fsharded.comm import _graph_ops
 from fsharded.parallel.pipeline._check import check
 from fsharded.parallel.pipeline._deferred import Deferred, Deferring, add_into, find_products
 from fsharded.parallel.pipeline._stages import Stages
@@ -143,11 +145,13 @@ class PointToPoint:
         tag, peer, kind = self._tag(key), self.ranks[dst], self._kind(key, src, dst)
         code = self.types[0](value) if self.types is not None else 0
         known = self._known.get(kind)
-        if known is None:
-            head = torch.zeros(_HEAD, dtype=torch.int64)
-            head[:2 + value.dim()] = torch.tensor([_DTYPES.index(value.dtype), value.dim(), *value.shape])
-            head[9], head[10] = code, draws
-            self._pending.append(dist.isend(head, peer, group=self.group, tag=tag))
+        traced = _graph_ops.tracing()
+        if known is None:  # (while tracing, the header goes now: the receiver's trace needs the shape)
+            with _disable_current_modes() if traced else contextlib.nullcontext():
+                head = torch.zeros(_HEAD, dtype=torch.int64)
+                head[:2 + value.dim()] = torch.tensor([_DTYPES.index(value.dtype), value.dim(), *value.shape])
+                head[9], head[10] = code, draws
+                self._pending.append(dist.isend(head, peer, group=self.group, tag=tag))
             self.sent_bytes += head.numel() * head.element_size()
             self._known[kind] = (value.dtype, tuple(value.shape), code, draws)
         elif known[:3] != (value.dtype, tuple(value.shape), code):
@@ -158,8 +162,11 @@ class PointToPoint:
             raise RuntimeError(f"pipeline: the forward up to stage {key[2]} drew {draws} random keys this time, "
                                f"{known[3]} before: a model whose number of random draws varies from one "
                                f"micro-batch to the next cannot be pipelined with the same keys as without")
-        work = dist.isend(value, peer, group=self.group, tag=tag + 1)
         self.sent_bytes += value.numel() * value.element_size()
+        if traced:  # an op of the graph (_graph_ops: a copy posted, held until known received)
+            _graph_ops.send(value, self.group, peer, tag + 1)
+            return
+        work = dist.isend(value, peer, group=self.group, tag=tag + 1)
         if key[0] == "act":
             self._acts[(key, dst)] = work
         else:
@@ -171,13 +178,15 @@ class PointToPoint:
     def prefetch(self, key: tuple, src: int, dst: int) -> None:
         """Post the receive of ``key`` now, if its shape is known (it is received later)."""
         known = self._known.get(self._kind(key, src, dst))
-        if known is None or (key, src) in self._posted:
+        if known is None or (key, src) in self._posted or _graph_ops.tracing():
             return
         buf = torch.empty(known[1], dtype=known[0])
         work = dist.irecv(buf, self.ranks[src], group=self.group, tag=self._tag(key) + 1)
         self._posted[(key, src)] = (work, buf)
 
     def recv(self, key: tuple, src: int, dst: int) -> torch.Tensor:
+        if _graph_ops.tracing():
+            return self._traced_recv(key, src, dst)
         if key[0] == "grad":  # the activation it is the gradient of was received
             sent = self._acts.pop((("act", key[1], key[2] - 1), src), None)
             if sent is not None:
@@ -201,6 +210,23 @@ class PointToPoint:
             dist.recv(out, peer, group=self.group, tag=tag + 1)
         return self.types[1](out, code) if self.types is not None else out
 
+    def _traced_recv(self, key: tuple, src: int, dst: int) -> torch.Tensor:
+        """``recv`` as an op of the graph being traced, its shape from the header (received
+        now if the kind is new). A gradient's receive releases the copy of the activation
+        it is the gradient of."""
+        tag, peer, kind = self._tag(key), self.ranks[src], self._kind(key, src, dst)
+        if kind not in self._known:
+            with _disable_current_modes():
+                head = torch.empty(_HEAD, dtype=torch.int64)
+                dist.recv(head, peer, group=self.group, tag=tag)
+                nd = int(head[1])
+                self._known[kind] = (_DTYPES[int(head[0])], tuple(int(x) for x in head[2:2 + nd]), int(head[9]),
+                                     int(head[10]))
+        dtype, shape, code, _ = self._known[kind]
+        after = self._tag(("act", key[1], key[2] - 1)) + 1 if key[0] == "grad" else -1
+        out = _graph_ops.recv(shape, dtype, self.group, peer, tag + 1, after)
+        return self.types[1](out, code) if self.types is not None else out
+
     def draws(self, key: tuple, src: int, dst: int) -> int:
         """The count of keys drawn that came (in the header) with values of ``key``'s kind."""
         return self._known[self._kind(key, src, dst)][3]
@@ -208,6 +234,8 @@ class PointToPoint:
     def finish(self) -> None:
         for w in [*self._pending, *self._acts.values()]:
             w.wait()
+        if _graph_ops.tracing():
+            _graph_ops.finish(self.group)
         if self._posted:
             raise RuntimeError(f"pipeline: receives posted and never taken: {sorted(self._posted)}")
         self._pending, self._acts = [], {}
