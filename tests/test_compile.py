@@ -277,10 +277,14 @@ def test_fsharded_train_compile_trains_the_compiled_step(monkeypatch, capsys, tm
     monkeypatch.setattr(_compile.Captured, "__init__", lambda self, fn, **kw: init(self, fn, **{**kw, "backend": "eager"}))
     args = ["--preset", "tiny", "--seq-len", "32", "--batch", "4", "--steps", "3", "--mesh", "data=1",
             "--set", "data=stdlib:200000", "--progress", "off", "--metrics", str(tmp_path / "m.jsonl")]
-    assert train.make_config(train.build_parser().parse_args([*args, "--compile"])).compile
-    assert train.make_config(train.build_parser().parse_args([*args, "--set", "compile=true"])).compile
-    assert not train.make_config(train.build_parser().parse_args(args)).compile
-    eager = train.run(train.make_config(train.build_parser().parse_args(args)), progress="off")
+    def cfg(*extra):
+        return train.make_config(train.build_parser().parse_args([*args, *extra]))
+    assert cfg("--compile").compile is True and cfg("--set", "compile=true").compile is True
+    assert cfg("--no-compile").compile is False and cfg("--set", "compile=false").compile is False
+    assert cfg().compile == "auto" and cfg("--set", "compile=auto").compile == "auto"
+    with pytest.raises(ValueError, match="compile"):
+        cfg("--set", "compile=sometimes")
+    eager = train.run(cfg(), progress="off")  # (auto: 3 steps run eagerly)
     capsys.readouterr()
     got = train.run(train.make_config(train.build_parser().parse_args([*args, "--compile"])), progress="off")
     out = capsys.readouterr().out
@@ -288,6 +292,51 @@ def test_fsharded_train_compile_trains_the_compiled_step(monkeypatch, capsys, tm
     assert got["final_loss"] == pytest.approx(eager["final_loss"], abs=1e-5)
     recs = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert recs[0]["compile_s"] > 0 and [r["compile_s"] for r in recs[1:]] == [0.0, 0.0]
+
+
+def test_fsharded_train_compiles_by_default_where_it_applies_and_pays(monkeypatch, capsys):
+    from fsharded import train
+    from fsharded.tools import _train_loop as L
+
+    init = _compile.Captured.__init__
+    monkeypatch.setattr(_compile.Captured, "__init__", lambda self, fn, **kw: init(self, fn, **{**kw, "backend": "eager"}))
+    args = ["--preset", "tiny", "--seq-len", "16", "--batch", "1", "--mesh", "data=1", "--set", "model.n_layers=1",
+            "--set", "data=stdlib:100000", "--progress", "off", "--set", "log_every=1000"]
+
+    def cfg(*extra):
+        return train.make_config(train.build_parser().parse_args([*args, *extra]))
+    n = L.AUTO_MIN_STEPS
+    assert L.decide(cfg("--steps", str(n)), n) == (True, "")  # (a C++ compiler is here)
+    assert not L.decide(cfg("--steps", str(n - 1)), n - 1)[0]
+    assert not L.decide(cfg("--steps", str(n), "--no-compile"), n)[0]
+    assert L.decide(cfg("--steps", "3", "--compile"), 3) == (True, "")
+    assert not L.decide(cfg("--steps", str(n), "--set", "zero_stage=1", "--set", "offload.optimizer=cpu"), n)[0]
+    real = L.inductor_missing
+    monkeypatch.setattr(L, "inductor_missing", lambda: "no C++ compiler for Inductor (test)")
+    assert L.decide(cfg("--steps", str(n)), n) == (False, "no C++ compiler for Inductor (test)")
+    monkeypatch.setattr(L, "inductor_missing", real)
+    got = train.run(cfg("--steps", str(n)), progress="off")  # the default: auto
+    out = capsys.readouterr().out
+    assert ", compiled" in out and got["compile_s"] > 0 and got["steps"] == n
+
+
+def test_under_compile_auto_a_capture_not_built_runs_the_job_eagerly(capsys):
+    from fsharded.tools import _train_loop as L
+
+    class Step:  # (a step whose capture is not built for its layout)
+        compiling = True
+
+        def __call__(self, state, batch):
+            if self.compiling:
+                raise NotImplementedError("train_step(compile=True): this layout is not built")
+            return state + 1, {}
+
+        def eager(self):
+            self.compiling = False
+    assert L.call(Step(), 1, None, auto=True, main_rank=True) == (2, {})
+    assert "compile=auto: running eagerly (train_step(compile=True): this layout is not built)" in capsys.readouterr().out
+    with pytest.raises(NotImplementedError):
+        L.call(Step(), 1, None, auto=False, main_rank=True)
 
 
 def test_a_loss_reading_a_value_on_the_host_is_refused_not_baked_in():

@@ -276,7 +276,7 @@ def test_metrics_reach_the_disk_line_by_line(tmp_path):
     import signal
 
     m = tmp_path / "m.jsonl"
-    p = subprocess.Popen([sys.executable, "-m", "fsharded", "train", "--preset", "tiny", "--steps", "100000",
+    p = subprocess.Popen([sys.executable, "-m", "fsharded", "train", "--preset", "tiny", "--steps", "100000", "--no-compile",
                           "--set", "log_every=1", "--metrics", str(m)], stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, text=True, env=ENV)
     try:

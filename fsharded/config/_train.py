@@ -403,8 +403,10 @@ class TrainConfig:
     """Where the optimizer state lives: device memory, host memory or NVMe (needs zero_stage 1-3)."""
     remat: RematConfig = field(default_factory=RematConfig)
     """Blocks recomputed in backward (``policy``: ``none``, ``blocks``, ``blocks:K``)."""
-    compile: bool = False
-    """Capture the step as one graph and compile it (``train_step(compile=True)``)."""
+    compile: bool | str = "auto"
+    """Capture the step as one graph and compile it (``train_step(compile=True)``): true,
+    false, or ``"auto"``: where it applies and pays (a job of 200 steps or more, Inductor
+    able to generate code here, a layout that captures as one graph)."""
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -430,6 +432,7 @@ class TrainConfig:
             "zero_stage": ((lambda v: 0 <= v <= 3), "an int in 0..3"),
             "data": ((lambda v: bool(v)), "'stdlib' or a path"),
             "log_every": _int_ge(1),
+            "compile": ((lambda v: isinstance(v, bool) or v == "auto"), "true, false or 'auto'"),
         })
         off = self.offload if isinstance(self.offload, OffloadConfig) else OffloadConfig()  # (a dict: reported)
         if off.active and not self.zero_stage:

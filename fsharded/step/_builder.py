@@ -698,6 +698,13 @@ class TrainStep:
             self._captured.clear()
         return self
 
+    def eager(self) -> TrainStep:
+        """This step, from now on run eagerly (``compile`` undone); returns the step."""
+        if self.compiling:
+            self.compiling = False
+            self._compiled.clear()
+        return self
+
     def _graph_applies(self, pl: Any, eager: bool) -> str | None:
         """Why this layout's step cannot be captured as one graph (None: it can)."""
         off = getattr(pl, "offload", None)

@@ -36,13 +36,14 @@ from fsharded.config import _deepspeed as ds_config
 from fsharded.models import GPTConfig, gpt, gpt_plans
 from fsharded.parallel import sequence
 from fsharded.step import _estimate as _memory
-from fsharded.tools import _train_resume
+from fsharded.tools import _train_loop, _train_resume
 from fsharded.tools import flops as FL
 from fsharded.tools._train_pipeline import check_fits_pipelined, pipeline_loss
 from fsharded.tools._train_resume import LENGTH_PARAM, RESUME_CHANGES, lr_schedule, schedule_record
 
 # What `fsharded train` runs with no arguments: the "small" GPT (0.84 M parameters) on
-# stdlib bytes, data-parallel over 2 virtual devices, about a minute on 2 cores.
+# stdlib bytes, data-parallel over 2 virtual devices, its step compiled (300 steps: compile
+# "auto" applies); about a minute on 2 cores the first time, half that with Inductor's cache.
 JOB_DEFAULTS: dict[str, Any] = {
     "model": {"preset": "small"},
     "mesh": {"data": 2},
@@ -163,8 +164,9 @@ def build_parser(prog: str = "fsharded train") -> argparse.ArgumentParser:
     p.add_argument("--accum", type=int, help="gradient accumulation steps")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--compile", action="store_true", default=None,
-                   help="capture the step as one graph and compile it (--set compile=true)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture the step as one graph and compile it, or not (--set compile=true/false; "
+                        "default auto: for jobs of 200 steps or more where Inductor runs)")
     p.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "lion", "adagrad", "lamb"])
     p.add_argument("--lr", type=float)
     p.add_argument("--schedule", help="constant, linear, WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle")
@@ -378,36 +380,6 @@ def build_model_config(cfg, data_vocab: int | None = None):
         raise ValueError("unknown model settings:\n" + "\n".join(hints)
                          + f"\nThe GPT's settings are: {', '.join(sorted(fields))}")
     return make(**m)
-
-
-class _Progress:
-    """tqdm on a terminal, a plain log line every ``every`` steps otherwise."""
-
-    def __init__(self, total: int, mode: str, every: int, enabled: bool):
-        self.every, self.enabled, self.bar = every, enabled, None
-        tty = sys.stderr.isatty()
-        if enabled and (mode == "on" or (mode == "auto" and tty)):
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, unit="step", dynamic_ncols=True)
-            except ImportError:
-                self.bar = None
-
-    def update(self, step: int, rec: dict) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
-        elif step % self.every == 0 or step == 1:
-            print(f"step {step:5d}  loss {rec['loss']:.4f}  lr {rec.get('lr', float('nan')):.2e}  "
-                  f"grad_norm {rec['grad_norm']:.3f}  {rec['tokens_per_s']:,.0f} tok/s"
-                  + (f"  MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""), flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def _batch_axes(mesh) -> tuple[str, ...]:
@@ -628,7 +600,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     step = fs.train_step(piped or seq.loss, opt, mesh=mesh, param_specs=specs, batch_spec=seq.batch_spec,
                          precision=cfg.policy(), accumulation=1 if piped else cfg.grad_accum_steps,
                          clip=cfg.grad_clip or None, blocks="blocks", check_memory=not force, remat=cfg.remat.policy,
-                         donate=not cfg.policy().loss_scaling, compile=cfg.compile,
+                         donate=not cfg.policy().loss_scaling,
                          update_model_state=gpt.model_state_updater(mcfg.moe) if biased else None)
     state = step.init(params, gpt.init_model_state(params) if biased else None)
     start = 0
@@ -652,6 +624,9 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
                              f"{start + 1} or more to train on from it")
         if main_rank:
             print(f"fsharded train: resumed from {path} at step {start}", flush=True)
+    compiling, why = _train_loop.decide(cfg, cfg.steps - start)
+    if compiling:
+        step.compile()
     n_params = gpt.param_count(params)
     manifest = step.collectives(state, seq.prepare(batches.batch_at(0)))
     if main_rank:
@@ -663,7 +638,8 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
               + (f", parameters offloaded to {cfg.offload.params}" if cfg.offload.params != "none" else "")
               + (f", zenflow top {cfg.offload.zenflow_topk_ratio:g}" if cfg.offload.zenflow else "")
               + (f", remat {cfg.remat.policy}" if cfg.remat.policy != "none" else "")
-              + (", compiled" if cfg.compile else "") + seq.describe()
+              + (", compiled" if compiling else f", eager ({why})" if cfg.compile == "auto" and
+                 cfg.steps - start >= _train_loop.AUTO_MIN_STEPS else "") + seq.describe()
               + (f", pipeline {cfg.pipeline.schedule} with {cfg.grad_accum_steps} micro-batches" if piped else "")
               + (f", {mcfg.moe.experts} experts top-{mcfg.moe.top_k} every {mcfg.moe.every} blocks"
                  + (f" over expert={experts}" if experts > 1 else "") if mcfg.moe is not None else ""), flush=True)
@@ -685,7 +661,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     def saved(directory: str | None) -> None:  # a complete checkpoint gets its run's record
         if directory is not None and main_rank:
             _train_resume.write_job(directory, _train_resume.job_record(cfg, int(directory.rsplit("-", 1)[1])))
-    bar = _Progress(cfg.steps, progress, cfg.log_every, main_rank)
+    bar = _train_loop.Progress(cfg.steps, progress, cfg.log_every, main_rank)
     tok_per_step = global_batch * mcfg.seq_len
     losses: list[float] = []
     compile_s = 0.0  # capturing and compiling the step (compile=True), its first runs included
@@ -694,7 +670,9 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     try:
         for i in range(start, cfg.steps):
             t0 = time.perf_counter()
-            state, m = step(state, seq.prepare(batches.batch_at(i)))  # the data position is the step count
+            # (the data position is the step count)
+            state, m = _train_loop.call(step, state, seq.prepare(batches.batch_at(i)), auto=cfg.compile == "auto",
+                                        main_rank=main_rank)
             dt = time.perf_counter() - t0
             if i == start + 1:
                 t_steady = time.perf_counter() - dt  # exclude the first (warm-up) step
