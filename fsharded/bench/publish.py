@@ -51,9 +51,9 @@ HEADLINE = (
              "one optimizer step of the GPT", "train_step, one process vs eager + AdamW(foreach)"),
     Headline("`fsharded train`'s default job vs the eager loop, per step", "train",
              "the default `fsharded train` job", "fsharded train (virtual mesh {'data': 2}), per step"),
-    Headline("`fsharded train --compile` vs the same job eager, per token", "compile",
+    Headline("`fsharded train` compiled vs `--no-compile`, per token", "compile",
              "the default `fsharded train` job, compiled and eager",
-             "fsharded train --compile vs fsharded train (virtual mesh {'data': 2}), per token"),
+             "fsharded train --compile vs --no-compile (virtual mesh {'data': 2}), per token"),
     Headline("ZeRO-3 compiled vs FSDP2 + per-block torch.compile, 2 ranks", "compile",
              "ZeRO-3 on 2 gloo ranks", "ZeRO-3 compiled vs FSDP2 + per-block torch.compile"),
     Headline("ZeRO-1 step vs DeepSpeed, 2 ranks", "zero", "step time, GPT 842,496 params fp32, 2 gloo ranks: "
