@@ -22,7 +22,7 @@ REFERENCE_MODULES = ["fsharded", "fsharded.lax", "fsharded.distributed", "fshard
                      "fsharded.nn", "fsharded.random", "fsharded.precision", "fsharded.checkpoint", "fsharded.config",
                      "fsharded.data", "fsharded.memory", "fsharded.timeline", "fsharded.kernels",
                      "fsharded.models.gpt", "fsharded.models.gpt_plans",
-                     "fsharded.models.gpt_stages"]
+                     "fsharded.models.gpt_stages", "fsharded.inference"]
 
 
 def test_the_site_builds_strictly(tmp_path):

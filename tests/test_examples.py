@@ -257,9 +257,29 @@ def fs_train_eager(ns: dict) -> float:
     return float(m["loss"])
 
 
+def _check_generate(ns: dict, out: str) -> None:
+    # Greedy is the argmax chain of the full forward; the drawn run is its key's.
+    import torch
+
+    import fsharded as fs
+    from fsharded.models import gpt
+
+    for prompt, got in zip(ns["prompts"], ns["greedy"].tokens):
+        seq = list(prompt)
+        for _ in range(6):
+            with torch.no_grad():
+                seq.append(int(gpt.apply(ns["params"], torch.tensor([seq]), attention="einsum")[0, -1].argmax()))
+        assert got == seq[len(prompt):], (prompt, got, seq)
+    again = fs.inference.generate(ns["params"], ns["prompts"], max_new_tokens=6, key=fs.random.key(0),
+                                  temperature=0.8, top_k=20, top_p=0.95, stop_tokens=[0])
+    assert again.tokens == ns["drawn"].tokens and str(ns["greedy"].tokens) in out and "tokens/s" in out
+
+
 # Each entry: a line that identifies the README block; the code run before it; text
 # replacements that scale it to a test (the block is otherwise run as written); a check.
 EXAMPLES = {
+    "greedy = fs.inference.generate(params, prompts, max_new_tokens=6)": dict(
+        before="", replace={}, check=_check_generate),
     # (through the captured graph as it is, torch.compile's "eager" backend: Inductor's
     # compile of the same step is test_compile's, and takes half a minute on 2 cores)
     "step = fs.train_step(gpt.loss, fs.optim.adamw(3e-3), clip=1.0, compile=True)": dict(

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("parallel, optim, checkpoint", ("fsharded.parallel", "fsharded.optim", "fsharded.checkpoint")),
     ("step", ("fsharded.step",)),
     ("nn", ("fsharded.nn",)),
-    ("models, config", ("fsharded.models", "fsharded.config")),
+    ("models, config, inference", ("fsharded.models", "fsharded.config", "fsharded.inference")),
     ("tools", ("fsharded.tools", "fsharded.testing")),
     ("the package (fsharded/__init__.py)", ("fsharded",)),
     ("the app and the benchmarks", ("fsharded.__main__", "fsharded.tools.cli", "fsharded.tools.train",

@@ -1,0 +1,20 @@
+"""Generation with a key/value cache for the bundled GPT.
+
+>>> import fsharded as fs
+>>> from fsharded.models import gpt
+>>> params = gpt.init(gpt.GPTConfig.tiny(), 0)
+>>> out = fs.inference.generate(params, [[1, 2, 3], [4, 5]], max_new_tokens=4)
+>>> [len(t) for t in out.tokens]
+[4, 4]
+
+``generate`` prefills the prompts (left-padded to the longest) into a static,
+preallocated ``KVCache`` and decodes one token per step, greedy or sampled with an
+explicit key (``sample``). ``extend`` is the cached forward itself.
+"""
+
+from fsharded.inference._cache import KVCache
+from fsharded.inference._generate import Generation, generate
+from fsharded.inference._gpt import extend
+from fsharded.inference._sample import sample
+
+__all__ = ["KVCache", "Generation", "generate", "extend", "sample"]

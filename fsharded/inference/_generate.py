@@ -1,0 +1,105 @@
+"""``generate``: prompts in, new tokens out, through a ``KVCache``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fsharded import random as R
+from fsharded.inference._cache import KVCache
+from fsharded.inference._gpt import extend
+from fsharded.inference._sample import sample
+from fsharded.models._gpt_config import MoEConfig
+
+__all__ = ["Generation", "generate"]
+
+
+@dataclass
+class Generation:
+    """What ``generate`` returns: ``tokens[b]`` the new tokens of prompt ``b`` (up to and
+    including a stop token, if one came), ``stopped[b]`` whether it ended on one, and the
+    seconds and token counts of the prefill and of the decode steps."""
+
+    tokens: list[list[int]]
+    stopped: list[bool]
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    cache: KVCache | None = field(default=None, repr=False)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def _prompts(prompts: Any) -> list[list[int]]:
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2 or prompts.is_floating_point():
+            raise ValueError(f"generate: a tensor of prompts must be integer (B, T), got {prompts.dtype} "
+                             f"{tuple(prompts.shape)}")
+        return [row.tolist() for row in prompts]
+    out = [list(map(int, p)) for p in prompts]
+    if not out or any(not p for p in out):
+        raise ValueError("generate: give at least one prompt, each of at least one token")
+    return out
+
+
+def generate(params: dict, prompts: torch.Tensor | Sequence[Sequence[int]], max_new_tokens: int, *,
+             key: torch.Tensor | None = None, temperature: float = 1.0, top_k: int | None = None,
+             top_p: float | None = None, stop_tokens: Sequence[int] = (), moe: MoEConfig | None = None,
+             model_state: Any = None, cache_dtype: torch.dtype | None = None) -> Generation:
+    """Continue each prompt (a list of token lists of any lengths, or an integer ``(B, T)``
+    tensor) by up to ``max_new_tokens`` tokens of the bundled GPT with ``params``.
+
+    The prompts are prefilled together, left-padded to the longest, into a cache of
+    ``longest + max_new_tokens`` slots per row; then one decode step per new token. Greedy
+    where ``key`` is None (or ``temperature`` 0); else token ``n`` is drawn with
+    ``fold_in(key, n)`` (``sample``: temperature, top-k, top-p), so a key gives the same
+    tokens on every run and backend. A row stops at a token of ``stop_tokens`` (kept) or
+    after ``max_new_tokens``; the others go on. ``moe``: the routing config of a model with
+    mixture-of-experts blocks (routed dropless here), ``model_state`` its routing biases."""
+    if max_new_tokens < 0:
+        raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+    rows = _prompts(prompts)
+    vocab = params["emb"].shape[0]
+    bad = [(b, t) for b, p in enumerate(rows) for t in p if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"generate: prompt {bad[0][0]} holds token {bad[0][1]}, outside the vocabulary of {vocab}")
+    B, longest = len(rows), max(map(len, rows))
+    dev = params["emb"].device
+    padded = torch.zeros(B, longest, dtype=torch.int64, device=dev)
+    for b, p in enumerate(rows):
+        padded[b, longest - len(p):] = torch.tensor(p, dtype=torch.int64)
+    start = torch.tensor([longest - len(p) for p in rows], dtype=torch.int64)
+    cache = KVCache.empty(params, B, longest + max_new_tokens, start=start, dtype=cache_dtype)
+    out: list[list[int]] = [[] for _ in range(B)]
+    stopped = [False] * B
+    stops = set(int(t) for t in stop_tokens)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        logits = extend(params, padded, cache, moe=moe, model_state=model_state)[:, -1]
+        prefill_s = time.perf_counter() - t0
+        decode_s, steps = 0.0, 0
+        for n in range(max_new_tokens):
+            tok = sample(logits, R.fold_in(key, n) if key is not None else None, temperature=temperature,
+                         top_k=top_k, top_p=top_p)
+            for b, t in enumerate(tok.tolist()):
+                if not stopped[b]:
+                    out[b].append(t)
+                    stopped[b] = t in stops
+            if all(stopped) or n == max_new_tokens - 1:
+                break
+            t0 = time.perf_counter()
+            logits = extend(params, tok[:, None], cache, moe=moe, model_state=model_state)[:, -1]
+            decode_s += time.perf_counter() - t0
+            steps += 1
+    return Generation(out, stopped, prefill_s, decode_s, int(sum(map(len, rows))), steps * B, cache)

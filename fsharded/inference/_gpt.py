@@ -1,0 +1,107 @@
+"""The bundled GPT's forward over new tokens with a key/value cache (``KVCache``).
+
+``extend(params, tokens, cache)`` runs the tokens ``(B, T)`` that fill the cache's next
+``T`` slots (a prompt: prefill; one token per row: a decode step) and returns their
+logits. Each block is the training block's own pieces (norms, projections, rotary or
+learned positions, the MLP or the mixture of experts) with the attention over the
+cached keys: a query in slot ``j`` of row ``b`` reads the keys of slots ``start[b]..j``.
+A mixture of experts routes dropless here (no capacity), so a token's output does not
+depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from fsharded.inference._cache import KVCache
+from fsharded.models import gpt
+from fsharded.models._gpt_config import MoEConfig
+
+__all__ = ["extend", "check_context"]
+
+
+def _rotary_rows(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``gpt._rotary`` with a position per row and token: x (B, T, h, Dh), pos (B, T)."""
+    Dh = x.shape[3]
+    dt = torch.promote_types(x.dtype, torch.float32)
+    inv_freq = gpt.ROPE_THETA ** (-torch.arange(0, Dh, 2, dtype=dt, device=x.device) / Dh)
+    ang = pos.to(dt)[..., None] * inv_freq  # (B, T, Dh/2)
+    cos = ang.cos().repeat(1, 1, 2)[:, :, None, :].to(x.dtype)  # (B, T, 1, Dh)
+    sin = ang.sin().repeat(1, 1, 2)[:, :, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """q (B, T, h, Dh) over k, v (B, S, KV, Dh) where ``allowed`` (B, T, S); the einsum
+    form of the training attention (grouped-query heads alike)."""
+    B, T, h, Dh = q.shape
+    kv = k.shape[2]
+    q = q.reshape(B, T, kv, h // kv, Dh)
+    s = torch.einsum("btkgd,bskd->bkgts", q, k) * (Dh**-0.5)  # (B, kv, g, T, S)
+    s = s.masked_fill(~allowed[:, None, None], float("-inf"))
+    o = torch.einsum("bkgts,bskd->btkgd", s.softmax(dim=-1), v)
+    return o.reshape(B, T, h, Dh)
+
+
+def check_context(params: dict, cache: KVCache, new: int) -> None:
+    """A clear error where ``new`` more tokens do not fit: the cache's slots, or (learned
+    positions) the position table."""
+    if cache.length + new > cache.slots:
+        raise ValueError(f"generate: {cache.length + new} tokens do not fit the cache's {cache.slots} slots per row")
+    if "pos" in params:
+        longest = cache.length + new - int(cache.start.min())  # the longest row's length
+        if longest > params["pos"].shape[0]:
+            raise ValueError(f"generate: a sequence of {longest} tokens (prompt and new tokens) exceeds the model's "
+                             f"context of {params['pos'].shape[0]} learned positions (params['pos']); give a shorter "
+                             f"prompt or fewer new tokens")
+
+
+def extend(params: dict, tokens: torch.Tensor, cache: KVCache, *, moe: MoEConfig | None = None,
+           model_state: Any = None) -> torch.Tensor:
+    """Logits ``(B, T, V)`` of ``tokens`` ``(B, T)`` put in the cache's next ``T`` slots
+    (written there, ``cache.length`` advanced)."""
+    B, T = tokens.shape
+    check_context(params, cache, T)
+    if moe is not None and moe.eval_capacity_factor is not None:  # generation routes dropless: a
+        moe = dataclasses.replace(moe, eval_capacity_factor=None)  # token's experts not the batch's doing
+    L = cache.length
+    dev = tokens.device
+    slots = torch.arange(L, L + T, device=dev)
+    start = cache.start.to(dev)
+    pos = (slots[None, :] - start[:, None]).clamp(min=0)  # (B, T); padding at position 0
+    keys = torch.arange(L + T, device=dev)
+    allowed = (keys[None, None, :] >= start[:, None, None]) & (keys[None, None, :] <= slots[None, :, None])
+    allowed |= keys[None, None, :] == slots[None, :, None]  # (a padding slot reads itself: no empty row)
+    x = params["emb"][tokens]
+    if "pos" in params:
+        x = x + params["pos"][pos]
+    rotary = "pos" not in params
+    biases = gpt._routing_biases(params, moe, model_state)
+    n_moe = 0
+    for i, p in enumerate(params["blocks"]):
+        a = p["attn"]
+        h = gpt._norm(p["norm1"], x)
+        q = torch.einsum("btd,dhe->bthe", h, a["wq"])
+        k = torch.einsum("btd,dhe->bthe", h, a["wk"])
+        v = torch.einsum("btd,dhe->bthe", h, a["wv"])
+        if "bq" in a:
+            q, k, v = q + a["bq"], k + a["bk"], v + a["bv"]
+        if rotary:
+            q, k = _rotary_rows(q, pos), _rotary_rows(k, pos)
+        cache.k[i][:, L:L + T] = k.to(cache.k[i].dtype)
+        cache.v[i][:, L:L + T] = v.to(cache.v[i].dtype)
+        o = _attention(q, cache.k[i][:, :L + T].to(q.dtype), cache.v[i][:, :L + T].to(q.dtype), allowed)
+        y = torch.einsum("bthe,hed->btd", o, a["wo"])
+        x = x + (y + a["bo"] if "bo" in a else y)
+        if gpt._is_moe(p):
+            bias = biases[n_moe] if biases is not None else None
+            x, _ = gpt._moe_mlp(p["mlp"], gpt._norm(p["norm2"], x), x, moe, None, False, False, bias)
+            n_moe += 1
+        else:
+            x = x + gpt._mlp(p["mlp"], gpt._norm(p["norm2"], x), None)
+    cache.length = L + T
+    return gpt.unembed(params, x)

@@ -1,0 +1,124 @@
+"""Generation with the key/value cache (``fs.inference``) against full recomputation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fsharded as fs
+from fsharded.models import gpt
+from fsharded.models._gpt_config import MoEConfig
+
+PROMPTS = [[5, 9, 2, 7, 1], [3], [8, 8, 4]]
+
+
+def recompute(params, prompt, n, moe=None):
+    """Greedy decoding by running the whole sequence again for each new token, and each
+    step's last logits."""
+    seq, logits = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            last = gpt.apply(params, torch.tensor([seq]), attention="einsum", moe=moe, train=False)[0, -1]
+            logits.append(last)
+            seq.append(int(last.argmax()))
+    return seq[len(prompt):], torch.stack(logits)
+
+
+CONFIGS = {
+    "learned": dict(),
+    "rotary, grouped-query": dict(positions="rotary", n_kv_heads=2, tied_embeddings=False),
+    "llama-style (RMSNorm, SwiGLU, no biases)": dict(positions="rotary", norm="rmsnorm", activation="swiglu", bias=False),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_with_the_cache_equals_full_recomputation_for_each_prompt_of_a_batch(name):
+    cfg = gpt.GPTConfig.tiny(**CONFIGS[name])
+    params = gpt.init(cfg, 0)
+    out = fs.inference.generate(params, PROMPTS, max_new_tokens=8)
+    for prompt, got in zip(PROMPTS, out.tokens):
+        want, _ = recompute(params, prompt, 8)
+        assert got == want, (name, prompt, got, want)
+    assert out.stopped == [False] * 3 and out.decode_tokens == 7 * 3 and out.prefill_tokens == 9
+
+
+def test_the_cached_logits_are_the_full_forwards():
+    params = gpt.init(gpt.GPTConfig.tiny(positions="rotary"), 1)
+    prompt = [4, 1, 7]
+    cache = fs.inference.KVCache.empty(params, 2, 10, start=torch.tensor([2, 0]))
+    # Row 0: the prompt after two padding slots; row 1: other tokens filling every slot.
+    rows = torch.tensor([[0, 0, *prompt], [9, 3, 2, 6, 5]])
+    first = fs.inference.extend(params, rows, cache)
+    nxt = torch.tensor([[11], [12]])
+    second = fs.inference.extend(params, nxt, cache)
+    with torch.no_grad():
+        full0 = gpt.apply(params, torch.tensor([[*prompt, 11]]), attention="einsum")[0]
+        full1 = gpt.apply(params, torch.tensor([[9, 3, 2, 6, 5, 12]]), attention="einsum")[0]
+    torch.testing.assert_close(first[0, 2:], full0[:3], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second[0, 0], full0[3], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(first[1], full1[:5], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second[1, 0], full1[5], rtol=1e-5, atol=1e-5)
+    assert cache.length == 6
+
+
+def test_a_mixture_of_experts_generates_as_its_dropless_recomputation():
+    moe = MoEConfig(experts=4, top_k=2, every=1)
+    params = gpt.init(gpt.GPTConfig.tiny(moe=moe), 0)
+    out = fs.inference.generate(params, PROMPTS, max_new_tokens=6, moe=moe)
+    dropless = MoEConfig(experts=4, top_k=2, every=1, eval_capacity_factor=None)
+    for prompt, got in zip(PROMPTS, out.tokens):
+        assert got == recompute(params, prompt, 6, moe=dropless)[0]
+
+
+def test_sampling_with_a_key_is_reproducible_and_filters_as_asked():
+    params = gpt.init(gpt.GPTConfig.tiny(), 0)
+    key = fs.random.key(7)
+    a = fs.inference.generate(params, PROMPTS, max_new_tokens=6, key=key, temperature=1.5)
+    b = fs.inference.generate(params, PROMPTS, max_new_tokens=6, key=key, temperature=1.5)
+    c = fs.inference.generate(params, PROMPTS, max_new_tokens=6, key=fs.random.key(8), temperature=1.5)
+    greedy = fs.inference.generate(params, PROMPTS, max_new_tokens=6)
+    assert a.tokens == b.tokens and a.tokens != c.tokens and a.tokens != greedy.tokens
+    # top-k 1, a tiny top-p, and temperature 0 leave only the most likely token
+    for kw in (dict(top_k=1), dict(top_p=1e-6), dict(temperature=0.0)):
+        assert fs.inference.generate(params, PROMPTS, max_new_tokens=6, key=key, **kw).tokens == greedy.tokens, kw
+
+
+def test_sample_draws_each_token_as_often_as_its_probability():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4000, 4)
+    got = fs.inference.sample(logits, fs.random.key(0))
+    freq = torch.bincount(got, minlength=4).float() / 4000
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03, rtol=0)
+    # top-k 2 renormalises the two most likely; top-p 0.8 keeps the tokens reaching it (0.5 + 0.3)
+    for kw in (dict(top_k=2), dict(top_p=0.8)):
+        freq = torch.bincount(fs.inference.sample(logits, fs.random.key(1), **kw), minlength=4).float() / 4000
+        torch.testing.assert_close(freq, torch.tensor([0.625, 0.375, 0.0, 0.0]), atol=0.03, rtol=0)
+
+
+def test_a_row_stops_at_its_stop_token_and_the_others_go_on():
+    params = gpt.init(gpt.GPTConfig.tiny(), 0)
+    greedy = fs.inference.generate(params, PROMPTS, max_new_tokens=8)
+    stop = greedy.tokens[0][2]
+    out = fs.inference.generate(params, PROMPTS, max_new_tokens=8, stop_tokens=[stop])
+    for full, got, stopped in zip(greedy.tokens, out.tokens, out.stopped):
+        cut = full.index(stop) + 1 if stop in full else len(full)
+        assert got == full[:cut] and stopped == (stop in full)
+
+
+def test_bad_input_is_a_clear_error():
+    params = gpt.init(gpt.GPTConfig.tiny(), 0)  # 16 learned positions
+    with pytest.raises(ValueError, match="exceeds the model's context of 16 learned positions"):
+        fs.inference.generate(params, [list(range(10))], max_new_tokens=8)  # (its 17th token read at 16)
+    with pytest.raises(ValueError, match="outside the vocabulary of 64"):
+        fs.inference.generate(params, [[1, 64]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="at least one token"):
+        fs.inference.generate(params, [[1], []], max_new_tokens=2)
+    with pytest.raises(ValueError, match="top_p"):
+        fs.inference.generate(params, [[1]], max_new_tokens=2, key=fs.random.key(0), top_p=1.5)
+    # (the last new token is produced, never read: 10 + 7 tokens need 16 positions)
+    assert len(fs.inference.generate(params, [list(range(10))], max_new_tokens=7).tokens[0]) == 7
+
+
+def test_the_module_docstring_example_runs():
+    import doctest
+
+    assert doctest.testmod(fs.inference, raise_on_error=False).failed == 0
