@@ -136,7 +136,7 @@ def gloo_pipelines(world: int) -> dict:
     for compile_ in (False, "eager"):
         zb = PC.train(mesh, "zb", 1, 3, m=2, zero=3, reshard=True, compile=compile_)
         fp16 = PC.train_mixed(mesh, "1f1b", 5, "fp16", power=21, tied_embeddings=False, compile=compile_)
-        out[bool(compile_)] = {"zb": {k: zb[k] for k in ("losses", "norms", "params")}, "fp16": fp16}
+        out[bool(compile_)] = {"zb": {k: zb[k] for k in ("losses", "norms", "params", "compiles")}, "fp16": fp16}
     return out
 
 
@@ -157,13 +157,14 @@ def gloo_pipeline_functional(world: int) -> str:
 
 # fsharded train's layouts over other axes than the batch's, on 2 real ranks, with the
 # torch.compile backend each runs the captured graph through (Inductor for ring attention,
-# whose exchanges enter the graph as collectives that Inductor schedules).
+# whose exchanges enter the graph as collectives that Inductor schedules, and for the
+# pipeline, whose sends it must not overtake nor let read a buffer it reuses).
 GLOO_LAYOUTS = {
     "tensor=2": (["--mesh", "data=1,tensor=2"], "eager"),
     "Ulysses, seq=2": (["--mesh", "data=1,seq=2"], "eager"),
     "ring attention, seq=2": (["--mesh", "data=1,seq=2", "--set", "model.seq_parallel=ring"], "inductor"),
     "experts, expert=2": (["--mesh", "data=1,expert=2", "--set", "model.moe.experts=4"], "eager"),
-    "pipeline 1F1B, pipe=2": (["--mesh", "data=1,pipe=2", "--accum", "2"], "eager"),
+    "pipeline 1F1B, pipe=2": (["--mesh", "data=1,pipe=2", "--accum", "2"], "inductor"),
 }
 
 

@@ -91,6 +91,7 @@ def train(mesh_axes: dict, name: str, v: int, steps: int, m: int = 2, zero: int 
     step = fs.train_step(loss, fs.optim.adamw(1e-2), mesh=mesh, remat=remat, compile=compile, **kw)
     kept: list = []
     out = _steps(step, params, tokens, steps, state=kept)
+    out["compiles"] = step.compiles
     if manifest:
         out["manifest"] = [(e.op, e.axis) for e in step.collectives(kept[0], {"tokens": tokens})]
     return out

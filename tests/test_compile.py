@@ -144,6 +144,7 @@ def test_four_gloo_ranks_compiled_pipelines_equal_eager():
 
     for r in run_on_ranks(C.gloo_pipelines, 4, 4):
         got, eager = r[True], r[False]
+        assert got["zb"]["compiles"] == 1 and eager["zb"]["compiles"] == 0  # (one graph, not an eager fallback)
         torch.testing.assert_close(torch.tensor(got["zb"]["losses"]), torch.tensor(eager["zb"]["losses"]),
                                    rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(torch.tensor(got["zb"]["norms"]), torch.tensor(eager["zb"]["norms"]),
@@ -306,18 +307,23 @@ def test_fsharded_train_compiles_by_default_where_it_applies_and_pays(monkeypatc
     def cfg(*extra):
         return train.make_config(train.build_parser().parse_args([*args, *extra]))
     n = L.AUTO_MIN_STEPS
-    assert L.decide(cfg("--steps", str(n)), n) == (True, "")  # (a C++ compiler is here)
+    real = L.inductor_missing
+    monkeypatch.setattr(L, "inductor_missing", lambda: None)  # (Inductor can generate code)
+    assert L.decide(cfg("--steps", str(n)), n) == (True, "")
     assert not L.decide(cfg("--steps", str(n - 1)), n - 1)[0]
     assert not L.decide(cfg("--steps", str(n), "--no-compile"), n)[0]
     assert L.decide(cfg("--steps", "3", "--compile"), 3) == (True, "")
     assert not L.decide(cfg("--steps", str(n), "--set", "zero_stage=1", "--set", "offload.optimizer=cpu"), n)[0]
-    real = L.inductor_missing
     monkeypatch.setattr(L, "inductor_missing", lambda: "no C++ compiler for Inductor (test)")
     assert L.decide(cfg("--steps", str(n)), n) == (False, "no C++ compiler for Inductor (test)")
     monkeypatch.setattr(L, "inductor_missing", real)
     got = train.run(cfg("--steps", str(n)), progress="off")  # the default: auto
     out = capsys.readouterr().out
     assert ", compiled" in out and got["compile_s"] > 0 and got["steps"] == n
+    # (a job of 200 steps run eagerly under auto says why, as a resumed one near its end does)
+    monkeypatch.setattr(L, "inductor_missing", lambda: "no C++ compiler for Inductor (test)")
+    got = train.run(cfg("--steps", str(n)), progress="off")
+    assert ", eager (no C++ compiler for Inductor (test))" in capsys.readouterr().out and got["compile_s"] == 0
 
 
 def test_under_compile_auto_a_capture_not_built_runs_the_job_eagerly(capsys):
@@ -337,6 +343,38 @@ def test_under_compile_auto_a_capture_not_built_runs_the_job_eagerly(capsys):
     assert "compile=auto: running eagerly (train_step(compile=True): this layout is not built)" in capsys.readouterr().out
     with pytest.raises(NotImplementedError):
         L.call(Step(), 1, None, auto=False, main_rank=True)
+    with pytest.raises(NotImplementedError):  # (on real ranks a rank cannot fall back alone)
+        L.call(Step(), 1, None, auto=True, main_rank=True, distributed=True)
+
+    class Broken(Step):  # (a toolchain that fails to compile)
+        def __call__(self, state, batch):
+            if self.compiling:
+                raise RuntimeError("train_step(compile=True): capturing or compiling the step failed, although "
+                                   "it runs eagerly (CalledProcessError: ...). Pass compile=False")
+            return state + 1, {}
+    assert L.call(Broken(), 1, None, auto=True, main_rank=False) == (2, {})
+
+    class Wrong(Step):  # (the step's own error, eager as compiled: not a capture failure)
+        def __call__(self, state, batch):
+            raise RuntimeError("train_step: the loss is nan")
+    with pytest.raises(RuntimeError, match="the loss is nan"):
+        L.call(Wrong(), 1, None, auto=True, main_rank=True)
+
+
+def test_eager_undoes_compile(batches):
+    step, params = C.gpt_step("eager")
+    state = step.init(params)
+    state, _ = step(state, batches[0])
+    assert step.compiles == 1
+    assert step.eager() is step and not step.compiling and step.compiles == 0  # (its graphs dropped)
+    got, m = step(state, batches[1])
+    assert "compile_s" not in m and step.compiles == 0
+    ref, _ = C.gpt_step(False)
+    ref_state = ref.init(params)
+    for b in batches[:2]:
+        ref_state, _ = ref(ref_state, b)
+    for a, b in zip(optree.tree_leaves(step.params(got)), optree.tree_leaves(ref.params(ref_state))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_a_loss_reading_a_value_on_the_host_is_refused_not_baked_in():

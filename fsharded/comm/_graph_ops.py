@@ -197,7 +197,7 @@ def _group(name: str) -> Any:
 
 @torch.library.custom_op("fsharded::p2p_send", mutates_args=())
 def _send(x: Tensor, token: Tensor, group: str, peer: int, tag: int) -> Tensor:
-    buf = x.clone()
+    buf = x.clone(memory_format=torch.contiguous_format)
     _INFLIGHT[(group, peer, tag)] = (dist.isend(buf, peer, group=_group(group), tag=tag), buf)
     return token + 1
 

@@ -103,6 +103,7 @@ def settings(step: Any) -> dict[str, str]:
         "donate": repr(step.donate), "seed": repr(step.seed), "blocks": repr(step.blocks), "remat": repr(step.remat),
         "bucket_elems": repr(step.bucket_elems), "batch_spec": repr(step.batch_spec),
         "param_specs": repr(step.param_specs),
+        "compile": repr(step.compile_backend if step.compiling else False),
     }
     if optim.get_lr_schedule(opt) is not None:
         lrs = [float(optim.get_lr(opt, s)) for s in _LR_STEPS]

@@ -699,10 +699,14 @@ class TrainStep:
         return self
 
     def eager(self) -> TrainStep:
-        """This step, from now on run eagerly (``compile`` undone); returns the step."""
+        """This step, from now on run eagerly (``compile`` undone: its graphs dropped, its
+        plans and, on real ranks, the agreement on its collectives made anew); returns
+        the step."""
         if self.compiling:
             self.compiling = False
             self._compiled.clear()
+            self._captured.clear()
+            self._agreed.clear()
         return self
 
     def _graph_applies(self, pl: Any, eager: bool) -> str | None:
@@ -737,7 +741,9 @@ class TrainStep:
 
     def graph(self, state: TrainState, batch: Any) -> Any:
         """The graph ``compile=True`` captures for ``(state, batch)`` (a ``torch.fx``
-        GraphModule of aten ops: forward, backward, reductions and update)."""
+        GraphModule of aten ops: forward, backward, reductions and update). A pipelined
+        step on real ranks exchanges its stages' shapes while tracing: call it on every
+        rank."""
         state = counted(state)
         sm = self._shard_mapped(state)
         key = id(sm)

@@ -10,8 +10,11 @@ step, and the progress shown.
 - the layout captures as one graph (an optimizer state in a memory tier streams through
   host buffers between the step's ops: eager).
 
-A capture that is not built for a layout (``NotImplementedError``) runs the job eagerly
-under ``"auto"``, said once; asked for with ``compile=true`` it is the error.
+Under torchrun every rank decides, and the ranks compile only if all of them would.
+In one process, a capture that fails under ``"auto"`` (one not built for the layout, a
+C++ toolchain that does not work) runs the job eagerly, said once; on real ranks, and
+asked for with ``compile=true``, it is the error (which says to pass ``--no-compile``):
+a rank cannot fall back alone while its peers run the graph.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import sys
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["AUTO_MIN_STEPS", "inductor_missing", "decide", "call", "Progress"]
 
@@ -41,27 +45,41 @@ def inductor_missing() -> str | None:
     return None
 
 
-def decide(cfg: Any, steps: int) -> tuple[bool, str]:
-    """``(compile the step, why not)`` for a job of ``cfg`` running ``steps`` steps."""
+def decide(cfg: Any, steps: int, *, distributed: bool = False) -> tuple[bool, str]:
+    """``(compile the step, why not)`` for a job of ``cfg`` running ``steps`` steps
+    (``distributed``: under torchrun, where every rank calls this and they agree)."""
     if cfg.compile is True:
         return True, ""
     if cfg.compile is False:
         return False, "compile=false"
+    why = ""
     if steps < AUTO_MIN_STEPS:
-        return False, f"{steps} steps, fewer than the {AUTO_MIN_STEPS} compile=auto compiles for"
-    if cfg.offload.active:
-        return False, "the optimizer state is in a memory tier"
-    why = inductor_missing()
-    return (why is None), (why or "")
+        why = f"{steps} steps, fewer than the {AUTO_MIN_STEPS} compile=auto compiles for"
+    elif cfg.offload.active:
+        why = "the optimizer state is in a memory tier"
+    else:
+        why = inductor_missing() or ""
+    if distributed:  # compiled only if every rank would compile
+        flag = torch.tensor([0 if why else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if not why and not int(flag):
+            why = "another rank cannot compile here"
+    return not why, why
 
 
-def call(step: Any, state: Any, batch: Any, *, auto: bool, main_rank: bool) -> tuple[Any, dict]:
-    """``step(state, batch)``; under ``compile=auto``, a capture not built for this layout
-    runs eagerly from then on (said once) instead of stopping the job."""
+def _capture_failed(e: BaseException) -> bool:
+    """Whether ``e`` is the step's capture or compile failing (not the step's own error)."""
+    return isinstance(e, NotImplementedError) or (isinstance(e, RuntimeError) and "(compile=True)" in str(e))
+
+
+def call(step: Any, state: Any, batch: Any, *, auto: bool, main_rank: bool,
+         distributed: bool = False) -> tuple[Any, dict]:
+    """``step(state, batch)``; in one process under ``compile=auto``, a capture that fails
+    runs the job eagerly from then on (said once) instead of stopping it."""
     try:
         return step(state, batch)
-    except NotImplementedError as e:
-        if not (auto and step.compiling):
+    except (NotImplementedError, RuntimeError) as e:
+        if not (auto and step.compiling and not distributed and _capture_failed(e)):
             raise
         if main_rank:
             print(f"fsharded train: compile=auto: running eagerly ({str(e).splitlines()[0]})", flush=True)

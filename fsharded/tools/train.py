@@ -624,7 +624,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
                              f"{start + 1} or more to train on from it")
         if main_rank:
             print(f"fsharded train: resumed from {path} at step {start}", flush=True)
-    compiling, why = _train_loop.decide(cfg, cfg.steps - start)
+    compiling, why = _train_loop.decide(cfg, cfg.steps - start, distributed=dist_on)
     if compiling:
         step.compile()
     n_params = gpt.param_count(params)
@@ -639,7 +639,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
               + (f", zenflow top {cfg.offload.zenflow_topk_ratio:g}" if cfg.offload.zenflow else "")
               + (f", remat {cfg.remat.policy}" if cfg.remat.policy != "none" else "")
               + (", compiled" if compiling else f", eager ({why})" if cfg.compile == "auto" and
-                 cfg.steps - start >= _train_loop.AUTO_MIN_STEPS else "") + seq.describe()
+                 cfg.steps >= _train_loop.AUTO_MIN_STEPS else "") + seq.describe()
               + (f", pipeline {cfg.pipeline.schedule} with {cfg.grad_accum_steps} micro-batches" if piped else "")
               + (f", {mcfg.moe.experts} experts top-{mcfg.moe.top_k} every {mcfg.moe.every} blocks"
                  + (f" over expert={experts}" if experts > 1 else "") if mcfg.moe is not None else ""), flush=True)
@@ -672,7 +672,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
             t0 = time.perf_counter()
             # (the data position is the step count)
             state, m = _train_loop.call(step, state, seq.prepare(batches.batch_at(i)), auto=cfg.compile == "auto",
-                                        main_rank=main_rank)
+                                        main_rank=main_rank, distributed=dist_on)
             dt = time.perf_counter() - t0
             if i == start + 1:
                 t_steady = time.perf_counter() - dt  # exclude the first (warm-up) step
