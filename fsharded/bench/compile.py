@@ -14,7 +14,9 @@ process: ``train_step(compile=True)`` (Inductor) against
   compiled by AOTAutograd and Inductor; the optimizer eager, as most loops run it);
 - the matmul floor: the model FLOPs of a step (``fsharded.tools.flops``) at the rate this
   machine's largest square fp32 ``torch.mm`` reaches, measured in the same run (the
-  fastest GEMM shape: the floor is optimistic for the model's smaller products).
+  fastest GEMM shape: the floor is optimistic for the model's smaller products);
+- and a floor at the model's own shapes: every matrix product of the traced forward and
+  backward timed alone at its shapes, summed (``shape_floor``).
 
 All are checked to give the same parameters after the warm-up steps before timing; the
 rows alternate rounds. Beside the floor, the bare gradient compiled the same way (``make_fx``
@@ -89,6 +91,43 @@ def _bare_gradient(params: dict, batches: list) -> Callable[[], float]:
         float(loss)
         return (time.perf_counter() - t0) / len(batches)
     return run
+
+
+_MATMULS = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default", "aten.baddbmm.default")
+
+
+def shape_floor(params: dict, batch: dict, reps: int = 5) -> tuple[float, float, int]:
+    """The matmul floor at the model's own shapes: every matrix product of the traced
+    forward and backward (``grad_and_value(gpt.loss)`` under ``make_fx``: einsums lowered
+    to ``mm``/``bmm``), each timed alone at its shapes on fresh contiguous operands (the best
+    of ``reps``), summed. Returns (seconds, FLOPs, products)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    leaves, tdef = optree.tree_flatten(params)
+
+    def grads(leaves: list, batch: dict):
+        return torch.func.grad_and_value(gpt.loss)(optree.tree_unflatten(tdef, leaves), batch)
+
+    gm = make_fx(grads, tracing_mode="fake")(leaves, batch)
+    shapes: dict[tuple, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and str(n.target) in _MATMULS:
+            args = [a.meta["val"] for a in n.args if isinstance(a, torch.fx.Node)]
+            key = (str(n.target), *(tuple(a.shape) for a in args[-2:]))  # (addmm's bias left out)
+            shapes[key] = shapes.get(key, 0) + 1
+    total_s, flops = 0.0, 0.0
+    for (op, a_shape, b_shape), count in shapes.items():
+        a, b = torch.randn(a_shape), torch.randn(b_shape)
+        fn = torch.bmm if "bmm" in op else torch.mm
+        fn(a, b)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn(a, b)
+            best = min(best, time.perf_counter() - t0)
+        total_s += best * count
+        flops += 2 * a.numel() * b_shape[-1] * count
+    return total_s, flops, sum(shapes.values())
 
 
 def gemm_rate(n: int = 1024, reps: int = 10) -> float:
@@ -176,6 +215,11 @@ def step_sections(cfg: gpt.GPTConfig, batch: int, *, rounds: int, iters: int) ->
     a, _ = alternate(bare, lambda: floor, rounds)
     floors.append(Row.from_samples("the bare gradient, make_fx + torch.compile (no update) vs the matmul floor",
                                    size, a, [floor] * len(a)))
+    own_s, own_flops, products = shape_floor(params, batches[0])
+    own = []
+    for label, run in (("train_step(compile=True)", ours("compiled")), ("the bare gradient (no update)", bare)):
+        a, _ = alternate(run, lambda: own_s, rounds)
+        own.append(Row.from_samples(f"{label} vs its products at their own shapes", size, a, [own_s] * len(a)))
     notes = (f"{rounds} alternating rounds of {iters} steps; every form checked to give the compiled step's "
              f"parameters after 3 steps",
              f"capture and Inductor compile of train_step: {compile_s:.1f} s; torch.compile of the loss (its first "
@@ -191,6 +235,14 @@ def step_sections(cfg: gpt.GPTConfig, batch: int, *, rounds: int, iters: int) ->
                        "the bare gradient: forward and backward alone (no clipping, no update), compiled as the "
                        "step is: what Inductor makes of this model's products and element-wise work on this "
                        "machine")),
+        Section(title="the same step against its matrix products at their own shapes",
+                peer="the time of every product of the traced forward and backward, each alone at its shapes",
+                rows=tuple(own),
+                notes=(f"{products} products (mm and bmm, the einsums lowered), {own_flops / 1e9:.2f} GFLOP, "
+                       f"{own_s * 1e3:.2f} ms when each runs alone at its shapes (best of 5; "
+                       f"{own_flops / own_s / 1e9:.1f} GFLOP/s, against {rate / 1e9:.1f} GFLOP/s of the 1024^3 "
+                       f"product): a floor for this model's shapes on this machine, where the one above "
+                       f"takes every FLOP at the square product's rate",)),
     ], compile_s
 
 
