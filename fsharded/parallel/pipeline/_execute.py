@@ -196,33 +196,29 @@ class PointToPoint:
             work, out = self._posted.pop((key, src))
             work.wait()
             code = self._known[kind][2]
-        elif kind in self._known:
-            dtype, shape, code, _ = self._known[kind]
-            out = torch.empty(shape, dtype=dtype)
-            dist.recv(out, peer, group=self.group, tag=tag + 1)
         else:
-            head = torch.empty(_HEAD, dtype=torch.int64)
-            dist.recv(head, peer, group=self.group, tag=tag)
-            dtype, nd, code = _DTYPES[int(head[0])], int(head[1]), int(head[9])
-            shape = tuple(int(x) for x in head[2:2 + nd])
-            self._known[kind] = (dtype, shape, code, int(head[10]))
+            dtype, shape, code, _ = self._known[kind] if kind in self._known else self._header(kind, peer, tag)
             out = torch.empty(shape, dtype=dtype)
             dist.recv(out, peer, group=self.group, tag=tag + 1)
         return self.types[1](out, code) if self.types is not None else out
+
+    def _header(self, kind: tuple, peer: int, tag: int) -> tuple:
+        """Receive the header of the first value of ``kind`` (for real, also while tracing)
+        and learn its dtype, shape, type code and keys drawn."""
+        with _disable_current_modes():
+            head = torch.empty(_HEAD, dtype=torch.int64)
+            dist.recv(head, peer, group=self.group, tag=tag)
+            nd = int(head[1])
+            self._known[kind] = (_DTYPES[int(head[0])], tuple(int(x) for x in head[2:2 + nd]), int(head[9]),
+                                 int(head[10]))
+        return self._known[kind]
 
     def _traced_recv(self, key: tuple, src: int, dst: int) -> torch.Tensor:
         """``recv`` as an op of the graph being traced, its shape from the header (received
         now if the kind is new). A gradient's receive releases the copy of the activation
         it is the gradient of."""
         tag, peer, kind = self._tag(key), self.ranks[src], self._kind(key, src, dst)
-        if kind not in self._known:
-            with _disable_current_modes():
-                head = torch.empty(_HEAD, dtype=torch.int64)
-                dist.recv(head, peer, group=self.group, tag=tag)
-                nd = int(head[1])
-                self._known[kind] = (_DTYPES[int(head[0])], tuple(int(x) for x in head[2:2 + nd]), int(head[9]),
-                                     int(head[10]))
-        dtype, shape, code, _ = self._known[kind]
+        dtype, shape, code, _ = self._known[kind] if kind in self._known else self._header(kind, peer, tag)
         after = self._tag(("act", key[1], key[2] - 1)) + 1 if key[0] == "grad" else -1
         out = _graph_ops.recv(shape, dtype, self.group, peer, tag + 1, after)
         return self.types[1](out, code) if self.types is not None else out
