@@ -105,6 +105,31 @@ def test_any_tree_and_specs(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["a"]
 
 
+def test_select_loads_one_subtree_resharded(tmp_path):
+    """``select=``: a subtree (or one leaf) of a saved tree, laid out by its own specs on
+    another mesh; a template that does not fit names the checkpoint's full paths."""
+    tree = {"params": {"w": torch.arange(24.0).reshape(4, 6), "b": torch.arange(6.0)},
+            "opt": {"mu": {"w": torch.ones(4, 6), "b": torch.zeros(6)}}, "step": torch.tensor(7)}
+    mesh = fs.Mesh({"data": 2, "tensor": 2})
+    specs = {"params": {"w": P("data", "tensor"), "b": P("tensor")}, "opt": {"mu": {"w": P("data"), "b": P()}},
+             "step": P()}
+    fs.checkpoint.save(tmp_path / "a", tree, specs, mesh)
+    got = fs.checkpoint.load(tmp_path / "a", None, None, fs.Mesh({"data": 1}), select="params")
+    assert sorted(got) == ["b", "w"] and torch.equal(got["w"], tree["params"]["w"])
+    got = fs.checkpoint.load(tmp_path / "a", {"w": torch.empty(4, 6), "b": torch.empty(6)},
+                             {"w": P("tensor"), "b": P()}, fs.Mesh({"tensor": 2}), select="params")
+    assert torch.equal(got["w"], tree["params"]["w"]) and torch.equal(got["b"], tree["params"]["b"])
+    assert int(fs.checkpoint.load(tmp_path / "a", None, None, fs.Mesh({}), select="step")) == 7
+    with pytest.raises(CheckpointError, match=r"params\.w: \[4, 5\] torch.float32 here, \[4, 6\]"):
+        fs.checkpoint.load(tmp_path / "a", {"w": torch.empty(4, 5), "b": torch.empty(6)}, None, fs.Mesh({}),
+                           select="params")
+    with pytest.raises(CheckpointError, match=r"missing: params\.c"):
+        fs.checkpoint.load(tmp_path / "a", {"w": torch.empty(4, 6), "b": torch.empty(6), "c": torch.empty(1)},
+                           None, fs.Mesh({}), select="params")
+    with pytest.raises(CheckpointError, match="no leaves under 'nothing'"):
+        fs.checkpoint.load(tmp_path / "a", None, None, fs.Mesh({}), select="nothing")
+
+
 # -- bad input ------------------------------------------------------------------------------------
 
 

@@ -505,21 +505,27 @@ def tree_like(directory: str | os.PathLike, prefix: str = "") -> Any:
 
 
 def load(directory: str | os.PathLike, like: Any, specs: Any, mesh: Mesh, *,
-         backend: str | None = None, owners: list | None = None) -> Any:
+         backend: str | None = None, owners: list | None = None, select: str | None = None) -> Any:
     """The checkpoint at ``directory`` as a tree shaped like ``like``, laid out by ``specs``
     on ``mesh`` (on real ranks: this rank's shards, read from only the blocks that hold
     them). ``like`` gives the structure, shapes and dtypes (tensors of any device, meta
     included; on real ranks this rank's shards); the checkpoint must hold exactly its
     leaves. ``like=None``: the tree as it was saved (``tree_like(directory)``).
+    ``select``: the subtree at that dotted path only (``"params"`` of a train state: the
+    model without its optimizer state); ``like`` and ``specs`` are then the subtree's.
     ``owners`` (as ``save``'s): on real ranks a leaf held elsewhere is not read, and comes
     back as a placeholder (zeros broadcast to its shard's shape)."""
     directory = os.fspath(directory)
     manifest = read_manifest(directory)
-    saved = {e["path"]: e for e in manifest["leaves"]}
+    pre = f"{select}." if select else ""
+    saved = {e["path"]: e for e in manifest["leaves"] if not select or e["path"] == select
+             or e["path"].startswith(pre)}
     rebuilt = like is None
     if rebuilt:
-        like = _ckpt_structure.tree_like(manifest, directory)
+        like = _ckpt_structure.tree_like(manifest, directory, select or "")
     paths, leaves, tdef = _flatten(like)
+    if select:  # the subtree's paths -> the checkpoint's
+        paths = [select if p == "<root>" else pre + p for p in paths]
     try:
         flat_specs = _flat_specs(specs, like, tdef)
     except ValueError as e:

@@ -299,6 +299,21 @@ class GPTConfig:
         """A copy with ``changes`` applied (and validated)."""
         return dataclasses.replace(self, **changes)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as plain JSON values (``moe`` a dict or None): what a checkpoint's
+        job record keeps, ``from_dict``'s input."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
+        """The config ``to_dict`` wrote; an unknown setting is an error naming it."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields)
+        if unknown:
+            raise ValueError(f"GPTConfig.from_dict: unknown settings {unknown}; known: {sorted(fields)}")
+        moe = d.get("moe")
+        return cls(**{**d, "moe": MoEConfig(**moe) if isinstance(moe, dict) else moe})
+
 
 def _positive_number(v: Any) -> bool:
     return (

@@ -24,6 +24,7 @@ from typing import IO, Any
 import torch
 
 from fsharded import optim
+from fsharded.tools.data import encoding
 
 JOB_FILE = "job.json"
 RESUME_CHANGES = ("schedule", "batch")
@@ -84,12 +85,17 @@ def _length(old: dict, new: dict) -> int | None:
 # -- the record in a checkpoint ---------------------------------------------------------------
 
 
-def job_record(cfg: Any, step: int) -> dict:
-    """What a checkpoint at ``step`` records of the run that saved it."""
-    return {"step": int(step), "steps": cfg.steps, "schedule": schedule_record(cfg),
-            "global_batch": cfg.train_batch_size, "micro_batch_size": cfg.micro_batch_size,
-            "grad_accum_steps": cfg.grad_accum_steps, "data_parallel_size": cfg.data_parallel_size,
-            "mesh": dict(cfg.mesh)}
+def job_record(cfg: Any, step: int, model: Any = None) -> dict:
+    """What a checkpoint at ``step`` records of the run that saved it: the schedule and
+    batch (for resuming), and the model's config and the data's encoding (``"bytes"`` for
+    text, None for token files), from which ``fsharded generate`` rebuilds the model."""
+    rec = {"step": int(step), "steps": cfg.steps, "schedule": schedule_record(cfg),
+           "global_batch": cfg.train_batch_size, "micro_batch_size": cfg.micro_batch_size,
+           "grad_accum_steps": cfg.grad_accum_steps, "data_parallel_size": cfg.data_parallel_size,
+           "mesh": dict(cfg.mesh)}
+    if model is not None:
+        rec.update(model=model.to_dict(), data=str(cfg.data), encoding=encoding(cfg.data))
+    return rec
 
 
 def _crc(record: dict) -> int:

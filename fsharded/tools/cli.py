@@ -1,6 +1,7 @@
 """The ``fsharded`` command line.
 
     fsharded train                        # train the bundled GPT (fsharded train --help)
+    fsharded generate --checkpoint checkpoints --prompt 'def '   # continue a prompt
     fsharded bench --list                 # the registered benchmarks
     fsharded bench spmd --quick           # run one; options after the name go to it
     fsharded bench spmd --help
@@ -90,6 +91,19 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run_train)
 
 
+# -- fsharded generate ----------------------------------------------------------------------
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="continue a prompt with a GPT trained by fsharded train (fsharded generate --help)",
+        description="Generate with a KV cache from a checkpoint of fsharded train.",
+        add_help=False,
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+
 # -- fsharded export ------------------------------------------------------------------------
 
 
@@ -158,8 +172,8 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
 
 # -- top level -------------------------------------------------------------------------------
 
-_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_bench, _add_train, _add_export,
-                                                                       _add_plot)
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_bench, _add_train, _add_generate,
+                                                                       _add_export, _add_plot)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,6 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fsharded.tools import train
 
         return train.main(argv[1:], prog="fsharded train")
+    if argv[:1] == ["generate"]:  # and after `generate`, to generation
+        from fsharded.tools import generate
+
+        return generate.main(argv[1:], prog="fsharded generate")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_any_args", False):

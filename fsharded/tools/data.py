@@ -33,6 +33,7 @@ __all__ = [
     "text_file",
     "token_file",
     "load_tokens",
+    "encoding",
     "Batches",
     "check_batch_size",
 ]
@@ -203,6 +204,13 @@ def load_tokens(spec: str | os.PathLike, *, vocab_size: int | None = None) -> To
             f"{vocab_size} was asked for; give a .bin token file for other vocabularies"
         )
     return text_file(s)
+
+
+def encoding(spec: str | os.PathLike) -> str | None:
+    """How ``load_tokens(spec)`` turns text into tokens: ``"bytes"`` (the stdlib corpus
+    and text files: a token is a byte) or None (a ``.bin`` file of another tokenizer's
+    ids, which fsharded cannot decode)."""
+    return None if os.fspath(spec).endswith(".bin") else "bytes"
 
 
 # ------------------------------------------------------------------------------------------

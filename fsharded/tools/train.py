@@ -660,7 +660,7 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
 
     def saved(directory: str | None) -> None:  # a complete checkpoint gets its run's record
         if directory is not None and main_rank:
-            _train_resume.write_job(directory, _train_resume.job_record(cfg, int(directory.rsplit("-", 1)[1])))
+            _train_resume.write_job(directory, _train_resume.job_record(cfg, int(directory.rsplit("-", 1)[1]), mcfg))
     bar = _train_loop.Progress(cfg.steps, progress, cfg.log_every, main_rank)
     tok_per_step = global_batch * mcfg.seq_len
     losses: list[float] = []

@@ -1,0 +1,219 @@
+"""``fsharded generate``: continue a prompt with a GPT trained by ``fsharded train``.
+
+    fsharded generate --checkpoint checkpoints --prompt "def main(" --max-new-tokens 64
+    fsharded generate --checkpoint checkpoints/step-00000300 --prompt "import " \\
+        --temperature 0.8 --top-p 0.95 --seed 1
+    fsharded generate --checkpoint checkpoints --prompt-tokens 100,101,102 --greedy --json
+
+``--checkpoint`` is a checkpoint directory (``step-N``) or a save directory (its newest
+intact checkpoint). The model is rebuilt from the settings the run recorded beside its
+checkpoints (``job.json``); a checkpoint without them (``step.save``, or an fsharded that
+did not record the model) takes ``--preset`` and ``--set model.KEY=VALUE`` as the run was
+given them. The parameters are the run's master weights (``params`` of the train state),
+cast to ``--dtype``. Text prompts are encoded as the run's data was: bytes for text (the
+stdlib corpus and text files); a run on a ``.bin`` token file takes ``--prompt-tokens``.
+
+It prints each prompt with its continuation (or the token ids), then the prefill and
+decode rates in tokens per second; ``--json`` prints one JSON object instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from fsharded import checkpoint, inference
+from fsharded import random as R
+from fsharded.mesh import Mesh
+from fsharded.models import gpt
+from fsharded.tools import _train_resume
+
+__all__ = ["Loaded", "load_model", "build_parser", "main"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Loaded:
+    """A trained GPT as ``fsharded generate`` runs it: its ``params`` (full tensors),
+    ``config``, ``model_state`` (MoE routing biases, or None), the data's ``encoding``
+    ("bytes" or None), and the step and directory it was saved at."""
+
+    params: dict
+    config: gpt.GPTConfig
+    model_state: Any
+    encoding: str | None
+    step: int | None
+    directory: str
+
+    def encode(self, text: str) -> list[int]:
+        if self.encoding != "bytes":
+            raise ValueError(f"generate: {self.directory} was trained on token ids of another tokenizer, which "
+                             f"fsharded cannot encode: give --prompt-tokens")
+        return list(text.encode("utf-8"))
+
+    def decode(self, tokens: Sequence[int]) -> str | None:
+        return bytes(tokens).decode("utf-8", errors="replace") if self.encoding == "bytes" else None
+
+
+def resolve(path: str) -> str:
+    """A checkpoint directory: ``path`` itself, or the newest intact one under it."""
+    if not os.path.isdir(path):
+        raise ValueError(f"generate: --checkpoint {path}: no such directory")
+    if os.path.exists(os.path.join(path, "manifest.json")):
+        return path
+    latest = checkpoint.Manager(path, keep=None).latest()
+    if latest is None:
+        raise ValueError(f"generate: --checkpoint {path} is neither a checkpoint (no manifest.json) nor a save "
+                         f"directory holding one (no intact step-N under it)")
+    return latest
+
+
+def _config(directory: str, record: dict | None, preset: str | None, sets: Sequence[str]) -> gpt.GPTConfig:
+    if preset is None and not sets and record is not None and "model" in record:
+        return gpt.GPTConfig.from_dict(record["model"])
+    if preset is None and not sets:
+        raise ValueError(f"generate: {directory} does not record its model's settings (saved by step.save, or "
+                         f"by an fsharded train that did not record them): give the --preset and --set "
+                         f"model.KEY=VALUE options the run was trained with (the vocabulary and learned "
+                         f"positions are read from the checkpoint)")
+    fields: dict[str, Any] = {}
+    for s in sets:
+        key, eq, value = s.partition("=")
+        if not eq or not key.startswith("model."):
+            raise ValueError(f"generate: --set {s!r}: write model.KEY=VALUE (a GPT setting)")
+        try:
+            fields[key[6:]] = json.loads(value)
+        except json.JSONDecodeError:
+            fields[key[6:]] = value
+    make = getattr(gpt.GPTConfig, preset or "small", None)
+    if make is None or (preset or "").startswith("_") or not callable(make):
+        raise ValueError(f"generate: --preset {preset!r}: unknown; known: tiny, small, llama_style")
+    # What fsharded train fixed beside the preset (the data's vocabulary, --seq-len), as saved.
+    shapes = {e["path"]: e.get("shape") for e in checkpoint.read_manifest(directory)["leaves"]}
+    if shapes.get("params.emb"):
+        fields.setdefault("vocab_size", shapes["params.emb"][0])
+    if shapes.get("params.pos"):
+        fields.setdefault("seq_len", shapes["params.pos"][0])
+    return make(**fields)
+
+
+def load_model(path: str, *, dtype: torch.dtype = torch.float32, preset: str | None = None,
+               sets: Sequence[str] = ()) -> Loaded:
+    """The GPT saved at ``path`` (a checkpoint or a save directory): its config from the
+    run's record (or ``preset`` and ``sets``, ``model.KEY=VALUE``), its parameters (the
+    checkpoint's ``params``, whatever layout they were trained in, as full tensors) cast
+    to ``dtype``. A checkpoint of another model is an error naming the leaves that differ."""
+    directory = resolve(path)
+    record = _train_resume.read_job(directory)
+    cfg = _config(directory, record, preset, sets)
+    with torch.device("meta"):
+        like = gpt.init(cfg, 0)
+    mesh = Mesh({})
+    params = checkpoint.load(directory, like, None, mesh, select="params")
+    if dtype != torch.float32:
+        params = optree.tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, params)
+    ms = None
+    if cfg.moe is not None and cfg.moe.bias_update_rate is not None:
+        ms = checkpoint.load(directory, gpt.init_model_state(like), None, mesh, select="model_state")
+    encoding = record.get("encoding", "bytes") if record is not None else ("bytes" if cfg.vocab_size == 256 else None)
+    step = record.get("step") if record is not None else None
+    return Loaded(params, cfg, ms, encoding, step, directory)
+
+
+def build_parser(prog: str = "fsharded generate") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a checkpoint (step-N) or a save directory (its newest checkpoint)")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="a prompt (repeat for a batch of prompts)")
+    p.add_argument("--prompt-tokens", action="append", default=[], metavar="IDS",
+                   help="a prompt as comma-separated token ids (repeat for a batch)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--greedy", action="store_true", help="the most likely token each step (the default "
+                   "without --temperature, --top-k or --top-p)")
+    p.add_argument("--temperature", type=float, default=None, metavar="T")
+    p.add_argument("--top-k", type=int, default=None, metavar="K")
+    p.add_argument("--top-p", type=float, default=None, metavar="P")
+    p.add_argument("--seed", type=int, default=0, help="the sampling key's seed (default 0)")
+    p.add_argument("--stop", action="append", default=[], metavar="TOKEN",
+                   help="a token id that ends a continuation (kept); repeatable")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                   help="weights and cache (default fp32; the checkpoint's master weights are cast)")
+    p.add_argument("--preset", default=None, help="for a checkpoint without a recorded model: the GPT preset")
+    p.add_argument("--set", action="append", default=[], metavar="model.KEY=VALUE", dest="sets",
+                   help="for a checkpoint without a recorded model: a GPT setting the run had")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def _prompts(args: argparse.Namespace, model: Loaded) -> list[list[int]]:
+    rows = [model.encode(t) for t in args.prompt]
+    for ids in args.prompt_tokens:
+        try:
+            rows.append([int(t) for t in ids.split(",") if t.strip()])
+        except ValueError as e:
+            raise ValueError(f"generate: --prompt-tokens {ids!r}: write comma-separated integers") from e
+    if not rows:
+        raise ValueError("generate: give --prompt TEXT or --prompt-tokens IDS")
+    if any(not r for r in rows):
+        raise ValueError("generate: a prompt is empty; give at least one token")
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Load, generate, and return what ``main`` prints (as its JSON form)."""
+    sampled = not args.greedy and any(v is not None for v in (args.temperature, args.top_k, args.top_p))
+    if args.greedy and any(v is not None for v in (args.temperature, args.top_k, args.top_p)):
+        raise ValueError("generate: --greedy takes no --temperature, --top-k or --top-p")
+    model = load_model(args.checkpoint, dtype=DTYPES[args.dtype], preset=args.preset, sets=args.sets)
+    rows = _prompts(args, model)
+    out = inference.generate(model.params, rows, args.max_new_tokens,
+                             key=R.key(args.seed) if sampled else None,
+                             temperature=1.0 if args.temperature is None else args.temperature,
+                             top_k=args.top_k, top_p=args.top_p, stop_tokens=[int(s) for s in args.stop],
+                             moe=model.config.moe, model_state=model.model_state)
+    return {"checkpoint": model.directory, "step": model.step,
+            "samples": [{"prompt": model.decode(r), "prompt_tokens": r, "text": model.decode(t), "tokens": t,
+                         "stopped": s} for r, t, s in zip(rows, out.tokens, out.stopped)],
+            "prefill": {"tokens": out.prefill_tokens, "seconds": out.prefill_s,
+                        "tokens_per_s": out.prefill_tokens_per_s},
+            "decode": {"tokens": out.decode_tokens, "seconds": out.decode_s,
+                       "tokens_per_s": out.decode_tokens_per_s}}
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded generate") -> int:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        res = run(args)
+    except (ValueError, OSError) as e:
+        print(f"{prog}: {str(e).removeprefix('generate: ')}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    for s in res["samples"]:
+        if s["text"] is not None:
+            print(s["prompt"] + s["text"])
+        else:
+            print(f"{s['prompt_tokens']} -> {s['tokens']}")
+        print("-" * 40)
+    pf, dc = res["prefill"], res["decode"]
+    print(f"prefill: {pf['tokens']} tokens, {pf['tokens_per_s']:,.0f} tokens/s; "
+          f"decode: {dc['tokens']} tokens, {dc['tokens_per_s']:,.0f} tokens/s "
+          f"({res['checkpoint']}, step {res['step']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
