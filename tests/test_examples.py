@@ -275,9 +275,25 @@ def _check_generate(ns: dict, out: str) -> None:
     assert again.tokens == ns["drawn"].tokens and str(ns["greedy"].tokens) in out and "tokens/s" in out
 
 
+def _check_int8(ns: dict, out: str) -> None:
+    # Each projection is int8; the product equals the fp32 model's within the int8 rounding.
+    import torch
+
+    import fsharded as fs
+
+    for q in (ns["q8"], ns["g8"]):
+        assert isinstance(q["blocks"][1]["mlp"]["w_out"], fs.inference.Int8Weight)
+    assert ns["g8"]["blocks"][0]["attn"]["wq"].group_size == 8 and ns["g8"]["emb"].dtype == torch.bfloat16
+    tokens = torch.tensor([[1, 2, 3]])
+    want = fs.inference.extend(ns["params"], tokens, fs.inference.KVCache.empty(ns["params"], 1, 3))
+    got = fs.inference.extend(ns["q8"], tokens, fs.inference.KVCache.empty(ns["q8"], 1, 3))
+    assert float((got - want).abs().max()) <= 0.05 * float(want.std()) and "Int8Weight(shape=(16, 4, 4)" in out
+
+
 # Each entry: a line that identifies the README block; the code run before it; text
 # replacements that scale it to a test (the block is otherwise run as written); a check.
 EXAMPLES = {
+    "q8 = fs.inference.quantize(params)": dict(before="", replace={}, check=_check_int8),
     "greedy = fs.inference.generate(params, prompts, max_new_tokens=6)": dict(
         before="", replace={}, check=_check_generate),
     # (through the captured graph as it is, torch.compile's "eager" backend: Inductor's

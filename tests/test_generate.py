@@ -84,6 +84,20 @@ def test_a_checkpoint_of_any_training_layout_generates_from_its_full_weights(tmp
     torch.testing.assert_close(loaded.params["emb"].float(), params["emb"].to(torch.bfloat16).float())
 
 
+def test_int8_weights_generate_what_the_quantized_model_does(trained, capsys):
+    params, _ = _params(trained)
+    for extra, group in (([], None), (["--group-size", "4"], 4)):
+        res = _generate(capsys, "--checkpoint", trained, "--prompt", "def f(x", "--max-new-tokens", "6", "--int8",
+                        *extra)
+        want = fs.inference.generate(fs.inference.quantize(params, group), [list(b"def f(x")], 6)
+        assert res["samples"][0]["tokens"] == want.tokens[0]
+    assert generate.load_model(trained, int8=True, dtype=torch.bfloat16).params["emb"].dtype == torch.bfloat16
+    assert generate.main(["--checkpoint", trained, "--prompt", "a", "--group-size", "4"]) == 2
+    assert "give --int8 with it" in capsys.readouterr().err
+    assert generate.main(["--checkpoint", trained, "--prompt", "a", "--int8", "--group-size", "5"]) == 2
+    assert "positive divisor of the 16 input features" in capsys.readouterr().err
+
+
 def test_a_mixture_of_experts_with_routing_biases_generates_with_its_trained_biases(tmp_path, capsys):
     d = _train(tmp_path, "moe", "--set", "model.moe.experts=4", "--set", "model.moe.every=1",
                "--set", "model.moe.bias_update_rate=0.05")

@@ -122,3 +122,65 @@ def test_the_module_docstring_example_runs():
     import doctest
 
     assert doctest.testmod(fs.inference, raise_on_error=False).failed == 0
+
+
+# -- int8 weight-only ---------------------------------------------------------------------------
+
+INT8_PROMPTS = [list(b"def main("), list(b"import o"), list(b"    return ")]
+INT8_LOGIT_TOL = 0.02  # max |logit error| as a fraction of the fp32 logits' standard deviation
+
+
+@pytest.fixture(scope="module")
+def trained_models():
+    """Tiny GPTs trained 80 steps on the stdlib corpus (peaked next-token distributions, as a
+    real model's are; a random model's near-ties would make any rounding flip a token)."""
+    out = {}
+    for name, kw in (("learned, tied", {}),
+                     ("llama-style, untied", dict(positions="rotary", norm="rmsnorm", activation="swiglu",
+                                                  bias=False, n_kv_heads=2, tied_embeddings=False))):
+        cfg = gpt.GPTConfig.tiny(vocab_size=256, seq_len=32, **kw)
+        step = fs.train_step(gpt.loss, fs.optim.adamw(1e-2))
+        state = step.init(gpt.init(cfg, 0))
+        data = fs.data.Batches(fs.data.load_tokens("stdlib:200000"), 8, cfg.seq_len, seed=0)
+        for i in range(80):
+            state, _ = step(state, data.batch_at(i))
+        out[name] = step.params(state)
+    return out
+
+
+@pytest.mark.parametrize("group_size", [None, 8])
+@pytest.mark.parametrize("name", ["learned, tied", "llama-style, untied"])
+def test_int8_weights_stay_within_the_stated_logit_tolerance_and_greedy_matches(trained_models, name, group_size):
+    params = trained_models[name]
+    q = fs.inference.quantize(params, group_size)
+    blk = q["blocks"][0]
+    assert all(isinstance(blk["attn"][k], fs.inference.Int8Weight) for k in ("wq", "wk", "wv", "wo"))
+    assert isinstance(q["head"], fs.inference.Int8Weight) and q["head"].shape == (16, 256)
+    assert "head" not in params or params["head"].shape == (16, 256)
+    assert q["emb"] is params["emb"] or torch.equal(q["emb"], params["emb"])  # the lookup stays float
+    tokens = torch.tensor([list(b"def main(x):\n    ")] * 2)
+    want = fs.inference.extend(params, tokens, fs.inference.KVCache.empty(params, 2, 20))
+    got = fs.inference.extend(q, tokens, fs.inference.KVCache.empty(q, 2, 20))
+    err = float((got - want).abs().max()) / float(want.std())
+    assert 0 < err <= INT8_LOGIT_TOL, err
+    assert fs.inference.generate(q, INT8_PROMPTS, 12).tokens == fs.inference.generate(params, INT8_PROMPTS, 12).tokens
+
+
+def test_int8_with_bf16_activations_and_a_mixture_of_experts(trained_models):
+    params = trained_models["learned, tied"]
+    q16 = fs.inference.quantize(params, dtype=torch.bfloat16)
+    assert q16["emb"].dtype == torch.bfloat16 and q16["head"].scales.dtype == torch.float32
+    tokens = torch.tensor([list(b"import os\n")])
+    want = fs.inference.extend(params, tokens, fs.inference.KVCache.empty(params, 1, 12))
+    got = fs.inference.extend(q16, tokens, fs.inference.KVCache.empty(q16, 1, 12))
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - want).abs().max()) / float(want.std()) <= 0.1  # int8 and bf16 roundings
+    # A mixture of experts: the dense blocks' projections are int8, the experts stay floating.
+    moe = MoEConfig(experts=4, top_k=2, every=2)
+    mp = gpt.init(gpt.GPTConfig.tiny(moe=moe, init_std=0.2), 0)
+    mq = fs.inference.quantize(mp)
+    assert isinstance(mq["blocks"][0]["mlp"]["w_in"], fs.inference.Int8Weight)
+    assert not any(isinstance(v, fs.inference.Int8Weight) for v in mq["blocks"][1]["mlp"].values())
+    a = fs.inference.extend(mp, torch.tensor([[1, 2, 3, 4]]), fs.inference.KVCache.empty(mp, 1, 4), moe=moe)
+    b = fs.inference.extend(mq, torch.tensor([[1, 2, 3, 4]]), fs.inference.KVCache.empty(mq, 1, 4), moe=moe)
+    assert float((a - b).abs().max()) / float(a.std()) <= 0.1

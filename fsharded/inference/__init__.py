@@ -9,12 +9,15 @@
 
 ``generate`` prefills the prompts (left-padded to the longest) into a static,
 preallocated ``KVCache`` and decodes one token per step, greedy or sampled with an
-explicit key (``sample``). ``extend`` is the cached forward itself.
+explicit key (``sample``). ``extend`` is the cached forward itself. ``quantize`` stores
+the projections as int8 weights with per-channel or group-wise scales (``Int8Weight``),
+multiplied with the weights dequantized inside the product.
 """
 
 from fsharded.inference._cache import KVCache
 from fsharded.inference._generate import Generation, generate
 from fsharded.inference._gpt import extend
+from fsharded.inference._int8 import Int8Weight, quantize
 from fsharded.inference._sample import sample
 
-__all__ = ["KVCache", "Generation", "generate", "extend", "sample"]
+__all__ = ["KVCache", "Generation", "generate", "extend", "sample", "quantize", "Int8Weight"]

@@ -26,13 +26,14 @@ class KVCache:
     def empty(cls, params: dict, batch: int, slots: int, *, start: torch.Tensor | None = None,
               dtype: torch.dtype | None = None) -> KVCache:
         """An empty cache for ``params`` (a GPT's tree) holding ``slots`` tokens per row of
-        ``batch``, in ``dtype`` (default: the weights')."""
+        ``batch``, in ``dtype`` (default: the embedding's)."""
         k, v = [], []
+        emb = params["emb"]  # the activations' dtype (the projections may be int8)
         for p in params["blocks"]:
             wk = p["attn"]["wk"]  # (D, KV, Dh)
             shape = (batch, slots, wk.shape[1], wk.shape[2])
-            k.append(torch.zeros(shape, dtype=dtype or wk.dtype, device=wk.device))
-            v.append(torch.zeros(shape, dtype=dtype or wk.dtype, device=wk.device))
+            k.append(torch.zeros(shape, dtype=dtype or emb.dtype, device=emb.device))
+            v.append(torch.zeros(shape, dtype=dtype or emb.dtype, device=emb.device))
         start = torch.zeros(batch, dtype=torch.int64) if start is None else start.to(torch.int64)
         return cls(k, v, start, 0)
 

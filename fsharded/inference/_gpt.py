@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fsharded.inference._cache import KVCache
+from fsharded.inference._int8 import Int8Weight
 from fsharded.models import gpt
 from fsharded.models._gpt_config import MoEConfig
 
@@ -45,6 +46,11 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch
     s = s.masked_fill(~allowed[:, None, None], float("-inf"))
     o = torch.einsum("bkgts,bskd->btkgd", s.softmax(dim=-1), v)
     return o.reshape(B, T, h, Dh)
+
+
+def _proj(h: torch.Tensor, w: Any) -> torch.Tensor:
+    """(B, T, D) through a (D, heads, Dh) projection, float or int8."""
+    return h @ w if isinstance(w, Int8Weight) else torch.einsum("btd,dhe->bthe", h, w)
 
 
 def check_context(params: dict, cache: KVCache, new: int) -> None:
@@ -85,9 +91,7 @@ def extend(params: dict, tokens: torch.Tensor, cache: KVCache, *, moe: MoEConfig
     for i, p in enumerate(params["blocks"]):
         a = p["attn"]
         h = gpt._norm(p["norm1"], x)
-        q = torch.einsum("btd,dhe->bthe", h, a["wq"])
-        k = torch.einsum("btd,dhe->bthe", h, a["wk"])
-        v = torch.einsum("btd,dhe->bthe", h, a["wv"])
+        q, k, v = _proj(h, a["wq"]), _proj(h, a["wk"]), _proj(h, a["wv"])
         if "bq" in a:
             q, k, v = q + a["bq"], k + a["bk"], v + a["bv"]
         if rotary:
@@ -95,7 +99,7 @@ def extend(params: dict, tokens: torch.Tensor, cache: KVCache, *, moe: MoEConfig
         cache.k[i][:, L:L + T] = k.to(cache.k[i].dtype)
         cache.v[i][:, L:L + T] = v.to(cache.v[i].dtype)
         o = _attention(q, cache.k[i][:, :L + T].to(q.dtype), cache.v[i][:, :L + T].to(q.dtype), allowed)
-        y = torch.einsum("bthe,hed->btd", o, a["wo"])
+        y = o @ a["wo"] if isinstance(a["wo"], Int8Weight) else torch.einsum("bthe,hed->btd", o, a["wo"])
         x = x + (y + a["bo"] if "bo" in a else y)
         if gpt._is_moe(p):
             bias = biases[n_moe] if biases is not None else None
@@ -104,4 +108,4 @@ def extend(params: dict, tokens: torch.Tensor, cache: KVCache, *, moe: MoEConfig
         else:
             x = x + gpt._mlp(p["mlp"], gpt._norm(p["norm2"], x), None)
     cache.length = L + T
-    return gpt.unembed(params, x)
+    return gpt.unembed(params, x)  # (an int8 head: x @ params["head"] is Int8Weight's product)

@@ -14,6 +14,8 @@ flash attention        ``flash_attention``,                         Triton, refe
 int8 quantisation      ``quantize_int8``, ``dequantize_int8``,      Triton, reference
                        ``quantized_all_gather``,
                        ``quantized_psum_scatter``
+int8 weight-only       ``int8_matmul``, ``quantize_weight``,        Triton, CPU packed
+                       ``dequantize_weight``                        (ATen), reference
 =====================  ==========================================  =====================
 
 Every function takes ``impl=`` (``"auto"``, ``"triton"``, ``"cpp"``, ``"reference"``);
@@ -49,6 +51,9 @@ _EXPORTS = {
     "dequantize_int8": "quant",
     "quantized_all_gather": "quant",
     "quantized_psum_scatter": "quant",
+    "int8_matmul": "weight_int8",
+    "quantize_weight": "weight_int8",
+    "dequantize_weight": "weight_int8",
 }
 
 __all__ = ["choose", "forced", "triton_available", *_EXPORTS]

@@ -4,13 +4,15 @@
     fsharded generate --checkpoint checkpoints/step-00000300 --prompt "import " \\
         --temperature 0.8 --top-p 0.95 --seed 1
     fsharded generate --checkpoint checkpoints --prompt-tokens 100,101,102 --greedy --json
+    fsharded generate --checkpoint checkpoints --prompt "class " --int8 --dtype bf16
 
 ``--checkpoint`` is a checkpoint directory (``step-N``) or a save directory (its newest
 intact checkpoint). The model is rebuilt from the settings the run recorded beside its
 checkpoints (``job.json``); a checkpoint without them (``step.save``, or an fsharded that
 did not record the model) takes ``--preset`` and ``--set model.KEY=VALUE`` as the run was
 given them. The parameters are the run's master weights (``params`` of the train state),
-cast to ``--dtype``. Text prompts are encoded as the run's data was: bytes for text (the
+cast to ``--dtype``, or with ``--int8`` the projections and head quantized to int8 from
+them (``fs.inference.quantize``). Text prompts are encoded as the run's data was: bytes for text (the
 stdlib corpus and text files); a run on a ``.bin`` token file takes ``--prompt-tokens``.
 
 It prints each prompt with its continuation (or the token ids), then the prefill and
@@ -107,11 +109,13 @@ def _config(directory: str, record: dict | None, preset: str | None, sets: Seque
 
 
 def load_model(path: str, *, dtype: torch.dtype = torch.float32, preset: str | None = None,
-               sets: Sequence[str] = ()) -> Loaded:
+               sets: Sequence[str] = (), int8: bool = False, group_size: int | None = None) -> Loaded:
     """The GPT saved at ``path`` (a checkpoint or a save directory): its config from the
     run's record (or ``preset`` and ``sets``, ``model.KEY=VALUE``), its parameters (the
     checkpoint's ``params``, whatever layout they were trained in, as full tensors) cast
-    to ``dtype``. A checkpoint of another model is an error naming the leaves that differ."""
+    to ``dtype``; with ``int8`` its projections quantized from the fp32 master weights
+    (``fs.inference.quantize``, a scale per output channel or per ``group_size`` input
+    features). A checkpoint of another model is an error naming the leaves that differ."""
     directory = resolve(path)
     record = _train_resume.read_job(directory)
     cfg = _config(directory, record, preset, sets)
@@ -119,7 +123,11 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, preset: str | N
         like = gpt.init(cfg, 0)
     mesh = Mesh({})
     params = checkpoint.load(directory, like, None, mesh, select="params")
-    if dtype != torch.float32:
+    if int8:
+        params = inference.quantize(params, group_size, dtype=dtype)
+    elif group_size is not None:
+        raise ValueError("generate: --group-size is the int8 weights' group: give --int8 with it")
+    elif dtype != torch.float32:
         params = optree.tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, params)
     ms = None
     if cfg.moe is not None and cfg.moe.bias_update_rate is not None:
@@ -150,6 +158,10 @@ def build_parser(prog: str = "fsharded generate") -> argparse.ArgumentParser:
                    help="a token id that ends a continuation (kept); repeatable")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                    help="weights and cache (default fp32; the checkpoint's master weights are cast)")
+    p.add_argument("--int8", action="store_true", help="int8 weight-only projections and head (a scale per "
+                   "output channel; the activations and cache in --dtype)")
+    p.add_argument("--group-size", type=int, default=None, metavar="G",
+                   help="with --int8: a scale per G input features instead of per output channel")
     p.add_argument("--preset", default=None, help="for a checkpoint without a recorded model: the GPT preset")
     p.add_argument("--set", action="append", default=[], metavar="model.KEY=VALUE", dest="sets",
                    help="for a checkpoint without a recorded model: a GPT setting the run had")
@@ -176,7 +188,8 @@ def run(args: argparse.Namespace) -> dict:
     sampled = not args.greedy and any(v is not None for v in (args.temperature, args.top_k, args.top_p))
     if args.greedy and any(v is not None for v in (args.temperature, args.top_k, args.top_p)):
         raise ValueError("generate: --greedy takes no --temperature, --top-k or --top-p")
-    model = load_model(args.checkpoint, dtype=DTYPES[args.dtype], preset=args.preset, sets=args.sets)
+    model = load_model(args.checkpoint, dtype=DTYPES[args.dtype], preset=args.preset, sets=args.sets,
+                       int8=args.int8, group_size=args.group_size)
     rows = _prompts(args, model)
     out = inference.generate(model.params, rows, args.max_new_tokens,
                              key=R.key(args.seed) if sampled else None,

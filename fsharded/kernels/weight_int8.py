@@ -1,0 +1,142 @@
+"""Int8 weight-only matrix products: ``x @ W`` with ``W`` stored as int8 and a scale per
+output channel, or per group of input rows and output channel.
+
+``quantize_weight(w, group_size)`` takes a weight ``w`` ``(K, N)`` (``x @ w`` maps ``K``
+features to ``N``) and returns ``q`` ``(N, K)`` int8 (each output channel's weights
+contiguous) and ``scales`` ``(N, K // group_size)`` fp32, symmetric absmax: for each
+output channel ``n`` and group ``g`` of ``group_size`` consecutive input rows,
+``scale = absmax(w[g, n]) / 127`` and ``q = round(w / scale)`` (round half to even, in
+[-127, 127]; an all-zero group gets scale 0). ``group_size=None`` is one group of all
+``K``: a scale per output channel. ``dequantize_weight`` gives ``q * scale`` back as
+``(K, N)``; each element is within ``scale / 2`` (plus fp32 rounding) of ``w``.
+
+``int8_matmul(x, q, scales)`` is ``x @ dequantize_weight(q, scales)`` for ``x``
+``(..., K)`` in fp32, bf16 or fp16, in ``x``'s dtype, the weights dequantized inside the
+product (never written out whole):
+
+- ``triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``): tiles of ``x`` and of ``q``,
+  each ``q`` tile scaled in registers by its group's scales, accumulated in fp32;
+- ``cpu`` (CPU tensors, one scale per output channel): ATen's packed int8 product
+  (``aten._weight_int8pack_mm``, as torchao and gpt-fast use on CPU), whose scales are in
+  ``x``'s dtype (a bf16 scale rounds to 8 bits: within ``2**-9`` of the fp32 one);
+- ``reference``: the weights dequantized in fp32 and multiplied in fp32, cast to ``x``'s
+  dtype (the ground truth the tests hold the others to).
+
+By default Triton on CUDA, the packed product on CPU where it applies, the reference
+otherwise; ``impl=`` or ``FSHARDED_KERNELS`` choose (``kernels._dispatch``). It is a
+custom op (``torch.ops.fsharded.int8_matmul``) with a fake rule, so it traces. It takes
+no gradient: the weights are frozen integers.
+
+>>> w = torch.randn(64, 32)
+>>> q, s = quantize_weight(w)
+>>> q.shape, s.shape
+(torch.Size([32, 64]), torch.Size([32, 1]))
+>>> x = torch.randn(3, 64)
+>>> bool(((int8_matmul(x, q, s) - x @ w).abs() < 0.1).all())
+True
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsharded.kernels import _dispatch
+from fsharded.kernels.quant import _quant_rows_ref
+
+__all__ = ["quantize_weight", "dequantize_weight", "int8_matmul", "int8_matmul_reference"]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _groups(K: int, group_size: int | None, op: str) -> int:
+    G = K if group_size is None else group_size
+    if not isinstance(G, int) or isinstance(G, bool) or G < 1 or K % G:
+        raise ValueError(f"{op}: group_size={group_size!r} must be a positive divisor of the {K} input "
+                         f"features (or None: a scale per output channel)")
+    return G
+
+
+def quantize_weight(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` ``(K, N)`` -> ``q`` ``(N, K)`` int8 and ``scales`` ``(N, K // group_size)`` fp32."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype not in _FLOATS:
+        raise ValueError(f"quantize_weight: w must be a 2-D float32/bfloat16/float16 tensor (K, N), got "
+                         f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
+    K = w.shape[0]
+    G = _groups(K, group_size, "quantize_weight")
+    q, scales = _quant_rows_ref(w.detach().T.contiguous(), G)  # rows: the output channels
+    return q.contiguous(), scales.contiguous()
+
+
+def _check(q: torch.Tensor, scales: torch.Tensor, K: int | None, op: str) -> int:
+    """The group size of ``q`` ``(N, K)`` and ``scales`` ``(N, K // G)``, checked."""
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.int8 or q.dim() != 2:
+        raise ValueError(f"{op}: q must be a 2-D int8 tensor (N, K), got {getattr(q, 'dtype', type(q))} "
+                         f"{tuple(getattr(q, 'shape', ()))}")
+    N, Kq = q.shape
+    if K is not None and K != Kq:
+        raise ValueError(f"{op}: x has {K} features but the weight {Kq} (q is (N, K) = {tuple(q.shape)})")
+    if (not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or scales.dim() != 2
+            or scales.shape[0] != N or scales.shape[1] < 1 or Kq % scales.shape[1]):
+        raise ValueError(f"{op}: scales must be fp32 (N, K // group_size) = ({N}, a divisor of {Kq}), got "
+                         f"{getattr(scales, 'dtype', type(scales))} {tuple(getattr(scales, 'shape', ()))}")
+    return Kq // scales.shape[1]
+
+
+def dequantize_weight(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * scale`` as the ``(K, N)`` weight, in ``dtype``."""
+    G = _check(q, scales, None, "dequantize_weight")
+    N, K = q.shape
+    w = q.view(N, K // G, G).float() * scales[:, :, None]
+    return w.view(N, K).T.to(dtype)
+
+
+def int8_matmul_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ dequantize_weight(q, scales)`` in fp32, cast to ``x``'s dtype."""
+    return (x.float() @ dequantize_weight(q, scales)).to(x.dtype)
+
+
+def _packed_ok(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and q.device.type == "cpu" and scales.shape[1] == 1
+            and hasattr(torch.ops.aten, "_weight_int8pack_mm"))
+
+
+@torch.library.custom_op("fsharded::int8_matmul", mutates_args=())
+def _op(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, impl: str) -> torch.Tensor:
+    """``x`` (M, K) -> (M, N)."""
+    if impl == "triton":
+        from fsharded.kernels import _triton_weight_int8
+
+        return _triton_weight_int8.int8_matmul(x, q, scales)
+    if impl == "cpu":
+        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scales.view(-1).to(x.dtype))
+    return int8_matmul_reference(x, q, scales)
+
+
+@_op.register_fake
+def _(x, q, scales, impl):
+    return x.new_empty((x.shape[0], q.shape[0]))
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+    """``x`` ``(..., K)`` times the int8 weight ``q`` ``(N, K)`` with ``scales``
+    ``(N, K // group_size)``: ``(..., N)`` in ``x``'s dtype (see the module docstring)."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in _FLOATS:
+        raise ValueError(f"int8_matmul: x must be a float32/bfloat16/float16 tensor, got "
+                         f"{getattr(x, 'dtype', type(x))}")
+    _check(q, scales, x.shape[-1], "int8_matmul")
+    if x.requires_grad:
+        raise ValueError("int8_matmul: x requires grad, but the int8 product has no gradient rule; it is for "
+                         "inference (run it under torch.no_grad())")
+    want = (impl or "auto").lower()
+    if want == "cpu":
+        if not _packed_ok(x, q, scales):
+            raise RuntimeError("int8_matmul: impl='cpu' runs CPU tensors with one scale per output channel "
+                               "(group_size=None)")
+        chosen = "cpu"
+    else:
+        chosen = _dispatch.choose("int8_matmul", x, q, scales, impl=impl)
+        if chosen == "reference" and want == "auto" and _dispatch.forced() == "auto" and _packed_ok(x, q, scales):
+            chosen = "cpu"
+    lead = x.shape[:-1]
+    y = _op(x.reshape(-1, x.shape[-1]), q, scales, chosen)
+    return y.view(*lead, q.shape[0])

@@ -1,0 +1,98 @@
+"""Int8 weight-only products (``kernels.weight_int8``): the quantisation's error bound and
+layout, Triton (interpreted on CPU) and ATen's packed CPU product against the fp32
+reference, the custom op under ``make_fx``, and bad input named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fsharded.kernels import _dispatch
+from fsharded.kernels.weight_int8 import (
+    dequantize_weight,
+    int8_matmul,
+    int8_matmul_reference,
+    quantize_weight,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(not _dispatch.triton_available(DEV), reason="needs Triton (CUDA, or TRITON_INTERPRET=1)")
+# One rounding of the fp32 result to the output dtype (the interpreter's bf16 cast truncates:
+# a full ulp), on top of the fp32 accumulation's order (relative to the row's magnitude).
+ULP = {torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+@pytest.mark.parametrize("group_size", [None, 32, 8])
+def test_quantize_weight_layout_and_error_bound(group_size):
+    torch.manual_seed(0)
+    w = torch.randn(64, 24) * torch.logspace(-2, 1, 24)  # channels of very different scales
+    w[:8, 3] = 0.0  # a group of zeros
+    q, s = quantize_weight(w, group_size)
+    G = 64 if group_size is None else group_size
+    assert q.shape == (24, 64) and q.dtype == torch.int8 and s.shape == (24, 64 // G) and s.dtype == torch.float32
+    assert int(q.abs().max()) <= 127
+    want = w.T.reshape(24, 64 // G, G).abs().amax(-1) / 127
+    assert torch.equal(s, want)  # absmax / 127 per output channel and group
+    err = (dequantize_weight(q, s) - w).abs()
+    bound = s.repeat_interleave(G, dim=1).T / 2 * (1 + 2.0**-14)
+    assert bool((err <= bound).all())
+    if group_size == 8:
+        assert float(s[3, 0]) == 0.0 and not q[3, :8].any()  # zeros stay exact
+
+
+def _cases():
+    torch.manual_seed(1)
+    yield from [(1, 64, 40, None), (5, 96, 72, 32), (17, 128, 130, 16), (64, 80, 33, None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("impl", [pytest.param("triton", marks=needs_triton), "cpu"])
+def test_int8_matmul_equals_the_fp32_reference(impl, dtype):
+    for M, K, N, G in _cases():
+        if impl == "cpu" and G is not None:
+            continue  # the packed product has one scale per output channel
+        w = torch.randn(K, N)
+        q, s = quantize_weight(w, G)
+        x = torch.randn(M, K).to(dtype)
+        ref = int8_matmul_reference(x, q, s).float()
+        exact = x.float() @ dequantize_weight(q, s)
+        assert torch.allclose(ref, exact.to(dtype).float(), rtol=0, atol=0)
+        got = int8_matmul(x.to(DEV) if impl == "triton" else x, q.to(DEV) if impl == "triton" else q,
+                          s.to(DEV) if impl == "triton" else s, impl=impl).float().cpu()
+        assert got.dtype == torch.float32 and got.shape == (M, N)
+        # fp32 accumulation in another order, one rounding to dtype, and (the packed CPU
+        # product) the scales rounded to dtype: bounded by the row's magnitude.
+        scale_err = 0.0 if impl == "triton" or dtype == torch.float32 else {torch.bfloat16: 2.0**-8,
+                                                                              torch.float16: 2.0**-11}[dtype]
+        mag = x.float().abs() @ dequantize_weight(q, s).abs()
+        tol = mag * (1e-5 + scale_err) + exact.abs() * ULP[dtype] * 2 + 1e-6
+        assert bool(((got - exact).abs() <= tol).all()), (M, K, N, G, dtype, float((got - exact).abs().max()))
+
+
+def test_auto_picks_the_packed_cpu_product_and_leading_dims_pass_through():
+    w = torch.randn(32, 12)
+    q, s = quantize_weight(w)
+    x = torch.randn(2, 3, 32)
+    y = int8_matmul(x, q, s)
+    assert y.shape == (2, 3, 12)
+    torch.testing.assert_close(y, x @ dequantize_weight(q, s), rtol=1e-5, atol=1e-5)
+    gm = make_fx(lambda x, q, s: int8_matmul(x, q, s), tracing_mode="fake")(x, q, s)
+    ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert "fsharded.int8_matmul.default" in ops
+
+
+def test_bad_input_is_named():
+    q, s = quantize_weight(torch.randn(32, 8), 16)
+    with pytest.raises(ValueError, match="positive divisor of the 32 input features"):
+        quantize_weight(torch.randn(32, 8), 5)
+    with pytest.raises(ValueError, match="2-D float32"):
+        quantize_weight(torch.randn(4, 4, 4))
+    with pytest.raises(ValueError, match="x has 16 features but the weight 32"):
+        int8_matmul(torch.randn(2, 16), q, s)
+    with pytest.raises(ValueError, match="scales must be fp32"):
+        int8_matmul(torch.randn(2, 32), q, s.half())
+    with pytest.raises(ValueError, match="no gradient rule"):
+        int8_matmul(torch.randn(2, 32, requires_grad=True), q, s)
+    with pytest.raises(RuntimeError, match="one scale per output channel"):
+        int8_matmul(torch.randn(2, 32), q, s, impl="cpu")
