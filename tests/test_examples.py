@@ -275,6 +275,11 @@ def _check_generate(ns: dict, out: str) -> None:
     assert again.tokens == ns["drawn"].tokens and str(ns["greedy"].tokens) in out and "tokens/s" in out
 
 
+def _check_mesh_generate(ns: dict, out: str) -> None:
+    assert ns["tp"].tokens == ns["one"].tokens and out.strip() == "True"
+    assert len(ns["tp"].cache.k[0].shape) == 4 and ns["tp"].cache.k[0].shape[2] == 4  # (every head: one process)
+
+
 def _check_int8(ns: dict, out: str) -> None:
     # Each projection is int8; the product equals the fp32 model's within the int8 rounding.
     import torch
@@ -293,6 +298,8 @@ def _check_int8(ns: dict, out: str) -> None:
 # Each entry: a line that identifies the README block; the code run before it; text
 # replacements that scale it to a test (the block is otherwise run as written); a check.
 EXAMPLES = {
+    "tp = fs.inference.generate(params, prompts, max_new_tokens=6, mesh=fs.Mesh(": dict(
+        before="", replace={}, check=_check_mesh_generate),
     "q8 = fs.inference.quantize(params)": dict(before="", replace={}, check=_check_int8),
     "greedy = fs.inference.generate(params, prompts, max_new_tokens=6)": dict(
         before="", replace={}, check=_check_generate),

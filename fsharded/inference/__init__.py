@@ -11,7 +11,9 @@
 preallocated ``KVCache`` and decodes one token per step, greedy or sampled with an
 explicit key (``sample``). ``extend`` is the cached forward itself. ``quantize`` stores
 the projections as int8 weights with per-channel or group-wise scales (``Int8Weight``),
-multiplied with the weights dequantized inside the product.
+multiplied with the weights dequantized inside the product. ``generate(..., mesh=)``
+decodes tensor- and expert-parallel, on the virtual mesh or on real ranks
+(``mesh_specs``: how the parameters are laid out).
 """
 
 from fsharded.inference._cache import KVCache
@@ -19,5 +21,6 @@ from fsharded.inference._generate import Generation, generate
 from fsharded.inference._gpt import extend
 from fsharded.inference._int8 import Int8Weight, quantize
 from fsharded.inference._sample import sample
+from fsharded.inference._sharded import mesh_specs
 
-__all__ = ["KVCache", "Generation", "generate", "extend", "sample", "quantize", "Int8Weight"]
+__all__ = ["KVCache", "Generation", "generate", "extend", "sample", "quantize", "Int8Weight", "mesh_specs"]

@@ -13,6 +13,8 @@ from fsharded import random as R
 from fsharded.inference._cache import KVCache
 from fsharded.inference._gpt import extend
 from fsharded.inference._sample import sample
+from fsharded.inference._sharded import MeshRunner
+from fsharded.mesh import Mesh
 from fsharded.models._gpt_config import MoEConfig
 
 __all__ = ["Generation", "generate"]
@@ -56,7 +58,8 @@ def _prompts(prompts: Any) -> list[list[int]]:
 def generate(params: dict, prompts: torch.Tensor | Sequence[Sequence[int]], max_new_tokens: int, *,
              key: torch.Tensor | None = None, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, stop_tokens: Sequence[int] = (), moe: MoEConfig | None = None,
-             model_state: Any = None, cache_dtype: torch.dtype | None = None) -> Generation:
+             model_state: Any = None, cache_dtype: torch.dtype | None = None, mesh: Mesh | None = None,
+             param_specs: Any = None) -> Generation:
     """Continue each prompt (a list of token lists of any lengths, or an integer ``(B, T)``
     tensor) by up to ``max_new_tokens`` tokens of the bundled GPT with ``params``.
 
@@ -66,7 +69,13 @@ def generate(params: dict, prompts: torch.Tensor | Sequence[Sequence[int]], max_
     ``fold_in(key, n)`` (``sample``: temperature, top-k, top-p), so a key gives the same
     tokens on every run and backend. A row stops at a token of ``stop_tokens`` (kept) or
     after ``max_new_tokens``; the others go on. ``moe``: the routing config of a model with
-    mixture-of-experts blocks (routed dropless here), ``model_state`` its routing biases."""
+    mixture-of-experts blocks (routed dropless here), ``model_state`` its routing biases.
+
+    ``mesh``: decode on it (axes ``tensor``, ``expert``, ``data``): the heads and hidden
+    units over ``tensor``, the experts over ``expert``, the prompts' rows over ``data`` and
+    ``expert``, with ``params`` laid out by ``param_specs`` (default: the model's tensor- and
+    expert-parallel plans). On real ranks ``params`` are this rank's shards and every rank
+    gives the same prompts and gets the same tokens."""
     if max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
     rows = _prompts(prompts)
@@ -80,13 +89,23 @@ def generate(params: dict, prompts: torch.Tensor | Sequence[Sequence[int]], max_
     for b, p in enumerate(rows):
         padded[b, longest - len(p):] = torch.tensor(p, dtype=torch.int64)
     start = torch.tensor([longest - len(p) for p in rows], dtype=torch.int64)
-    cache = KVCache.empty(params, B, longest + max_new_tokens, start=start, dtype=cache_dtype)
+    if mesh is not None:
+        runner = MeshRunner(params, mesh, param_specs, moe=moe, model_state=model_state)
+        cache = runner.empty_cache(B, longest + max_new_tokens, start, cache_dtype)
+
+        def forward(tokens: torch.Tensor) -> torch.Tensor:
+            return runner.extend(tokens, cache)
+    else:
+        cache = KVCache.empty(params, B, longest + max_new_tokens, start=start, dtype=cache_dtype)
+
+        def forward(tokens: torch.Tensor) -> torch.Tensor:
+            return extend(params, tokens, cache, moe=moe, model_state=model_state)
     out: list[list[int]] = [[] for _ in range(B)]
     stopped = [False] * B
     stops = set(int(t) for t in stop_tokens)
     with torch.no_grad():
         t0 = time.perf_counter()
-        logits = extend(params, padded, cache, moe=moe, model_state=model_state)[:, -1]
+        logits = forward(padded)[:, -1]
         prefill_s = time.perf_counter() - t0
         decode_s, steps = 0.0, 0
         for n in range(max_new_tokens):
@@ -99,7 +118,7 @@ def generate(params: dict, prompts: torch.Tensor | Sequence[Sequence[int]], max_
             if all(stopped) or n == max_new_tokens - 1:
                 break
             t0 = time.perf_counter()
-            logits = extend(params, tok[:, None], cache, moe=moe, model_state=model_state)[:, -1]
+            logits = forward(tok[:, None])[:, -1]
             decode_s += time.perf_counter() - t0
             steps += 1
     return Generation(out, stopped, prefill_s, decode_s, int(sum(map(len, rows))), steps * B, cache)

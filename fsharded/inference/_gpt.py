@@ -67,11 +67,16 @@ def check_context(params: dict, cache: KVCache, new: int) -> None:
 
 
 def extend(params: dict, tokens: torch.Tensor, cache: KVCache, *, moe: MoEConfig | None = None,
-           model_state: Any = None) -> torch.Tensor:
+           model_state: Any = None, tensor_axis: str | None = None, expert_axis: str | None = None,
+           _unchecked: bool = False) -> torch.Tensor:
     """Logits ``(B, T, V)`` of ``tokens`` ``(B, T)`` put in the cache's next ``T`` slots
-    (written there, ``cache.length`` advanced)."""
+    (written there, ``cache.length`` advanced). Inside a ``shard_map`` whose ``tensor_axis``
+    splits the heads and the MLP's hidden units (``gpt.tensor_parallel_specs``, the
+    cache's heads alike) and whose ``expert_axis`` splits the experts, it runs as the
+    training forward does: one ``psum`` per attention and per MLP."""
     B, T = tokens.shape
-    check_context(params, cache, T)
+    if not _unchecked:  # (inside a shard_map the caller checks: no host reads in the body)
+        check_context(params, cache, T)
     if moe is not None and moe.eval_capacity_factor is not None:  # generation routes dropless: a
         moe = dataclasses.replace(moe, eval_capacity_factor=None)  # token's experts not the batch's doing
     L = cache.length
@@ -91,6 +96,8 @@ def extend(params: dict, tokens: torch.Tensor, cache: KVCache, *, moe: MoEConfig
     for i, p in enumerate(params["blocks"]):
         a = p["attn"]
         h = gpt._norm(p["norm1"], x)
+        if tensor_axis is not None:
+            h = gpt._enter_tp(h, tensor_axis, a["wq"])
         q, k, v = _proj(h, a["wq"]), _proj(h, a["wk"]), _proj(h, a["wv"])
         if "bq" in a:
             q, k, v = q + a["bq"], k + a["bk"], v + a["bv"]
@@ -100,12 +107,14 @@ def extend(params: dict, tokens: torch.Tensor, cache: KVCache, *, moe: MoEConfig
         cache.v[i][:, L:L + T] = v.to(cache.v[i].dtype)
         o = _attention(q, cache.k[i][:, :L + T].to(q.dtype), cache.v[i][:, :L + T].to(q.dtype), allowed)
         y = o @ a["wo"] if isinstance(a["wo"], Int8Weight) else torch.einsum("bthe,hed->btd", o, a["wo"])
+        y = gpt._exit_tp(y, tensor_axis)
         x = x + (y + a["bo"] if "bo" in a else y)
         if gpt._is_moe(p):
             bias = biases[n_moe] if biases is not None else None
-            x, _ = gpt._moe_mlp(p["mlp"], gpt._norm(p["norm2"], x), x, moe, None, False, False, bias)
+            x, _ = gpt._moe_mlp(p["mlp"], gpt._norm(p["norm2"], x), x, moe, expert_axis, False, False, bias,
+                                tensor_axis)
             n_moe += 1
         else:
-            x = x + gpt._mlp(p["mlp"], gpt._norm(p["norm2"], x), None)
+            x = x + gpt._mlp(p["mlp"], gpt._norm(p["norm2"], x), tensor_axis)
     cache.length = L + T
     return gpt.unembed(params, x)  # (an int8 head: x @ params["head"] is Int8Weight's product)

@@ -32,11 +32,14 @@ from typing import Any
 import optree
 import torch
 
-from fsharded import checkpoint, inference
+from fsharded import checkpoint, distributed, inference
 from fsharded import random as R
+from fsharded.inference._sharded import check_divides
 from fsharded.mesh import Mesh
+from fsharded.mesh._spec import shard_shape
 from fsharded.models import gpt
 from fsharded.tools import _train_resume
+from fsharded.tools.train import parse_mesh
 
 __all__ = ["Loaded", "load_model", "build_parser", "main"]
 
@@ -55,6 +58,7 @@ class Loaded:
     encoding: str | None
     step: int | None
     directory: str
+    mesh: Mesh | None = None
 
     def encode(self, text: str) -> list[int]:
         if self.encoding != "bytes":
@@ -109,20 +113,33 @@ def _config(directory: str, record: dict | None, preset: str | None, sets: Seque
 
 
 def load_model(path: str, *, dtype: torch.dtype = torch.float32, preset: str | None = None,
-               sets: Sequence[str] = (), int8: bool = False, group_size: int | None = None) -> Loaded:
+               sets: Sequence[str] = (), int8: bool = False, group_size: int | None = None,
+               mesh: Mesh | None = None) -> Loaded:
     """The GPT saved at ``path`` (a checkpoint or a save directory): its config from the
     run's record (or ``preset`` and ``sets``, ``model.KEY=VALUE``), its parameters (the
     checkpoint's ``params``, whatever layout they were trained in, as full tensors) cast
     to ``dtype``; with ``int8`` its projections quantized from the fp32 master weights
     (``fs.inference.quantize``, a scale per output channel or per ``group_size`` input
-    features). A checkpoint of another model is an error naming the leaves that differ."""
+    features). With ``mesh`` the parameters are laid out for generation on it
+    (``fs.inference.mesh_specs``): on real ranks each rank reads its own shards only. A
+    checkpoint of another model is an error naming the leaves that differ."""
     directory = resolve(path)
     record = _train_resume.read_job(directory)
     cfg = _config(directory, record, preset, sets)
     with torch.device("meta"):
         like = gpt.init(cfg, 0)
-    mesh = Mesh({})
-    params = checkpoint.load(directory, like, None, mesh, select="params")
+    if mesh is not None and int8 and mesh.size > 1:
+        raise NotImplementedError("generate: --int8 with a mesh is not implemented; decode int8 on one device, or "
+                                  "on the mesh in --dtype")
+    specs = None
+    if mesh is not None:
+        check_divides(like, mesh)
+        specs = inference.mesh_specs(like, mesh)
+        if distributed.is_initialized() and mesh.size > 1:  # this rank's shards
+            like = optree.tree_map(lambda x, s: torch.empty(shard_shape(s, x.shape, mesh), dtype=x.dtype,
+                                                            device="meta"), like, specs)
+    mesh = mesh if mesh is not None else Mesh({})
+    params = checkpoint.load(directory, like, specs, mesh, select="params")
     if int8:
         params = inference.quantize(params, group_size, dtype=dtype)
     elif group_size is not None:
@@ -134,7 +151,7 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, preset: str | N
         ms = checkpoint.load(directory, gpt.init_model_state(like), None, mesh, select="model_state")
     encoding = record.get("encoding", "bytes") if record is not None else ("bytes" if cfg.vocab_size == 256 else None)
     step = record.get("step") if record is not None else None
-    return Loaded(params, cfg, ms, encoding, step, directory)
+    return Loaded(params, cfg, ms, encoding, step, directory, mesh if mesh.size > 1 else None)
 
 
 def build_parser(prog: str = "fsharded generate") -> argparse.ArgumentParser:
@@ -158,6 +175,11 @@ def build_parser(prog: str = "fsharded generate") -> argparse.ArgumentParser:
                    help="a token id that ends a continuation (kept); repeatable")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                    help="weights and cache (default fp32; the checkpoint's master weights are cast)")
+    p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                   help="decode on a mesh: tensor=N splits the heads and hidden units, expert=N the experts, "
+                        "data=N the prompts (virtual in one process; under torchrun the world size)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="under torchrun: how long a collective may wait (default 300)")
     p.add_argument("--int8", action="store_true", help="int8 weight-only projections and head (a scale per "
                    "output channel; the activations and cache in --dtype)")
     p.add_argument("--group-size", type=int, default=None, metavar="G",
@@ -188,14 +210,15 @@ def run(args: argparse.Namespace) -> dict:
     sampled = not args.greedy and any(v is not None for v in (args.temperature, args.top_k, args.top_p))
     if args.greedy and any(v is not None for v in (args.temperature, args.top_k, args.top_p)):
         raise ValueError("generate: --greedy takes no --temperature, --top-k or --top-p")
+    mesh = Mesh(parse_mesh(args.mesh)) if args.mesh else None
     model = load_model(args.checkpoint, dtype=DTYPES[args.dtype], preset=args.preset, sets=args.sets,
-                       int8=args.int8, group_size=args.group_size)
+                       int8=args.int8, group_size=args.group_size, mesh=mesh)
     rows = _prompts(args, model)
     out = inference.generate(model.params, rows, args.max_new_tokens,
                              key=R.key(args.seed) if sampled else None,
                              temperature=1.0 if args.temperature is None else args.temperature,
                              top_k=args.top_k, top_p=args.top_p, stop_tokens=[int(s) for s in args.stop],
-                             moe=model.config.moe, model_state=model.model_state)
+                             moe=model.config.moe, model_state=model.model_state, mesh=model.mesh)
     return {"checkpoint": model.directory, "step": model.step,
             "samples": [{"prompt": model.decode(r), "prompt_tokens": r, "text": model.decode(t), "tokens": t,
                          "stopped": s} for r, t, s in zip(rows, out.tokens, out.stopped)],
@@ -207,11 +230,20 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded generate") -> int:
     args = build_parser(prog).parse_args(argv)
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched:
+        distributed.initialize(timeout_s=args.timeout)
     try:
         res = run(args)
-    except (ValueError, OSError) as e:
+        first = not launched or distributed.rank() == 0  # every rank has the same tokens: one prints them
+    except (ValueError, OSError, NotImplementedError) as e:
         print(f"{prog}: {str(e).removeprefix('generate: ')}", file=sys.stderr)
         return 2
+    finally:
+        if launched:
+            distributed.shutdown()
+    if not first:
+        return 0
     if args.json:
         print(json.dumps(res))
         return 0

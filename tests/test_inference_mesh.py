@@ -1,0 +1,77 @@
+"""Tensor- and expert-parallel generation (``generate(..., mesh=)``) against one device,
+token for token, on the virtual mesh and on real gloo ranks; its collectives; its errors."""
+
+from __future__ import annotations
+
+import inference_cases as C
+import pytest
+import torch
+
+import fsharded as fs
+from fsharded.inference._sharded import MeshRunner
+from fsharded.models import gpt
+
+MESHES = {
+    "learned": [{"tensor": 2}, {"data": 2, "tensor": 2}, {"data": 4}],
+    "rotary, grouped-query, untied": [{"tensor": 2}, {"data": 2, "tensor": 2}],
+    "llama-style": [{"tensor": 2}, {"tensor": 4}],
+    "mixture of experts": [{"expert": 2}, {"expert": 2, "tensor": 2}, {"data": 2, "expert": 2}, {"expert": 4}],
+}
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_every_mesh_decodes_the_one_device_tokens_on_the_virtual_mesh(name):
+    ref = C.decode(name, None)
+    drawn = C.decode(name, None, key=3)
+    for mesh in MESHES[name]:
+        got = C.decode(name, mesh)
+        assert got["tokens"] == ref["tokens"], (name, mesh)
+        torch.testing.assert_close(got["k0"], ref["k0"], rtol=1e-5, atol=1e-6)  # the cache too
+        assert C.decode(name, mesh, key=3)["tokens"] == drawn["tokens"], (name, mesh)
+    assert drawn["tokens"] != ref["tokens"]
+
+
+def test_one_psum_per_attention_and_per_mlp():
+    params = C.params_of("llama-style")
+    mesh = fs.Mesh({"tensor": 2})
+    runner = MeshRunner(params, mesh)
+    cache = runner.empty_cache(2, 6, torch.zeros(2, dtype=torch.int64), None)
+    tokens = torch.tensor([[1, 2], [3, 4]])
+    man = runner.fn.collectives(params, None, tokens, cache.k, cache.v, cache.start, 0)
+    # (a pvary marks the replicated input of each split layer: no bytes forward)
+    assert all(e.bytes_sent == 0 for e in man if e.op == "pvary")
+    ops = [op for op in man.ops() if op[0] != "pvary"]
+    assert ops == [("psum", "tensor")] * (2 * len(params["blocks"])), ops
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world, name, mesh", [
+    (2, "llama-style", {"tensor": 2}),
+    (4, "rotary, grouped-query, untied", {"data": 2, "tensor": 2}),
+    (4, "mixture of experts", {"expert": 2, "tensor": 2}),
+])
+def test_gloo_ranks_decode_the_one_device_tokens(world, name, mesh):
+    from fsharded.testing import run_on_ranks
+
+    ref = C.decode(name, None)
+    drawn = C.decode(name, None, key=3)
+    for r in run_on_ranks(C.decode, world, name, mesh):
+        assert r["tokens"] == ref["tokens"]
+        torch.testing.assert_close(r["k0"], ref["k0"], rtol=1e-5, atol=1e-6)
+    for r in run_on_ranks(C.decode, world, name, mesh, key=3):
+        assert r["tokens"] == drawn["tokens"]
+
+
+def test_a_mesh_that_does_not_fit_is_named():
+    params = gpt.init(gpt.GPTConfig.tiny(), 0)  # 4 heads, d_ff 64
+    with pytest.raises(ValueError, match="tensor=3 does not divide the model's query heads 4, key/value heads 4"):
+        fs.inference.generate(params, [[1]], 2, mesh=fs.Mesh({"tensor": 3}))
+    with pytest.raises(ValueError, match="3 prompts do not split over the mesh's row axes {'data': 2}"):
+        fs.inference.generate(params, [[1], [2], [3]], 2, mesh=fs.Mesh({"data": 2}))
+    with pytest.raises(ValueError, match=r"mesh axes \['pipe'\] are not ones generation shards over"):
+        fs.inference.generate(params, [[1]], 2, mesh=fs.Mesh({"pipe": 2}))
+    moe = gpt.init(gpt.GPTConfig.tiny(moe=C.MOE), 0)
+    with pytest.raises(ValueError, match="expert=8 does not divide the model's 4 experts"):
+        fs.inference.generate(moe, [[1]] * 8, 2, moe=C.MOE, mesh=fs.Mesh({"expert": 8}))
+    with pytest.raises(NotImplementedError, match="int8 weights on a mesh are not implemented"):
+        fs.inference.generate(fs.inference.quantize(params), [[1]], 2, mesh=fs.Mesh({"tensor": 2}))
