@@ -275,6 +275,18 @@ def _check_generate(ns: dict, out: str) -> None:
     assert again.tokens == ns["drawn"].tokens and str(ns["greedy"].tokens) in out and "tokens/s" in out
 
 
+def _check_hf_generate(ns: dict, out: str) -> None:
+    # transformers' own generate, with its own cache, gives the same tokens
+    import torch
+
+    for prompt, got in zip([[5, 9, 2, 7], [3]], ns["out"].tokens):
+        with torch.no_grad():
+            want = ns["model"].generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                        pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+        assert got == want
+    assert str(ns["out"].tokens) in out
+
+
 def _check_mesh_generate(ns: dict, out: str) -> None:
     assert ns["tp"].tokens == ns["one"].tokens and out.strip() == "True"
     assert len(ns["tp"].cache.k[0].shape) == 4 and ns["tp"].cache.k[0].shape[2] == 4  # (every head: one process)
@@ -298,6 +310,8 @@ def _check_int8(ns: dict, out: str) -> None:
 # Each entry: a line that identifies the README block; the code run before it; text
 # replacements that scale it to a test (the block is otherwise run as written); a check.
 EXAMPLES = {
+    "out = fs.inference.generate(model, [[5, 9, 2, 7], [3]], max_new_tokens=6)": dict(
+        before="", replace={}, check=_check_hf_generate),
     "tp = fs.inference.generate(params, prompts, max_new_tokens=6, mesh=fs.Mesh(": dict(
         before="", replace={}, check=_check_mesh_generate),
     "q8 = fs.inference.quantize(params)": dict(before="", replace={}, check=_check_int8),

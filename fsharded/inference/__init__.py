@@ -17,10 +17,12 @@ decodes tensor- and expert-parallel, on the virtual mesh or on real ranks
 """
 
 from fsharded.inference._cache import KVCache
+from fsharded.inference._export import to_transformers
 from fsharded.inference._generate import Generation, generate
 from fsharded.inference._gpt import extend
 from fsharded.inference._int8 import Int8Weight, quantize
 from fsharded.inference._sample import sample
 from fsharded.inference._sharded import mesh_specs
 
-__all__ = ["KVCache", "Generation", "generate", "extend", "sample", "quantize", "Int8Weight", "mesh_specs"]
+__all__ = ["KVCache", "Generation", "generate", "extend", "sample", "quantize", "Int8Weight", "mesh_specs",
+           "to_transformers"]

@@ -12,6 +12,7 @@ import torch
 from fsharded import random as R
 from fsharded.inference._cache import KVCache
 from fsharded.inference._gpt import extend
+from fsharded.inference._hf import HFDecoder
 from fsharded.inference._sample import sample
 from fsharded.inference._sharded import MeshRunner
 from fsharded.mesh import Mesh
@@ -71,6 +72,10 @@ def generate(params: dict, prompts: torch.Tensor | Sequence[Sequence[int]], max_
     after ``max_new_tokens``; the others go on. ``moe``: the routing config of a model with
     mixture-of-experts blocks (routed dropless here), ``model_state`` its routing biases.
 
+    ``params`` may instead be a Hugging Face causal LM (an ``nn.Module`` such as
+    ``LlamaForCausalLM`` or ``GPT2LMHeadModel``, or ``fs.nn.functional`` of one): it runs
+    with fsharded's cache in place of its ``past_key_values`` (``fsharded.inference._hf``).
+
     ``mesh``: decode on it (axes ``tensor``, ``expert``, ``data``): the heads and hidden
     units over ``tensor``, the experts over ``expert``, the prompts' rows over ``data`` and
     ``expert``, with ``params`` laid out by ``param_specs`` (default: the model's tensor- and
@@ -79,17 +84,26 @@ def generate(params: dict, prompts: torch.Tensor | Sequence[Sequence[int]], max_
     if max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
     rows = _prompts(prompts)
-    vocab = params["emb"].shape[0]
+    hf = None if isinstance(params, dict) else HFDecoder(params)
+    vocab = params["emb"].shape[0] if hf is None else hf.vocab
     bad = [(b, t) for b, p in enumerate(rows) for t in p if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"generate: prompt {bad[0][0]} holds token {bad[0][1]}, outside the vocabulary of {vocab}")
     B, longest = len(rows), max(map(len, rows))
-    dev = params["emb"].device
+    dev = params["emb"].device if hf is None else hf.device
     padded = torch.zeros(B, longest, dtype=torch.int64, device=dev)
     for b, p in enumerate(rows):
         padded[b, longest - len(p):] = torch.tensor(p, dtype=torch.int64)
     start = torch.tensor([longest - len(p) for p in rows], dtype=torch.int64)
-    if mesh is not None:
+    if hf is not None:
+        if mesh is not None or moe is not None or model_state is not None:
+            raise NotImplementedError("generate: a Hugging Face model decodes on one device here (no mesh=, moe= or "
+                                      "model_state=)")
+        cache = hf.empty_cache(B, longest + max_new_tokens, start, cache_dtype)
+
+        def forward(tokens: torch.Tensor) -> torch.Tensor:
+            return hf.forward(tokens, cache)
+    elif mesh is not None:
         runner = MeshRunner(params, mesh, param_specs, moe=moe, model_state=model_state)
         cache = runner.empty_cache(B, longest + max_new_tokens, start, cache_dtype)
 

@@ -53,6 +53,19 @@ def _proj(h: torch.Tensor, w: Any) -> torch.Tensor:
     return h @ w if isinstance(w, Int8Weight) else torch.einsum("btd,dhe->bthe", h, w)
 
 
+def _rows(cache: KVCache, T: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions ``(B, T)`` of the next ``T`` slots of each row (padding at 0) and which
+    cached slots each of them reads, ``(B, T, L + T)``: its row's from ``start`` to itself."""
+    L = cache.length
+    slots = torch.arange(L, L + T, device=dev)
+    start = cache.start.to(dev)
+    pos = (slots[None, :] - start[:, None]).clamp(min=0)
+    keys = torch.arange(L + T, device=dev)
+    allowed = (keys[None, None, :] >= start[:, None, None]) & (keys[None, None, :] <= slots[None, :, None])
+    allowed |= keys[None, None, :] == slots[None, :, None]  # (a padding slot reads itself: no empty row)
+    return pos, allowed
+
+
 def check_context(params: dict, cache: KVCache, new: int) -> None:
     """A clear error where ``new`` more tokens do not fit: the cache's slots, or (learned
     positions) the position table."""
@@ -80,13 +93,7 @@ def extend(params: dict, tokens: torch.Tensor, cache: KVCache, *, moe: MoEConfig
     if moe is not None and moe.eval_capacity_factor is not None:  # generation routes dropless: a
         moe = dataclasses.replace(moe, eval_capacity_factor=None)  # token's experts not the batch's doing
     L = cache.length
-    dev = tokens.device
-    slots = torch.arange(L, L + T, device=dev)
-    start = cache.start.to(dev)
-    pos = (slots[None, :] - start[:, None]).clamp(min=0)  # (B, T); padding at position 0
-    keys = torch.arange(L + T, device=dev)
-    allowed = (keys[None, None, :] >= start[:, None, None]) & (keys[None, None, :] <= slots[None, :, None])
-    allowed |= keys[None, None, :] == slots[None, :, None]  # (a padding slot reads itself: no empty row)
+    pos, allowed = _rows(cache, T, tokens.device)
     x = params["emb"][tokens]
     if "pos" in params:
         x = x + params["pos"][pos]
