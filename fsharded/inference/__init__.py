@@ -13,16 +13,19 @@ explicit key (``sample``). ``extend`` is the cached forward itself. ``quantize``
 the projections as int8 weights with per-channel or group-wise scales (``Int8Weight``),
 multiplied with the weights dequantized inside the product. ``generate(..., mesh=)``
 decodes tensor- and expert-parallel, on the virtual mesh or on real ranks
-(``mesh_specs``: how the parameters are laid out).
+(``mesh_specs``: how the parameters are laid out). ``Engine`` serves requests by
+continuous batching over a ``PagedKVCache`` (``fsharded serve``).
 """
 
 from fsharded.inference._cache import KVCache
+from fsharded.inference._engine import Engine, Event, Request
 from fsharded.inference._export import to_transformers
 from fsharded.inference._generate import Generation, generate
 from fsharded.inference._gpt import extend
 from fsharded.inference._int8 import Int8Weight, quantize
+from fsharded.inference._paged import PagedKVCache
 from fsharded.inference._sample import sample
 from fsharded.inference._sharded import mesh_specs
 
 __all__ = ["KVCache", "Generation", "generate", "extend", "sample", "quantize", "Int8Weight", "mesh_specs",
-           "to_transformers"]
+           "to_transformers", "Engine", "Request", "Event", "PagedKVCache"]

@@ -21,7 +21,7 @@ from fsharded.inference._int8 import Int8Weight
 from fsharded.models import gpt
 from fsharded.models._gpt_config import MoEConfig
 
-__all__ = ["extend", "check_context"]
+__all__ = ["extend", "forward", "check_context"]
 
 
 def _rotary_rows(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -90,10 +90,29 @@ def extend(params: dict, tokens: torch.Tensor, cache: KVCache, *, moe: MoEConfig
     B, T = tokens.shape
     if not _unchecked:  # (inside a shard_map the caller checks: no host reads in the body)
         check_context(params, cache, T)
-    if moe is not None and moe.eval_capacity_factor is not None:  # generation routes dropless: a
-        moe = dataclasses.replace(moe, eval_capacity_factor=None)  # token's experts not the batch's doing
     L = cache.length
     pos, allowed = _rows(cache, T, tokens.device)
+
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache.k[i][:, L:L + T] = k.to(cache.k[i].dtype)
+        cache.v[i][:, L:L + T] = v.to(cache.v[i].dtype)
+        return _attention(q, cache.k[i][:, :L + T].to(q.dtype), cache.v[i][:, :L + T].to(q.dtype), allowed)
+
+    logits = forward(params, tokens, pos, attend, moe=moe, model_state=model_state, tensor_axis=tensor_axis,
+                     expert_axis=expert_axis)
+    cache.length = L + T
+    return logits
+
+
+def forward(params: dict, tokens: torch.Tensor, pos: torch.Tensor, attend: Any, *, moe: MoEConfig | None = None,
+            model_state: Any = None, tensor_axis: str | None = None, expert_axis: str | None = None) -> torch.Tensor:
+    """The GPT's forward over ``tokens`` ``(B, T)`` at positions ``pos`` ``(B, T)``, each
+    layer's attention given by ``attend(layer, q, k, v)`` (``(B, T, heads, Dh)`` each, after
+    the biases and rotary; it stores ``k``, ``v`` where its cache keeps them and returns
+    the attention output ``(B, T, heads, Dh)``): the logits ``(B, T, V)``. A mixture of
+    experts routes dropless."""
+    if moe is not None and moe.eval_capacity_factor is not None:  # generation routes dropless: a
+        moe = dataclasses.replace(moe, eval_capacity_factor=None)  # token's experts not the batch's doing
     x = params["emb"][tokens]
     if "pos" in params:
         x = x + params["pos"][pos]
@@ -110,9 +129,7 @@ def extend(params: dict, tokens: torch.Tensor, cache: KVCache, *, moe: MoEConfig
             q, k, v = q + a["bq"], k + a["bk"], v + a["bv"]
         if rotary:
             q, k = _rotary_rows(q, pos), _rotary_rows(k, pos)
-        cache.k[i][:, L:L + T] = k.to(cache.k[i].dtype)
-        cache.v[i][:, L:L + T] = v.to(cache.v[i].dtype)
-        o = _attention(q, cache.k[i][:, :L + T].to(q.dtype), cache.v[i][:, :L + T].to(q.dtype), allowed)
+        o = attend(i, q, k, v)
         y = o @ a["wo"] if isinstance(a["wo"], Int8Weight) else torch.einsum("bthe,hed->btd", o, a["wo"])
         y = gpt._exit_tp(y, tensor_axis)
         x = x + (y + a["bo"] if "bo" in a else y)
@@ -123,5 +140,4 @@ def extend(params: dict, tokens: torch.Tensor, cache: KVCache, *, moe: MoEConfig
             n_moe += 1
         else:
             x = x + gpt._mlp(p["mlp"], gpt._norm(p["norm2"], x), tensor_axis)
-    cache.length = L + T
     return gpt.unembed(params, x)  # (an int8 head: x @ params["head"] is Int8Weight's product)

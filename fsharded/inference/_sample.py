@@ -8,7 +8,17 @@ import torch
 
 from fsharded import random as R
 
-__all__ = ["sample"]
+__all__ = ["sample", "check_sampling"]
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None, op: str = "sample") -> None:
+    """A clear error for settings ``sample`` cannot take."""
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"{op}: temperature must be a number >= 0, got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"{op}: top_k must be an integer >= 1, got {top_k!r}")
+    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ValueError(f"{op}: top_p must be in (0, 1], got {top_p!r}")
 
 
 def sample(logits: torch.Tensor, key: torch.Tensor | None = None, *, temperature: float = 1.0,
@@ -19,12 +29,7 @@ def sample(logits: torch.Tensor, key: torch.Tensor | None = None, *, temperature
     ``top_p`` (at least one token kept)."""
     if logits.dim() != 2:
         raise ValueError(f"sample: logits must be (B, V), got {tuple(logits.shape)}")
-    if temperature < 0:
-        raise ValueError(f"sample: temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"sample: top_k must be >= 1, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"sample: top_p must be in (0, 1], got {top_p}")
+    check_sampling(temperature, top_k, top_p)
     if key is None or temperature == 0:
         return logits.argmax(dim=-1)
     x = logits.float() / temperature

@@ -2,6 +2,7 @@
 
     fsharded train                        # train the bundled GPT (fsharded train --help)
     fsharded generate --checkpoint checkpoints --prompt 'def '   # continue a prompt
+    fsharded serve --checkpoint checkpoints --http 8000          # serve it
     fsharded bench --list                 # the registered benchmarks
     fsharded bench spmd --quick           # run one; options after the name go to it
     fsharded bench spmd --help
@@ -104,6 +105,17 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a GPT trained by fsharded train: continuous batching, JSON lines or HTTP "
+        "(fsharded serve --help)",
+        description="Serve a checkpoint of fsharded train with continuous batching.",
+        add_help=False,
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+
 # -- fsharded export ------------------------------------------------------------------------
 
 
@@ -173,7 +185,7 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
 # -- top level -------------------------------------------------------------------------------
 
 _COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_bench, _add_train, _add_generate,
-                                                                       _add_export, _add_plot)
+                                                                       _add_serve, _add_export, _add_plot)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -201,6 +213,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fsharded.tools import generate
 
         return generate.main(argv[1:], prog="fsharded generate")
+    if argv[:1] == ["serve"]:
+        from fsharded.tools import serve
+
+        return serve.main(argv[1:], prog="fsharded serve")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_any_args", False):

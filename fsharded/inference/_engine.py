@@ -1,0 +1,255 @@
+"""Continuous batching: requests join and leave the running batch between steps, prompt
+chunks are mixed with decodes in one forward (Dynamic SplitFuse), and a paged cache holds
+the live tokens.
+
+Each ``Engine.step()`` builds one batch of at most ``max_batch_tokens`` tokens: first one
+token for every running request that is decoding, then chunks of the prompts waiting to
+be prefilled, in arrival order, a prompt split across steps where the budget ends inside
+it. The batch runs as one forward over all its tokens (the projections and MLPs on every
+token at once; each chunk attends over its own sequence's pages). A prompt's last chunk
+gives its first new token, each decode token the next. A request ends at one of its
+``stop_tokens`` (kept) or after ``max_new_tokens``, and its pages are freed at once.
+
+Pages are taken when tokens are written. Where a decode finds no free page, the request
+admitted last is preempted: its pages are freed and it waits at the head of the queue to
+be prefilled again from its prompt and the tokens it has produced (which it keeps), as
+vLLM's recompute preemption does. A request that could never fit the cache is refused
+when it is added.
+
+Each request samples with its own key, ``fold_in(key, n)`` for its ``n``-th token (greedy
+without a key): the draws ``generate`` makes for that prompt alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fsharded import random as R
+from fsharded.inference._gpt import _attention, forward
+from fsharded.inference._paged import PagedKVCache
+from fsharded.inference._sample import check_sampling, sample
+from fsharded.models._gpt_config import MoEConfig
+
+__all__ = ["Engine", "Request", "Event"]
+
+
+@dataclass
+class Request:
+    """A request's settings and progress: ``tokens`` the new tokens so far, ``finished``
+    (and ``stopped``: on a stop token), ``prefilled`` how many of ``context`` are in the
+    cache."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    key: torch.Tensor | None = None
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    stop_tokens: frozenset[int] = frozenset()
+    tokens: list[int] = field(default_factory=list)
+    prefilled: int = 0
+    finished: bool = False
+    stopped: bool = False
+    added_s: float = 0.0
+    first_token_s: float | None = None
+    finished_s: float | None = None
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens the cache must hold before the next one is drawn: the prompt and
+        every token produced (the last one is fed by the next decode)."""
+        return self.prompt + self.tokens
+
+
+@dataclass(frozen=True)
+class Event:
+    """A token produced by ``step``: request ``id``, the ``token``, and whether it ended
+    the request."""
+
+    id: int
+    token: int
+    finished: bool
+
+
+class Engine:
+    """Continuous batching over a paged cache for the bundled GPT's ``params``.
+
+    ``max_batch_tokens``: the tokens one step runs (decodes and prompt chunks together);
+    ``max_seqs``: the requests running at once; ``pages`` of ``page_size`` slots: the cache
+    (default: room for ``max_seqs`` sequences of the model's learned positions, or of
+    2,048 tokens with rotary positions)."""
+
+    def __init__(self, params: dict, *, max_batch_tokens: int = 256, max_seqs: int = 32, page_size: int = 16,
+                 pages: int | None = None, moe: MoEConfig | None = None, model_state: Any = None,
+                 cache_dtype: torch.dtype | None = None) -> None:
+        if max_batch_tokens < 1 or max_seqs < 1:
+            raise ValueError(f"Engine: max_batch_tokens ({max_batch_tokens}) and max_seqs ({max_seqs}) must be >= 1")
+        self.params, self.moe, self.model_state = params, moe, model_state
+        self.max_batch_tokens, self.max_seqs = int(max_batch_tokens), int(max_seqs)
+        self.context = params["pos"].shape[0] if "pos" in params else None
+        if pages is None:
+            pages = max_seqs * -(-(self.context or 2048) // page_size)
+        self.cache = PagedKVCache(params, pages, page_size, dtype=cache_dtype)
+        self.vocab = params["emb"].shape[0]
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admitted (holding pages), in admission order
+        self.requests: dict[int, Request] = {}
+        self._ids = itertools.count()
+        self.steps = 0
+        self.preemptions = 0
+
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int, *, key: torch.Tensor | None = None,
+                    temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                    stop_tokens: Sequence[int] = ()) -> int:
+        """Queue a request; returns its id. Bad input is an error here, before it runs."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("Engine.add_request: the prompt is empty; give at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"Engine.add_request: max_new_tokens must be >= 1, got {max_new_tokens}")
+        bad = [t for t in prompt if not 0 <= t < self.vocab]
+        if bad:
+            raise ValueError(f"Engine.add_request: the prompt holds token {bad[0]}, outside the vocabulary of "
+                             f"{self.vocab}")
+        need = len(prompt) + max_new_tokens - 1  # (the last new token is never fed back)
+        if self.context is not None and need > self.context:
+            raise ValueError(f"Engine.add_request: {len(prompt)} prompt tokens and {max_new_tokens} new ones need "
+                             f"{need} positions, beyond the model's context of {self.context} learned positions")
+        cap = self.cache.pages * self.cache.page_size
+        if need > cap:
+            raise ValueError(f"Engine.add_request: {need} tokens can never fit the cache's {cap} slots "
+                             f"({self.cache.pages} pages of {self.cache.page_size}); give the Engine more pages")
+        check_sampling(temperature, top_k, top_p, "Engine.add_request")
+        r = Request(next(self._ids), prompt, int(max_new_tokens), key, temperature, top_k, top_p,
+                    frozenset(int(t) for t in stop_tokens), added_s=time.perf_counter())
+        self.requests[r.id] = r
+        self.waiting.append(r)
+        return r.id
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling -----------------------------------------------------------------------
+
+    def _preempt(self) -> bool:
+        """Free the pages of the request admitted last; False where none is running."""
+        if not self.running:
+            return False
+        r = self.running.pop()
+        self.cache.release(r.id)
+        r.prefilled = 0
+        self.waiting.appendleft(r)
+        self.preemptions += 1
+        return True
+
+    def _schedule(self) -> list[tuple[Request, int, int]]:
+        """This step's chunks: ``(request, first token of its context, tokens)``."""
+        budget, chunks = self.max_batch_tokens, []
+        for r in list(self.running):  # decodes: one token each, oldest first
+            if len(r.context) - r.prefilled != 1 or not r.tokens or r not in self.running:
+                continue
+            while not self.cache.reserve(r.id, 1):
+                if not self._preempt() or r not in self.running:
+                    break
+            if r in self.running and budget > 0:
+                chunks.append((r, r.prefilled, 1))
+                budget -= 1
+        chunks = [c for c in chunks if c[0] in self.running]
+        decoding = {id(c[0]) for c in chunks}
+        queue = [r for r in self.running if id(r) not in decoding and r.prefilled < len(r.context)]
+        queue += list(self.waiting)
+        for r in queue:  # prompt chunks: a started prefill first, then arrivals in order
+            if budget <= 0:
+                break
+            n = min(len(r.context) - r.prefilled, budget)
+            if r not in self.running:
+                if len(self.running) >= self.max_seqs:
+                    break
+                if not self.cache.reserve(r.id, n):
+                    break
+                self.waiting.remove(r)
+                self.running.append(r)
+            elif not self.cache.reserve(r.id, n):
+                break
+            chunks.append((r, r.prefilled, n))
+            budget -= n
+        return chunks
+
+    # -- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """Run one batch; the tokens it produced."""
+        chunks = self._schedule()
+        if not chunks:
+            if self.waiting and not self.running:
+                raise RuntimeError("Engine.step: no request can be admitted (the cache has no free page)")
+            return []
+        cache, dev = self.cache, self.params["emb"].device
+        tokens, pos, writes, reads, masks, offsets = [], [], [], [], [], []
+        off = 0
+        for r, start, n in chunks:
+            ctx = r.context
+            tokens += ctx[start:start + n]
+            pos += range(start, start + n)
+            writes.append(cache.rows(r.id, start, start + n))
+            reads.append(cache.rows(r.id, 0, start + n))
+            j = torch.arange(start + n)
+            masks.append((j[None, :] <= torch.arange(start, start + n)[:, None])[None])  # (1, n, S)
+            offsets.append((off, n))
+            off += n
+        write = torch.cat(writes).to(dev)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.k[i][write] = k[0].to(cache.k[i].dtype)
+            cache.v[i][write] = v[0].to(cache.v[i].dtype)
+            out = torch.empty_like(q)
+            for (o, n), rows, mask in zip(offsets, reads, masks):
+                ks, vs = cache.k[i][rows].to(q.dtype)[None], cache.v[i][rows].to(q.dtype)[None]
+                out[:, o:o + n] = _attention(q[:, o:o + n], ks, vs, mask.to(dev))
+            return out
+
+        with torch.no_grad():
+            logits = forward(self.params, torch.tensor([tokens], device=dev), torch.tensor([pos], device=dev), attend,
+                             moe=self.moe, model_state=self.model_state)[0]
+        self.steps += 1
+        events, now = [], time.perf_counter()
+        for (r, start, n), (o, _) in zip(chunks, offsets):
+            r.prefilled = start + n
+            cache.length[r.id] = r.prefilled
+            if r.prefilled < len(r.context):
+                continue  # the prompt goes on in a later step
+            tok = int(sample(logits[o + n - 1:o + n], R.fold_in(r.key, len(r.tokens)) if r.key is not None else None,
+                             temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)[0])
+            r.tokens.append(tok)
+            r.first_token_s = now if r.first_token_s is None else r.first_token_s
+            r.stopped = tok in r.stop_tokens
+            r.finished = r.stopped or len(r.tokens) >= r.max_new_tokens
+            events.append(Event(r.id, tok, r.finished))
+            if r.finished:
+                r.finished_s = now
+                self.running.remove(r)
+                cache.release(r.id)
+        return events
+
+    def run(self) -> list[Event]:
+        """Step until every request has finished; every event."""
+        out = []
+        while self.busy:
+            out += self.step()
+        return out
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, **kw: Any) -> list[list[int]]:
+        """Add ``prompts`` (each with ``max_new_tokens`` and ``kw``), run them to the end
+        and return their new tokens in order."""
+        ids = [self.add_request(p, max_new_tokens, **kw) for p in prompts]
+        self.run()
+        return [self.requests[i].tokens for i in ids]

@@ -1,0 +1,71 @@
+"""A paged key/value cache: fixed-size pages of token slots shared by all sequences, a
+page table per sequence, so memory follows the live tokens.
+
+``PagedKVCache(params, pages, page_size)`` holds, per layer, ``k[i]`` and ``v[i]`` of shape
+``(pages * page_size, KV, Dh)``: slot ``s`` of page ``p`` is row ``p * page_size + s``. A
+sequence (``seq``) owns a list of pages (``table[seq]``) and a length; its token ``j`` is
+in row ``table[seq][j // page_size] * page_size + j % page_size``. ``reserve(seq, n)``
+takes pages from the free list so that ``n`` more tokens fit (or says it cannot),
+``release(seq)`` gives them back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["PagedKVCache"]
+
+
+class PagedKVCache:
+    """Pages of key/value slots for every layer; see the module docstring."""
+
+    def __init__(self, params: dict, pages: int, page_size: int = 16, *, dtype: torch.dtype | None = None) -> None:
+        if pages < 1 or page_size < 1:
+            raise ValueError(f"PagedKVCache: pages ({pages}) and page_size ({page_size}) must be >= 1")
+        emb = params["emb"]
+        self.page_size, self.pages = int(page_size), int(pages)
+        self.k, self.v = [], []
+        for p in params["blocks"]:
+            wk = p["attn"]["wk"]  # (D, KV, Dh)
+            shape = (self.pages * self.page_size, wk.shape[1], wk.shape[2])
+            self.k.append(torch.zeros(shape, dtype=dtype or emb.dtype, device=emb.device))
+            self.v.append(torch.zeros(shape, dtype=dtype or emb.dtype, device=emb.device))
+        self.free: list[int] = list(range(self.pages - 1, -1, -1))  # popped from the end: page 0 first
+        self.table: dict[int, list[int]] = {}
+        self.length: dict[int, int] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    @property
+    def pages_used(self) -> int:
+        return self.pages - len(self.free)
+
+    def pages_for(self, seq: int, n: int) -> int:
+        """Pages ``seq`` needs beyond its own for ``n`` more tokens."""
+        have = len(self.table.get(seq, ()))
+        need = -(-(self.length.get(seq, 0) + n) // self.page_size)
+        return max(0, need - have)
+
+    def reserve(self, seq: int, n: int) -> bool:
+        """Make room for ``n`` more tokens of ``seq`` (a new one starts empty); False, taking
+        nothing, where the free pages do not suffice."""
+        more = self.pages_for(seq, n)
+        if more > len(self.free):
+            return False
+        self.table.setdefault(seq, [])
+        self.length.setdefault(seq, 0)
+        self.table[seq].extend(self.free.pop() for _ in range(more))
+        return True
+
+    def release(self, seq: int) -> None:
+        """``seq``'s pages back to the free list."""
+        self.free.extend(reversed(self.table.pop(seq, [])))
+        self.length.pop(seq, None)
+
+    def rows(self, seq: int, start: int, stop: int) -> torch.Tensor:
+        """The cache rows of tokens ``start..stop-1`` of ``seq``."""
+        j = torch.arange(start, stop)
+        pages = torch.tensor(self.table[seq], dtype=torch.int64)
+        return pages[j // self.page_size] * self.page_size + j % self.page_size

@@ -1,0 +1,234 @@
+"""``fsharded serve``: a GPT trained by ``fsharded train`` behind continuous batching
+(``fs.inference.Engine``), as line-delimited JSON on stdin/stdout or a small HTTP endpoint.
+
+    fsharded serve --checkpoint checkpoints                      # JSON lines on stdin/stdout
+    fsharded serve --checkpoint checkpoints --http 8000          # POST /generate, GET /health
+
+A request is a JSON object: ``"prompt"`` (text, encoded as the run's data was) or
+``"tokens"`` (ids), and optionally ``"id"`` (echoed back; default a counter),
+``"max_new_tokens"`` (default ``--max-new-tokens``), ``"temperature"``, ``"top_k"``,
+``"top_p"``, ``"seed"`` (sampled where any of those is given; else greedy), ``"stop"``
+(token ids) and ``"stream"`` (also one line per token: ``{"id", "token", "text"}``). The
+answer is one JSON object: ``id``, ``text`` (None for a token-file model), ``tokens``,
+``stopped``, ``prompt_tokens``, ``time_to_first_token_s`` and ``latency_s``; a request it
+cannot run gets ``{"id", "error"}`` and the server goes on. On stdin the requests are
+taken as they arrive and answered as they finish (not in order); at the end of the input
+the ones running finish and the command exits. Over HTTP each ``POST /generate`` waits for
+its answer, while other requests run in the same batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fsharded import inference
+from fsharded import random as R
+from fsharded.tools.generate import DTYPES, Loaded, load_model
+
+__all__ = ["Server", "start_http", "build_parser", "main"]
+
+Reply = Callable[[dict], None]
+
+
+class Server:
+    """Requests in (``submit``, from any thread), answers out (each request's ``reply``),
+    the engine stepped by ``loop`` in one thread."""
+
+    def __init__(self, model: Loaded, *, max_new_tokens: int, max_batch_tokens: int, max_seqs: int,
+                 page_size: int, pages: int | None) -> None:
+        self.model, self.max_new_tokens = model, max_new_tokens
+        self.engine = inference.Engine(model.params, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
+                                       page_size=page_size, pages=pages, moe=model.config.moe,
+                                       model_state=model.model_state)
+        self.inbox: queue.Queue = queue.Queue()
+        self.pending: dict[int, tuple[Any, Reply, bool]] = {}
+        self._ids = itertools.count()
+
+    def submit(self, obj: Any, reply: Reply) -> None:
+        self.inbox.put((obj, reply))
+
+    def close(self) -> None:
+        self.inbox.put(None)
+
+    def _add(self, obj: Any, reply: Reply) -> None:
+        rid = obj.get("id", next(self._ids)) if isinstance(obj, dict) else None
+        try:
+            if not isinstance(obj, dict):
+                raise ValueError("a request is a JSON object")
+            unknown = set(obj) - {"id", "prompt", "tokens", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
+                                  "stop", "stream"}
+            if unknown:
+                raise ValueError(f"unknown fields {sorted(unknown)}")
+            if ("prompt" in obj) == ("tokens" in obj):
+                raise ValueError('give "prompt" (text) or "tokens" (ids), one of them')
+            tokens = self.model.encode(obj["prompt"]) if "prompt" in obj else [int(t) for t in obj["tokens"]]
+            sampled = any(obj.get(k) is not None for k in ("temperature", "top_k", "top_p", "seed"))
+            t = obj.get("temperature")
+            engine_id = self.engine.add_request(
+                tokens, int(obj.get("max_new_tokens", self.max_new_tokens)),
+                key=R.key(int(obj.get("seed", 0))) if sampled else None,
+                temperature=1.0 if t is None else float(t), top_k=obj.get("top_k"), top_p=obj.get("top_p"),
+                stop_tokens=[int(s) for s in obj.get("stop", ())])
+        except (ValueError, TypeError, KeyError) as e:
+            reply({"id": rid, "error": str(e).removeprefix("Engine.add_request: ")})
+            return
+        self.pending[engine_id] = (rid, reply, bool(obj.get("stream")))
+
+    def _answer(self, engine_id: int) -> None:
+        r = self.engine.requests.pop(engine_id)
+        rid, reply, _ = self.pending.pop(engine_id)
+        reply({"id": rid, "text": self.model.decode(r.tokens), "tokens": r.tokens, "stopped": r.stopped,
+               "prompt_tokens": len(r.prompt), "time_to_first_token_s": r.first_token_s - r.added_s,
+               "latency_s": r.finished_s - r.added_s})
+
+    def loop(self) -> None:
+        """Take requests and step until ``close`` and every request has its answer."""
+        open_ = True
+        while open_ or self.engine.busy:
+            block = open_ and not self.engine.busy
+            while True:
+                try:
+                    item = self.inbox.get(block=block)
+                except queue.Empty:
+                    break
+                block = False
+                if item is None:
+                    open_ = False
+                    continue
+                self._add(*item)
+            for ev in self.engine.step() if self.engine.busy else ():
+                rid, reply, stream = self.pending[ev.id]
+                if stream:
+                    reply({"id": rid, "token": ev.token, "text": self.model.decode([ev.token])})
+                if ev.finished:
+                    self._answer(ev.id)
+
+
+def _stdio(server: Server) -> None:
+    lock = threading.Lock()
+
+    def write(obj: dict) -> None:
+        with lock:
+            sys.stdout.write(json.dumps(obj) + "\n")
+            sys.stdout.flush()
+
+    def read() -> None:
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                write({"id": None, "error": f"not JSON: {e}"})
+                continue
+            server.submit(obj, write)
+        server.close()
+
+    threading.Thread(target=read, daemon=True).start()
+    server.loop()
+
+
+def start_http(server: Server, port: int, host: str = "127.0.0.1") -> Any:
+    """An HTTP server (not yet serving: ``serve_forever``) in front of ``server``, whose
+    loop it starts in a thread."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, code: int, obj: dict) -> None:
+            body = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path == "/health":
+                self._send(200, {"ok": True, "running": len(server.engine.running), "waiting": len(server.engine.waiting)})
+            else:
+                self._send(404, {"error": f"no such path {self.path}; POST /generate or GET /health"})
+
+        def do_POST(self) -> None:  # noqa: N802
+            if self.path != "/generate":
+                self._send(404, {"error": f"no such path {self.path}; POST /generate"})
+                return
+            try:
+                obj = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
+            except json.JSONDecodeError as e:
+                self._send(400, {"error": f"not JSON: {e}"})
+                return
+            done, box = threading.Event(), []
+
+            def reply(ans: dict) -> None:
+                if "token" not in ans:  # (streamed tokens are not sent over this endpoint)
+                    box.append(ans)
+                    done.set()
+            server.submit(obj, reply)
+            done.wait()
+            self._send(400 if "error" in box[0] else 200, box[0])
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.loop, daemon=True).start()
+    return httpd
+
+
+def build_parser(prog: str = "fsharded serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a checkpoint (step-N) or a save directory (its newest checkpoint)")
+    p.add_argument("--http", type=int, default=None, metavar="PORT", help="serve HTTP on PORT (0: any free port) "
+                   "instead of JSON lines on stdin/stdout")
+    p.add_argument("--host", default="127.0.0.1", help="with --http: the address to listen on (default 127.0.0.1)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="a request's default")
+    p.add_argument("--max-batch-tokens", type=int, default=256, metavar="N", help="tokens per step (default 256)")
+    p.add_argument("--max-seqs", type=int, default=32, metavar="N", help="requests running at once (default 32)")
+    p.add_argument("--page-size", type=int, default=16, metavar="N", help="token slots per cache page (default 16)")
+    p.add_argument("--pages", type=int, default=None, metavar="N",
+                   help="cache pages (default: --max-seqs sequences of the model's context)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--int8", action="store_true", help="int8 weight-only projections and head")
+    p.add_argument("--group-size", type=int, default=None, metavar="G")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded serve") -> int:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        model = load_model(args.checkpoint, dtype=DTYPES[args.dtype], int8=args.int8, group_size=args.group_size)
+        server = Server(model, max_new_tokens=args.max_new_tokens, max_batch_tokens=args.max_batch_tokens,
+                        max_seqs=args.max_seqs, page_size=args.page_size, pages=args.pages)
+    except (ValueError, OSError, NotImplementedError) as e:
+        print(f"{prog}: {str(e).removeprefix('generate: ')}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    if args.http is not None:
+        httpd = start_http(server, args.http, args.host)
+        print(f"{prog}: http://{args.host}:{httpd.server_address[1]}/generate", file=sys.stderr, flush=True)
+        try:
+            httpd.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            httpd.server_close()
+        return 0
+    _stdio(server)
+    print(f"{prog}: {server.engine.steps} steps, {server.engine.preemptions} preemptions, "
+          f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
