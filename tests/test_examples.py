@@ -275,6 +275,17 @@ def _check_generate(ns: dict, out: str) -> None:
     assert again.tokens == ns["drawn"].tokens and str(ns["greedy"].tokens) in out and "tokens/s" in out
 
 
+def _check_engine(ns: dict, out: str) -> None:
+    # each request's tokens are what generate gives its prompt alone; every page is back
+    import fsharded as fs
+
+    e, params = ns["engine"], ns["params"]
+    assert e.requests[ns["a"]].tokens == fs.inference.generate(params, [[5, 9, 2, 7, 1, 8, 3, 3, 4]], 6).tokens[0]
+    assert e.requests[ns["b"]].tokens == fs.inference.generate(params, [[3]], 3, key=fs.random.key(1),
+                                                               temperature=0.8).tokens[0]
+    assert e.cache.pages_used == 0 and out.count("Event(") == 9
+
+
 def _check_hf_generate(ns: dict, out: str) -> None:
     # transformers' own generate, with its own cache, gives the same tokens
     import torch
@@ -310,6 +321,8 @@ def _check_int8(ns: dict, out: str) -> None:
 # Each entry: a line that identifies the README block; the code run before it; text
 # replacements that scale it to a test (the block is otherwise run as written); a check.
 EXAMPLES = {
+    "engine = fs.inference.Engine(params, max_batch_tokens=32, max_seqs=8, page_size=4)": dict(
+        before="", replace={}, check=_check_engine),
     "out = fs.inference.generate(model, [[5, 9, 2, 7], [3]], max_new_tokens=6)": dict(
         before="", replace={}, check=_check_hf_generate),
     "tp = fs.inference.generate(params, prompts, max_new_tokens=6, mesh=fs.Mesh(": dict(
