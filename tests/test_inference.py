@@ -184,3 +184,29 @@ def test_int8_with_bf16_activations_and_a_mixture_of_experts(trained_models):
     a = fs.inference.extend(mp, torch.tensor([[1, 2, 3, 4]]), fs.inference.KVCache.empty(mp, 1, 4), moe=moe)
     b = fs.inference.extend(mq, torch.tensor([[1, 2, 3, 4]]), fs.inference.KVCache.empty(mq, 1, 4), moe=moe)
     assert float((a - b).abs().max()) / float(a.std()) <= 0.1
+
+
+# -- a compiled decode step ----------------------------------------------------------------------
+
+
+def test_a_compiled_decode_step_gives_the_eager_tokens_and_is_reused():
+    import torch._dynamo
+
+    cfg = gpt.GPTConfig.tiny(positions="rotary", norm="rmsnorm", activation="swiglu", bias=False, n_kv_heads=2,
+                             tied_embeddings=False, init_std=0.2)
+    params = gpt.init(cfg, 0)
+    eager = fs.inference.generate(params, PROMPTS, 8)
+    torch._dynamo.utils.counters.clear()
+    first = fs.inference.generate(params, PROMPTS, 8, compile=True)
+    assert first.tokens == eager.tokens and first.compile_s > 0
+    assert first.cache.slots == 64  # 5 + 8 slots, rounded up to 64: one compiled step for many lengths
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    again = fs.inference.generate(params, [[7, 7], [1, 2, 3], [9]], 20, compile=True, key=fs.random.key(4),
+                                  temperature=0.7)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompile
+    assert again.tokens == fs.inference.generate(params, [[7, 7], [1, 2, 3], [9]], 20, key=fs.random.key(4),
+                                                 temperature=0.7).tokens
+    q = fs.inference.quantize(gpt.init(gpt.GPTConfig.tiny(init_std=0.2), 0))  # int8, learned positions
+    assert fs.inference.generate(q, PROMPTS, 6, compile=True).tokens == fs.inference.generate(q, PROMPTS, 6).tokens
+    with pytest.raises(NotImplementedError, match="compile=True decodes the bundled GPT's dense blocks"):
+        fs.inference.generate(params, PROMPTS, 2, compile=True, mesh=fs.Mesh({"tensor": 2}))

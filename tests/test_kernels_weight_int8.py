@@ -43,7 +43,7 @@ def test_quantize_weight_layout_and_error_bound(group_size):
 
 def _cases():
     torch.manual_seed(1)
-    yield from [(1, 64, 40, None), (5, 96, 72, 32), (17, 128, 130, 16), (64, 80, 33, None)]
+    yield from [(1, 64, 40, None), (5, 96, 72, 32), (17, 128, 130, 16), (64, 80, 33, None), (3, 48, 130, None)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -80,6 +80,17 @@ def test_auto_picks_the_packed_cpu_product_and_leading_dims_pass_through():
     gm = make_fx(lambda x, q, s: int8_matmul(x, q, s), tracing_mode="fake")(x, q, s)
     ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert "fsharded.int8_matmul.default" in ops
+
+
+def test_input_widths_the_packed_cpu_product_gets_wrong_take_the_reference():
+    # torch 2.13's _weight_int8pack_mm is wrong where K is not a multiple of 16 (and crashed
+    # at K=172 with 3 rows): auto must not send those there.
+    for K in (36, 100, 168, 172, 180):
+        q, s = quantize_weight(torch.randn(K, 64))
+        x = torch.randn(3, K, dtype=torch.bfloat16)
+        torch.testing.assert_close(int8_matmul(x, q, s), int8_matmul_reference(x, q, s), rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match="a multiple of 16"):
+            int8_matmul(x, q, s, impl="cpu")
 
 
 def test_bad_input_is_named():

@@ -142,6 +142,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             "weights: step time, bytes sent, peak bytes, drop counts, output differences",
         ),
         Benchmark(
+            "inference",
+            "fsharded.bench.inference",
+            "generation vs transformers' generate on the same weights (prefill, decode at batch 1 and 16), "
+            "fp32/int8 vs bf16 decoding, continuous vs static batching on a mixed trace, DeepSpeed init_inference",
+        ),
+        Benchmark(
             "optim",
             "fsharded.bench.optim",
             "C++ CPU AdamW (fp32, + bf16 copy) vs torch fused/foreach AdamW and "

@@ -194,41 +194,63 @@ class Engine:
                 raise RuntimeError("Engine.step: no request can be admitted (the cache has no free page)")
             return []
         cache, dev = self.cache, self.params["emb"].device
-        tokens, pos, writes, reads, masks, offsets = [], [], [], [], [], []
+        tokens, pos, writes, offsets = [], [], [], []
+        singles, groups = [], []  # one-token chunks (attended together), longer ones (each alone)
         off = 0
         for r, start, n in chunks:
-            ctx = r.context
-            tokens += ctx[start:start + n]
+            tokens += r.context[start:start + n]
             pos += range(start, start + n)
             writes.append(cache.rows(r.id, start, start + n))
-            reads.append(cache.rows(r.id, 0, start + n))
-            j = torch.arange(start + n)
-            masks.append((j[None, :] <= torch.arange(start, start + n)[:, None])[None])  # (1, n, S)
             offsets.append((off, n))
+            if n == 1:
+                singles.append((off, cache.rows(r.id, 0, start + 1)))
+            else:
+                j = torch.arange(start + n)
+                groups.append((off, n, cache.rows(r.id, 0, start + n),
+                               (j[None, :] <= torch.arange(start, start + n)[:, None])[None].to(dev)))
             off += n
         write = torch.cat(writes).to(dev)
+        if singles:  # one padded gather for every one-token chunk: (n1, S) rows, padding masked
+            single_at = torch.tensor([o for o, _ in singles], device=dev)
+            S = max(len(rows) for _, rows in singles)
+            idx = torch.zeros(len(singles), S, dtype=torch.int64)
+            seen = torch.zeros(len(singles), 1, S, dtype=torch.bool)
+            for b, (_, rows) in enumerate(singles):
+                idx[b, :len(rows)] = rows
+                seen[b, 0, :len(rows)] = True
+            idx, seen = idx.to(dev), seen.to(dev)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.k[i][write] = k[0].to(cache.k[i].dtype)
             cache.v[i][write] = v[0].to(cache.v[i].dtype)
             out = torch.empty_like(q)
-            for (o, n), rows, mask in zip(offsets, reads, masks):
+            if singles:
+                ks, vs = cache.k[i][idx].to(q.dtype), cache.v[i][idx].to(q.dtype)  # (n1, S, KV, Dh)
+                out[0, single_at] = _attention(q[0, single_at][:, None], ks, vs, seen)[:, 0]
+            for o, n, rows, mask in groups:
                 ks, vs = cache.k[i][rows].to(q.dtype)[None], cache.v[i][rows].to(q.dtype)[None]
-                out[:, o:o + n] = _attention(q[:, o:o + n], ks, vs, mask.to(dev))
+                out[:, o:o + n] = _attention(q[:, o:o + n], ks, vs, mask)
             return out
 
         with torch.no_grad():
             logits = forward(self.params, torch.tensor([tokens], device=dev), torch.tensor([pos], device=dev), attend,
                              moe=self.moe, model_state=self.model_state)[0]
         self.steps += 1
-        events, now = [], time.perf_counter()
-        for (r, start, n), (o, _) in zip(chunks, offsets):
+        done = [(r, o + n - 1) for (r, start, n), (o, _) in zip(chunks, offsets) if start + n == len(r.context)]
+        for r, start, n in chunks:
             r.prefilled = start + n
             cache.length[r.id] = r.prefilled
-            if r.prefilled < len(r.context):
-                continue  # the prompt goes on in a later step
-            tok = int(sample(logits[o + n - 1:o + n], R.fold_in(r.key, len(r.tokens)) if r.key is not None else None,
-                             temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)[0])
+        greedy = [(r, at) for r, at in done if r.key is None or r.temperature == 0]
+        picked = {}
+        if greedy:  # one argmax for every greedy row
+            best = logits[torch.tensor([at for _, at in greedy], device=dev)].argmax(-1).tolist()
+            picked = {id(r): t for (r, _), t in zip(greedy, best)}
+        events, now = [], time.perf_counter()
+        for r, at in done:
+            tok = picked.get(id(r))
+            if tok is None:
+                tok = int(sample(logits[at:at + 1], R.fold_in(r.key, len(r.tokens)), temperature=r.temperature,
+                                 top_k=r.top_k, top_p=r.top_p)[0])
             r.tokens.append(tok)
             r.first_token_s = now if r.first_token_s is None else r.first_token_s
             r.stopped = tok in r.stop_tokens

@@ -11,7 +11,7 @@ import torch
 
 from fsharded import random as R
 from fsharded.inference._cache import KVCache
-from fsharded.inference._gpt import extend
+from fsharded.inference._gpt import check_context, compiled_decode, extend
 from fsharded.inference._hf import HFDecoder
 from fsharded.inference._sample import sample
 from fsharded.inference._sharded import MeshRunner
@@ -25,7 +25,8 @@ __all__ = ["Generation", "generate"]
 class Generation:
     """What ``generate`` returns: ``tokens[b]`` the new tokens of prompt ``b`` (up to and
     including a stop token, if one came), ``stopped[b]`` whether it ended on one, and the
-    seconds and token counts of the prefill and of the decode steps."""
+    seconds and token counts of the prefill and of the decode steps (with ``compile``, the
+    first decode step, which compiles, is ``compile_s`` and not counted in them)."""
 
     tokens: list[list[int]]
     stopped: list[bool]
@@ -34,6 +35,7 @@ class Generation:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     cache: KVCache | None = field(default=None, repr=False)
+    compile_s: float | None = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -60,7 +62,7 @@ def generate(params: dict, prompts: torch.Tensor | Sequence[Sequence[int]], max_
              key: torch.Tensor | None = None, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, stop_tokens: Sequence[int] = (), moe: MoEConfig | None = None,
              model_state: Any = None, cache_dtype: torch.dtype | None = None, mesh: Mesh | None = None,
-             param_specs: Any = None) -> Generation:
+             param_specs: Any = None, compile: bool = False) -> Generation:
     """Continue each prompt (a list of token lists of any lengths, or an integer ``(B, T)``
     tensor) by up to ``max_new_tokens`` tokens of the bundled GPT with ``params``.
 
@@ -71,6 +73,12 @@ def generate(params: dict, prompts: torch.Tensor | Sequence[Sequence[int]], max_
     tokens on every run and backend. A row stops at a token of ``stop_tokens`` (kept) or
     after ``max_new_tokens``; the others go on. ``moe``: the routing config of a model with
     mixture-of-experts blocks (routed dropless here), ``model_state`` its routing biases.
+
+    ``compile``: decode through one ``torch.compile``d step of static shapes (the cache's
+    slots rounded up to a multiple of 64, its attention over every slot with the rows'
+    masks, the new keys written at a position given as a tensor), compiled once per batch
+    size, slot count and dtype and reused by later calls; the prefill runs eagerly.
+    ``Generation.compile_s`` is the time the first decode step took (the compile).
 
     ``params`` may instead be a Hugging Face causal LM (an ``nn.Module`` such as
     ``LlamaForCausalLM`` or ``GPT2LMHeadModel``, or ``fs.nn.functional`` of one): it runs
@@ -95,24 +103,36 @@ def generate(params: dict, prompts: torch.Tensor | Sequence[Sequence[int]], max_
     for b, p in enumerate(rows):
         padded[b, longest - len(p):] = torch.tensor(p, dtype=torch.int64)
     start = torch.tensor([longest - len(p) for p in rows], dtype=torch.int64)
+    if compile and (hf is not None or mesh is not None or moe is not None):
+        raise NotImplementedError("generate: compile=True decodes the bundled GPT's dense blocks on one device; not a "
+                                  "Hugging Face model, a mesh or a mixture of experts (their routing is not static)")
+    slots = longest + max_new_tokens
+    if compile:
+        slots = -(-slots // 64) * 64  # one compiled step for a range of lengths
     if hf is not None:
         if mesh is not None or moe is not None or model_state is not None:
             raise NotImplementedError("generate: a Hugging Face model decodes on one device here (no mesh=, moe= or "
                                       "model_state=)")
-        cache = hf.empty_cache(B, longest + max_new_tokens, start, cache_dtype)
+        cache = hf.empty_cache(B, slots, start, cache_dtype)
 
         def forward(tokens: torch.Tensor) -> torch.Tensor:
             return hf.forward(tokens, cache)
     elif mesh is not None:
         runner = MeshRunner(params, mesh, param_specs, moe=moe, model_state=model_state)
-        cache = runner.empty_cache(B, longest + max_new_tokens, start, cache_dtype)
+        cache = runner.empty_cache(B, slots, start, cache_dtype)
 
         def forward(tokens: torch.Tensor) -> torch.Tensor:
             return runner.extend(tokens, cache)
     else:
-        cache = KVCache.empty(params, B, longest + max_new_tokens, start=start, dtype=cache_dtype)
+        cache = KVCache.empty(params, B, slots, start=start, dtype=cache_dtype)
 
         def forward(tokens: torch.Tensor) -> torch.Tensor:
+            if compile and tokens.shape[1] == 1:
+                check_context(params, cache, 1)
+                logits = compiled_decode()(params, tokens, cache.k, cache.v, torch.tensor(cache.length, device=dev),
+                                           cache.start.to(dev))
+                cache.length += 1
+                return logits[:, None]
             return extend(params, tokens, cache, moe=moe, model_state=model_state)
     out: list[list[int]] = [[] for _ in range(B)]
     stopped = [False] * B
@@ -122,6 +142,7 @@ def generate(params: dict, prompts: torch.Tensor | Sequence[Sequence[int]], max_
         logits = forward(padded)[:, -1]
         prefill_s = time.perf_counter() - t0
         decode_s, steps = 0.0, 0
+        compile_s = None
         for n in range(max_new_tokens):
             tok = sample(logits, R.fold_in(key, n) if key is not None else None, temperature=temperature,
                          top_k=top_k, top_p=top_p)
@@ -133,6 +154,9 @@ def generate(params: dict, prompts: torch.Tensor | Sequence[Sequence[int]], max_
                 break
             t0 = time.perf_counter()
             logits = forward(tok[:, None])[:, -1]
+            if compile and compile_s is None:  # the first step compiles (or finds the compiled one)
+                compile_s = time.perf_counter() - t0
+                continue
             decode_s += time.perf_counter() - t0
             steps += 1
-    return Generation(out, stopped, prefill_s, decode_s, int(sum(map(len, rows))), steps * B, cache)
+    return Generation(out, stopped, prefill_s, decode_s, int(sum(map(len, rows))), steps * B, cache, compile_s)

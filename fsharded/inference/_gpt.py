@@ -15,23 +15,28 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from fsharded.inference._cache import KVCache
 from fsharded.inference._int8 import Int8Weight
 from fsharded.models import gpt
 from fsharded.models._gpt_config import MoEConfig
 
-__all__ = ["extend", "forward", "check_context"]
+__all__ = ["extend", "forward", "check_context", "decode_step", "compiled_decode"]
 
 
-def _rotary_rows(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """``gpt._rotary`` with a position per row and token: x (B, T, h, Dh), pos (B, T)."""
-    Dh = x.shape[3]
-    dt = torch.promote_types(x.dtype, torch.float32)
-    inv_freq = gpt.ROPE_THETA ** (-torch.arange(0, Dh, 2, dtype=dt, device=x.device) / Dh)
+def _rotary_tables(pos: torch.Tensor, Dh: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gpt._rotary``'s cos and sin for a position per row and token, pos (B, T) ->
+    (B, T, 1, Dh) each: computed once per forward, shared by every layer."""
+    dt = torch.promote_types(dtype, torch.float32)
+    inv_freq = gpt.ROPE_THETA ** (-torch.arange(0, Dh, 2, dtype=dt, device=pos.device) / Dh)
     ang = pos.to(dt)[..., None] * inv_freq  # (B, T, Dh/2)
-    cos = ang.cos().repeat(1, 1, 2)[:, :, None, :].to(x.dtype)  # (B, T, 1, Dh)
-    sin = ang.sin().repeat(1, 1, 2)[:, :, None, :].to(x.dtype)
+    return (ang.cos().repeat(1, 1, 2)[:, :, None, :].to(dtype), ang.sin().repeat(1, 1, 2)[:, :, None, :].to(dtype))
+
+
+def _rotary_rows(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``gpt._rotary`` with a position per row and token: x (B, T, h, Dh)."""
+    cos, sin = tables
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -50,7 +55,29 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch
 
 def _proj(h: torch.Tensor, w: Any) -> torch.Tensor:
     """(B, T, D) through a (D, heads, Dh) projection, float or int8."""
-    return h @ w if isinstance(w, Int8Weight) else torch.einsum("btd,dhe->bthe", h, w)
+    return w.matmul(h) if isinstance(w, Int8Weight) else torch.einsum("btd,dhe->bthe", h, w)
+
+
+def _mlp(p: dict, x: torch.Tensor, tensor_axis: str | None) -> torch.Tensor:
+    """The dense MLP: the training one, or with int8 weights the same math through their
+    product (spelled out, so that torch.compile sees the int8 calls)."""
+    if not any(isinstance(w, Int8Weight) for w in p.values()):
+        return gpt._mlp(p, x, tensor_axis)
+
+    def lin(x: torch.Tensor, w: Any, b: str) -> torch.Tensor:
+        y = w.matmul(x) if isinstance(w, Int8Weight) else x @ w
+        return y + p[b] if b in p else y
+
+    if "w_gate" in p:
+        return lin(F.silu(lin(x, p["w_gate"], "b_gate")) * lin(x, p["w_up"], "b_up"), p["w_down"], "b_down")
+    return lin(F.gelu(lin(x, p["w_in"], "b_in")), p["w_out"], "b_out")
+
+
+def _unembed(params: dict, x: torch.Tensor) -> torch.Tensor:
+    head = params.get("head")
+    if isinstance(head, Int8Weight):
+        return head.matmul(gpt._norm(params["final_norm"], x))
+    return gpt.unembed(params, x)
 
 
 def _rows(cache: KVCache, T: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +143,9 @@ def forward(params: dict, tokens: torch.Tensor, pos: torch.Tensor, attend: Any, 
     x = params["emb"][tokens]
     if "pos" in params:
         x = x + params["pos"][pos]
-    rotary = "pos" not in params
+    tables = None
+    if "pos" not in params and params["blocks"]:  # rotary: the angles of these positions, once
+        tables = _rotary_tables(pos, params["blocks"][0]["attn"]["wq"].shape[-1], x.dtype)
     biases = gpt._routing_biases(params, moe, model_state)
     n_moe = 0
     for i, p in enumerate(params["blocks"]):
@@ -127,10 +156,10 @@ def forward(params: dict, tokens: torch.Tensor, pos: torch.Tensor, attend: Any, 
         q, k, v = _proj(h, a["wq"]), _proj(h, a["wk"]), _proj(h, a["wv"])
         if "bq" in a:
             q, k, v = q + a["bq"], k + a["bk"], v + a["bv"]
-        if rotary:
-            q, k = _rotary_rows(q, pos), _rotary_rows(k, pos)
+        if tables is not None:
+            q, k = _rotary_rows(q, tables), _rotary_rows(k, tables)
         o = attend(i, q, k, v)
-        y = o @ a["wo"] if isinstance(a["wo"], Int8Weight) else torch.einsum("bthe,hed->btd", o, a["wo"])
+        y = a["wo"].matmul(o) if isinstance(a["wo"], Int8Weight) else torch.einsum("bthe,hed->btd", o, a["wo"])
         y = gpt._exit_tp(y, tensor_axis)
         x = x + (y + a["bo"] if "bo" in a else y)
         if gpt._is_moe(p):
@@ -139,5 +168,35 @@ def forward(params: dict, tokens: torch.Tensor, pos: torch.Tensor, attend: Any, 
                                 tensor_axis)
             n_moe += 1
         else:
-            x = x + gpt._mlp(p["mlp"], gpt._norm(p["norm2"], x), tensor_axis)
-    return gpt.unembed(params, x)  # (an int8 head: x @ params["head"] is Int8Weight's product)
+            x = x + _mlp(p["mlp"], gpt._norm(p["norm2"], x), tensor_axis)
+    return _unembed(params, x)
+
+
+def decode_step(params: dict, tokens: torch.Tensor, k: list[torch.Tensor], v: torch.Tensor, length: torch.Tensor,
+                start: torch.Tensor) -> torch.Tensor:
+    """One decode step with static shapes, for ``torch.compile``: ``tokens`` ``(B, 1)`` into
+    slot ``length`` (an int64 0-d tensor) of the caches ``k``, ``v`` (one ``(B, S, KV, Dh)``
+    per layer, written in place), attending over all ``S`` slots with each row's mask
+    (``start[b]..length``). The last logits ``(B, V)``; ``extend``'s numbers."""
+    S = k[0].shape[1]
+    pos = (length - start).clamp(min=0)[:, None]  # (B, 1)
+    keys = torch.arange(S, device=tokens.device)
+    allowed = ((keys[None, :] >= start[:, None]) & (keys[None, :] <= length))[:, None, :]  # (B, 1, S)
+    allowed = allowed | (keys == length)[None, None, :]  # (a padding row reads its own slot)
+
+    def attend(i: int, q: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor) -> torch.Tensor:
+        k[i].index_copy_(1, length.view(1), kn.to(k[i].dtype))
+        v[i].index_copy_(1, length.view(1), vn.to(v[i].dtype))
+        return _attention(q, k[i].to(q.dtype), v[i].to(q.dtype), allowed)
+
+    return forward(params, tokens, pos, attend)[:, -1]
+
+
+_COMPILED: list = []
+
+
+def compiled_decode() -> Any:
+    """``decode_step`` through ``torch.compile`` (made once; it recompiles per shape)."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(decode_step, fullgraph=True, dynamic=False))
+    return _COMPILED[0]

@@ -6,8 +6,8 @@ projection of the blocks (attention ``wq``, ``wk``, ``wv``, ``wo``; the dense ML
 ``w_in``/``w_out`` or ``w_gate``/``w_up``/``w_down``) and the output head as an
 ``Int8Weight``; the embedding, norms, biases and a mixture of experts' weights stay
 floating (cast to ``dtype`` where given). A tied head gets an int8 copy of the embedding
-as ``params["head"]``, so decoding reads int8 for the logits too. ``x @ w`` works for an
-``Int8Weight`` ``w`` (Python's ``__rmatmul__``), so the MLP runs unchanged.
+as ``params["head"]``, so decoding reads int8 for the logits too. ``w.matmul(x)`` (and
+``x @ w``) is the int8 product.
 """
 
 from __future__ import annotations
@@ -49,11 +49,14 @@ class Int8Weight:
     def nbytes(self) -> int:
         return self.q.numel() + self.scales.numel() * 4
 
-    def __rmatmul__(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ w``: ``x`` ``(..., *shape[:inputs])`` -> ``(..., *shape[inputs:])``."""
         lead = x.shape[:x.dim() - self.inputs]
         y = int8_matmul(x.reshape(*lead, -1), self.q, self.scales)
         return y.view(*lead, *self.shape[self.inputs:])
+
+    def __rmatmul__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_weight(self.q, self.scales, dtype).reshape(self.shape)

@@ -33,6 +33,8 @@ class PagedKVCache:
         self.free: list[int] = list(range(self.pages - 1, -1, -1))  # popped from the end: page 0 first
         self.table: dict[int, list[int]] = {}
         self.length: dict[int, int] = {}
+        self._rows: dict[int, torch.Tensor] = {}  # each sequence's rows, slot by slot, for its pages
+        self._offsets = torch.arange(self.page_size)
 
     @property
     def nbytes(self) -> int:
@@ -56,16 +58,21 @@ class PagedKVCache:
             return False
         self.table.setdefault(seq, [])
         self.length.setdefault(seq, 0)
-        self.table[seq].extend(self.free.pop() for _ in range(more))
+        new = [self.free.pop() for _ in range(more)]
+        self.table[seq].extend(new)
+        if new or seq not in self._rows:
+            added = (torch.tensor(new, dtype=torch.int64)[:, None] * self.page_size + self._offsets).reshape(-1)
+            self._rows[seq] = torch.cat([self._rows[seq], added]) if seq in self._rows else added
         return True
 
     def release(self, seq: int) -> None:
         """``seq``'s pages back to the free list."""
         self.free.extend(reversed(self.table.pop(seq, [])))
         self.length.pop(seq, None)
+        self._rows.pop(seq, None)
 
     def rows(self, seq: int, start: int, stop: int) -> torch.Tensor:
         """The cache rows of tokens ``start..stop-1`` of ``seq``."""
-        j = torch.arange(start, stop)
-        pages = torch.tensor(self.table[seq], dtype=torch.int64)
-        return pages[j // self.page_size] * self.page_size + j % self.page_size
+        if stop > len(self._rows.get(seq, ())):
+            raise IndexError(f"PagedKVCache: sequence {seq} holds {len(self._rows.get(seq, ()))} slots, not {stop}")
+        return self._rows[seq][start:stop]

@@ -16,7 +16,8 @@ product (never written out whole):
 
 - ``triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``): tiles of ``x`` and of ``q``,
   each ``q`` tile scaled in registers by its group's scales, accumulated in fp32;
-- ``cpu`` (CPU tensors, one scale per output channel): ATen's packed int8 product
+- ``cpu`` (CPU tensors, one scale per output channel, ``K`` a multiple of 16: other
+  ``K`` give wrong values in torch 2.13's kernel): ATen's packed int8 product
   (``aten._weight_int8pack_mm``, as torchao and gpt-fast use on CPU), whose scales are in
   ``x``'s dtype (a bf16 scale rounds to 8 bits: within ``2**-9`` of the fp32 one);
 - ``reference``: the weights dequantized in fp32 and multiplied in fp32, cast to ``x``'s
@@ -96,7 +97,9 @@ def int8_matmul_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor
 
 
 def _packed_ok(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and q.device.type == "cpu" and scales.shape[1] == 1
+    # ATen's packed product (torch 2.13, CPU) is right only where K is a multiple of 16:
+    # other K give wrong values (K = 36, 100, 168, 180, 200 measured) or a crash (172 at 3 rows).
+    return (x.device.type == "cpu" and q.device.type == "cpu" and scales.shape[1] == 1 and q.shape[1] % 16 == 0
             and hasattr(torch.ops.aten, "_weight_int8pack_mm"))
 
 
@@ -131,7 +134,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, impl: st
     if want == "cpu":
         if not _packed_ok(x, q, scales):
             raise RuntimeError("int8_matmul: impl='cpu' runs CPU tensors with one scale per output channel "
-                               "(group_size=None)")
+                               "(group_size=None) and input features a multiple of 16")
         chosen = "cpu"
     else:
         chosen = _dispatch.choose("int8_matmul", x, q, scales, impl=impl)
