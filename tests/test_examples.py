@@ -275,6 +275,13 @@ def _check_generate(ns: dict, out: str) -> None:
     assert again.tokens == ns["drawn"].tokens and str(ns["greedy"].tokens) in out and "tokens/s" in out
 
 
+def _check_stream(ns: dict, out: str) -> None:
+    import fsharded as fs
+
+    assert ns["out"].tokens == fs.inference.generate(ns["params"], [[5, 9, 2, 7], [3]], 6).tokens
+    assert "StreamedBlocks(4 blocks" in out and ns["streamed"]["blocks"].reads == 4 * 6
+
+
 def _check_engine(ns: dict, out: str) -> None:
     # each request's tokens are what generate gives its prompt alone; every page is back
     import fsharded as fs
@@ -321,6 +328,8 @@ def _check_int8(ns: dict, out: str) -> None:
 # Each entry: a line that identifies the README block; the code run before it; text
 # replacements that scale it to a test (the block is otherwise run as written); a check.
 EXAMPLES = {
+    "streamed = fs.inference.stream_weights(params, \"nvme\", tempfile.mkdtemp(), prefetch=1)": dict(
+        before="", replace={}, check=_check_stream),
     "engine = fs.inference.Engine(params, max_batch_tokens=32, max_seqs=8, page_size=4)": dict(
         before="", replace={}, check=_check_engine),
     "out = fs.inference.generate(model, [[5, 9, 2, 7], [3]], max_new_tokens=6)": dict(

@@ -92,6 +92,10 @@ def test_int8_weights_generate_what_the_quantized_model_does(trained, capsys):
         want = fs.inference.generate(fs.inference.quantize(params, group), [list(b"def f(x")], 6)
         assert res["samples"][0]["tokens"] == want.tokens[0]
     assert generate.load_model(trained, int8=True, dtype=torch.bfloat16).params["emb"].dtype == torch.bfloat16
+    res = _generate(capsys, "--checkpoint", trained, "--prompt", "def f(x", "--max-new-tokens", "6", "--int8",
+                    "--compile")
+    assert res["samples"][0]["tokens"] == fs.inference.generate(fs.inference.quantize(params), [list(b"def f(x")],
+                                                                6).tokens[0]
     assert generate.main(["--checkpoint", trained, "--prompt", "a", "--group-size", "4"]) == 2
     assert "give --int8 with it" in capsys.readouterr().err
     assert generate.main(["--checkpoint", trained, "--prompt", "a", "--int8", "--group-size", "5"]) == 2

@@ -26,6 +26,10 @@ All in one process on this machine's threads.
   groups' worst case, which the engine holds as pages and fills with up to four times as
   many requests. The measure is the trace's wall time; both produce the same tokens for
   every request.
+- **ZeRO-Inference**: decoding with the blocks streamed per layer from files
+  (``fs.inference.stream_weights(..., "nvme", --nvme-path)``) against the disk's floor
+  (the bytes read per token at the read bandwidth the same I/O pool measures on that
+  disk in the same run) and against the weights in memory; and streamed from host memory.
 - DeepSpeed's ``init_inference`` where DeepSpeed imports (``DS_ACCELERATOR=cpu``): its
   module in fp32 without kernel injection (the CPU has no injected kernels) running
   transformers' ``generate``; a row says so where it does not run.
@@ -37,6 +41,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -66,7 +71,7 @@ def _model(quick: bool) -> tuple[gpt.GPTConfig, dict]:
 
 def _prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (batch, length), generator=g).tolist()
+    return torch.randint(1, 256, (batch, length), generator=g).tolist()  # (0 is transformers' pad id here)
 
 
 def _hf_generate(model: Any, prompts: list[list[int]], n: int, static: bool) -> list[list[int]]:
@@ -221,6 +226,38 @@ def batching_section(params, *, n: int, max_seqs: int, max_prompt: int, max_new:
                    target=0.5, notes=notes)
 
 
+def stream_section(cfg, params, *, prompt_len: int, new: int, reps: int, path: str) -> Section:
+    from fsharded.bench.offload import disk_bandwidth
+
+    prompts = _prompts(1, prompt_len, seed=3)
+    want = fs.inference.generate(params, prompts, new).tokens
+    nvme = fs.inference.stream_weights(params, "nvme", path, prefetch=1)
+    host = fs.inference.stream_weights(params, "cpu", prefetch=1)
+    try:
+        for s in (nvme, host):
+            if fs.inference.generate(s, prompts, new).tokens != want:
+                raise RuntimeError("bench inference: streamed weights give other tokens than in memory")
+        mem = _per_token(lambda k: fs.inference.generate(params, prompts, k), new, reps)[1]
+        disk = _per_token(lambda k: fs.inference.generate(nvme, prompts, k), new, reps)[1]
+        hostt = _per_token(lambda k: fs.inference.generate(host, prompts, k), new, reps)[1]
+        _, read_bw = disk_bandwidth(path)
+        floor = nvme["blocks"].nbytes / read_bw
+        _log(f"  in memory {mem * 1e3:.2f} ms, NVMe {disk * 1e3:.2f} ms (floor {floor * 1e3:.2f}), "
+             f"host {hostt * 1e3:.2f} ms per token")
+        rows = (Row("decode per token, blocks streamed from files vs the disk's floor", "batch 1", disk, floor),
+                Row("decode per token, blocks streamed from files vs in memory", "batch 1", disk, mem),
+                Row("decode per token, blocks streamed from host memory vs in memory", "batch 1", hostt, mem))
+        notes = (f"{nvme['blocks'].nbytes / 1e6:.1f} MB of block weights read per token (every block once, "
+                 f"prefetch 1: the next block read while one computes); the disk's floor is that at the "
+                 f"{read_bw / 1e9:.2f} GB/s the same I/O pool reads {path!r} with O_DIRECT in the same run",
+                 "on a CPU-only machine the host tier copies each block into a staging buffer (the copy a GPU "
+                 "would make to its memory)")
+    finally:
+        nvme["blocks"].close()
+    return Section(title="ZeRO-Inference: the blocks streamed per layer from files and from host memory",
+                   peer="as each row names it", rows=rows, notes=notes)
+
+
 def deepspeed_section(cfg, params, *, prompt_len: int, new: int, reps: int) -> Section:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
@@ -257,6 +294,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--hf-compile", action=argparse.BooleanOptionalAction, default=True,
                    help="also time transformers with its static cache and torch.compile (default on)")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's init_inference")
+    p.add_argument("--nvme-path", default=None, help="where the streamed weights' files go (default: a temporary "
+                   "directory)")
     add_output_args(p)
     return p
 
@@ -278,6 +317,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     report.sections.append(batching_section(params, n=8 if args.quick else 48, max_seqs=args.max_seqs,
                                             max_prompt=24 if args.quick else 96, max_new=12 if args.quick else 96,
                                             rounds=2 if args.quick else 3))
+    _log("ZeRO-Inference ...")
+    path = args.nvme_path or tempfile.mkdtemp(prefix="fsharded-bench-")
+    report.sections.append(stream_section(cfg, params, prompt_len=prompt_len, new=new, reps=reps, path=path))
     if not args.no_deepspeed:
         _log("DeepSpeed init_inference ...")
         report.sections.append(deepspeed_section(cfg, params, prompt_len=prompt_len, new=new, reps=reps))

@@ -14,7 +14,8 @@ the projections as int8 weights with per-channel or group-wise scales (``Int8Wei
 multiplied with the weights dequantized inside the product. ``generate(..., mesh=)``
 decodes tensor- and expert-parallel, on the virtual mesh or on real ranks
 (``mesh_specs``: how the parameters are laid out). ``Engine`` serves requests by
-continuous batching over a ``PagedKVCache`` (``fsharded serve``).
+continuous batching over a ``PagedKVCache`` (``fsharded serve``). ``stream_weights``
+keeps the blocks in host memory or files and reads them per layer (ZeRO-Inference).
 """
 
 from fsharded.inference._cache import KVCache
@@ -26,6 +27,8 @@ from fsharded.inference._int8 import Int8Weight, quantize
 from fsharded.inference._paged import PagedKVCache
 from fsharded.inference._sample import sample
 from fsharded.inference._sharded import mesh_specs
+from fsharded.inference._stream import StreamedBlocks, stream_weights
 
 __all__ = ["KVCache", "Generation", "generate", "extend", "sample", "quantize", "Int8Weight", "mesh_specs",
-           "to_transformers", "Engine", "Request", "Event", "PagedKVCache"]
+           "to_transformers", "Engine", "Request", "Event", "PagedKVCache",
+           "stream_weights", "StreamedBlocks"]

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fsharded.inference._stream import block_meta
+
 __all__ = ["KVCache"]
 
 
@@ -29,7 +31,7 @@ class KVCache:
         ``batch``, in ``dtype`` (default: the embedding's)."""
         k, v = [], []
         emb = params["emb"]  # the activations' dtype (the projections may be int8)
-        for p in params["blocks"]:
+        for p in block_meta(params):
             wk = p["attn"]["wk"]  # (D, KV, Dh)
             shape = (batch, slots, wk.shape[1], wk.shape[2])
             k.append(torch.zeros(shape, dtype=dtype or emb.dtype, device=emb.device))

@@ -15,6 +15,7 @@ from fsharded.inference._gpt import check_context, compiled_decode, extend
 from fsharded.inference._hf import HFDecoder
 from fsharded.inference._sample import sample
 from fsharded.inference._sharded import MeshRunner
+from fsharded.inference._stream import StreamedBlocks
 from fsharded.mesh import Mesh
 from fsharded.models._gpt_config import MoEConfig
 
@@ -103,6 +104,9 @@ def generate(params: dict, prompts: torch.Tensor | Sequence[Sequence[int]], max_
     for b, p in enumerate(rows):
         padded[b, longest - len(p):] = torch.tensor(p, dtype=torch.int64)
     start = torch.tensor([longest - len(p) for p in rows], dtype=torch.int64)
+    if hf is None and isinstance(params["blocks"], StreamedBlocks) and (compile or mesh is not None):
+        raise NotImplementedError("generate: streamed weights (stream_weights) decode eagerly on one device; not "
+                                  "with compile=True or a mesh")
     if compile and (hf is not None or mesh is not None or moe is not None):
         raise NotImplementedError("generate: compile=True decodes the bundled GPT's dense blocks on one device; not a "
                                   "Hugging Face model, a mesh or a mixture of experts (their routing is not static)")

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from fsharded.inference._cache import KVCache
 from fsharded.inference._int8 import Int8Weight
+from fsharded.inference._stream import block_meta
 from fsharded.models import gpt
 from fsharded.models._gpt_config import MoEConfig
 
@@ -144,9 +145,10 @@ def forward(params: dict, tokens: torch.Tensor, pos: torch.Tensor, attend: Any, 
     if "pos" in params:
         x = x + params["pos"][pos]
     tables = None
-    if "pos" not in params and params["blocks"]:  # rotary: the angles of these positions, once
-        tables = _rotary_tables(pos, params["blocks"][0]["attn"]["wq"].shape[-1], x.dtype)
-    biases = gpt._routing_biases(params, moe, model_state)
+    meta = block_meta(params)
+    if "pos" not in params and len(meta):  # rotary: the angles of these positions, once
+        tables = _rotary_tables(pos, meta[0]["attn"]["wq"].shape[-1], x.dtype)
+    biases = gpt._routing_biases({**params, "blocks": meta}, moe, model_state)  # (streamed blocks: not read)
     n_moe = 0
     for i, p in enumerate(params["blocks"]):
         a = p["attn"]

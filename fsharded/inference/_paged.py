@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from fsharded.inference._stream import block_meta
+
 __all__ = ["PagedKVCache"]
 
 
@@ -25,7 +27,7 @@ class PagedKVCache:
         emb = params["emb"]
         self.page_size, self.pages = int(page_size), int(pages)
         self.k, self.v = [], []
-        for p in params["blocks"]:
+        for p in block_meta(params):
             wk = p["attn"]["wk"]  # (D, KV, Dh)
             shape = (self.pages * self.page_size, wk.shape[1], wk.shape[2])
             self.k.append(torch.zeros(shape, dtype=dtype or emb.dtype, device=emb.device))

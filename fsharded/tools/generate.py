@@ -184,6 +184,8 @@ def build_parser(prog: str = "fsharded generate") -> argparse.ArgumentParser:
                    "output channel; the activations and cache in --dtype)")
     p.add_argument("--group-size", type=int, default=None, metavar="G",
                    help="with --int8: a scale per G input features instead of per output channel")
+    p.add_argument("--compile", action="store_true", help="decode through a torch.compile'd step (compiled on the "
+                   "first use: seconds; worth it for long continuations)")
     p.add_argument("--preset", default=None, help="for a checkpoint without a recorded model: the GPT preset")
     p.add_argument("--set", action="append", default=[], metavar="model.KEY=VALUE", dest="sets",
                    help="for a checkpoint without a recorded model: a GPT setting the run had")
@@ -218,7 +220,8 @@ def run(args: argparse.Namespace) -> dict:
                              key=R.key(args.seed) if sampled else None,
                              temperature=1.0 if args.temperature is None else args.temperature,
                              top_k=args.top_k, top_p=args.top_p, stop_tokens=[int(s) for s in args.stop],
-                             moe=model.config.moe, model_state=model.model_state, mesh=model.mesh)
+                             moe=model.config.moe, model_state=model.model_state, mesh=model.mesh,
+                             compile=args.compile)
     return {"checkpoint": model.directory, "step": model.step,
             "samples": [{"prompt": model.decode(r), "prompt_tokens": r, "text": model.decode(t), "tokens": t,
                          "stopped": s} for r, t, s in zip(rows, out.tokens, out.stopped)],

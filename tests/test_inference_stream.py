@@ -1,0 +1,83 @@
+"""ZeRO-Inference (``fs.inference.stream_weights``): the blocks in files or host memory,
+read per layer with prefetch, give the in-memory tokens; only ``prefetch + 1`` blocks are
+on the device at once; a damaged weights file is an error naming it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fsharded as fs
+from fsharded.models import gpt
+from fsharded.models._gpt_config import MoEConfig
+
+PROMPTS = [[5, 9, 2, 7, 1], [3], [8, 8, 4]]
+MOE = MoEConfig(experts=4, top_k=2, every=2)
+MODELS = {
+    "learned": dict(),
+    "llama-style": dict(positions="rotary", norm="rmsnorm", activation="swiglu", bias=False, n_kv_heads=2,
+                        tied_embeddings=False),
+    "mixture of experts": dict(moe=MOE),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_streamed_weights_generate_the_in_memory_tokens(name, tmp_path):
+    params = gpt.init(gpt.GPTConfig.tiny(n_layers=3, **MODELS[name]), 0)
+    moe = MOE if "moe" in MODELS[name] else None
+    greedy = fs.inference.generate(params, PROMPTS, 8, moe=moe)
+    drawn = fs.inference.generate(params, PROMPTS, 8, moe=moe, key=fs.random.key(1), temperature=0.8)
+    for tier, prefetch in (("nvme", 1), ("nvme", 2), ("cpu", 1)):
+        s = fs.inference.stream_weights(params, tier, str(tmp_path) if tier == "nvme" else None, prefetch=prefetch)
+        blocks = s["blocks"]
+        out = fs.inference.generate(s, PROMPTS, 8, moe=moe)
+        assert out.tokens == greedy.tokens, (tier, prefetch)
+        assert blocks.reads == 3 * 8  # every block once per forward: the prefill and 7 decode steps
+        # the logits themselves, bit for bit
+        c1, c2 = fs.inference.KVCache.empty(params, 1, 4), fs.inference.KVCache.empty(s, 1, 4)
+        assert torch.equal(fs.inference.extend(params, torch.tensor([[1, 2, 3]]), c1, moe=moe),
+                           fs.inference.extend(s, torch.tensor([[1, 2, 3]]), c2, moe=moe))
+        assert fs.inference.generate(s, PROMPTS, 8, moe=moe, key=fs.random.key(1),
+                                     temperature=0.8).tokens == drawn.tokens
+        assert len(blocks._buffers) == prefetch + 1  # the device holds prefetch + 1 blocks, not 3
+        assert blocks.nbytes >= sum(x.numel() * x.element_size() for b in params["blocks"]
+                                    for x in torch.utils._pytree.tree_leaves(b))
+        if tier == "nvme":
+            files = sorted(os.listdir(blocks.path))
+            assert files == ["block-0000.bin", "block-0001.bin", "block-0002.bin"]
+        engine = fs.inference.Engine(s, page_size=4, moe=moe)
+        assert engine.generate(PROMPTS, 8) == greedy.tokens
+        blocks.close()
+
+
+def test_a_damaged_weights_file_is_named(tmp_path):
+    params = gpt.init(gpt.GPTConfig.tiny(), 0)
+    s = fs.inference.stream_weights(params, "nvme", str(tmp_path))
+    path = os.path.join(s["blocks"].path, "block-0001.bin")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, 100)
+        os.pwrite(fd, bytes([byte[0] ^ 0x40]), 100)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    with pytest.raises(RuntimeError, match="block-0001.bin does not hold the bytes written to it"):
+        fs.inference.generate(s, PROMPTS, 2)
+
+
+def test_what_streaming_does_not_take_is_named(tmp_path):
+    params = gpt.init(gpt.GPTConfig.tiny(), 0)
+    with pytest.raises(ValueError, match="tier='nvme' needs path="):
+        fs.inference.stream_weights(params, "nvme")
+    with pytest.raises(ValueError, match="tier must be 'nvme' or 'cpu'"):
+        fs.inference.stream_weights(params, "disk", str(tmp_path))
+    with pytest.raises(ValueError, match="prefetch must be >= 1"):
+        fs.inference.stream_weights(params, "cpu", prefetch=0)
+    with pytest.raises(ValueError, match="int8 weights are not streamed yet"):
+        fs.inference.stream_weights(fs.inference.quantize(params), "cpu")
+    s = fs.inference.stream_weights(params, "cpu")
+    for kw in (dict(compile=True), dict(mesh=fs.Mesh({"tensor": 2}))):
+        with pytest.raises(NotImplementedError, match="streamed weights"):
+            fs.inference.generate(s, PROMPTS, 2, **kw)
