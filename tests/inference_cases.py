@@ -41,3 +41,12 @@ def decode(name: str, mesh_shape: dict | None, *, key: int | None = None, n: int
                 "tensor" if "tensor" in mesh_shape else None, None)
     k0 = fs.unshard(out.cache.k[0], spec, mesh) if fs.distributed.is_initialized() else out.cache.k[0]
     return {"tokens": out.tokens, "k0": k0}
+
+
+def decode_safetensors(path: str, name: str, mesh_shape: dict) -> dict:
+    """Load the file's GPT laid out on ``mesh_shape`` (each rank reads its slices) and decode."""
+    cfg = gpt.GPTConfig.tiny(**MODELS[name])
+    mesh = fs.Mesh(mesh_shape)
+    params, _ = fs.inference.load_safetensors(path, cfg, mesh=mesh)
+    out = fs.inference.generate(params, PROMPTS, 8, mesh=mesh, moe=MOE if "moe" in MODELS[name] else None)
+    return {"tokens": out.tokens, "wq": tuple(params["blocks"][0]["attn"]["wq"].shape)}

@@ -178,3 +178,33 @@ def test_the_record_rebuilds_the_config(trained):
     assert cfg == gpt.GPTConfig.tiny(vocab_size=256, seq_len=32) and rec["encoding"] == "bytes"
     with pytest.raises(ValueError, match="unknown settings \\['d_modle'\\]"):
         gpt.GPTConfig.from_dict({**rec["model"], "d_modle": 3})
+
+
+def test_a_safetensors_export_generates_as_its_checkpoint(trained, tmp_path, capsys):
+    from fsharded.tools import cli
+
+    out = str(tmp_path / "model.safetensors")
+    assert cli.main(["export", os.path.join(trained, "step-00000003"), out]) == 0
+    capsys.readouterr()
+    cfg, enc = fs.inference.safetensors_config(out)
+    assert cfg == gpt.GPTConfig.tiny(vocab_size=256, seq_len=32) and enc == "bytes"
+    args = ["--prompt", "def f(x", "--prompt", "import o", "--max-new-tokens", "6"]
+    want = _generate(capsys, "--checkpoint", trained, *args)
+    for extra in ([], ["--mesh", "tensor=2"], ["--dtype", "bf16"]):
+        got = _generate(capsys, "--checkpoint", out, *args, *extra)
+        if not extra or extra[0] == "--mesh":
+            assert [s["tokens"] for s in got["samples"]] == [s["tokens"] for s in want["samples"]], extra
+        assert got["samples"][0]["text"] is not None and got["step"] is None
+    params, _ = _params(trained)
+    loaded, _ = fs.inference.load_safetensors(out)
+    assert all(torch.equal(a, b) for a, b in zip(torch.utils._pytree.tree_leaves(loaded),
+                                                 torch.utils._pytree.tree_leaves(params)))
+    with pytest.raises(ValueError, match=r"shape: blocks.0.attn.wk: \[16, 4, 4\] in the file, \[32, 4, 8\]"):
+        fs.inference.load_safetensors(out, gpt.GPTConfig.tiny(vocab_size=256, seq_len=32, d_model=32))
+    # a file without the config (exported with its metadata left out) takes the run's preset
+    bare = str(tmp_path / "bare.safetensors")
+    fs.checkpoint.export_safetensors(os.path.join(trained, "step-00000003"), bare)
+    assert generate.main(["--checkpoint", bare, *args]) == 2
+    assert "does not record its model's settings" in capsys.readouterr().err
+    got = _generate(capsys, "--checkpoint", bare, *args, "--preset", "tiny")
+    assert [s["tokens"] for s in got["samples"]] == [s["tokens"] for s in want["samples"]]

@@ -62,6 +62,23 @@ def test_gloo_ranks_decode_the_one_device_tokens(world, name, mesh):
         assert r["tokens"] == drawn["tokens"]
 
 
+@pytest.mark.multiprocess
+def test_gloo_ranks_read_their_slices_of_a_safetensors_file(tmp_path):
+    from safetensors.torch import save_file
+
+    from fsharded.checkpoint._common import _flatten
+    from fsharded.testing import run_on_ranks
+
+    params = C.params_of("llama-style")
+    names, leaves, _ = _flatten(params)
+    path = str(tmp_path / "m.safetensors")
+    save_file(dict(zip(names, [x.contiguous() for x in leaves])), path)
+    ref = C.decode("llama-style", None)
+    assert C.decode_safetensors(path, "llama-style", {"tensor": 2})["tokens"] == ref["tokens"]  # the virtual mesh
+    for r in run_on_ranks(C.decode_safetensors, 2, path, "llama-style", {"tensor": 2}):
+        assert r["tokens"] == ref["tokens"] and r["wq"] == (16, 2, 4)  # half the heads read on each rank
+
+
 def test_a_mesh_that_does_not_fit_is_named():
     params = gpt.init(gpt.GPTConfig.tiny(), 0)  # 4 heads, d_ff 64
     with pytest.raises(ValueError, match="tensor=3 does not divide the model's query heads 4, key/value heads 4"):

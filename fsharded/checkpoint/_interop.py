@@ -138,14 +138,17 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", 
 
 
 def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, *, select: str | None = "params",
-                       rename: dict[str, str] | None = None, dtype: torch.dtype | None = None) -> list[str]:
+                       rename: dict[str, str] | None = None, dtype: torch.dtype | None = None,
+                       metadata: dict[str, str] | None = None) -> list[str]:
     """Write the full (consolidated) tensors of the checkpoint at ``directory`` to one
     ``.safetensors`` file, streamed leaf by leaf (one leaf in memory at a time; the header
     is known from the manifest). ``select``: the subtree to export, its prefix dropped
     (``"params"`` for a train state: the names are then the model's, e.g. an
     ``fs.nn.functional`` module's parameter names, which ``load_state_dict`` and
     ``from_pretrained`` read); ``None`` for every tensor. ``rename``: names to replace.
-    ``dtype``: cast floating tensors (e.g. ``torch.bfloat16`` for a release). Returns the
+    ``dtype``: cast floating tensors (e.g. ``torch.bfloat16`` for a release). ``metadata``:
+    strings added to the file's ``__metadata__`` (``fsharded export`` puts the model's
+    config there, from which ``fs.inference.load_safetensors`` rebuilds it). Returns the
     names written."""
     directory, out = os.fspath(directory), os.fspath(out)
     manifest = read_manifest(directory)
@@ -169,7 +172,10 @@ def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, *, 
         plan.append((e, src, dt))
     if len(set(names)) != len(names):
         raise CheckpointError("checkpoint.export_safetensors: two leaves map to one name; check rename=")
-    header["__metadata__"] = {"format": "pt", "exported_by": "fsharded"}
+    bad = [k for k, v in (metadata or {}).items() if not isinstance(k, str) or not isinstance(v, str)]
+    if bad:
+        raise CheckpointError(f"checkpoint.export_safetensors: metadata holds strings only; {bad[0]!r} is not one")
+    header["__metadata__"] = {**(metadata or {}), "format": "pt", "exported_by": "fsharded"}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
     blocks = _blocks(directory, manifest)

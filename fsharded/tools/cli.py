@@ -17,6 +17,7 @@ themselves are registered in ``fsharded.bench.BENCHMARKS``.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 
@@ -123,12 +124,16 @@ def _run_export(args: argparse.Namespace) -> int:
     import torch
 
     from fsharded import checkpoint
+    from fsharded.tools import _train_resume
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     try:
+        record = _train_resume.read_job(args.checkpoint) if (args.select == "params" and not args.all) else None
+        meta = {"fsharded.model": json.dumps(record["model"]), "fsharded.encoding": json.dumps(record.get("encoding"))} \
+            if record is not None and "model" in record else None
         names = checkpoint.export_safetensors(args.checkpoint, args.out,
                                               select=None if args.all else args.select,
-                                              dtype=dtypes.get(args.dtype))
+                                              dtype=dtypes.get(args.dtype), metadata=meta)
     except (ValueError, OSError) as e:
         _err(str(e))
         return 2

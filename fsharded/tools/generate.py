@@ -6,8 +6,9 @@
     fsharded generate --checkpoint checkpoints --prompt-tokens 100,101,102 --greedy --json
     fsharded generate --checkpoint checkpoints --prompt "class " --int8 --dtype bf16
 
-``--checkpoint`` is a checkpoint directory (``step-N``) or a save directory (its newest
-intact checkpoint). The model is rebuilt from the settings the run recorded beside its
+``--checkpoint`` is a checkpoint directory (``step-N``), a save directory (its newest
+intact checkpoint), or a ``.safetensors`` file written by ``fsharded export`` (whose
+metadata holds the model's config). The model is rebuilt from the settings the run recorded beside its
 checkpoints (``job.json``); a checkpoint without them (``step.save``, or an fsharded that
 did not record the model) takes ``--preset`` and ``--set model.KEY=VALUE`` as the run was
 given them. The parameters are the run's master weights (``params`` of the train state),
@@ -104,11 +105,18 @@ def _config(directory: str, record: dict | None, preset: str | None, sets: Seque
     if make is None or (preset or "").startswith("_") or not callable(make):
         raise ValueError(f"generate: --preset {preset!r}: unknown; known: tiny, small, llama_style")
     # What fsharded train fixed beside the preset (the data's vocabulary, --seq-len), as saved.
-    shapes = {e["path"]: e.get("shape") for e in checkpoint.read_manifest(directory)["leaves"]}
-    if shapes.get("params.emb"):
-        fields.setdefault("vocab_size", shapes["params.emb"][0])
-    if shapes.get("params.pos"):
-        fields.setdefault("seq_len", shapes["params.pos"][0])
+    if directory.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(directory, framework="pt") as f:
+            shapes = {k: f.get_slice(k).get_shape() for k in ("emb", "pos") if k in f.keys()}
+    else:
+        shapes = {e["path"].removeprefix("params."): e.get("shape")
+                  for e in checkpoint.read_manifest(directory)["leaves"]}
+    if shapes.get("emb"):
+        fields.setdefault("vocab_size", shapes["emb"][0])
+    if shapes.get("pos"):
+        fields.setdefault("seq_len", shapes["pos"][0])
     return make(**fields)
 
 
@@ -123,14 +131,16 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, preset: str | N
     features). With ``mesh`` the parameters are laid out for generation on it
     (``fs.inference.mesh_specs``): on real ranks each rank reads its own shards only. A
     checkpoint of another model is an error naming the leaves that differ."""
+    if mesh is not None and int8 and mesh.size > 1:
+        raise NotImplementedError("generate: --int8 with a mesh is not implemented; decode int8 on one device, or "
+                                  "on the mesh in --dtype")
+    if str(path).endswith(".safetensors"):
+        return _from_safetensors(path, dtype, preset, sets, int8, group_size, mesh)
     directory = resolve(path)
     record = _train_resume.read_job(directory)
     cfg = _config(directory, record, preset, sets)
     with torch.device("meta"):
         like = gpt.init(cfg, 0)
-    if mesh is not None and int8 and mesh.size > 1:
-        raise NotImplementedError("generate: --int8 with a mesh is not implemented; decode int8 on one device, or "
-                                  "on the mesh in --dtype")
     specs = None
     if mesh is not None:
         check_divides(like, mesh)
@@ -140,12 +150,7 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, preset: str | N
                                                             device="meta"), like, specs)
     mesh = mesh if mesh is not None else Mesh({})
     params = checkpoint.load(directory, like, specs, mesh, select="params")
-    if int8:
-        params = inference.quantize(params, group_size, dtype=dtype)
-    elif group_size is not None:
-        raise ValueError("generate: --group-size is the int8 weights' group: give --int8 with it")
-    elif dtype != torch.float32:
-        params = optree.tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, params)
+    params = _cast(params, dtype, int8, group_size)
     ms = None
     if cfg.moe is not None and cfg.moe.bias_update_rate is not None:
         ms = checkpoint.load(directory, gpt.init_model_state(like), None, mesh, select="model_state")
@@ -154,12 +159,48 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, preset: str | N
     return Loaded(params, cfg, ms, encoding, step, directory, mesh if mesh.size > 1 else None)
 
 
+def _cast(params: dict, dtype: torch.dtype, int8: bool, group_size: int | None) -> dict:
+    if int8:
+        params = inference.quantize(params, group_size, dtype=dtype)
+    elif group_size is not None:
+        raise ValueError("generate: --group-size is the int8 weights' group: give --int8 with it")
+    elif dtype != torch.float32:
+        params = optree.tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, params)
+    return params
+
+
+def _from_safetensors(path: str, dtype: torch.dtype, preset: str | None, sets: Sequence[str], int8: bool,
+                      group_size: int | None, mesh: Mesh | None) -> Loaded:
+    """``load_model`` of a ``.safetensors`` file (``fsharded export``'s: its metadata gives
+    the config; otherwise ``preset`` and ``sets``)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"generate: --checkpoint {path}: no such file")
+    cfg, encoding = inference.safetensors_config(path)
+    if preset is not None or sets:
+        cfg = _config(path, None, preset, sets)
+    elif cfg is None:
+        raise ValueError(f"generate: {path} does not record its model's settings (not written by fsharded export of "
+                         f"a fsharded train checkpoint): give the --preset and --set model.KEY=VALUE options the "
+                         f"model was trained with")
+    if mesh is not None:
+        with torch.device("meta"):
+            check_divides(gpt.init(cfg, 0), mesh)
+    params, cfg = inference.load_safetensors(path, cfg, mesh=mesh)
+    if cfg.moe is not None and cfg.moe.bias_update_rate is not None:
+        raise NotImplementedError("generate: a .safetensors file holds the parameters only, not the routing biases "
+                                  "of a mixture of experts trained with bias_update_rate: give its checkpoint")
+    encoding = encoding if encoding is not None or cfg.vocab_size != 256 else "bytes"
+    return Loaded(_cast(params, dtype, int8, group_size), cfg, None, encoding, None, path,
+                  mesh if mesh is not None and mesh.size > 1 else None)
+
+
 def build_parser(prog: str = "fsharded generate") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].split(": ", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a checkpoint (step-N) or a save directory (its newest checkpoint)")
+                   help="a checkpoint (step-N), a save directory (its newest checkpoint), or a .safetensors file "
+                        "(fsharded export's)")
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="a prompt (repeat for a batch of prompts)")
     p.add_argument("--prompt-tokens", action="append", default=[], metavar="IDS",
