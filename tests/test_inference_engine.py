@@ -69,6 +69,32 @@ def test_every_request_gets_what_it_gets_alone(name):
     assert [e.requests[i].tokens for i in ids] == want
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_hugging_face_model_through_the_engine_gets_what_transformers_gives_alone(kind):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32,
+                                                                     n_layer=2, n_head=2)).eval()
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)).eval()
+    prompts, news = trace(8, seed=2)
+    e = fs.inference.Engine(model, max_batch_tokens=16, max_seqs=4, page_size=4)
+    ids = [e.add_request(p, n) for p, n in zip(prompts, news)]
+    e.run()
+    for i, p, n in zip(ids, prompts, news):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)[0, len(p):].tolist()
+        assert e.requests[i].tokens == want
+    assert e.cache.k[0].shape[1:] == ((2, 16) if kind == "gpt2" else (2, 8)) and e.cache.pages_used == 0
+    if kind == "gpt2":  # (learned positions: n_positions is a context)
+        with pytest.raises(ValueError, match="beyond the model's context of 64"):
+            fs.inference.Engine(model).add_request([1] * 60, 10)
+
+
 def test_arrivals_join_the_running_batch_and_prompt_chunks_mix_with_decodes():
     params = model("learned")
     prompts, news = trace(6, seed=1)

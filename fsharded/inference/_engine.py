@@ -33,6 +33,7 @@ import torch
 
 from fsharded import random as R
 from fsharded.inference._gpt import _attention, forward
+from fsharded.inference._hf import HFDecoder
 from fsharded.inference._paged import PagedKVCache
 from fsharded.inference._sample import check_sampling, sample
 from fsharded.models._gpt_config import MoEConfig
@@ -80,25 +81,36 @@ class Event:
 
 
 class Engine:
-    """Continuous batching over a paged cache for the bundled GPT's ``params``.
+    """Continuous batching over a paged cache for the bundled GPT's ``params``, or a
+    Hugging Face causal LM (as ``generate`` takes one).
 
     ``max_batch_tokens``: the tokens one step runs (decodes and prompt chunks together);
     ``max_seqs``: the requests running at once; ``pages`` of ``page_size`` slots: the cache
     (default: room for ``max_seqs`` sequences of the model's learned positions, or of
     2,048 tokens with rotary positions)."""
 
-    def __init__(self, params: dict, *, max_batch_tokens: int = 256, max_seqs: int = 32, page_size: int = 16,
+    def __init__(self, params: Any, *, max_batch_tokens: int = 256, max_seqs: int = 32, page_size: int = 16,
                  pages: int | None = None, moe: MoEConfig | None = None, model_state: Any = None,
                  cache_dtype: torch.dtype | None = None) -> None:
         if max_batch_tokens < 1 or max_seqs < 1:
             raise ValueError(f"Engine: max_batch_tokens ({max_batch_tokens}) and max_seqs ({max_seqs}) must be >= 1")
         self.params, self.moe, self.model_state = params, moe, model_state
         self.max_batch_tokens, self.max_seqs = int(max_batch_tokens), int(max_seqs)
-        self.context = params["pos"].shape[0] if "pos" in params else None
+        self.hf = None if isinstance(params, dict) else HFDecoder(params)
+        if self.hf is not None:
+            if moe is not None or model_state is not None:
+                raise NotImplementedError("Engine: a Hugging Face model takes no moe= or model_state=")
+            self.context, self.vocab, self.device = self.hf.positions, self.hf.vocab, self.hf.device
+        else:
+            self.context = params["pos"].shape[0] if "pos" in params else None
+            self.vocab, self.device = params["emb"].shape[0], params["emb"].device
         if pages is None:
             pages = max_seqs * -(-(self.context or 2048) // page_size)
-        self.cache = PagedKVCache(params, pages, page_size, dtype=cache_dtype)
-        self.vocab = params["emb"].shape[0]
+        if self.hf is not None:
+            self.cache = PagedKVCache(self.hf.layers, self.hf.kv_heads, self.hf.head_dim, pages, page_size,
+                                      dtype=cache_dtype or self.hf.dtype, device=self.device)
+        else:
+            self.cache = PagedKVCache.for_model(params, pages, page_size, dtype=cache_dtype)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted (holding pages), in admission order
         self.requests: dict[int, Request] = {}
@@ -193,7 +205,7 @@ class Engine:
             if self.waiting and not self.running:
                 raise RuntimeError("Engine.step: no request can be admitted (the cache has no free page)")
             return []
-        cache, dev = self.cache, self.params["emb"].device
+        cache, dev = self.cache, self.device
         tokens, pos, writes, offsets = [], [], [], []
         singles, groups = [], []  # one-token chunks (attended together), longer ones (each alone)
         off = 0
@@ -233,8 +245,9 @@ class Engine:
             return out
 
         with torch.no_grad():
-            logits = forward(self.params, torch.tensor([tokens], device=dev), torch.tensor([pos], device=dev), attend,
-                             moe=self.moe, model_state=self.model_state)[0]
+            ids, at = torch.tensor([tokens], device=dev), torch.tensor([pos], device=dev)
+            logits = (self.hf.run(ids, at, attend) if self.hf is not None else
+                      forward(self.params, ids, at, attend, moe=self.moe, model_state=self.model_state))[0]
         self.steps += 1
         done = [(r, o + n - 1) for (r, start, n), (o, _) in zip(chunks, offsets) if start + n == len(r.context)]
         for r, start, n in chunks:

@@ -118,18 +118,25 @@ def extend(params: dict, tokens: torch.Tensor, cache: KVCache, *, moe: MoEConfig
     B, T = tokens.shape
     if not _unchecked:  # (inside a shard_map the caller checks: no host reads in the body)
         check_context(params, cache, T)
+    pos, attend = contiguous(cache, T, tokens.device)
+    logits = forward(params, tokens, pos, attend, moe=moe, model_state=model_state, tensor_axis=tensor_axis,
+                     expert_axis=expert_axis)
+    cache.length += T
+    return logits
+
+
+def contiguous(cache: KVCache, T: int, dev: torch.device) -> tuple[torch.Tensor, Any]:
+    """The positions ``(B, T)`` of the cache's next ``T`` slots, and the ``attend`` that
+    writes each layer's new keys and values there and attends over the filled slots."""
     L = cache.length
-    pos, allowed = _rows(cache, T, tokens.device)
+    pos, allowed = _rows(cache, T, dev)
 
     def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache.k[i][:, L:L + T] = k.to(cache.k[i].dtype)
         cache.v[i][:, L:L + T] = v.to(cache.v[i].dtype)
         return _attention(q, cache.k[i][:, :L + T].to(q.dtype), cache.v[i][:, :L + T].to(q.dtype), allowed)
 
-    logits = forward(params, tokens, pos, attend, moe=moe, model_state=model_state, tensor_axis=tensor_axis,
-                     expert_axis=expert_axis)
-    cache.length = L + T
-    return logits
+    return pos, attend
 
 
 def forward(params: dict, tokens: torch.Tensor, pos: torch.Tensor, attend: Any, *, moe: MoEConfig | None = None,

@@ -23,34 +23,31 @@ import torch
 from torch import nn
 
 from fsharded.inference._cache import KVCache
-from fsharded.inference._gpt import _attention, _rows
+from fsharded.inference._gpt import contiguous
 from fsharded.nn import FunctionalModule, functional
 
 __all__ = ["HFDecoder", "NAME"]
 
 NAME = "fsharded_kv_cache"
-_STATE: dict[str, Any] = {}  # the cache and the rows' mask of the forward that runs (one at a time)
+_STATE: dict[str, Any] = {}  # the attend of the forward that runs (one at a time)
 
 
 def _cached_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """q ``(B, H, T, Dh)``, k/v ``(B, KV, T, Dh)`` of the new tokens -> ``(B, T, H, Dh)``."""
-    cache: KVCache = _STATE.get("cache")
-    if cache is None:
+    """q ``(B, H, T, Dh)``, k/v ``(B, KV, T, Dh)`` of the new tokens -> ``(B, T, H, Dh)``,
+    by the ``attend`` of the forward that runs (its cache's writes and reads)."""
+    attend = _STATE.get("attend")
+    if attend is None:
         raise RuntimeError(f"{type(module).__name__}: attention {NAME!r} runs only inside fs.inference's forward")
     i = getattr(module, "layer_idx", None)
     if i is None:
         raise NotImplementedError(f"fs.inference: {type(module).__name__} has no layer_idx, so its keys and values "
                                   f"cannot be placed in the cache's layers")
-    L, T = cache.length, query.shape[2]
-    cache.k[i][:, L:L + T] = key.transpose(1, 2).to(cache.k[i].dtype)
-    cache.v[i][:, L:L + T] = value.transpose(1, 2).to(cache.v[i].dtype)
     q = query.transpose(1, 2)
     if scaling is not None:
-        q = q * (scaling * q.shape[-1] ** 0.5)  # _attention scales by Dh ** -0.5
-    k, v = cache.k[i][:, :L + T].to(q.dtype), cache.v[i][:, :L + T].to(q.dtype)
-    return _attention(q, k, v, _STATE["allowed"]), None
+        q = q * (scaling * q.shape[-1] ** 0.5)  # (the attention scales by Dh ** -0.5)
+    return attend(i, q, key.transpose(1, 2), value.transpose(1, 2)), None
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
@@ -111,6 +108,10 @@ class HFDecoder:
             for c, name in saved:
                 c._attn_implementation_internal = name
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(x for x in _leaves(self.params) if x.is_floating_point()).dtype
+
     def empty_cache(self, batch: int, slots: int, start: torch.Tensor, dtype: torch.dtype | None) -> KVCache:
         leaf = next(x for x in _leaves(self.params) if x.is_floating_point())
         shape = (batch, slots, self.kv_heads, self.head_dim)
@@ -127,18 +128,25 @@ class HFDecoder:
                 raise ValueError(f"generate: a sequence of {longest} tokens (prompt and new tokens) exceeds the "
                                  f"model's context of {self.positions} learned positions (n_positions)")
 
+    def run(self, tokens: torch.Tensor, pos: torch.Tensor, attend: Any, params: Any = None) -> torch.Tensor:
+        """Logits ``(B, T, V)`` of ``tokens`` at positions ``pos``, each layer's attention by
+        ``attend(layer, q, k, v)`` (as the GPT's ``forward`` takes it)."""
+        _STATE["attend"] = attend
+        try:
+            with self._attending():
+                out = self.fm.apply(self.params if params is None else params, input_ids=tokens, position_ids=pos,
+                                    use_cache=False)
+        finally:
+            _STATE.clear()
+        return out.logits if hasattr(out, "logits") else out[0]
+
     def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits ``(B, T, V)`` of ``tokens`` put in the cache's next slots."""
         self.check(cache, tokens.shape[1])
-        pos, allowed = _rows(cache, tokens.shape[1], tokens.device)
-        _STATE.update(cache=cache, allowed=allowed)
-        try:
-            with self._attending():
-                out = self.fm.apply(self.params, input_ids=tokens, position_ids=pos, use_cache=False)
-        finally:
-            _STATE.clear()
+        pos, attend = contiguous(cache, tokens.shape[1], tokens.device)
+        logits = self.run(tokens, pos, attend)
         cache.length += tokens.shape[1]
-        return out.logits if hasattr(out, "logits") else out[0]
+        return logits
 
 
 def _leaves(tree: Any) -> list[torch.Tensor]:

@@ -1,8 +1,8 @@
 """A paged key/value cache: fixed-size pages of token slots shared by all sequences, a
 page table per sequence, so memory follows the live tokens.
 
-``PagedKVCache(params, pages, page_size)`` holds, per layer, ``k[i]`` and ``v[i]`` of shape
-``(pages * page_size, KV, Dh)``: slot ``s`` of page ``p`` is row ``p * page_size + s``. A
+``PagedKVCache(layers, kv_heads, head_dim, pages, page_size)`` (``for_model(params, ...)``
+for the GPT's) holds, per layer, ``k[i]`` and ``v[i]`` of shape ``(pages * page_size, KV, Dh)``: slot ``s`` of page ``p`` is row ``p * page_size + s``. A
 sequence (``seq``) owns a list of pages (``table[seq]``) and a length; its token ``j`` is
 in row ``table[seq][j // page_size] * page_size + j % page_size``. ``reserve(seq, n)``
 takes pages from the free list so that ``n`` more tokens fit (or says it cannot),
@@ -21,22 +21,29 @@ __all__ = ["PagedKVCache"]
 class PagedKVCache:
     """Pages of key/value slots for every layer; see the module docstring."""
 
-    def __init__(self, params: dict, pages: int, page_size: int = 16, *, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, pages: int, page_size: int = 16, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         if pages < 1 or page_size < 1:
             raise ValueError(f"PagedKVCache: pages ({pages}) and page_size ({page_size}) must be >= 1")
-        emb = params["emb"]
         self.page_size, self.pages = int(page_size), int(pages)
-        self.k, self.v = [], []
-        for p in block_meta(params):
-            wk = p["attn"]["wk"]  # (D, KV, Dh)
-            shape = (self.pages * self.page_size, wk.shape[1], wk.shape[2])
-            self.k.append(torch.zeros(shape, dtype=dtype or emb.dtype, device=emb.device))
-            self.v.append(torch.zeros(shape, dtype=dtype or emb.dtype, device=emb.device))
+        shape = (self.pages * self.page_size, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.free: list[int] = list(range(self.pages - 1, -1, -1))  # popped from the end: page 0 first
         self.table: dict[int, list[int]] = {}
         self.length: dict[int, int] = {}
         self._rows: dict[int, torch.Tensor] = {}  # each sequence's rows, slot by slot, for its pages
         self._offsets = torch.arange(self.page_size)
+
+    @classmethod
+    def for_model(cls, params: dict, pages: int, page_size: int = 16, *,
+                  dtype: torch.dtype | None = None) -> PagedKVCache:
+        """A cache for the bundled GPT's ``params`` (its layers and key/value heads), in
+        ``dtype`` (default: the embedding's)."""
+        meta = block_meta(params)
+        wk = meta[0]["attn"]["wk"]  # (D, KV, Dh)
+        emb = params["emb"]
+        return cls(len(meta), wk.shape[1], wk.shape[2], pages, page_size, dtype=dtype or emb.dtype, device=emb.device)
 
     @property
     def nbytes(self) -> int:
