@@ -3,6 +3,8 @@ virtual mesh: each rank builds the same model, takes its shards and decodes."""
 
 from __future__ import annotations
 
+import torch
+
 import fsharded as fs
 from fsharded.models import gpt
 from fsharded.models._gpt_config import MoEConfig
@@ -50,3 +52,33 @@ def decode_safetensors(path: str, name: str, mesh_shape: dict) -> dict:
     params, _ = fs.inference.load_safetensors(path, cfg, mesh=mesh)
     out = fs.inference.generate(params, PROMPTS, 8, mesh=mesh, moe=MOE if "moe" in MODELS[name] else None)
     return {"tokens": out.tokens, "wq": tuple(params["blocks"][0]["attn"]["wq"].shape)}
+
+
+def hf_model(kind: str) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+        return transformers.GPT2LMHeadModel(cfg).eval()
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def engine_and_generate(kind: str, mesh_shape: dict | None) -> dict:
+    """Greedy tokens of ``generate`` and of the ``Engine`` (small budget: chunked prompts)
+    for a Hugging Face model (``kind`` "gpt2" / "llama") or the bundled GPT ("gpt"), on
+    ``mesh_shape`` (None: one device). Every rank holds the whole model; each takes its
+    shards (the GPT's through ``mesh_specs``, as a checkpoint load would give them)."""
+
+    mesh = fs.Mesh(mesh_shape) if mesh_shape else None
+    if kind == "gpt":
+        model = gpt.init(gpt.GPTConfig.tiny(positions="rotary", n_kv_heads=2, init_std=0.2), 0)
+        if mesh is not None and fs.distributed.is_initialized():
+            model = local_shards(model, fs.inference.mesh_specs(model, mesh), mesh)
+    else:
+        model = hf_model(kind)
+    gen = fs.inference.generate(model, PROMPTS, 8, mesh=mesh).tokens
+    engine = fs.inference.Engine(model, max_batch_tokens=6, page_size=4, mesh=mesh)
+    return {"generate": gen, "engine": engine.generate(PROMPTS, 8), "kv": engine.cache.k[0].shape[1]}

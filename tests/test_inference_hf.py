@@ -78,8 +78,10 @@ def test_sampling_a_hugging_face_model_is_reproducible_and_errors_are_named():
         fs.inference.generate(model, [[1, 256]], 2)
     with pytest.raises(ValueError, match="exceeds the model's context of 32 learned positions"):
         fs.inference.generate(build("gpt2"), [list(range(30))], 8)
-    with pytest.raises(NotImplementedError, match="decodes on one device here"):
-        fs.inference.generate(model, [[1]], 2, mesh=fs.Mesh({"tensor": 2}))
+    with pytest.raises(NotImplementedError, match="takes no moe="):
+        fs.inference.generate(model, [[1]], 2, moe=gpt.MoEConfig(experts=2))
+    with pytest.raises(NotImplementedError, match="splits the heads over a 'tensor' axis only"):
+        fs.inference.generate(model, [[1], [2]], 2, mesh=fs.Mesh({"data": 2}))
     with pytest.raises(NotImplementedError, match="is not a Hugging Face model"):
         fs.inference.generate(torch.nn.Linear(2, 2), [[1]], 2)
 

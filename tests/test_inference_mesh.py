@@ -62,6 +62,27 @@ def test_gloo_ranks_decode_the_one_device_tokens(world, name, mesh):
         assert r["tokens"] == drawn["tokens"]
 
 
+@pytest.mark.parametrize("kind", ["gpt", "llama", "gpt2"])
+def test_the_engine_and_hugging_face_models_decode_tensor_parallel_on_the_virtual_mesh(kind):
+    pytest.importorskip("transformers")
+    one = C.engine_and_generate(kind, None)
+    assert one["engine"] == one["generate"]
+    tp = C.engine_and_generate(kind, {"tensor": 2})
+    assert tp["generate"] == one["generate"] and tp["engine"] == one["generate"]
+
+
+@pytest.mark.multiprocess
+def test_the_engine_and_hugging_face_models_decode_tensor_parallel_on_gloo_ranks():
+    pytest.importorskip("transformers")
+    from fsharded.testing import run_on_ranks
+
+    for kind, heads in (("gpt", 1), ("llama", 1), ("gpt2", 2)):  # GPT-2's plan keeps attention whole
+        one = C.engine_and_generate(kind, None)
+        for r in run_on_ranks(C.engine_and_generate, 2, kind, {"tensor": 2}):
+            assert r["generate"] == one["generate"] and r["engine"] == one["generate"], kind
+            assert r["kv"] == heads  # each rank's pages hold its key/value heads
+
+
 @pytest.mark.multiprocess
 def test_gloo_ranks_read_their_slices_of_a_safetensors_file(tmp_path):
     from safetensors.torch import save_file
@@ -92,3 +113,5 @@ def test_a_mesh_that_does_not_fit_is_named():
         fs.inference.generate(moe, [[1]] * 8, 2, moe=C.MOE, mesh=fs.Mesh({"expert": 8}))
     with pytest.raises(NotImplementedError, match="int8 weights on a mesh are not implemented"):
         fs.inference.generate(fs.inference.quantize(params), [[1]], 2, mesh=fs.Mesh({"tensor": 2}))
+    with pytest.raises(NotImplementedError, match="splits the heads over a 'tensor' axis only"):
+        fs.inference.Engine(params, mesh=fs.Mesh({"data": 2}))

@@ -16,6 +16,11 @@ be prefilled again from its prompt and the tokens it has produced (which it keep
 vLLM's recompute preemption does. A request that could never fit the cache is refused
 when it is added.
 
+With ``mesh`` (a ``tensor`` axis) each step runs inside a ``shard_map``: the heads and
+hidden units split over it (the GPT's training plan, or fsharded's tensor-parallel plan
+for a Hugging Face Llama or GPT-2), each device's pages holding its heads; the batch and
+the scheduling are the same on every device, and so are the tokens.
+
 Each request samples with its own key, ``fold_in(key, n)`` for its ``n``-th token (greedy
 without a key): the draws ``generate`` makes for that prompt alone.
 """
@@ -36,6 +41,8 @@ from fsharded.inference._gpt import _attention, forward
 from fsharded.inference._hf import HFDecoder
 from fsharded.inference._paged import PagedKVCache
 from fsharded.inference._sample import check_sampling, sample
+from fsharded.inference._sharded import GPTOnMesh, HFOnMesh
+from fsharded.mesh import Mesh
 from fsharded.models._gpt_config import MoEConfig
 
 __all__ = ["Engine", "Request", "Event"]
@@ -91,7 +98,7 @@ class Engine:
 
     def __init__(self, params: Any, *, max_batch_tokens: int = 256, max_seqs: int = 32, page_size: int = 16,
                  pages: int | None = None, moe: MoEConfig | None = None, model_state: Any = None,
-                 cache_dtype: torch.dtype | None = None) -> None:
+                 cache_dtype: torch.dtype | None = None, mesh: Mesh | None = None) -> None:
         if max_batch_tokens < 1 or max_seqs < 1:
             raise ValueError(f"Engine: max_batch_tokens ({max_batch_tokens}) and max_seqs ({max_seqs}) must be >= 1")
         self.params, self.moe, self.model_state = params, moe, model_state
@@ -106,7 +113,13 @@ class Engine:
             self.vocab, self.device = params["emb"].shape[0], params["emb"].device
         if pages is None:
             pages = max_seqs * -(-(self.context or 2048) // page_size)
-        if self.hf is not None:
+        self.on_mesh = None
+        if mesh is not None and mesh.size > 1:  # the heads over the tensor axis; one copy of the batch
+            self.on_mesh = (HFOnMesh(self.hf, mesh) if self.hf is not None else
+                            GPTOnMesh(params, mesh, moe=moe, model_state=model_state))
+            layers, kv, dh, dtype = self.on_mesh.cache_shape()
+            self.cache = PagedKVCache(layers, kv, dh, pages, page_size, dtype=cache_dtype or dtype, device=self.device)
+        elif self.hf is not None:
             self.cache = PagedKVCache(self.hf.layers, self.hf.kv_heads, self.hf.head_dim, pages, page_size,
                                       dtype=cache_dtype or self.hf.dtype, device=self.device)
         else:
@@ -232,22 +245,29 @@ class Engine:
                 seen[b, 0, :len(rows)] = True
             idx, seen = idx.to(dev), seen.to(dev)
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache.k[i][write] = k[0].to(cache.k[i].dtype)
-            cache.v[i][write] = v[0].to(cache.v[i].dtype)
-            out = torch.empty_like(q)
-            if singles:
-                ks, vs = cache.k[i][idx].to(q.dtype), cache.v[i][idx].to(q.dtype)  # (n1, S, KV, Dh)
-                out[0, single_at] = _attention(q[0, single_at][:, None], ks, vs, seen)[:, 0]
-            for o, n, rows, mask in groups:
-                ks, vs = cache.k[i][rows].to(q.dtype)[None], cache.v[i][rows].to(q.dtype)[None]
-                out[:, o:o + n] = _attention(q[:, o:o + n], ks, vs, mask)
-            return out
+        def attending(kc: list[torch.Tensor], vc: list[torch.Tensor]) -> Any:
+            def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                kc[i][write] = k[0].to(kc[i].dtype)
+                vc[i][write] = v[0].to(vc[i].dtype)
+                out = torch.empty_like(q)
+                if singles:
+                    ks, vs = kc[i][idx].to(q.dtype), vc[i][idx].to(q.dtype)  # (n1, S, KV, Dh)
+                    out[0, single_at] = _attention(q[0, single_at][:, None], ks, vs, seen)[:, 0]
+                for o, n, rows, mask in groups:
+                    ks, vs = kc[i][rows].to(q.dtype)[None], vc[i][rows].to(q.dtype)[None]
+                    out[:, o:o + n] = _attention(q[:, o:o + n], ks, vs, mask)
+                return out
+            return attend
 
         with torch.no_grad():
             ids, at = torch.tensor([tokens], device=dev), torch.tensor([pos], device=dev)
-            logits = (self.hf.run(ids, at, attend) if self.hf is not None else
-                      forward(self.params, ids, at, attend, moe=self.moe, model_state=self.model_state))[0]
+            if self.on_mesh is not None:
+                logits = self.on_mesh.paged_step(ids, at, cache, attending)[0]
+            elif self.hf is not None:
+                logits = self.hf.run(ids, at, attending(cache.k, cache.v))[0]
+            else:
+                logits = forward(self.params, ids, at, attending(cache.k, cache.v), moe=self.moe,
+                                 model_state=self.model_state)[0]
         self.steps += 1
         done = [(r, o + n - 1) for (r, start, n), (o, _) in zip(chunks, offsets) if start + n == len(r.context)]
         for r, start, n in chunks:

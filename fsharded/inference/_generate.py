@@ -14,7 +14,7 @@ from fsharded.inference._cache import KVCache
 from fsharded.inference._gpt import check_context, compiled_decode, extend
 from fsharded.inference._hf import HFDecoder
 from fsharded.inference._sample import sample
-from fsharded.inference._sharded import MeshRunner
+from fsharded.inference._sharded import HFOnMesh, MeshRunner
 from fsharded.inference._stream import StreamedBlocks
 from fsharded.mesh import Mesh
 from fsharded.models._gpt_config import MoEConfig
@@ -114,13 +114,14 @@ def generate(params: dict, prompts: torch.Tensor | Sequence[Sequence[int]], max_
     if compile:
         slots = -(-slots // 64) * 64  # one compiled step for a range of lengths
     if hf is not None:
-        if mesh is not None or moe is not None or model_state is not None:
-            raise NotImplementedError("generate: a Hugging Face model decodes on one device here (no mesh=, moe= or "
-                                      "model_state=)")
-        cache = hf.empty_cache(B, slots, start, cache_dtype)
+        if moe is not None or model_state is not None or param_specs is not None:
+            raise NotImplementedError("generate: a Hugging Face model takes no moe=, model_state= or param_specs= "
+                                      "(on a mesh it is laid out by fsharded's tensor-parallel plan for it)")
+        runner = HFOnMesh(hf, mesh) if mesh is not None and mesh.size > 1 else hf
+        cache = runner.empty_cache(B, slots, start, cache_dtype)
 
         def forward(tokens: torch.Tensor) -> torch.Tensor:
-            return hf.forward(tokens, cache)
+            return runner.extend(tokens, cache) if runner is not hf else hf.forward(tokens, cache)
     elif mesh is not None:
         runner = MeshRunner(params, mesh, param_specs, moe=moe, model_state=model_state)
         cache = runner.empty_cache(B, slots, start, cache_dtype)

@@ -85,7 +85,7 @@ class HFDecoder:
         self.configs = list(found.values())
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.layers = text.num_hidden_layers
-        heads = text.num_attention_heads
+        heads = self.heads = text.num_attention_heads
         self.kv_heads = getattr(text, "num_key_value_heads", None) or heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         self.vocab = text.vocab_size

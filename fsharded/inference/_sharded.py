@@ -20,15 +20,16 @@ import torch
 
 from fsharded import comm
 from fsharded.inference._cache import KVCache
-from fsharded.inference._gpt import check_context, extend
+from fsharded.inference._gpt import check_context, contiguous, extend, forward
+from fsharded.inference._hf import HFDecoder
 from fsharded.inference._int8 import Int8Weight
 from fsharded.mesh import Mesh, P
 from fsharded.models import gpt_plans
 from fsharded.models._gpt_config import MoEConfig
 from fsharded.spmd import shard_map
-from fsharded.spmd._transfer import backend_for, gather_global, local_slice
+from fsharded.spmd._transfer import backend_for, gather_global, local_shards, local_slice
 
-__all__ = ["MeshRunner", "mesh_specs", "check_divides"]
+__all__ = ["MeshRunner", "GPTOnMesh", "HFOnMesh", "mesh_specs", "check_divides"]
 
 ROW_AXES = ("data", "expert")
 AXES = (*ROW_AXES, "tensor")
@@ -131,3 +132,125 @@ class MeshRunner:
         cache.k, cache.v = list(cache.k), list(cache.v)
         cache.length += tokens.shape[1]
         return gather_global(logits, self.row_spec, self.mesh) if self.dist else logits
+
+
+def _tensor_only(mesh: Mesh, what: str) -> int:
+    other = [a for a in mesh.shape if a != "tensor" and mesh.shape[a] > 1]
+    if other or "tensor" not in mesh.shape:
+        raise NotImplementedError(f"{what} on a mesh splits the heads over a 'tensor' axis only; got {mesh!r}")
+    return mesh.shape["tensor"]
+
+
+class _OnMesh:
+    """One forward of a model inside a ``shard_map`` over a ``tensor`` axis, for the
+    ``Engine``'s pages (``paged_step``) or ``generate``'s cache (``extend``)."""
+
+    mesh: Mesh
+    specs: Any
+    params: Any
+    heads_split: bool
+
+    def run(self, params: Any, ids: torch.Tensor, pos: torch.Tensor, attend: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _cache_specs(self, dims: int) -> list:
+        head = (None,) * (dims - 2) + ("tensor" if self.heads_split else None, None)
+        return [P(*head)] * self.layers
+
+    def paged_step(self, ids: torch.Tensor, pos: torch.Tensor, cache: Any, attending: Any) -> torch.Tensor:
+        """The logits ``(1, N, V)`` of one engine step; each device's pages updated."""
+        specs = self._cache_specs(3)
+
+        def body(params: Any, k: list, v: list) -> tuple:
+            k, v = list(k), list(v)
+            return self.run(params, ids, pos, attending(k, v)), k, v
+
+        fn = shard_map(body, mesh=self.mesh, in_specs=(self.specs, specs, specs), out_specs=(P(), specs, specs))
+        logits, cache.k, cache.v = fn.local(self.params, cache.k, cache.v)
+        cache.k, cache.v = list(cache.k), list(cache.v)
+        return logits
+
+
+class GPTOnMesh(_OnMesh):
+    """The bundled GPT with its heads and hidden units over ``tensor`` (``mesh_specs``);
+    ``params`` global on the virtual mesh, this rank's shards on real ranks (as given)."""
+
+    def __init__(self, params: dict, mesh: Mesh, *, moe: MoEConfig | None = None, model_state: Any = None) -> None:
+        _tensor_only(mesh, "the Engine")
+        if any(isinstance(x, Int8Weight) for x in optree.tree_leaves(params)):
+            raise NotImplementedError("Engine: int8 weights on a mesh are not implemented")
+        self.mesh, self.moe, self.model_state, self.heads_split = mesh, moe, model_state, True
+        self.dist = backend_for(mesh, None) == "distributed" and mesh.size > 1
+        if not self.dist:
+            check_divides(params, mesh)
+        self.params, self.specs = params, mesh_specs(params, mesh)
+        self.layers = len(params["blocks"])
+
+    def cache_shape(self) -> tuple[int, int, int, torch.dtype]:
+        wk = self.params["blocks"][0]["attn"]["wk"]  # (this rank's key/value heads on real ranks)
+        return self.layers, wk.shape[1], wk.shape[2], self.params["emb"].dtype
+
+    def run(self, params: Any, ids: torch.Tensor, pos: torch.Tensor, attend: Any) -> torch.Tensor:
+        return forward(params, ids, pos, attend, moe=self.moe, model_state=self.model_state, tensor_axis="tensor")
+
+
+class HFOnMesh(_OnMesh):
+    """A Hugging Face causal LM under fsharded's tensor-parallel plan for it
+    (``fs.parallel.tensor.LLAMA`` for Llama, Mistral and Qwen2: the heads and MLP split;
+    ``GPT2``: the MLP and the vocabulary split, attention replicated). Every rank holds the
+    whole model; each takes its shards."""
+
+    TABLES = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "LLAMA", "gpt2": "GPT2"}
+
+    def __init__(self, hf: HFDecoder, mesh: Mesh) -> None:
+        from fsharded.parallel import tensor as T
+
+        t = _tensor_only(mesh, "a Hugging Face model")
+        kind = getattr(hf.fm.module.config, "model_type", None)
+        if kind not in self.TABLES:
+            raise NotImplementedError(f"generate: no tensor-parallel plan for a Hugging Face {kind!r} model here "
+                                      f"(known: {', '.join(sorted(self.TABLES))})")
+        self.hf, self.mesh = hf, mesh
+        self.heads_split = self.TABLES[kind] == "LLAMA"
+        if self.heads_split and (hf.kv_heads % t or hf.heads % t):
+            raise ValueError(f"generate: tensor={t} does not divide the model's {hf.heads} query heads and "
+                             f"{hf.kv_heads} key/value heads")
+        self.plan = T.plan(hf.fm, getattr(T, self.TABLES[kind]), axis="tensor", allow_unmatched=True)
+        self.specs = self.plan.specs
+        self.dist = backend_for(mesh, None) == "distributed" and mesh.size > 1
+        self.params = local_shards(hf.params, self.specs, mesh) if self.dist else hf.params
+        self.layers = hf.layers
+        self.local_kv = hf.kv_heads // t if (self.heads_split and self.dist) else hf.kv_heads
+
+    def cache_shape(self) -> tuple[int, int, int, torch.dtype]:
+        return self.layers, self.local_kv, self.hf.head_dim, self.hf.dtype
+
+    def run(self, params: Any, ids: torch.Tensor, pos: torch.Tensor, attend: Any) -> torch.Tensor:
+        with self.plan.applied():
+            return self.hf.run(ids, pos, attend, params=params)
+
+    # -- generate's contiguous cache ------------------------------------------------------------
+
+    def empty_cache(self, batch: int, slots: int, start: torch.Tensor, dtype: torch.dtype | None) -> KVCache:
+        shape = (batch, slots, self.local_kv, self.hf.head_dim)
+        dt = dtype or self.hf.dtype
+        k = [torch.zeros(shape, dtype=dt, device=self.hf.device) for _ in range(self.layers)]
+        v = [torch.zeros(shape, dtype=dt, device=self.hf.device) for _ in range(self.layers)]
+        return KVCache(k, v, start.to(torch.int64), 0)
+
+    def extend(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """``HFDecoder.forward`` on the mesh: the logits ``(B, T, V)``, the cache advanced."""
+        self.hf.check(cache, tokens.shape[1])
+        specs = self._cache_specs(4)
+        length, start = cache.length, cache.start
+
+        def body(params: Any, k: list, v: list) -> tuple:
+            local = KVCache(list(k), list(v), start, length)
+            pos, attend = contiguous(local, tokens.shape[1], tokens.device)
+            return self.run(params, tokens, pos, attend), local.k, local.v
+
+        fn = shard_map(body, mesh=self.mesh, in_specs=(self.specs, specs, specs), out_specs=(P(), specs, specs))
+        logits, k, v = fn.local(self.params, cache.k, cache.v)
+        cache.k, cache.v = list(k), list(v)
+        cache.length += tokens.shape[1]
+        return logits
