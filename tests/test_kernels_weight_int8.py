@@ -43,15 +43,16 @@ def test_quantize_weight_layout_and_error_bound(group_size):
 
 def _cases():
     torch.manual_seed(1)
-    yield from [(1, 64, 40, None), (5, 96, 72, 32), (17, 128, 130, 16), (64, 80, 33, None), (3, 48, 130, None)]
+    yield from [(1, 64, 40, None), (5, 96, 72, 32), (17, 128, 130, 16), (64, 80, 33, None), (3, 48, 130, None),
+                (2, 37, 9, None), (4, 100, 42, 20)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("impl", [pytest.param("triton", marks=needs_triton), "cpu"])
+@pytest.mark.parametrize("impl", [pytest.param("triton", marks=needs_triton), "cpu", "cpp"])
 def test_int8_matmul_equals_the_fp32_reference(impl, dtype):
     for M, K, N, G in _cases():
-        if impl == "cpu" and G is not None:
-            continue  # the packed product has one scale per output channel
+        if impl == "cpu" and (G is not None or K % 16):
+            continue  # the packed product: one scale per output channel, K a multiple of 16
         w = torch.randn(K, N)
         q, s = quantize_weight(w, G)
         x = torch.randn(M, K).to(dtype)
@@ -63,20 +64,35 @@ def test_int8_matmul_equals_the_fp32_reference(impl, dtype):
         assert got.dtype == torch.float32 and got.shape == (M, N)
         # fp32 accumulation in another order, one rounding to dtype, and (the packed CPU
         # product) the scales rounded to dtype: bounded by the row's magnitude.
-        scale_err = 0.0 if impl == "triton" or dtype == torch.float32 else {torch.bfloat16: 2.0**-8,
+        scale_err = 0.0 if impl in ("triton", "cpp") or dtype == torch.float32 else {torch.bfloat16: 2.0**-8,
                                                                               torch.float16: 2.0**-11}[dtype]
         mag = x.float().abs() @ dequantize_weight(q, s).abs()
         tol = mag * (1e-5 + scale_err) + exact.abs() * ULP[dtype] * 2 + 1e-6
         assert bool(((got - exact).abs() <= tol).all()), (M, K, N, G, dtype, float((got - exact).abs().max()))
 
 
-def test_auto_picks_the_packed_cpu_product_and_leading_dims_pass_through():
+def test_auto_picks_the_cpu_products_and_leading_dims_pass_through(monkeypatch):
+    from fsharded.kernels import weight_int8
+
     w = torch.randn(32, 12)
     q, s = quantize_weight(w)
     x = torch.randn(2, 3, 32)
     y = int8_matmul(x, q, s)
     assert y.shape == (2, 3, 12)
     torch.testing.assert_close(y, x @ dequantize_weight(q, s), rtol=1e-5, atol=1e-5)
+    chosen = []
+    real = weight_int8._op
+
+    def spy(x, q, s, impl):
+        chosen.append(impl)
+        return real(x, q, s, impl)
+
+    monkeypatch.setattr(weight_int8, "_op", spy)
+    int8_matmul(torch.randn(16, 32), q, s)  # decoding rows: the C++ product
+    int8_matmul(torch.randn(17, 32), q, s)  # more rows (a prefill): ATen's packed product
+    int8_matmul(torch.randn(17, 32), *quantize_weight(w, 8))  # groups, many rows: the reference
+    assert chosen == ["cpp", "cpu", "reference"]
+    monkeypatch.setattr(weight_int8, "_op", real)
     gm = make_fx(lambda x, q, s: int8_matmul(x, q, s), tracing_mode="fake")(x, q, s)
     ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert "fsharded.int8_matmul.default" in ops

@@ -2,21 +2,24 @@
 ``generate`` on the same weights, fp32 / bf16 / int8 decoding, and continuous against
 static batching on a trace of requests of mixed lengths.
 
-    fsharded bench inference                 # a 25M-parameter Llama-style GPT
+    fsharded bench inference                 # Llama-style GPTs of 0.8M, 22M and 140M parameters
     fsharded bench inference --quick         # a small one, few tokens (smoke run)
 
-The model is the bundled GPT in its Llama form (``GPTConfig.llama_style``: rotary
+The models are the bundled GPT in its Llama form (``GPTConfig.llama_style``: rotary
 positions, RMSNorm, SwiGLU, grouped-query heads, an untied head), exported with
 ``fs.inference.to_transformers`` to ``LlamaForCausalLM`` for transformers' side, so both
 run the same weights; every measured pair is checked to give the same greedy tokens first.
 All in one process on this machine's threads.
 
-- **Against Hugging Face** (``model.generate``, greedy, with its dynamic cache, and with
-  its static cache and ``torch.compile`` of the forward, transformers' recipe, unless
-  ``--no-hf-compile``): the prompt's forward (prefill) and the time per decoded token at
-  batch 1 and 16, ours eager and with ``generate(..., compile=True)``. A decoded token's time is ``(T(P, N) - T(P, 1)) / (N - 1)``:
-  a run producing ``N`` tokens less a run producing one, on both sides.
-- **Weights**: our decode at batch 1 and 16 in bf16 (the peer), fp32 and int8 weight-only
+- **Against Hugging Face** (the 0.8M and the 22M model; ``model.generate``, greedy, with
+  its dynamic cache, and with its static cache and ``torch.compile`` of the forward,
+  transformers' recipe, unless ``--no-hf-compile``): the prompt's forward (prefill) and
+  the time per decoded token at batch 1 and 16, ours eager and with
+  ``generate(..., compile=True)``. A decoded token's time is
+  ``(T(P, N) - T(P, 1)) / (N - 1)``: a run producing ``N`` tokens less a run producing
+  one, on both sides.
+- **Weights** (the 140M model, where reading the weights dominates a token): our compiled
+  decode at batch 1 and 16 in bf16 (the peer), fp32 and int8 weight-only
   (``fs.inference.quantize``, a scale per channel, bf16 activations). Decoding one token
   at batch 1 reads every weight once: the int8 row is where half the bytes should show.
 - **Continuous batching**: a trace of requests (prompts of 8-96 tokens, 4-96 new tokens,
@@ -60,12 +63,18 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _model(quick: bool) -> tuple[gpt.GPTConfig, dict]:
+SIZES = {  # the Llama-form GPT at three sizes (quick: all tiny)
+    "small": dict(),  # GPTConfig.llama_style's own: 4 layers, d_model 128 (0.8M parameters)
+    "medium": dict(d_model=512, n_layers=8, n_heads=8, mlp_ratio=1376 / 512),  # 22M
+    "large": dict(d_model=1024, n_layers=12, n_heads=16, mlp_ratio=2752 / 1024),  # 140M
+}
+
+
+def _model(quick: bool, size: str = "medium") -> tuple[gpt.GPTConfig, dict]:
     if quick:
         cfg = gpt.GPTConfig.llama_style(d_model=64, n_layers=2, n_heads=4, vocab_size=256, seq_len=256)
     else:
-        cfg = gpt.GPTConfig.llama_style(d_model=512, n_layers=8, n_heads=8, vocab_size=256, seq_len=1024,
-                                        mlp_ratio=1376 / 512)
+        cfg = gpt.GPTConfig.llama_style(vocab_size=256, seq_len=1024, **SIZES[size])
     return cfg, gpt.init(cfg, 0)
 
 
@@ -147,6 +156,8 @@ def _describe(cfg, params) -> str:
 
 
 def dtype_section(cfg, params, *, batches, prompt_len: int, new: int, reps: int) -> Section:
+    """Our compiled decode in fp32 and int8 against bf16 (``cfg``: a model large enough
+    that reading the weights dominates a decoded token)."""
     bf16 = fs.inference.quantize(params, dtype=torch.bfloat16)  # (for the int8 row)
     forms = {
         "bf16": optree.tree_map(lambda x: x.to(torch.bfloat16), params),
@@ -167,9 +178,10 @@ def dtype_section(cfg, params, *, batches, prompt_len: int, new: int, reps: int)
                      if isinstance(w, fs.inference.Int8Weight)) + bf16["head"].nbytes
     notes = (f"weights read per decoded token: fp32 {weights['fp32'] / 1e6:.1f} MB, bf16 {weights['bf16'] / 1e6:.1f} "
              f"MB; int8 projections and head {int8_bytes / 1e6:.1f} MB plus the bf16 embedding and norms",
-             "each form decodes through generate(..., compile=True); the int8 product on CPU is ATen's "
-             "_weight_int8pack_mm (bf16 activations); the target is the int8 row at batch 1")
-    return Section(title="decoding in fp32 and int8 weight-only against bf16", peer="our decode in bf16",
+             "each form decodes through generate(..., compile=True); the int8 product on CPU is fsharded's C++ "
+             "one (csrc/int8_matmul.cpp) for decoding rows; the target is the int8 row at batch 1")
+    return Section(title=f"decoding in fp32 and int8 weight-only against bf16 ({_describe(cfg, params)})",
+                   peer="our decode in bf16",
                    rows=tuple(rows), target=1 / 1.5, notes=notes)
 
 
@@ -307,12 +319,16 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     report = Report("inference", params={"torch": torch.__version__, "threads": torch.get_num_threads(),
                                          "model": _describe(cfg, params)})
     new, prompt_len = (8, 16) if args.quick else (32, 128)
-    _log("against transformers' generate ...")
-    report.sections.append(hf_section(cfg, params, batches=(1, 4) if args.quick else (1, 16), prompt_len=prompt_len,
-                                      new=new, reps=reps, hf_compile=args.hf_compile))
+    batches = (1, 4) if args.quick else (1, 16)
+    for size in ("medium",) if args.quick else ("small", "medium"):
+        _log(f"against transformers' generate ({size}) ...")
+        c, p = _model(args.quick, size)
+        report.sections.append(hf_section(c, p, batches=batches, prompt_len=prompt_len, new=new, reps=reps,
+                                          hf_compile=args.hf_compile))
     _log("fp32 / bf16 / int8 ...")
-    report.sections.append(dtype_section(cfg, params, batches=(1, 4) if args.quick else (1, 16),
-                                         prompt_len=prompt_len, new=new, reps=reps))
+    c, p = _model(args.quick, "large")
+    report.sections.append(dtype_section(c, p, batches=batches, prompt_len=prompt_len, new=new, reps=reps))
+    del c, p
     _log("continuous vs static batching ...")
     report.sections.append(batching_section(params, n=8 if args.quick else 48, max_seqs=args.max_seqs,
                                             max_prompt=24 if args.quick else 96, max_new=12 if args.quick else 96,

@@ -16,6 +16,11 @@ product (never written out whole):
 
 - ``triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``): tiles of ``x`` and of ``q``,
   each ``q`` tile scaled in registers by its group's scales, accumulated in fp32;
+- ``cpp`` (CPU tensors, up to ``CPP_ROWS`` rows of ``x``: decoding): fsharded's C++
+  product (``csrc/int8_matmul.cpp``), each output channel's int8 row read once for every
+  row of ``x``, the inner loop vectorised for AVX-512 / AVX2 (chosen at load time),
+  fp32 accumulation, output channels across the threads; built on first use, the packed
+  or reference product where no compiler is present;
 - ``cpu`` (CPU tensors, one scale per output channel, ``K`` a multiple of 16: other
   ``K`` give wrong values in torch 2.13's kernel): ATen's packed int8 product
   (``aten._weight_int8pack_mm``, as torchao and gpt-fast use on CPU), whose scales are in
@@ -23,8 +28,8 @@ product (never written out whole):
 - ``reference``: the weights dequantized in fp32 and multiplied in fp32, cast to ``x``'s
   dtype (the ground truth the tests hold the others to).
 
-By default Triton on CUDA, the packed product on CPU where it applies, the reference
-otherwise; ``impl=`` or ``FSHARDED_KERNELS`` choose (``kernels._dispatch``). It is a
+By default Triton on CUDA; on CPU the C++ product for up to ``CPP_ROWS`` rows, the packed
+product for more where it applies, the reference otherwise; ``impl=`` or ``FSHARDED_KERNELS`` choose (``kernels._dispatch``). It is a
 custom op (``torch.ops.fsharded.int8_matmul``) with a fake rule, so it traces. It takes
 no gradient: the weights are frozen integers.
 
@@ -39,8 +44,12 @@ True
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import torch
 
+from fsharded import _cext
 from fsharded.kernels import _dispatch
 from fsharded.kernels.quant import _quant_rows_ref
 
@@ -96,6 +105,34 @@ def int8_matmul_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor
     return (x.float() @ dequantize_weight(q, scales)).to(x.dtype)
 
 
+CPP_ROWS = 16  # the C++ product up to this many rows of x (decoding); above, the packed or reference product
+
+
+@functools.cache
+def _build() -> tuple[ModuleType | None, str]:
+    return _cext.build("fsharded_int8_matmul", ("int8_matmul.cpp",), root=_cext.CSRC,
+                       what="the int8 weight-only CPU product", took="~30 s",
+                       extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"])
+
+
+def load(required: bool = False) -> ModuleType | None:
+    """The compiled C++ product (built on first use), or None where it cannot be built
+    (with ``required``, a ``RuntimeError`` saying why)."""
+    mod, why = _build()
+    if mod is None and required:
+        raise RuntimeError(f"int8_matmul: the C++ product cannot be built here: {why}")
+    return mod
+
+
+@torch._dynamo.assume_constant_result  # (run at trace time, not traced: it builds or finds the extension)
+def _cpp_available() -> bool:
+    return load() is not None
+
+
+def _cpp_ok(x: torch.Tensor, q: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and q.device.type == "cpu" and x.shape[0] <= CPP_ROWS
+
+
 def _packed_ok(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> bool:
     # ATen's packed product (torch 2.13, CPU) is right only where K is a multiple of 16:
     # other K give wrong values (K = 36, 100, 168, 180, 200 measured) or a crash (172 at 3 rows).
@@ -110,6 +147,10 @@ def _op(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, impl: str) -> to
         from fsharded.kernels import _triton_weight_int8
 
         return _triton_weight_int8.int8_matmul(x, q, scales)
+    if impl == "cpp":
+        y = load(required=True).int8_matmul(x.float().contiguous(), q.contiguous(), scales.contiguous(),
+                                            torch.get_num_threads())
+        return y.to(x.dtype)
     if impl == "cpu":
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scales.view(-1).to(x.dtype))
     return int8_matmul_reference(x, q, scales)
@@ -131,15 +172,25 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, impl: st
         raise ValueError("int8_matmul: x requires grad, but the int8 product has no gradient rule; it is for "
                          "inference (run it under torch.no_grad())")
     want = (impl or "auto").lower()
+    x2 = x.reshape(-1, x.shape[-1])
     if want == "cpu":
         if not _packed_ok(x, q, scales):
             raise RuntimeError("int8_matmul: impl='cpu' runs CPU tensors with one scale per output channel "
                                "(group_size=None) and input features a multiple of 16")
         chosen = "cpu"
+    elif want == "cpp":
+        if x.device.type != "cpu" or q.device.type != "cpu":
+            raise RuntimeError("int8_matmul: impl='cpp' runs CPU tensors")
+        if not _cpp_available():
+            load(required=True)  # (raises, saying why)
+        chosen = "cpp"
     else:
         chosen = _dispatch.choose("int8_matmul", x, q, scales, impl=impl)
-        if chosen == "reference" and want == "auto" and _dispatch.forced() == "auto" and _packed_ok(x, q, scales):
-            chosen = "cpu"
+        if chosen == "reference" and want == "auto" and _dispatch.forced() in ("auto", "cpp"):
+            if _cpp_ok(x2, q) and _cpp_available():
+                chosen = "cpp"
+            elif _packed_ok(x, q, scales) and _dispatch.forced() == "auto":
+                chosen = "cpu"
     lead = x.shape[:-1]
-    y = _op(x.reshape(-1, x.shape[-1]), q, scales, chosen)
+    y = _op(x2, q, scales, chosen)
     return y.view(*lead, q.shape[0])
