@@ -75,6 +75,11 @@ HEADLINE = (
              args=("--nvme-path", "/work")),  # (a directory on this machine's disk, not the temp dir)
     Headline("MoE layer, top-2, 4096 tokens per rank, vs DeepSpeed's MoE", "moe",
              "step time on 2 ranks", "top-2", "4096 tokens/rank"),
+    Headline("Decoding with a compiled step, 22M params, batch 1, vs transformers' generate", "inference",
+             "generation vs transformers' generate on the same weights (22.4M",
+             "decode per token, ours compiled vs transformers (dynamic cache)", "batch 1, prompt 128"),
+    Headline("Continuous batching vs static batching, same cache memory", "inference",
+             "continuous batching vs static batching", "the trace's wall time: Engine vs generate on groups"),
     Headline("C++ CPU AdamW, 5e7 parameters, vs torch's fused AdamW", "optim",
              "AdamW step on fp32 master weights: ours vs torch fused", "AdamW vs torch fused", "5e7 params"),
     Headline("psum of 4 MiB per rank, 2 ranks, vs torch.distributed.all_reduce (gloo)", "spmd",

@@ -214,8 +214,11 @@ class Engine:
     def step(self) -> list[Event]:
         """Run one batch; the tokens it produced."""
         chunks = self._schedule()
+        while not chunks and self.running:  # (every running request waits for pages: free the last one's)
+            self._preempt()
+            chunks = self._schedule()
         if not chunks:
-            if self.waiting and not self.running:
+            if self.waiting:
                 raise RuntimeError("Engine.step: no request can be admitted (the cache has no free page)")
             return []
         cache, dev = self.cache, self.device

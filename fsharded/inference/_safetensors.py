@@ -19,6 +19,7 @@ import torch
 
 from fsharded import comm
 from fsharded.checkpoint._common import _flatten
+from fsharded.inference._sharded import mesh_specs
 from fsharded.mesh import Mesh, P
 from fsharded.mesh._layout import dims
 from fsharded.models import gpt
@@ -47,8 +48,6 @@ def load_safetensors(path: str | os.PathLike, config: GPTConfig | None = None, *
     tensors on the virtual mesh, this rank's slices on real ranks. Floating tensors are
     cast to ``dtype`` where given."""
     from safetensors import safe_open
-
-    from fsharded.inference._sharded import mesh_specs
 
     path = os.fspath(path)
     if config is None:

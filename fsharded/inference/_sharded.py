@@ -26,6 +26,7 @@ from fsharded.inference._int8 import Int8Weight
 from fsharded.mesh import Mesh, P
 from fsharded.models import gpt_plans
 from fsharded.models._gpt_config import MoEConfig
+from fsharded.parallel import tensor as T
 from fsharded.spmd import shard_map
 from fsharded.spmd._transfer import backend_for, gather_global, local_shards, local_slice
 
@@ -203,8 +204,6 @@ class HFOnMesh(_OnMesh):
     TABLES = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "LLAMA", "gpt2": "GPT2"}
 
     def __init__(self, hf: HFDecoder, mesh: Mesh) -> None:
-        from fsharded.parallel import tensor as T
-
         t = _tensor_only(mesh, "a Hugging Face model")
         kind = getattr(hf.fm.module.config, "model_type", None)
         if kind not in self.TABLES:

@@ -124,9 +124,15 @@ def load(required: bool = False) -> ModuleType | None:
     return mod
 
 
-@torch._dynamo.assume_constant_result  # (run at trace time, not traced: it builds or finds the extension)
+_CPP: list[bool] = []  # whether the C++ product loads, found by the first eager call
+
+
 def _cpp_available() -> bool:
-    return load() is not None
+    if not _CPP:
+        if torch.compiler.is_compiling():  # (no build while tracing: a graph traced first takes another product)
+            return False
+        _CPP.append(load() is not None)
+    return _CPP[0]
 
 
 def _cpp_ok(x: torch.Tensor, q: torch.Tensor) -> bool:
