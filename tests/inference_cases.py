@@ -54,12 +54,14 @@ def decode_safetensors(path: str, name: str, mesh_shape: dict) -> dict:
     return {"tokens": out.tokens, "wq": tuple(params["blocks"][0]["attn"]["wq"].shape)}
 
 
-def hf_model(kind: str) -> torch.nn.Module:
+def hf_model(kind: str, seed: int = 0, positions: int = 64) -> torch.nn.Module:
+    """A tiny Hugging Face GPT-2 (``positions`` learned positions) or Llama (grouped-query
+    heads) built from a config, in eval mode."""
     import transformers
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     if kind == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+        cfg = transformers.GPT2Config(vocab_size=256, n_positions=positions, n_embd=32, n_layer=2, n_head=2)
         return transformers.GPT2LMHeadModel(cfg).eval()
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

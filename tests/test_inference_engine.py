@@ -71,15 +71,10 @@ def test_every_request_gets_what_it_gets_alone(name):
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_a_hugging_face_model_through_the_engine_gets_what_transformers_gives_alone(kind):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32,
-                                                                     n_layer=2, n_head=2)).eval()
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64)).eval()
+    pytest.importorskip("transformers")
+    import inference_cases as C
+
+    model = C.hf_model(kind)
     prompts, news = trace(8, seed=2)
     e = fs.inference.Engine(model, max_batch_tokens=16, max_seqs=4, page_size=4)
     ids = [e.add_request(p, n) for p, n in zip(prompts, news)]

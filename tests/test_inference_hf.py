@@ -5,6 +5,7 @@ weights exported to the matching transformers model generate what ``fs.inference
 
 from __future__ import annotations
 
+import inference_cases as C
 import pytest
 import torch
 
@@ -17,13 +18,7 @@ PROMPTS = [[5, 9, 2, 7, 1], [3], [8, 8, 4, 200, 17, 3, 90]]
 
 
 def build(kind: str, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    if kind == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2)
-        return transformers.GPT2LMHeadModel(cfg).eval()
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return C.hf_model(kind, seed, positions=32)
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
