@@ -114,6 +114,10 @@ def test_bad_input_is_a_clear_error():
         fs.inference.generate(params, [[1], []], max_new_tokens=2)
     with pytest.raises(ValueError, match="top_p"):
         fs.inference.generate(params, [[1]], max_new_tokens=2, key=fs.random.key(0), top_p=1.5)
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        fs.inference.generate(params, [[1]], max_new_tokens=2, key=fs.random.key(0), temperature=float("nan"))
+    with pytest.raises(ValueError, match="must be integer"):
+        fs.inference.generate(params, torch.zeros(2, 0, dtype=torch.int64), max_new_tokens=2)
     # (the last new token is produced, never read: 10 + 7 tokens need 16 positions)
     assert len(fs.inference.generate(params, [list(range(10))], max_new_tokens=7).tokens[0]) == 7
 

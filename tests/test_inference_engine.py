@@ -150,6 +150,8 @@ def test_bad_requests_are_refused_when_added():
     with pytest.raises(ValueError, match="top_p must be in"):
         e.add_request([1], 2, key=fs.random.key(0), top_p=0)
     assert not e.busy
+    with pytest.raises(ValueError, match=r"page_size \(0\)"):
+        fs.inference.Engine(params, page_size=0)
 
 
 # -- fsharded serve ------------------------------------------------------------------------------
@@ -177,6 +179,8 @@ def test_serve_answers_json_lines_as_generate_does(checkpoint):
     lines = [{"id": "a", "prompt": "def f(x", "max_new_tokens": 6},
              {"id": "b", "prompt": "import o", "max_new_tokens": 4, "stream": True},
              {"id": "c", "tokens": [1, 999]},
+             {"id": "e", "prompt": 123}, {"id": "f", "tokens": "123"}, {"id": "g", "prompt": "a", "stop": "50"},
+             {"id": "h", "prompt": "a", "temperature": float("nan")},
              {"id": "d", "prompt": "x", "seed": 1, "temperature": 0.9}]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
     r = subprocess.run([sys.executable, "-m", "fsharded", "serve", "--checkpoint", checkpoint, "--max-new-tokens", "5"],
@@ -190,6 +194,8 @@ def test_serve_answers_json_lines_as_generate_does(checkpoint):
     assert final["b"]["tokens"] == _want(checkpoint, "import o", 4)
     assert [o["token"] for o in out if o.get("id") == "b" and "token" in o] == final["b"]["tokens"]  # streamed
     assert "outside the vocabulary of 256" in final["c"]["error"]
+    assert '"prompt" is text' in final["e"]["error"] and '"tokens" is a list of integer' in final["f"]["error"]
+    assert '"stop" is a list of integer' in final["g"]["error"] and "finite" in final["h"]["error"]
     assert len(final["d"]["tokens"]) == 5 and final["d"]["time_to_first_token_s"] <= final["d"]["latency_s"]
     assert "not JSON" in final[None]["error"]
 

@@ -110,3 +110,18 @@ def test_a_gpt_without_a_stock_transformers_model_is_refused():
     for cfg in (gpt.GPTConfig.tiny(positions="rotary"), gpt.GPTConfig.tiny(moe={"experts": 4})):
         with pytest.raises(ValueError, match="to_transformers"):
             fs.inference.to_transformers(gpt.init(cfg, 0), cfg)
+
+
+def test_attention_options_the_cache_does_not_apply_are_refused():
+    # (sliding windows, soft-capping, GPT-2's own scalings: generating would give other logits)
+    torch.manual_seed(0)
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8)).eval()
+    with pytest.raises(NotImplementedError, match="sliding_window=8"):
+        fs.inference.generate(mistral, [[1, 2, 3]], 2)
+    for flag in (dict(scale_attn_by_inverse_layer_idx=True), dict(scale_attn_weights=False)):
+        gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=32,
+                                                                    n_layer=2, n_head=2, **flag)).eval()
+        with pytest.raises(NotImplementedError, match="scales its attention its own way"):
+            fs.inference.generate(gpt2, [[1, 2, 3]], 2)

@@ -100,6 +100,14 @@ def test_gloo_ranks_read_their_slices_of_a_safetensors_file(tmp_path):
         assert r["tokens"] == ref["tokens"] and r["wq"] == (16, 2, 4)  # half the heads read on each rank
 
 
+def test_a_rank_never_reads_a_slice_that_does_not_divide():
+    from fsharded.inference._safetensors import _slices
+
+    assert _slices((8, 4), fs.P("tensor"), fs.Mesh({"tensor": 4}), {"tensor": 1}) == (slice(2, 4), slice(None))
+    with pytest.raises(ValueError, match=r"dim 0 of a tensor of shape \[6, 4\] does not split"):
+        _slices((6, 4), fs.P("tensor"), fs.Mesh({"tensor": 4}), {"tensor": 1})
+
+
 def test_a_mesh_that_does_not_fit_is_named():
     params = gpt.init(gpt.GPTConfig.tiny(), 0)  # 4 heads, d_ff 64
     with pytest.raises(ValueError, match="tensor=3 does not divide the model's query heads 4, key/value heads 4"):

@@ -67,6 +67,17 @@ def test_a_damaged_weights_file_is_named(tmp_path):
         fs.inference.generate(s, PROMPTS, 2)
 
 
+def test_one_pass_at_a_time_and_a_pass_left_early_is_closed(tmp_path):
+    params = gpt.init(gpt.GPTConfig.tiny(), 0)
+    blocks = fs.inference.stream_weights(params, "nvme", str(tmp_path))["blocks"]
+    first = iter(blocks)
+    next(first)  # (the next block's read is in flight)
+    with pytest.raises(RuntimeError, match="a pass over the blocks is already running"):
+        next(iter(blocks))
+    first.close()  # its read waited, the buffers free
+    assert [torch.equal(b["attn"]["wq"], p["attn"]["wq"]) for b, p in zip(blocks, params["blocks"])] == [True, True]
+
+
 def test_what_streaming_does_not_take_is_named(tmp_path):
     params = gpt.init(gpt.GPTConfig.tiny(), 0)
     with pytest.raises(ValueError, match="tier='nvme' needs path="):

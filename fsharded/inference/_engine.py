@@ -99,8 +99,9 @@ class Engine:
     def __init__(self, params: Any, *, max_batch_tokens: int = 256, max_seqs: int = 32, page_size: int = 16,
                  pages: int | None = None, moe: MoEConfig | None = None, model_state: Any = None,
                  cache_dtype: torch.dtype | None = None, mesh: Mesh | None = None) -> None:
-        if max_batch_tokens < 1 or max_seqs < 1:
-            raise ValueError(f"Engine: max_batch_tokens ({max_batch_tokens}) and max_seqs ({max_seqs}) must be >= 1")
+        if max_batch_tokens < 1 or max_seqs < 1 or page_size < 1 or (pages is not None and pages < 1):
+            raise ValueError(f"Engine: max_batch_tokens ({max_batch_tokens}), max_seqs ({max_seqs}), page_size "
+                             f"({page_size}) and pages ({pages}) must be >= 1")
         self.params, self.moe, self.model_state = params, moe, model_state
         self.max_batch_tokens, self.max_seqs = int(max_batch_tokens), int(max_seqs)
         self.hf = None if isinstance(params, dict) else HFDecoder(params)

@@ -49,7 +49,7 @@ class Generation:
 
 def _prompts(prompts: Any) -> list[list[int]]:
     if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2 or prompts.is_floating_point():
+        if prompts.dim() != 2 or prompts.is_floating_point() or 0 in prompts.shape:
             raise ValueError(f"generate: a tensor of prompts must be integer (B, T), got {prompts.dtype} "
                              f"{tuple(prompts.shape)}")
         return [row.tolist() for row in prompts]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from fsharded.inference._cache import KVCache
 from fsharded.inference._int8 import Int8Weight
-from fsharded.inference._stream import block_meta
+from fsharded.inference._stream import StreamedBlocks, block_meta
 from fsharded.models import gpt
 from fsharded.models._gpt_config import MoEConfig
 
@@ -156,8 +156,21 @@ def forward(params: dict, tokens: torch.Tensor, pos: torch.Tensor, attend: Any, 
     if "pos" not in params and len(meta):  # rotary: the angles of these positions, once
         tables = _rotary_tables(pos, meta[0]["attn"]["wq"].shape[-1], x.dtype)
     biases = gpt._routing_biases({**params, "blocks": meta}, moe, model_state)  # (streamed blocks: not read)
+    if isinstance(params["blocks"], StreamedBlocks):
+        blocks = iter(params["blocks"])
+        try:
+            x = _blocks(blocks, x, tables, biases, moe, attend, tensor_axis, expert_axis)
+        finally:  # the pass closed (its reads waited, its buffers free) even where a layer raised
+            blocks.close()
+    else:
+        x = _blocks(params["blocks"], x, tables, biases, moe, attend, tensor_axis, expert_axis)
+    return _unembed(params, x)
+
+
+def _blocks(blocks: Any, x: torch.Tensor, tables: Any, biases: Any, moe: MoEConfig | None, attend: Any,
+            tensor_axis: str | None, expert_axis: str | None) -> torch.Tensor:
     n_moe = 0
-    for i, p in enumerate(params["blocks"]):
+    for i, p in enumerate(blocks):
         a = p["attn"]
         h = gpt._norm(p["norm1"], x)
         if tensor_axis is not None:
@@ -178,7 +191,7 @@ def forward(params: dict, tokens: torch.Tensor, pos: torch.Tensor, attend: Any, 
             n_moe += 1
         else:
             x = x + _mlp(p["mlp"], gpt._norm(p["norm2"], x), tensor_axis)
-    return _unembed(params, x)
+    return x
 
 
 def decode_step(params: dict, tokens: torch.Tensor, k: list[torch.Tensor], v: torch.Tensor, length: torch.Tensor,

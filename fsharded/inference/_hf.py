@@ -44,6 +44,10 @@ def _cached_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if i is None:
         raise NotImplementedError(f"fs.inference: {type(module).__name__} has no layer_idx, so its keys and values "
                                   f"cannot be placed in the cache's layers")
+    for k in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(k) is not None:
+            raise NotImplementedError(f"fs.inference: {type(module).__name__} passes {k}={kwargs[k]!r}, which the "
+                                      f"cached attention does not apply: generating with it would give other logits")
     q = query.transpose(1, 2)
     if scaling is not None:
         q = q * (scaling * q.shape[-1] ** 0.5)  # (the attention scales by Dh ** -0.5)
@@ -84,6 +88,12 @@ class HFDecoder:
                     found.setdefault(id(sub), sub)
         self.configs = list(found.values())
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if getattr(text, "model_type", "") == "gpt2" and (getattr(text, "scale_attn_by_inverse_layer_idx", False)
+                                                         or not getattr(text, "scale_attn_weights", True)
+                                                         or getattr(text, "reorder_and_upcast_attn", False)):
+            raise NotImplementedError("fs.inference: this GPT-2 config scales its attention its own way "
+                                      "(scale_attn_by_inverse_layer_idx, scale_attn_weights=False or "
+                                      "reorder_and_upcast_attn), which the cached attention does not do")
         self.layers = text.num_hidden_layers
         heads = self.heads = text.num_attention_heads
         self.kv_heads = getattr(text, "num_key_value_heads", None) or heads

@@ -19,7 +19,7 @@ import torch
 
 from fsharded import comm
 from fsharded.checkpoint._common import _flatten
-from fsharded.inference._sharded import mesh_specs
+from fsharded.inference._sharded import check_divides, mesh_specs
 from fsharded.mesh import Mesh, P
 from fsharded.mesh._layout import dims
 from fsharded.models import gpt
@@ -60,6 +60,7 @@ def load_safetensors(path: str | os.PathLike, config: GPTConfig | None = None, *
     names, leaves, treedef = _flatten(like)
     specs = None
     if mesh is not None:
+        check_divides(like, mesh)
         specs = mesh_specs(like, mesh) if param_specs is None else param_specs
     flat_specs = optree.tree_leaves(specs, none_is_leaf=True) if specs is not None else [None] * len(leaves)
     dist = mesh is not None and backend_for(mesh, None) == "distributed" and mesh.size > 1
@@ -96,6 +97,10 @@ def _slices(shape: tuple[int, ...], spec: Any, mesh: Mesh, coords: dict[str, int
             for a in axes:
                 k *= mesh.shape[a]
                 i = i * mesh.shape[a] + coords[a]
+            if shape[d] % k:
+                raise ValueError(f"load_safetensors: dim {d} of a tensor of shape {list(shape)} does not split over "
+                                 f"{axes} ({k} shards): use a mesh whose axes divide the model (the heads, the "
+                                 f"hidden units, the experts)")
             size = shape[d] // k
             key[d] = slice(i * size, (i + 1) * size)
     return tuple(key)

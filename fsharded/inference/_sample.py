@@ -4,6 +4,8 @@ on ``fsharded.random`` draws, so a key gives the same tokens on every backend.""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fsharded import random as R
@@ -13,11 +15,11 @@ __all__ = ["sample", "check_sampling"]
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None, op: str = "sample") -> None:
     """A clear error for settings ``sample`` cannot take."""
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"{op}: temperature must be a number >= 0, got {temperature!r}")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"{op}: temperature must be a finite number >= 0, got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"{op}: top_k must be an integer >= 1, got {top_k!r}")
-    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):  # (NaN fails too)
         raise ValueError(f"{op}: top_p must be in (0, 1], got {top_p!r}")
 
 

@@ -121,13 +121,13 @@ class MeshRunner:
     def empty_cache(self, batch: int, slots: int, start: torch.Tensor, dtype: torch.dtype | None) -> KVCache:
         """A cache of this device's rows and heads (the whole on the virtual mesh)."""
         self.check_batch(batch)
-        start = start.to(torch.int64)
+        start = self.start = start.to(torch.int64)  # every row's: the same checks on every rank
         local = self._local(start)
         return KVCache.empty(self.params, local.shape[0], slots, start=local, dtype=dtype)
 
     def extend(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The whole batch's logits ``(B, T, V)`` on every rank; the cache advanced."""
-        check_context(self.params, cache, tokens.shape[1])
+        check_context(self.params, KVCache(cache.k, cache.v, self.start, cache.length), tokens.shape[1])
         logits, cache.k, cache.v = self.fn.local(self.params, self.model_state, self._local(tokens), cache.k,
                                                  cache.v, cache.start, cache.length)
         cache.k, cache.v = list(cache.k), list(cache.v)

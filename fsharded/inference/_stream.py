@@ -158,6 +158,9 @@ class StreamedBlocks:
         return _views(src, lay)
 
     def __iter__(self) -> Iterator[dict]:
+        if not self._lock.acquire(blocking=False):  # (one pass at a time: the passes share the buffers)
+            raise RuntimeError("StreamedBlocks: a pass over the blocks is already running (another thread, or a "
+                               "pass left unfinished); streamed weights run one forward at a time")
         n, k = len(self), self.prefetch + 1
         pending = {i: self._start(i, i % k) for i in range(min(self.prefetch, n))}
         try:
@@ -171,6 +174,7 @@ class StreamedBlocks:
             for handle in pending.values():
                 if handle is not None:
                     handle.wait()
+            self._lock.release()
 
     def __getitem__(self, i: int) -> dict:
         """Block ``i``, read now into the last buffer (random access: no prefetch)."""

@@ -19,8 +19,8 @@ def _kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, G, n_groups,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pm = tl.program_id(0)
     pn = tl.program_id(1)
-    rm = pm * BM + tl.arange(0, BM)
-    rn = pn * BN + tl.arange(0, BN)
+    rm = (pm * BM + tl.arange(0, BM)).to(tl.int64)  # (64-bit offsets: M * N may pass 2**31)
+    rn = (pn * BN + tl.arange(0, BN)).to(tl.int64)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)

@@ -89,6 +89,8 @@ def _check(q: torch.Tensor, scales: torch.Tensor, K: int | None, op: str) -> int
             or scales.shape[0] != N or scales.shape[1] < 1 or Kq % scales.shape[1]):
         raise ValueError(f"{op}: scales must be fp32 (N, K // group_size) = ({N}, a divisor of {Kq}), got "
                          f"{getattr(scales, 'dtype', type(scales))} {tuple(getattr(scales, 'shape', ()))}")
+    if q.device != scales.device:
+        raise ValueError(f"{op}: q is on {q.device} but scales on {scales.device}")
     return Kq // scales.shape[1]
 
 
@@ -174,6 +176,8 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, impl: st
         raise ValueError(f"int8_matmul: x must be a float32/bfloat16/float16 tensor, got "
                          f"{getattr(x, 'dtype', type(x))}")
     _check(q, scales, x.shape[-1], "int8_matmul")
+    if x.device != q.device:
+        raise ValueError(f"int8_matmul: x is on {x.device} but the weight on {q.device}")
     if x.requires_grad:
         raise ValueError("int8_matmul: x requires grad, but the int8 product has no gradient rule; it is for "
                          "inference (run it under torch.no_grad())")

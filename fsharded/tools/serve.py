@@ -69,18 +69,31 @@ class Server:
                 raise ValueError(f"unknown fields {sorted(unknown)}")
             if ("prompt" in obj) == ("tokens" in obj):
                 raise ValueError('give "prompt" (text) or "tokens" (ids), one of them')
-            tokens = self.model.encode(obj["prompt"]) if "prompt" in obj else [int(t) for t in obj["tokens"]]
+            if "prompt" in obj and not isinstance(obj["prompt"], str):
+                raise ValueError(f'"prompt" is text; got {type(obj["prompt"]).__name__} (token ids go in "tokens")')
+            tokens = self.model.encode(obj["prompt"]) if "prompt" in obj else _ints(obj["tokens"], "tokens")
             sampled = any(obj.get(k) is not None for k in ("temperature", "top_k", "top_p", "seed"))
             t = obj.get("temperature")
             engine_id = self.engine.add_request(
                 tokens, int(obj.get("max_new_tokens", self.max_new_tokens)),
                 key=R.key(int(obj.get("seed", 0))) if sampled else None,
                 temperature=1.0 if t is None else float(t), top_k=obj.get("top_k"), top_p=obj.get("top_p"),
-                stop_tokens=[int(s) for s in obj.get("stop", ())])
-        except (ValueError, TypeError, KeyError) as e:
+                stop_tokens=_ints(obj.get("stop", []), "stop"))
+        except Exception as e:  # noqa: BLE001 - any request it cannot run is answered, and the server goes on
             reply({"id": rid, "error": str(e).removeprefix("Engine.add_request: ")})
             return
         self.pending[engine_id] = (rid, reply, bool(obj.get("stream")))
+
+    def _fail_all(self, err: Exception) -> None:
+        """A step failed: every request in flight gets the error, the engine starts empty."""
+        for rid, reply, _ in list(self.pending.values()):
+            reply({"id": rid, "error": f"the batch this request ran in failed: {type(err).__name__}: {err}"})
+        self.pending.clear()
+        for r in list(self.engine.running):
+            self.engine.cache.release(r.id)
+        self.engine.running.clear()
+        self.engine.waiting.clear()
+        self.engine.requests.clear()
 
     def _answer(self, engine_id: int) -> None:
         r = self.engine.requests.pop(engine_id)
@@ -104,12 +117,24 @@ class Server:
                     open_ = False
                     continue
                 self._add(*item)
-            for ev in self.engine.step() if self.engine.busy else ():
+            try:
+                events = self.engine.step() if self.engine.busy else []
+            except Exception as e:  # noqa: BLE001 - answered to every request it touched
+                self._fail_all(e)
+                continue
+            for ev in events:
                 rid, reply, stream = self.pending[ev.id]
                 if stream:
                     reply({"id": rid, "token": ev.token, "text": self.model.decode([ev.token])})
                 if ev.finished:
                     self._answer(ev.id)
+
+
+def _ints(v: Any, field: str) -> list[int]:
+    """A JSON list of token ids, checked (no strings split into characters, no floats cut)."""
+    if not isinstance(v, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in v):
+        raise ValueError(f'"{field}" is a list of integer token ids; got {json.dumps(v)[:60]}')
+    return list(v)
 
 
 def _stdio(server: Server) -> None:
@@ -136,7 +161,7 @@ def _stdio(server: Server) -> None:
     server.loop()
 
 
-def start_http(server: Server, port: int, host: str = "127.0.0.1") -> Any:
+def start_http(server: Server, port: int, host: str = "127.0.0.1", timeout_s: float = 600.0) -> Any:
     """An HTTP server (not yet serving: ``serve_forever``) in front of ``server``, whose
     loop it starts in a thread."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -172,13 +197,16 @@ def start_http(server: Server, port: int, host: str = "127.0.0.1") -> Any:
                     box.append(ans)
                     done.set()
             server.submit(obj, reply)
-            done.wait()
+            if not done.wait(timeout=self.server.timeout_s):
+                self._send(504, {"error": f"no answer within {self.server.timeout_s:.0f} s"})
+                return
             self._send(400 if "error" in box[0] else 200, box[0])
 
         def log_message(self, *args: Any) -> None:
             pass
 
     httpd = ThreadingHTTPServer((host, port), Handler)
+    httpd.timeout_s = timeout_s
     threading.Thread(target=server.loop, daemon=True).start()
     return httpd
 
