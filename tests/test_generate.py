@@ -14,7 +14,7 @@ import torch
 import fsharded as fs
 from fsharded import train
 from fsharded.models import gpt
-from fsharded.tools import generate
+from fsharded.tools import _generate as generate
 
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch", "4", "--steps", "3", "--set", "data=stdlib:300000",
         "--no-compile", "--progress", "off", "--save-every", "3"]

@@ -169,7 +169,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _want(checkpoint, text: str, n: int) -> list[int]:
-    from fsharded.tools.generate import load_model
+    from fsharded.tools._generate import load_model
 
     m = load_model(checkpoint)
     return fs.inference.generate(m.params, [list(text.encode())], n).tokens[0]
@@ -201,8 +201,8 @@ def test_serve_answers_json_lines_as_generate_does(checkpoint):
 
 
 def test_serve_over_http_runs_concurrent_requests_in_one_batch(checkpoint):
-    from fsharded.tools import serve
-    from fsharded.tools.generate import load_model
+    from fsharded.tools import _serve as serve
+    from fsharded.tools._generate import load_model
 
     server = serve.Server(load_model(checkpoint), max_new_tokens=5, max_batch_tokens=64, max_seqs=8, page_size=8,
                           pages=None)

@@ -29,7 +29,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tools", ("fsharded.tools", "fsharded.testing")),
     ("the package (fsharded/__init__.py)", ("fsharded",)),
     ("the app and the benchmarks", ("fsharded.__main__", "fsharded.tools.cli", "fsharded.tools.train",
-                                    "fsharded.tools.generate", "fsharded.tools.serve", "fsharded.tools._train_resume", "fsharded.tools.demo",
+                                    "fsharded.tools._generate", "fsharded.tools._serve", "fsharded.tools._train_resume",
+                                    "fsharded.tools.demo",
                                     "fsharded.bench")),
 ]
 

@@ -215,11 +215,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return train.main(argv[1:], prog="fsharded train")
     if argv[:1] == ["generate"]:  # and after `generate`, to generation
-        from fsharded.tools import generate
+        from fsharded.tools import _generate as generate
 
         return generate.main(argv[1:], prog="fsharded generate")
     if argv[:1] == ["serve"]:
-        from fsharded.tools import serve
+        from fsharded.tools import _serve as serve
 
         return serve.main(argv[1:], prog="fsharded serve")
     parser = build_parser()

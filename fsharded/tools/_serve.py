@@ -31,7 +31,7 @@ from typing import Any
 
 from fsharded import inference
 from fsharded import random as R
-from fsharded.tools.generate import DTYPES, Loaded, load_model
+from fsharded.tools._generate import DTYPES, Loaded, load_model
 
 __all__ = ["Server", "start_http", "build_parser", "main"]
 
