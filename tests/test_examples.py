@@ -689,15 +689,17 @@ _FILES = {
 
 def _command_lines() -> list[tuple[int, str]]:
     """(README line, command) of every command in a bash block outside the Quickstart
-    (which is CI's own command and the run the CLI tests cover)."""
-    out = []
+    (which is CI's own command and the run the CLI tests cover); a command written twice
+    runs once."""
+    out, seen = [], set()
     for line, code in _blocks("bash"):
         if "pip install" in code:
             continue
         text = code.replace("\\\n", " ")
         for k, cmd in enumerate(text.splitlines()):
-            cmd = cmd.split(" # ")[0].strip()
-            if cmd and not cmd.startswith("#"):
+            cmd = " ".join(cmd.split(" # ")[0].split())
+            if cmd and not cmd.startswith("#") and cmd not in seen:
+                seen.add(cmd)
                 out.append((line + k + 1, cmd))
     return out
 

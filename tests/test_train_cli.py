@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import commands
 import pytest
 
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch", "4",
@@ -103,38 +104,44 @@ def test_train_with_zero_stage_matches_stage_0(tmp_path):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
 
 
-@pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["blocking", "async"])
-def test_save_every_and_resume_latest_continue_exactly(tmp_path, mode):
-    """6 steps straight vs 6 steps saving every 3 (in the background too), then (the step-6
-    checkpoint removed) a new process resuming from the latest (step 3): steps 4-6 bit for
-    bit, the data picked up where the run stopped."""
+def test_save_every_and_resume_latest_continue_exactly(tmp_path):
+    """6 steps straight vs 6 steps saving every 3 (blocking, and in the background), then
+    (the step-6 checkpoint removed) a new process resuming from the latest (step 3): steps
+    4-6 bit for bit, the data picked up where the run stopped. Independent runs go two at a
+    time."""
     import shutil
 
-    straight, saved, resumed = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
-    ck = tmp_path / "ck"
-    r = _run([sys.executable, "-m", "fsharded", "train", *TINY, "--metrics", str(straight)])
-    assert r.returncode == 0, r.stderr
-    r = _run([sys.executable, "-m", "fsharded", "train", *TINY, "--metrics", str(saved),
-              "--save-every", "3", "--save-dir", str(ck), *mode])
-    assert r.returncode == 0, r.stderr
-    assert sorted(os.listdir(ck)) == ["step-00000003", "step-00000006"]
-    assert _losses(saved) == _losses(straight)  # saving changes nothing
-    if not mode:  # resumed at its last step (a restart after the end): says so, prints no nan loss
-        r = _run([sys.executable, "-m", "fsharded", "train", *TINY, "--resume", "latest",
-                  "--save-dir", str(ck), "--save-every", "3"])
+    py = [sys.executable, "-m", "fsharded", "train", *TINY]
+    straight = tmp_path / "a.jsonl"
+    modes = {"blocking": [], "async": ["--async-save"]}
+    ck = {m: tmp_path / f"ck-{m}" for m in modes}
+    saved = {m: tmp_path / f"b-{m}.jsonl" for m in modes}
+    resumed = {m: tmp_path / f"c-{m}.jsonl" for m in modes}
+    runs = commands.run_all([py + ["--metrics", str(straight)],
+                             *(py + ["--metrics", str(saved[m]), "--save-every", "3", "--save-dir", str(ck[m]), *flag]
+                               for m, flag in modes.items())], timeout=240, env=ENV)
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    for m in modes:
+        assert sorted(os.listdir(ck[m])) == ["step-00000003", "step-00000006"], m
+        assert _losses(saved[m]) == _losses(straight), m  # saving changes nothing
+    # resumed at its last step (a restart after the end): says so, prints no nan loss
+    at_end, first = commands.run_all([
+        py + ["--resume", "latest", "--save-dir", str(ck["blocking"]), "--save-every", "3"],
+        py + ["--resume", "latest", "--save-dir", str(tmp_path / "none")]], timeout=240, env=ENV)
+    assert at_end.returncode == 0, at_end.stderr
+    assert "done: nothing to train, the state is at step 6 of 6" in at_end.stdout and "nan" not in at_end.stdout
+    assert first.returncode == 0 and "no checkpoint in" in first.stdout  # a job's first start: from step 0
+    assert "starting at step 0" in first.stdout
+    for m in modes:
+        shutil.rmtree(ck[m] / "step-00000006")
+    runs = commands.run_all([py + ["--metrics", str(resumed[m]), "--resume", "latest", "--save-dir", str(ck[m])]
+                             for m in modes], timeout=240, env=ENV)
+    for m, r in zip(modes, runs):
         assert r.returncode == 0, r.stderr
-        assert "done: nothing to train, the state is at step 6 of 6" in r.stdout and "nan" not in r.stdout
-    shutil.rmtree(ck / "step-00000006")
-    r = _run([sys.executable, "-m", "fsharded", "train", *TINY, "--metrics", str(resumed),
-              "--resume", "latest", "--save-dir", str(ck)])
-    assert r.returncode == 0, r.stderr
-    assert "resumed from" in r.stdout and "at step 3" in r.stdout
-    assert [json.loads(x)["step"] for x in resumed.read_text().splitlines()] == [4, 5, 6]
-    assert _losses(resumed) == _losses(straight)[3:]
-    r = _run([sys.executable, "-m", "fsharded", "train", *TINY, "--resume", "latest",
-              "--save-dir", str(tmp_path / "none")])  # a job's first start: from step 0
-    assert r.returncode == 0 and "no checkpoint in" in r.stdout and "starting at step 0" in r.stdout
-    r = _run([sys.executable, "-m", "fsharded", "train", *TINY, "--resume", str(tmp_path / "none" / "step-9")])
+        assert "resumed from" in r.stdout and "at step 3" in r.stdout
+        assert [json.loads(x)["step"] for x in resumed[m].read_text().splitlines()] == [4, 5, 6], m
+        assert _losses(resumed[m]) == _losses(straight)[3:], m
+    r = _run(py + ["--resume", str(tmp_path / "none" / "step-9")])
     assert r.returncode == 1 and "no checkpoint at" in r.stderr
 
 
