@@ -24,19 +24,28 @@ def params_of(name: str) -> dict:
     return gpt.init(gpt.GPTConfig.tiny(**MODELS[name]), 0)
 
 
-def decode(name: str, mesh_shape: dict | None, *, key: int | None = None, n: int = 8) -> dict:
+def decode(name: str, mesh_shape: dict | None, *, key: int | None = None, n: int = 8,
+           int8: int | None = None, group_size: int | None = None) -> dict:
     """Greedy (or, with ``key``, sampled) tokens of the model ``name`` on ``mesh_shape``
-    (None: one device), and the cache's first layer gathered whole."""
+    (None: one device), and the cache's first layer gathered whole. ``int8``: the weights
+    quantized for that tensor size (``quantize(..., tensor=int8)``; on real ranks each
+    rank quantizes its own shards)."""
     params = params_of(name)
     moe = MOE if "moe" in MODELS[name] else None
     kw = dict(key=fs.random.key(key), temperature=0.9, top_k=40) if key is not None else {}
     if mesh_shape is None:
+        if int8 is not None:
+            params = fs.inference.quantize(params, group_size, tensor=int8)
         out = fs.inference.generate(params, PROMPTS, n, moe=moe, **kw)
         return {"tokens": out.tokens, "k0": out.cache.k[0]}
     mesh = fs.Mesh(mesh_shape)
     specs = fs.inference.mesh_specs(params, mesh)
     if fs.distributed.is_initialized():
         params = local_shards(params, specs, mesh)  # this rank's shards, as a checkpoint load gives them
+        if int8 is not None:
+            params = fs.inference.quantize(params, group_size)
+    elif int8 is not None:
+        params = fs.inference.quantize(params, group_size, tensor=int8)
     out = fs.inference.generate(params, PROMPTS, n, moe=moe, mesh=mesh, **kw)
     rows = tuple(a for a in ("data", "expert") if a in mesh_shape)
     spec = fs.P(rows if len(rows) > 1 else (rows[0] if rows else None), None,

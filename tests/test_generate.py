@@ -125,18 +125,21 @@ def test_tensor_parallel_generation_on_the_virtual_mesh_and_under_torchrun(train
     one = _generate(capsys, *args)
     virtual = _generate(capsys, *args, "--mesh", "tensor=2")
     assert [s["tokens"] for s in virtual["samples"]] == [s["tokens"] for s in one["samples"]]
+    # int8 on the mesh: the tokens of the same quantization on one device (a scale per
+    # output channel per shard for the row-parallel projections), virtual and on 2 ranks
+    q8 = fs.inference.quantize(generate.load_model(trained).params, tensor=2)
+    want = fs.inference.generate(q8, [list(b"def f(x"), list(b"import o")], 6).tokens
+    assert [s["tokens"] for s in _generate(capsys, *args, "--mesh", "tensor=2", "--int8")["samples"]] == want
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(free_port()), "-m", "fsharded", "generate", *args, "--mesh", "tensor=2", "--json"],
-                       capture_output=True, text=True, timeout=240, env=env)
+                        str(free_port()), "-m", "fsharded", "generate", *args, "--mesh", "tensor=2", "--int8",
+                        "--json"], capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert len(lines) == 1  # the first rank prints
-    assert [s["tokens"] for s in json.loads(lines[0])["samples"]] == [s["tokens"] for s in one["samples"]]
+    assert [s["tokens"] for s in json.loads(lines[0])["samples"]] == want
     assert generate.main([*args, "--mesh", "tensor=3"]) == 2
     assert "tensor=3 does not divide the model's query heads 4" in capsys.readouterr().err
-    assert generate.main([*args, "--mesh", "tensor=2", "--int8"]) == 2
-    assert "--int8 with a mesh is not implemented" in capsys.readouterr().err
 
 
 def test_bad_input_is_named(trained, tmp_path, capsys):

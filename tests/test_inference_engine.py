@@ -52,14 +52,15 @@ def test_every_request_gets_what_it_gets_alone(name):
     prompts, news = trace()
     want = alone(params, prompts, news, moe)
     for kw in (dict(max_batch_tokens=256), dict(max_batch_tokens=16), dict(max_batch_tokens=7, max_seqs=3),
-               dict(max_batch_tokens=32, pages=12)):
+               dict(max_batch_tokens=32, pages=12, reserve=0.0), dict(max_batch_tokens=32, pages=12, reserve=1.0)):
         e = fs.inference.Engine(params, page_size=4, moe=moe, **{"max_seqs": 5, **kw})
         ids = [e.add_request(p, n) for p, n in zip(prompts, news)]
         e.run()
         assert [e.requests[i].tokens for i in ids] == want, kw
         assert e.cache.pages_used == 0 and not e.busy
-        if "pages" in kw:
-            assert e.preemptions > 0  # 48 slots for 5 sequences of up to 47 tokens
+        if "pages" in kw:  # 48 slots for 5 sequences of up to 47 tokens: admitted as the pages come
+            # (preempted where they run out), or only where each can run to its end
+            assert (e.preemptions > 0) == (kw["reserve"] == 0.0), kw
     # sampled, each with its own key
     want = alone(params, prompts, news, moe, keys=list(range(12)))
     e = fs.inference.Engine(params, max_batch_tokens=16, max_seqs=4, page_size=4, moe=moe)
@@ -138,6 +139,8 @@ def test_pages_follow_the_live_tokens_and_stop_tokens_end_a_request():
 
 def test_bad_requests_are_refused_when_added():
     params = model("learned")  # 64 learned positions
+    with pytest.raises(ValueError, match=r"reserve must be in \[0, 1\], got 1.5"):
+        fs.inference.Engine(params, reserve=1.5)
     e = fs.inference.Engine(params, page_size=4, pages=8)
     with pytest.raises(ValueError, match="beyond the model's context of 64 learned positions"):
         e.add_request(list(range(60)), 10)

@@ -62,6 +62,41 @@ def test_gloo_ranks_decode_the_one_device_tokens(world, name, mesh):
         assert r["tokens"] == drawn["tokens"]
 
 
+INT8 = [("learned", {"tensor": 2}, None), ("llama-style", {"tensor": 4}, None),
+        ("rotary, grouped-query, untied", {"data": 2, "tensor": 2}, 4), ("mixture of experts", {"expert": 2, "tensor": 2}, None)]
+
+
+@pytest.mark.parametrize("name, mesh, group", INT8)
+def test_int8_weights_decode_on_the_mesh_as_on_one_device(name, mesh, group):
+    t = mesh["tensor"]
+    ref = C.decode(name, None, int8=t, group_size=group)
+    got = C.decode(name, mesh, int8=t, group_size=group)
+    assert got["tokens"] == ref["tokens"]
+    torch.testing.assert_close(got["k0"], ref["k0"], rtol=1e-5, atol=1e-5)
+    q = fs.inference.quantize(C.params_of(name), group, tensor=t)
+    wo = q["blocks"][0]["attn"]["wo"]  # row-parallel: a scale per output channel per shard (or per group)
+    assert wo.scales.shape[1] == (t if group is None else wo.shape[0] * wo.shape[1] // group)
+    wq = q["blocks"][0]["attn"]["wq"]  # column-parallel: its scales as on one device
+    assert wq.scales.shape[1] == (1 if group is None else wq.shape[0] // group)
+
+
+def test_the_engine_serves_int8_weights_on_the_mesh_as_generate_on_one_device():
+    q = fs.inference.quantize(C.params_of("rotary, grouped-query, untied"), tensor=2)
+    want = fs.inference.generate(q, C.PROMPTS, 6).tokens
+    engine = fs.inference.Engine(q, max_batch_tokens=4, mesh=fs.Mesh({"tensor": 2}))  # (prompts in chunks)
+    assert engine.generate(C.PROMPTS, 6) == want
+
+
+@pytest.mark.multiprocess
+def test_int8_weights_decode_on_gloo_ranks_as_on_one_device():
+    from fsharded.testing import run_on_ranks
+
+    ref = C.decode("llama-style", None, int8=2)
+    for r in run_on_ranks(C.decode, 2, "llama-style", {"tensor": 2}, int8=2):
+        assert r["tokens"] == ref["tokens"]
+        torch.testing.assert_close(r["k0"], ref["k0"], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["gpt", "llama", "gpt2"])
 def test_the_engine_and_hugging_face_models_decode_tensor_parallel_on_the_virtual_mesh(kind):
     pytest.importorskip("transformers")
@@ -119,7 +154,10 @@ def test_a_mesh_that_does_not_fit_is_named():
     moe = gpt.init(gpt.GPTConfig.tiny(moe=C.MOE), 0)
     with pytest.raises(ValueError, match="expert=8 does not divide the model's 4 experts"):
         fs.inference.generate(moe, [[1]] * 8, 2, moe=C.MOE, mesh=fs.Mesh({"expert": 8}))
-    with pytest.raises(NotImplementedError, match="int8 weights on a mesh are not implemented"):
+    with pytest.raises(ValueError, match=r"blocks.0.attn.wo: its int8 scales \(1 groups of input features\) do not "
+                                         r"split over tensor=2; quantize with fs.inference.quantize\(params, tensor=2\)"):
         fs.inference.generate(fs.inference.quantize(params), [[1]], 2, mesh=fs.Mesh({"tensor": 2}))
+    with pytest.raises(ValueError, match="group_size 16 does not divide the 8 input features of blocks.0.attn.wo"):
+        fs.inference.quantize(params, 16, tensor=2)
     with pytest.raises(NotImplementedError, match="splits the heads over a 'tensor' axis only"):
         fs.inference.Engine(params, mesh=fs.Mesh({"data": 2}))

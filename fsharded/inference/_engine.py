@@ -10,8 +10,11 @@ token at once; each chunk attends over its own sequence's pages). A prompt's las
 gives its first new token, each decode token the next. A request ends at one of its
 ``stop_tokens`` (kept) or after ``max_new_tokens``, and its pages are freed at once.
 
-Pages are taken when tokens are written. Where a decode finds no free page, the request
-admitted last is preempted: its pages are freed and it waits at the head of the queue to
+Pages are taken when tokens are written. A request is admitted where the free pages hold
+its context and ``reserve`` (default 0.5) of the new tokens it may still produce, over
+what the running requests still need by the same count: ``reserve=1`` admits only what can
+run to its end, ``reserve=0`` admits as soon as its context fits, as vLLM does. Where a
+decode finds no free page, the request admitted last is preempted: its pages are freed and it waits at the head of the queue to
 be prefilled again from its prompt and the tokens it has produced (which it keeps), as
 vLLM's recompute preemption does. A request that could never fit the cache is refused
 when it is added.
@@ -28,6 +31,7 @@ without a key): the draws ``generate`` makes for that prompt alone.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -94,16 +98,20 @@ class Engine:
     ``max_batch_tokens``: the tokens one step runs (decodes and prompt chunks together);
     ``max_seqs``: the requests running at once; ``pages`` of ``page_size`` slots: the cache
     (default: room for ``max_seqs`` sequences of the model's learned positions, or of
-    2,048 tokens with rotary positions)."""
+    2,048 tokens with rotary positions); ``reserve``: the share of each request's remaining
+    new tokens its admission counts on (see the module docstring)."""
 
     def __init__(self, params: Any, *, max_batch_tokens: int = 256, max_seqs: int = 32, page_size: int = 16,
                  pages: int | None = None, moe: MoEConfig | None = None, model_state: Any = None,
-                 cache_dtype: torch.dtype | None = None, mesh: Mesh | None = None) -> None:
+                 cache_dtype: torch.dtype | None = None, mesh: Mesh | None = None, reserve: float = 0.5) -> None:
         if max_batch_tokens < 1 or max_seqs < 1 or page_size < 1 or (pages is not None and pages < 1):
             raise ValueError(f"Engine: max_batch_tokens ({max_batch_tokens}), max_seqs ({max_seqs}), page_size "
                              f"({page_size}) and pages ({pages}) must be >= 1")
         self.params, self.moe, self.model_state = params, moe, model_state
         self.max_batch_tokens, self.max_seqs = int(max_batch_tokens), int(max_seqs)
+        if not 0.0 <= reserve <= 1.0:
+            raise ValueError(f"Engine: reserve must be in [0, 1], got {reserve}")
+        self.reserve = float(reserve)
         self.hf = None if isinstance(params, dict) else HFDecoder(params)
         if self.hf is not None:
             if moe is not None or model_state is not None:
@@ -166,6 +174,13 @@ class Engine:
 
     # -- scheduling -----------------------------------------------------------------------
 
+    def _to_take(self, r: Request) -> int:
+        """Pages ``r`` will still take: for its whole context, and for ``reserve`` of the new
+        tokens it may still produce."""
+        more = r.max_new_tokens - len(r.tokens) - 1  # (the last new token is never fed back)
+        want = len(r.context) + math.ceil(self.reserve * max(0, more))
+        return max(0, -(-want // self.cache.page_size) - len(self.cache.table.get(r.id, ())))
+
     def _preempt(self) -> bool:
         """Free the pages of the request admitted last; False where none is running."""
         if not self.running:
@@ -199,6 +214,8 @@ class Engine:
             n = min(len(r.context) - r.prefilled, budget)
             if r not in self.running:
                 if len(self.running) >= self.max_seqs:
+                    break
+                if self.reserve and sum(map(self._to_take, self.running)) + self._to_take(r) > len(self.cache.free):
                     break
                 if not self.cache.reserve(r.id, n):
                     break
@@ -235,7 +252,7 @@ class Engine:
                 singles.append((off, cache.rows(r.id, 0, start + 1)))
             else:
                 j = torch.arange(start + n)
-                groups.append((off, n, cache.rows(r.id, 0, start + n),
+                groups.append((off, n, cache.rows(r.id, 0, start + n).to(dev),
                                (j[None, :] <= torch.arange(start, start + n)[:, None])[None].to(dev)))
             off += n
         write = torch.cat(writes).to(dev)
@@ -248,6 +265,7 @@ class Engine:
                 idx[b, :len(rows)] = rows
                 seen[b, 0, :len(rows)] = True
             idx, seen = idx.to(dev), seen.to(dev)
+            flat = idx.view(-1)
 
         def attending(kc: list[torch.Tensor], vc: list[torch.Tensor]) -> Any:
             def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -255,25 +273,30 @@ class Engine:
                 vc[i][write] = v[0].to(vc[i].dtype)
                 out = torch.empty_like(q)
                 if singles:
-                    ks, vs = kc[i][idx].to(q.dtype), vc[i][idx].to(q.dtype)  # (n1, S, KV, Dh)
+                    ks = kc[i].index_select(0, flat).view(*idx.shape, *kc[i].shape[1:]).to(q.dtype)
+                    vs = vc[i].index_select(0, flat).view(*idx.shape, *vc[i].shape[1:]).to(q.dtype)  # (n1, S, KV, Dh)
                     out[0, single_at] = _attention(q[0, single_at][:, None], ks, vs, seen)[:, 0]
                 for o, n, rows, mask in groups:
-                    ks, vs = kc[i][rows].to(q.dtype)[None], vc[i][rows].to(q.dtype)[None]
+                    ks, vs = kc[i].index_select(0, rows).to(q.dtype)[None], vc[i].index_select(0, rows).to(q.dtype)[None]
                     out[:, o:o + n] = _attention(q[:, o:o + n], ks, vs, mask)
                 return out
             return attend
 
+        # The chunks that end their request's context draw its next token: only their last
+        # token's logits are computed (row j of the step's logits).
+        ends = [(r, o + n - 1) for (r, start, n), (o, _) in zip(chunks, offsets) if start + n == len(r.context)]
+        done = [(r, j) for j, (r, _) in enumerate(ends)]
         with torch.no_grad():
             ids, at = torch.tensor([tokens], device=dev), torch.tensor([pos], device=dev)
+            keep = torch.tensor([o for _, o in ends], dtype=torch.int64, device=dev)
             if self.on_mesh is not None:
-                logits = self.on_mesh.paged_step(ids, at, cache, attending)[0]
+                logits = self.on_mesh.paged_step(ids, at, cache, attending, keep)[0]
             elif self.hf is not None:
-                logits = self.hf.run(ids, at, attending(cache.k, cache.v))[0]
+                logits = self.hf.run(ids, at, attending(cache.k, cache.v), keep=keep)[0]
             else:
                 logits = forward(self.params, ids, at, attending(cache.k, cache.v), moe=self.moe,
-                                 model_state=self.model_state)[0]
+                                 model_state=self.model_state, keep=keep)[0]
         self.steps += 1
-        done = [(r, o + n - 1) for (r, start, n), (o, _) in zip(chunks, offsets) if start + n == len(r.context)]
         for r, start, n in chunks:
             r.prefilled = start + n
             cache.length[r.id] = r.prefilled

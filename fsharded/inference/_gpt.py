@@ -56,7 +56,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch
 
 def _proj(h: torch.Tensor, w: Any) -> torch.Tensor:
     """(B, T, D) through a (D, heads, Dh) projection, float or int8."""
-    return w.matmul(h) if isinstance(w, Int8Weight) else torch.einsum("btd,dhe->bthe", h, w)
+    if isinstance(w, Int8Weight):
+        return w.matmul(h)
+    return (h @ w.reshape(w.shape[0], -1)).unflatten(-1, w.shape[1:])  # (one GEMM, not a batched one)
 
 
 def _mlp(p: dict, x: torch.Tensor, tensor_axis: str | None) -> torch.Tensor:
@@ -65,13 +67,23 @@ def _mlp(p: dict, x: torch.Tensor, tensor_axis: str | None) -> torch.Tensor:
     if not any(isinstance(w, Int8Weight) for w in p.values()):
         return gpt._mlp(p, x, tensor_axis)
 
-    def lin(x: torch.Tensor, w: Any, b: str) -> torch.Tensor:
+    def lin(x: torch.Tensor, w: Any, b: str | None) -> torch.Tensor:
         y = w.matmul(x) if isinstance(w, Int8Weight) else x @ w
         return y + p[b] if b in p else y
 
+    x = gpt._enter_tp(x, tensor_axis, _tensor_of(p["w_gate"] if "w_gate" in p else p["w_in"]))
     if "w_gate" in p:
-        return lin(F.silu(lin(x, p["w_gate"], "b_gate")) * lin(x, p["w_up"], "b_up"), p["w_down"], "b_down")
-    return lin(F.gelu(lin(x, p["w_in"], "b_in")), p["w_out"], "b_out")
+        y = lin(F.silu(lin(x, p["w_gate"], "b_gate")) * lin(x, p["w_up"], "b_up"), p["w_down"], None)
+        b = "b_down"
+    else:
+        y, b = lin(F.gelu(lin(x, p["w_in"], "b_in")), p["w_out"], None), "b_out"
+    y = gpt._exit_tp(y, tensor_axis)
+    return y + p[b] if b in p else y
+
+
+def _tensor_of(w: Any) -> torch.Tensor:
+    """A weight's tensor (an int8 weight's ``q``), for the checks of how it is split."""
+    return w.q if isinstance(w, Int8Weight) else w
 
 
 def _unembed(params: dict, x: torch.Tensor) -> torch.Tensor:
@@ -140,12 +152,14 @@ def contiguous(cache: KVCache, T: int, dev: torch.device) -> tuple[torch.Tensor,
 
 
 def forward(params: dict, tokens: torch.Tensor, pos: torch.Tensor, attend: Any, *, moe: MoEConfig | None = None,
-            model_state: Any = None, tensor_axis: str | None = None, expert_axis: str | None = None) -> torch.Tensor:
+            model_state: Any = None, tensor_axis: str | None = None, expert_axis: str | None = None,
+            keep: torch.Tensor | None = None) -> torch.Tensor:
     """The GPT's forward over ``tokens`` ``(B, T)`` at positions ``pos`` ``(B, T)``, each
     layer's attention given by ``attend(layer, q, k, v)`` (``(B, T, heads, Dh)`` each, after
     the biases and rotary; it stores ``k``, ``v`` where its cache keeps them and returns
-    the attention output ``(B, T, heads, Dh)``): the logits ``(B, T, V)``. A mixture of
-    experts routes dropless."""
+    the attention output ``(B, T, heads, Dh)``): the logits ``(B, T, V)``, or with ``keep``
+    (token indices) those tokens' only, ``(B, len(keep), V)``. A mixture of experts routes
+    dropless."""
     if moe is not None and moe.eval_capacity_factor is not None:  # generation routes dropless: a
         moe = dataclasses.replace(moe, eval_capacity_factor=None)  # token's experts not the batch's doing
     x = params["emb"][tokens]
@@ -164,7 +178,7 @@ def forward(params: dict, tokens: torch.Tensor, pos: torch.Tensor, attend: Any, 
             blocks.close()
     else:
         x = _blocks(params["blocks"], x, tables, biases, moe, attend, tensor_axis, expert_axis)
-    return _unembed(params, x)
+    return _unembed(params, x if keep is None else x[:, keep])
 
 
 def _blocks(blocks: Any, x: torch.Tensor, tables: Any, biases: Any, moe: MoEConfig | None, attend: Any,
@@ -174,14 +188,15 @@ def _blocks(blocks: Any, x: torch.Tensor, tables: Any, biases: Any, moe: MoEConf
         a = p["attn"]
         h = gpt._norm(p["norm1"], x)
         if tensor_axis is not None:
-            h = gpt._enter_tp(h, tensor_axis, a["wq"])
+            h = gpt._enter_tp(h, tensor_axis, _tensor_of(a["wq"]))
         q, k, v = _proj(h, a["wq"]), _proj(h, a["wk"]), _proj(h, a["wv"])
         if "bq" in a:
             q, k, v = q + a["bq"], k + a["bk"], v + a["bv"]
         if tables is not None:
             q, k = _rotary_rows(q, tables), _rotary_rows(k, tables)
         o = attend(i, q, k, v)
-        y = a["wo"].matmul(o) if isinstance(a["wo"], Int8Weight) else torch.einsum("bthe,hed->btd", o, a["wo"])
+        wo = a["wo"]
+        y = wo.matmul(o) if isinstance(wo, Int8Weight) else o.flatten(-2) @ wo.reshape(-1, wo.shape[-1])
         y = gpt._exit_tp(y, tensor_axis)
         x = x + (y + a["bo"] if "bo" in a else y)
         if gpt._is_moe(p):

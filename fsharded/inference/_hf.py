@@ -15,6 +15,7 @@ no attention mask. Models whose attention does not dispatch through
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -99,6 +100,7 @@ class HFDecoder:
         self.kv_heads = getattr(text, "num_key_value_heads", None) or heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         self.vocab = text.vocab_size
+        self.keeps = "logits_to_keep" in inspect.signature(module.forward).parameters
         self.positions = getattr(text, "max_position_embeddings", None) if getattr(text, "model_type", "") == "gpt2" \
             else None
         register()
@@ -138,17 +140,21 @@ class HFDecoder:
                 raise ValueError(f"generate: a sequence of {longest} tokens (prompt and new tokens) exceeds the "
                                  f"model's context of {self.positions} learned positions (n_positions)")
 
-    def run(self, tokens: torch.Tensor, pos: torch.Tensor, attend: Any, params: Any = None) -> torch.Tensor:
+    def run(self, tokens: torch.Tensor, pos: torch.Tensor, attend: Any, params: Any = None,
+            keep: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(B, T, V)`` of ``tokens`` at positions ``pos``, each layer's attention by
-        ``attend(layer, q, k, v)`` (as the GPT's ``forward`` takes it)."""
+        ``attend(layer, q, k, v)`` (as the GPT's ``forward`` takes it); with ``keep`` (token
+        indices) those tokens' only (the model's ``logits_to_keep`` where it has one)."""
+        kw = {"logits_to_keep": keep} if keep is not None and self.keeps else {}
         _STATE["attend"] = attend
         try:
             with self._attending():
                 out = self.fm.apply(self.params if params is None else params, input_ids=tokens, position_ids=pos,
-                                    use_cache=False)
+                                    use_cache=False, **kw)
         finally:
             _STATE.clear()
-        return out.logits if hasattr(out, "logits") else out[0]
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        return logits[:, keep] if keep is not None and not self.keeps else logits
 
     def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits ``(B, T, V)`` of ``tokens`` put in the cache's next slots."""

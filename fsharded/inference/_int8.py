@@ -52,7 +52,7 @@ class Int8Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ w``: ``x`` ``(..., *shape[:inputs])`` -> ``(..., *shape[inputs:])``."""
         lead = x.shape[:x.dim() - self.inputs]
-        y = int8_matmul(x.reshape(*lead, -1), self.q, self.scales)
+        y = int8_matmul(x.reshape(*lead, self.q.shape[1]), self.q, self.scales)
         return y.view(*lead, *self.shape[self.inputs:])
 
     def __rmatmul__(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,23 +69,47 @@ class Int8Weight:
         return f"Int8Weight(shape={self.shape}, group_size={self.group_size})"
 
 
-def quantize(params: dict, group_size: int | None = None, dtype: torch.dtype | None = None) -> dict:
+def quantize(params: dict, group_size: int | None = None, dtype: torch.dtype | None = None, *,
+             tensor: int = 1) -> dict:
     """``params`` (a GPT's tree) with its projections and head as ``Int8Weight`` (a scale
-    per output channel, or per ``group_size`` input features), the rest cast to ``dtype``."""
+    per output channel, or per ``group_size`` input features), the rest cast to ``dtype``.
+
+    ``tensor``: the tensor-parallel size the tree will be decoded on. The row-parallel
+    projections (``wo``, ``w_out``, ``w_down``: their input features split over it) then
+    take a scale per output channel per shard (groups of ``K / tensor`` inputs) where
+    ``group_size`` is None, and a ``group_size`` must divide ``K / tensor``: each shard's
+    weights and scales are then its slice of the whole, and quantizing each rank's shard
+    alone (``tensor=1`` on it) gives the same numbers."""
+    if tensor < 1:
+        raise ValueError(f"quantize: tensor must be >= 1, got {tensor}")
+
     def cast(x: Any) -> Any:
         return x.to(dtype) if dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
+    def of(w: torch.Tensor, inputs: int, path: str, row_parallel: bool) -> Int8Weight:
+        g = group_size
+        if row_parallel and tensor > 1:
+            K = math.prod(w.shape[:inputs])
+            if K % tensor:
+                raise ValueError(f"quantize: {path} has {K} input features, which tensor={tensor} does not divide")
+            if g is None:
+                g = K // tensor
+            elif (K // tensor) % g:
+                raise ValueError(f"quantize: group_size {g} does not divide the {K // tensor} input features of "
+                                 f"{path} on each of tensor={tensor} shards; give a group size that divides them")
+        return Int8Weight.of(w, inputs, g)
+
     out = {k: optree.tree_map(cast, v) for k, v in params.items() if k != "blocks"}
     blocks = []
-    for p in params["blocks"]:
+    for i, p in enumerate(params["blocks"]):
         a = dict(p["attn"])
         for k in _ATTN:
-            a[k] = Int8Weight.of(a[k], 2 if k == "wo" else 1, group_size)
+            a[k] = of(a[k], 2 if k == "wo" else 1, f"blocks.{i}.attn.{k}", k == "wo")
         mlp = dict(p["mlp"])
         if "router" not in mlp:  # the experts stay floating
             for k in _MLP:
                 if k in mlp:
-                    mlp[k] = Int8Weight.of(mlp[k], 1, group_size)
+                    mlp[k] = of(mlp[k], 1, f"blocks.{i}.mlp.{k}", k in ("w_out", "w_down"))
         blocks.append(optree.tree_map(cast, {**p, "attn": a, "mlp": mlp}))
     out["blocks"] = blocks
     out["head"] = Int8Weight.of(params["head"] if "head" in params else params["emb"].T, 1, group_size)

@@ -13,6 +13,7 @@ tokens are the same on every rank and equal the virtual mesh's.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import optree
@@ -24,13 +25,15 @@ from fsharded.inference._gpt import check_context, contiguous, extend, forward
 from fsharded.inference._hf import HFDecoder
 from fsharded.inference._int8 import Int8Weight
 from fsharded.mesh import Mesh, P
+from fsharded.mesh._spec import shard_shape
+from fsharded.mesh._tree import broadcast_prefix, tree_flatten_with_paths
 from fsharded.models import gpt_plans
 from fsharded.models._gpt_config import MoEConfig
 from fsharded.parallel import tensor as T
 from fsharded.spmd import shard_map
 from fsharded.spmd._transfer import backend_for, gather_global, local_shards, local_slice
 
-__all__ = ["MeshRunner", "GPTOnMesh", "HFOnMesh", "mesh_specs", "check_divides"]
+__all__ = ["MeshRunner", "GPTOnMesh", "HFOnMesh", "mesh_specs", "check_divides", "split_int8"]
 
 ROW_AXES = ("data", "expert")
 AXES = (*ROW_AXES, "tensor")
@@ -64,6 +67,48 @@ def check_divides(params: dict, mesh: Mesh) -> None:
                          f"axis that divides them")
 
 
+def split_int8(params: Any, specs: Any, mesh: Any, local: bool) -> tuple[Any, Any, Any]:
+    """``params`` and their ``specs`` with every ``Int8Weight`` as ``{"q", "scales"}``
+    (specs from the float weight's: the first output dim's axis on ``q``'s rows, the first
+    input dim's on its columns and the scales' groups), and ``join(tree)`` that rebuilds
+    the ``Int8Weight``s from a ``shard_map`` body's local leaves. ``local``: the weights
+    are already this rank's shards (real ranks)."""
+    paths, leaves, treedef = tree_flatten_with_paths(params)
+    if not any(isinstance(x, Int8Weight) for x in leaves):
+        return params, specs, lambda tree: tree
+    spec_list = broadcast_prefix(specs, params)
+    new, new_specs, shapes = [], [], {}
+    for i, (path, x, spec) in enumerate(zip(paths, leaves, spec_list)):
+        if not isinstance(x, Int8Weight):
+            new.append(x)
+            new_specs.append(spec)
+            continue
+        entries = tuple(spec) + (None,) * (len(x.shape) - len(spec))
+        ins, outs = entries[:x.inputs], entries[x.inputs:]
+        if any(e is not None for e in (*ins[1:], *outs[1:])):
+            raise NotImplementedError(f"generate: {path}: an int8 weight split on an inner dim ({spec}) is not "
+                                      f"implemented")
+        k_axis = ins[0]
+        if k_axis is not None and not local:
+            t = math.prod(mesh.shape[a] for a in ((k_axis,) if isinstance(k_axis, str) else k_axis))
+            if x.scales.shape[1] % t:
+                raise ValueError(f"generate: {path}: its int8 scales ({x.scales.shape[1]} groups of input features) "
+                                 f"do not split over {k_axis}={t}; quantize with fs.inference.quantize(params, "
+                                 f"tensor={t}) (a scale per output channel per shard) or a group size dividing "
+                                 f"each shard's inputs")
+        shapes[i] = (x.shape if local else shard_shape(P(*entries), x.shape, mesh), x.inputs)
+        new.append({"q": x.q, "scales": x.scales})
+        q_spec = P(outs[0] if outs else None, k_axis)
+        new_specs.append({"q": q_spec, "scales": q_spec})
+
+    def join(tree: Any) -> Any:
+        flat = optree.tree_flatten(tree, is_leaf=lambda n: isinstance(n, dict) and set(n) == {"q", "scales"})[0]
+        return treedef.unflatten([Int8Weight(n["q"], n["scales"], *shapes[i]) if i in shapes else n
+                                  for i, n in enumerate(flat)])
+
+    return treedef.unflatten(new), treedef.unflatten(new_specs), join
+
+
 class MeshRunner:
     """``extend`` on ``mesh`` for ``params`` laid out by ``param_specs`` (default: the
     tensor- and expert-parallel plans for the mesh's axes)."""
@@ -74,10 +119,6 @@ class MeshRunner:
         if other:
             raise ValueError(f"generate: mesh axes {other} are not ones generation shards over ({', '.join(AXES)}): "
                              f"build the mesh from those (e.g. Mesh({{'tensor': 2}}))")
-        if any(isinstance(x, Int8Weight) for x in optree.tree_leaves(params)):
-            raise NotImplementedError("generate: int8 weights on a mesh are not implemented (neither with tensor "
-                                      "parallelism nor replicated); quantize for one device, or decode on the mesh "
-                                      "in bf16/fp32")
         self.mesh, self.moe, self.model_state = mesh, moe, model_state
         self.tensor = "tensor" if "tensor" in mesh.shape else None
         self.expert = "expert" if "expert" in mesh.shape else None
@@ -90,7 +131,8 @@ class MeshRunner:
             param_specs = mesh_specs(params, mesh)
         if not self.dist:
             check_divides(params, mesh)
-        self.params, self.param_specs = params, param_specs
+        self.full = params
+        self.params, self.param_specs, self._join = split_int8(params, param_specs, mesh, self.dist)
         row = self.rows if len(self.rows) > 1 else (self.rows[0] if self.rows else None)
         self.row_spec = P(row)
         self.cache_spec = P(row, None, self.tensor, None)
@@ -98,14 +140,14 @@ class MeshRunner:
         cache_specs = [self.cache_spec] * n
         ms_specs = None if model_state is None else optree.tree_map(lambda _: P(), model_state)
         self.fn = shard_map(self._body, mesh=mesh,
-                            in_specs=(param_specs, ms_specs, self.row_spec, cache_specs, cache_specs, self.row_spec,
+                            in_specs=(self.param_specs, ms_specs, self.row_spec, cache_specs, cache_specs, self.row_spec,
                                       P()),
                             out_specs=(self.row_spec, cache_specs, cache_specs))
 
     def _body(self, params, model_state, tokens, k, v, start, length):
         cache = KVCache(list(k), list(v), start, length)
-        logits = extend(params, tokens, cache, moe=self.moe, model_state=model_state, tensor_axis=self.tensor,
-                        expert_axis=self.expert, _unchecked=True)
+        logits = extend(self._join(params), tokens, cache, moe=self.moe, model_state=model_state,
+                        tensor_axis=self.tensor, expert_axis=self.expert, _unchecked=True)
         return logits, cache.k, cache.v
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,11 +165,11 @@ class MeshRunner:
         self.check_batch(batch)
         start = self.start = start.to(torch.int64)  # every row's: the same checks on every rank
         local = self._local(start)
-        return KVCache.empty(self.params, local.shape[0], slots, start=local, dtype=dtype)
+        return KVCache.empty(self.full, local.shape[0], slots, start=local, dtype=dtype)
 
     def extend(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The whole batch's logits ``(B, T, V)`` on every rank; the cache advanced."""
-        check_context(self.params, KVCache(cache.k, cache.v, self.start, cache.length), tokens.shape[1])
+        check_context(self.full, KVCache(cache.k, cache.v, self.start, cache.length), tokens.shape[1])
         logits, cache.k, cache.v = self.fn.local(self.params, self.model_state, self._local(tokens), cache.k,
                                                  cache.v, cache.start, cache.length)
         cache.k, cache.v = list(cache.k), list(cache.v)
@@ -151,20 +193,23 @@ class _OnMesh:
     params: Any
     heads_split: bool
 
-    def run(self, params: Any, ids: torch.Tensor, pos: torch.Tensor, attend: Any) -> torch.Tensor:
+    def run(self, params: Any, ids: torch.Tensor, pos: torch.Tensor, attend: Any,
+            keep: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def _cache_specs(self, dims: int) -> list:
         head = (None,) * (dims - 2) + ("tensor" if self.heads_split else None, None)
         return [P(*head)] * self.layers
 
-    def paged_step(self, ids: torch.Tensor, pos: torch.Tensor, cache: Any, attending: Any) -> torch.Tensor:
-        """The logits ``(1, N, V)`` of one engine step; each device's pages updated."""
+    def paged_step(self, ids: torch.Tensor, pos: torch.Tensor, cache: Any, attending: Any,
+                   keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits ``(1, N, V)`` of one engine step (``keep``: of those tokens only); each
+        device's pages updated."""
         specs = self._cache_specs(3)
 
         def body(params: Any, k: list, v: list) -> tuple:
             k, v = list(k), list(v)
-            return self.run(params, ids, pos, attending(k, v)), k, v
+            return self.run(params, ids, pos, attending(k, v), keep), k, v
 
         fn = shard_map(body, mesh=self.mesh, in_specs=(self.specs, specs, specs), out_specs=(P(), specs, specs))
         logits, cache.k, cache.v = fn.local(self.params, cache.k, cache.v)
@@ -178,21 +223,22 @@ class GPTOnMesh(_OnMesh):
 
     def __init__(self, params: dict, mesh: Mesh, *, moe: MoEConfig | None = None, model_state: Any = None) -> None:
         _tensor_only(mesh, "the Engine")
-        if any(isinstance(x, Int8Weight) for x in optree.tree_leaves(params)):
-            raise NotImplementedError("Engine: int8 weights on a mesh are not implemented")
         self.mesh, self.moe, self.model_state, self.heads_split = mesh, moe, model_state, True
         self.dist = backend_for(mesh, None) == "distributed" and mesh.size > 1
         if not self.dist:
             check_divides(params, mesh)
-        self.params, self.specs = params, mesh_specs(params, mesh)
+        self.full = params
+        self.params, self.specs, self._join = split_int8(params, mesh_specs(params, mesh), mesh, self.dist)
         self.layers = len(params["blocks"])
 
     def cache_shape(self) -> tuple[int, int, int, torch.dtype]:
-        wk = self.params["blocks"][0]["attn"]["wk"]  # (this rank's key/value heads on real ranks)
-        return self.layers, wk.shape[1], wk.shape[2], self.params["emb"].dtype
+        wk = self.full["blocks"][0]["attn"]["wk"]  # (this rank's key/value heads on real ranks)
+        return self.layers, wk.shape[1], wk.shape[2], self.full["emb"].dtype
 
-    def run(self, params: Any, ids: torch.Tensor, pos: torch.Tensor, attend: Any) -> torch.Tensor:
-        return forward(params, ids, pos, attend, moe=self.moe, model_state=self.model_state, tensor_axis="tensor")
+    def run(self, params: Any, ids: torch.Tensor, pos: torch.Tensor, attend: Any,
+            keep: torch.Tensor | None = None) -> torch.Tensor:
+        return forward(self._join(params), ids, pos, attend, moe=self.moe, model_state=self.model_state,
+                       tensor_axis="tensor", keep=keep)
 
 
 class HFOnMesh(_OnMesh):
@@ -224,9 +270,10 @@ class HFOnMesh(_OnMesh):
     def cache_shape(self) -> tuple[int, int, int, torch.dtype]:
         return self.layers, self.local_kv, self.hf.head_dim, self.hf.dtype
 
-    def run(self, params: Any, ids: torch.Tensor, pos: torch.Tensor, attend: Any) -> torch.Tensor:
+    def run(self, params: Any, ids: torch.Tensor, pos: torch.Tensor, attend: Any,
+            keep: torch.Tensor | None = None) -> torch.Tensor:
         with self.plan.applied():
-            return self.hf.run(ids, pos, attend, params=params)
+            return self.hf.run(ids, pos, attend, params=params, keep=keep)
 
     # -- generate's contiguous cache ------------------------------------------------------------
 

@@ -169,6 +169,23 @@ def _(x, q, scales, impl):
     return x.new_empty((x.shape[0], q.shape[0]))
 
 
+@_op.register_vmap
+def _(info, in_dims, x, q, scales, impl):
+    """Under ``vmap`` (the virtual mesh's devices): a weight shared by the batch takes every
+    batch's rows in one product; weights per batch entry, one product each."""
+    xd, qd, sd, _ = in_dims
+    if qd is None and sd is None:
+        xb = x.movedim(xd, 0) if xd is not None else x.expand(info.batch_size, *x.shape)
+        y = _op(xb.reshape(-1, xb.shape[-1]).contiguous(), q, scales, impl)
+        return y.view(xb.shape[0], xb.shape[1], q.shape[0]), 0
+
+    def pick(t, d, i):
+        return t if d is None else t.select(d, i).contiguous()
+
+    return torch.stack([_op(pick(x, xd, i), pick(q, qd, i), pick(scales, sd, i), impl)
+                        for i in range(info.batch_size)]), 0
+
+
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, impl: str | None = None) -> torch.Tensor:
     """``x`` ``(..., K)`` times the int8 weight ``q`` ``(N, K)`` with ``scales``
     ``(N, K // group_size)``: ``(..., N)`` in ``x``'s dtype (see the module docstring)."""

@@ -5,10 +5,15 @@
         --temperature 0.8 --top-p 0.95 --seed 1
     fsharded generate --checkpoint checkpoints --prompt-tokens 100,101,102 --greedy --json
     fsharded generate --checkpoint checkpoints --prompt "class " --int8 --dtype bf16
+    fsharded generate --checkpoint ./my-llama --prompt "Once upon a time" --mesh tensor=2
 
 ``--checkpoint`` is a checkpoint directory (``step-N``), a save directory (its newest
-intact checkpoint), or a ``.safetensors`` file written by ``fsharded export`` (whose
-metadata holds the model's config). The model is rebuilt from the settings the run recorded beside its
+intact checkpoint), a ``.safetensors`` file written by ``fsharded export`` (whose
+metadata holds the model's config), or a Hugging Face causal LM's directory (written by
+its ``save_pretrained``: ``config.json`` and the weights, and a tokenizer for text
+prompts), which decodes with fsharded's cache in place of its own and, without
+``--stop``, ends a continuation at the model's end-of-sequence tokens as its
+``generate`` does. The model is rebuilt from the settings the run recorded beside its
 checkpoints (``job.json``); a checkpoint without them (``step.save``, or an fsharded that
 did not record the model) takes ``--preset`` and ``--set model.KEY=VALUE`` as the run was
 given them. The parameters are the run's master weights (``params`` of the train state),
@@ -35,6 +40,7 @@ import torch
 
 from fsharded import checkpoint, distributed, inference
 from fsharded import random as R
+from fsharded.inference._hf import HFDecoder
 from fsharded.inference._sharded import check_divides
 from fsharded.mesh import Mesh
 from fsharded.mesh._spec import shard_shape
@@ -49,25 +55,37 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class Loaded:
-    """A trained GPT as ``fsharded generate`` runs it: its ``params`` (full tensors),
-    ``config``, ``model_state`` (MoE routing biases, or None), the data's ``encoding``
-    ("bytes" or None), and the step and directory it was saved at."""
+    """A model as ``fsharded generate`` runs it: a trained GPT's ``params`` (full tensors)
+    and ``config``, or a Hugging Face causal LM (``params`` the module, ``config`` None, its
+    ``tokenizer`` where the directory holds one); ``model_state`` (MoE routing biases, or
+    None), the data's ``encoding`` ("bytes", "tokenizer" or None), the step and directory
+    it was saved at, and the tokens that end a continuation by default (``eos``)."""
 
-    params: dict
-    config: gpt.GPTConfig
+    params: Any
+    config: gpt.GPTConfig | None
     model_state: Any
     encoding: str | None
     step: int | None
     directory: str
     mesh: Mesh | None = None
+    tokenizer: Any = None
+    eos: tuple[int, ...] = ()
+
+    @property
+    def moe(self) -> Any:
+        return self.config.moe if self.config is not None else None
 
     def encode(self, text: str) -> list[int]:
+        if self.tokenizer is not None:
+            return list(self.tokenizer(text)["input_ids"])
         if self.encoding != "bytes":
             raise ValueError(f"generate: {self.directory} was trained on token ids of another tokenizer, which "
                              f"fsharded cannot encode: give --prompt-tokens")
         return list(text.encode("utf-8"))
 
     def decode(self, tokens: Sequence[int]) -> str | None:
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
         return bytes(tokens).decode("utf-8", errors="replace") if self.encoding == "bytes" else None
 
 
@@ -131,11 +149,13 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, preset: str | N
     features). With ``mesh`` the parameters are laid out for generation on it
     (``fs.inference.mesh_specs``): on real ranks each rank reads its own shards only. A
     checkpoint of another model is an error naming the leaves that differ."""
-    if mesh is not None and int8 and mesh.size > 1:
-        raise NotImplementedError("generate: --int8 with a mesh is not implemented; decode int8 on one device, or "
-                                  "on the mesh in --dtype")
     if str(path).endswith(".safetensors"):
         return _from_safetensors(path, dtype, preset, sets, int8, group_size, mesh)
+    if is_hf_directory(path):
+        if preset is not None or sets:
+            raise ValueError(f"generate: {path} is a Hugging Face model, whose config.json gives its settings: "
+                             f"--preset and --set are for fsharded checkpoints")
+        return _from_hf(path, dtype, int8, group_size, mesh)
     directory = resolve(path)
     record = _train_resume.read_job(directory)
     cfg = _config(directory, record, preset, sets)
@@ -150,7 +170,7 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, preset: str | N
                                                             device="meta"), like, specs)
     mesh = mesh if mesh is not None else Mesh({})
     params = checkpoint.load(directory, like, specs, mesh, select="params")
-    params = _cast(params, dtype, int8, group_size)
+    params = _cast(params, dtype, int8, group_size, _quantized_over(mesh))
     ms = None
     if cfg.moe is not None and cfg.moe.bias_update_rate is not None:
         ms = checkpoint.load(directory, gpt.init_model_state(like), None, mesh, select="model_state")
@@ -159,9 +179,17 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, preset: str | N
     return Loaded(params, cfg, ms, encoding, step, directory, mesh if mesh.size > 1 else None)
 
 
-def _cast(params: dict, dtype: torch.dtype, int8: bool, group_size: int | None) -> dict:
+def _quantized_over(mesh: Mesh | None) -> int:
+    """The tensor size int8 weights are quantized for: the mesh's on the virtual mesh (the
+    whole weights), 1 on real ranks (each rank quantizes its own shards: the same numbers)."""
+    if mesh is None or mesh.size == 1 or distributed.is_initialized():
+        return 1
+    return mesh.shape.get("tensor", 1)
+
+
+def _cast(params: dict, dtype: torch.dtype, int8: bool, group_size: int | None, tensor: int = 1) -> dict:
     if int8:
-        params = inference.quantize(params, group_size, dtype=dtype)
+        params = inference.quantize(params, group_size, dtype=dtype, tensor=tensor)
     elif group_size is not None:
         raise ValueError("generate: --group-size is the int8 weights' group: give --int8 with it")
     elif dtype != torch.float32:
@@ -190,17 +218,51 @@ def _from_safetensors(path: str, dtype: torch.dtype, preset: str | None, sets: S
         raise NotImplementedError("generate: a .safetensors file holds the parameters only, not the routing biases "
                                   "of a mixture of experts trained with bias_update_rate: give its checkpoint")
     encoding = encoding if encoding is not None or cfg.vocab_size != 256 else "bytes"
-    return Loaded(_cast(params, dtype, int8, group_size), cfg, None, encoding, None, path,
+    return Loaded(_cast(params, dtype, int8, group_size, _quantized_over(mesh)), cfg, None, encoding, None, path,
                   mesh if mesh is not None and mesh.size > 1 else None)
+
+
+def is_hf_directory(path: str) -> bool:
+    """Whether ``path`` is a Hugging Face model's directory (``save_pretrained``'s
+    ``config.json``) rather than an fsharded checkpoint."""
+    return (os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+            and not os.path.exists(os.path.join(path, "manifest.json")))
+
+
+def _from_hf(path: str, dtype: torch.dtype, int8: bool, group_size: int | None, mesh: Mesh | None) -> Loaded:
+    """``load_model`` of a Hugging Face causal LM's directory: the model in ``dtype``, its
+    tokenizer where the directory holds one, its end-of-sequence ids."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ValueError(f"generate: {path} is a Hugging Face model: install transformers "
+                         f"(pip install 'fsharded[hf]')") from e
+    if int8 or group_size is not None:
+        raise NotImplementedError("generate: --int8 for a Hugging Face model is not implemented; its weights decode "
+                                  "in --dtype (int8 weights are for fsharded's GPT)")
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"generate: {path}: transformers cannot load a causal LM from it ({e})") from e
+    tokenizer = None
+    if any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                             "tokenizer.model", "vocab.json")):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = () if eos is None else tuple(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    if mesh is not None and mesh.size > 1:
+        HFDecoder(model)  # (refuses a model fsharded cannot decode before any rank lays it out)
+    return Loaded(model, None, None, "tokenizer" if tokenizer is not None else None, None, path,
+                  mesh if mesh is not None and mesh.size > 1 else None, tokenizer, eos)
 
 
 def build_parser(prog: str = "fsharded generate") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].split(": ", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a checkpoint (step-N), a save directory (its newest checkpoint), or a .safetensors file "
-                        "(fsharded export's)")
+    p.add_argument("--checkpoint", "--model", required=True, metavar="DIR", dest="checkpoint",
+                   help="a checkpoint (step-N), a save directory (its newest checkpoint), a .safetensors file "
+                        "(fsharded export's), or a Hugging Face causal LM's directory (save_pretrained's)")
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="a prompt (repeat for a batch of prompts)")
     p.add_argument("--prompt-tokens", action="append", default=[], metavar="IDS",
@@ -213,7 +275,8 @@ def build_parser(prog: str = "fsharded generate") -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None, metavar="P")
     p.add_argument("--seed", type=int, default=0, help="the sampling key's seed (default 0)")
     p.add_argument("--stop", action="append", default=[], metavar="TOKEN",
-                   help="a token id that ends a continuation (kept); repeatable")
+                   help="a token id that ends a continuation (kept); repeatable (default: none, or a Hugging Face "
+                        "model's end-of-sequence ids)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                    help="weights and cache (default fp32; the checkpoint's master weights are cast)")
     p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
@@ -260,8 +323,9 @@ def run(args: argparse.Namespace) -> dict:
     out = inference.generate(model.params, rows, args.max_new_tokens,
                              key=R.key(args.seed) if sampled else None,
                              temperature=1.0 if args.temperature is None else args.temperature,
-                             top_k=args.top_k, top_p=args.top_p, stop_tokens=[int(s) for s in args.stop],
-                             moe=model.config.moe, model_state=model.model_state, mesh=model.mesh,
+                             top_k=args.top_k, top_p=args.top_p,
+                             stop_tokens=[int(s) for s in args.stop] if args.stop else list(model.eos),
+                             moe=model.moe, model_state=model.model_state, mesh=model.mesh,
                              compile=args.compile)
     return {"checkpoint": model.directory, "step": model.step,
             "samples": [{"prompt": model.decode(r), "prompt_tokens": r, "text": model.decode(t), "tokens": t,
@@ -298,9 +362,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded generate") 
             print(f"{s['prompt_tokens']} -> {s['tokens']}")
         print("-" * 40)
     pf, dc = res["prefill"], res["decode"]
+    where = res["checkpoint"] if res["step"] is None else f"{res['checkpoint']}, step {res['step']}"
     print(f"prefill: {pf['tokens']} tokens, {pf['tokens_per_s']:,.0f} tokens/s; "
-          f"decode: {dc['tokens']} tokens, {dc['tokens_per_s']:,.0f} tokens/s "
-          f"({res['checkpoint']}, step {res['step']})")
+          f"decode: {dc['tokens']} tokens, {dc['tokens_per_s']:,.0f} tokens/s ({where})")
     return 0
 
 

@@ -1,8 +1,16 @@
-"""``fsharded serve``: a GPT trained by ``fsharded train`` behind continuous batching
-(``fs.inference.Engine``), as line-delimited JSON on stdin/stdout or a small HTTP endpoint.
+"""``fsharded serve``: a GPT trained by ``fsharded train``, or a Hugging Face causal LM,
+behind continuous batching (``fs.inference.Engine``), as line-delimited JSON on
+stdin/stdout or a small HTTP endpoint.
 
     fsharded serve --checkpoint checkpoints                      # JSON lines on stdin/stdout
     fsharded serve --checkpoint checkpoints --http 8000          # POST /generate, GET /health
+    fsharded serve --model ./my-llama --mesh tensor=2 --http 8000
+
+``--checkpoint`` (or ``--model``) takes what ``fsharded generate`` takes: a checkpoint, a
+save directory, an exported ``.safetensors`` file or a Hugging Face model's directory
+(text prompts through its tokenizer; without ``"stop"`` a request ends at the model's
+end-of-sequence tokens). ``--mesh tensor=N`` splits the heads and hidden units over a
+virtual mesh of N devices in this process.
 
 A request is a JSON object: ``"prompt"`` (text, encoded as the run's data was) or
 ``"tokens"`` (ids), and optionally ``"id"`` (echoed back; default a counter),
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import queue
 import sys
 import threading
@@ -31,7 +40,9 @@ from typing import Any
 
 from fsharded import inference
 from fsharded import random as R
+from fsharded.mesh import Mesh
 from fsharded.tools._generate import DTYPES, Loaded, load_model
+from fsharded.tools.train import parse_mesh
 
 __all__ = ["Server", "start_http", "build_parser", "main"]
 
@@ -46,8 +57,8 @@ class Server:
                  page_size: int, pages: int | None) -> None:
         self.model, self.max_new_tokens = model, max_new_tokens
         self.engine = inference.Engine(model.params, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
-                                       page_size=page_size, pages=pages, moe=model.config.moe,
-                                       model_state=model.model_state)
+                                       page_size=page_size, pages=pages, moe=model.moe,
+                                       model_state=model.model_state, mesh=model.mesh)
         self.inbox: queue.Queue = queue.Queue()
         self.pending: dict[int, tuple[Any, Reply, bool]] = {}
         self._ids = itertools.count()
@@ -78,7 +89,7 @@ class Server:
                 tokens, int(obj.get("max_new_tokens", self.max_new_tokens)),
                 key=R.key(int(obj.get("seed", 0))) if sampled else None,
                 temperature=1.0 if t is None else float(t), top_k=obj.get("top_k"), top_p=obj.get("top_p"),
-                stop_tokens=_ints(obj.get("stop", []), "stop"))
+                stop_tokens=_ints(obj["stop"], "stop") if "stop" in obj else self.model.eos)
         except Exception as e:  # noqa: BLE001 - any request it cannot run is answered, and the server goes on
             reply({"id": rid, "error": str(e).removeprefix("Engine.add_request: ")})
             return
@@ -215,8 +226,11 @@ def build_parser(prog: str = "fsharded serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].split(": ", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a checkpoint (step-N) or a save directory (its newest checkpoint)")
+    p.add_argument("--checkpoint", "--model", required=True, metavar="DIR", dest="checkpoint",
+                   help="a checkpoint (step-N), a save directory (its newest checkpoint), a .safetensors file "
+                        "(fsharded export's) or a Hugging Face causal LM's directory (save_pretrained's)")
+    p.add_argument("--mesh", default=None, metavar="tensor=N",
+                   help="serve on a virtual mesh in this process: tensor=N splits the heads and hidden units")
     p.add_argument("--http", type=int, default=None, metavar="PORT", help="serve HTTP on PORT (0: any free port) "
                    "instead of JSON lines on stdin/stdout")
     p.add_argument("--host", default="127.0.0.1", help="with --http: the address to listen on (default 127.0.0.1)")
@@ -234,8 +248,16 @@ def build_parser(prog: str = "fsharded serve") -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded serve") -> int:
     args = build_parser(prog).parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        print(f"{prog}: serving under torchrun is not implemented; serve in one process (--mesh tensor=N splits "
+              f"the model over a virtual mesh)", file=sys.stderr)
+        return 2
     try:
-        model = load_model(args.checkpoint, dtype=DTYPES[args.dtype], int8=args.int8, group_size=args.group_size)
+        mesh = Mesh(parse_mesh(args.mesh)) if args.mesh else None
+        if mesh is not None and set(mesh.shape) - {"tensor"}:
+            raise ValueError(f"--mesh {args.mesh}: the engine splits the model over a tensor axis only")
+        model = load_model(args.checkpoint, dtype=DTYPES[args.dtype], int8=args.int8, group_size=args.group_size,
+                           mesh=mesh)
         server = Server(model, max_new_tokens=args.max_new_tokens, max_batch_tokens=args.max_batch_tokens,
                         max_seqs=args.max_seqs, page_size=args.page_size, pages=args.pages)
     except (ValueError, OSError, NotImplementedError) as e:
