@@ -162,22 +162,25 @@ def _describe(cfg, params) -> str:
     return f"{n / 1e6:.1f}M parameters, {cfg.n_layers} layers, d_model {cfg.d_model}, fp32"
 
 
-def dtype_section(cfg, params, *, batches, prompt_len: int, new: int, reps: int) -> Section:
-    """Our compiled decode in fp32 and int8 against bf16 (``cfg``: a model large enough
-    that reading the weights dominates a decoded token)."""
+def dtype_sections(cfg, params, *, batches, prompt_len: int, new: int, reps: int) -> tuple[Section, Section]:
+    """Our compiled decode, and the prefill, in fp32 and int8 against bf16 (``cfg``: a model
+    large enough that reading the weights dominates a decoded token)."""
     bf16 = fs.inference.quantize(params, dtype=torch.bfloat16)  # (for the int8 row)
     forms = {
         "bf16": optree.tree_map(lambda x: x.to(torch.bfloat16), params),
         "fp32": params,
         "int8 weight-only (per channel), bf16 activations": bf16,
     }
-    rows = []
+    rows, pre_rows = [], []
     for b in batches:
         prompts = _prompts(b, prompt_len, seed=1)
-        per = {name: _per_token(lambda k, p=p, ps=prompts: fs.inference.generate(p, ps, k, compile=True), new,
-                                reps)[1] for name, p in forms.items()}
+        both = {name: _per_token(lambda k, p=p, ps=prompts: fs.inference.generate(p, ps, k, compile=True), new,
+                                 reps) for name, p in forms.items()}
+        pre, per = {k: v[0] for k, v in both.items()}, {k: v[1] for k, v in both.items()}
         for name in ("fp32", "int8 weight-only (per channel), bf16 activations"):
             rows.append(Row(f"decode per token: {name} vs bf16", f"batch {b}", per[name], per["bf16"]))
+            pre_rows.append(Row(f"prefill: {name} vs bf16", f"batch {b}, prompt {prompt_len}", pre[name],
+                                pre["bf16"]))
         _log(f"  batch {b}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in per.items()))
     weights = {name: sum(x.numel() * x.element_size() for x in optree.tree_leaves(forms[name]))
                for name in ("fp32", "bf16")}
@@ -187,9 +190,15 @@ def dtype_section(cfg, params, *, batches, prompt_len: int, new: int, reps: int)
              f"MB; int8 projections and head {int8_bytes / 1e6:.1f} MB plus the bf16 embedding and norms",
              "each form decodes through generate(..., compile=True); the int8 product on CPU is fsharded's C++ "
              "one (csrc/int8_matmul.cpp) for decoding rows; the target is the int8 row at batch 1")
+    prefill = Section(title=f"prefill in fp32 and int8 weight-only against bf16 ({_describe(cfg, params)})",
+                      peer="our prefill in bf16", rows=tuple(pre_rows),
+                      notes=(f"the prompt's forward filling the cache and giving the first token (T(prompt, 1), the "
+                             f"median of {reps} runs; tokens/s = batch x {prompt_len} / time); eager in every form "
+                             f"(the compiled step is the decode's); an int8 prefill runs the int8 product over "
+                             f"every prompt row",))
     return Section(title=f"decoding in fp32 and int8 weight-only against bf16 ({_describe(cfg, params)})",
                    peer="our decode in bf16",
-                   rows=tuple(rows), target=1 / 1.5, notes=notes)
+                   rows=tuple(rows), target=1 / 1.5, notes=notes), prefill
 
 
 def _trace(n: int, seed: int, max_prompt: int, max_new: int) -> tuple[list[list[int]], list[int]]:
@@ -212,11 +221,14 @@ def batching_section(params, *, n: int, max_seqs: int, max_prompt: int, max_new:
             out += [t[:k] for t, k in zip(toks, news[i:i + max_seqs])]
         return out
 
+    stats: dict[str, int] = {}
+
     def continuous() -> list[list[int]]:
         e = fs.inference.Engine(params, max_batch_tokens=256, max_seqs=4 * max_seqs, page_size=page,
                                 pages=slots // page)
         ids = [e.add_request(p, k) for p, k in zip(prompts, news)]
         e.run()
+        stats.update(steps=e.steps, preemptions=e.preemptions)
         return [e.requests[i].tokens for i in ids]
 
     if static() != continuous():
@@ -238,7 +250,9 @@ def batching_section(params, *, n: int, max_seqs: int, max_prompt: int, max_new:
              f"the same cache memory: static batching runs groups of {max_seqs} (each row's slots sized for the "
              f"longest prompt and continuation the trace may hold, {max_prompt + max_new}); the engine holds the same "
              f"{slots} slots as {slots // page} pages of {page} and runs up to {4 * max_seqs} requests at once, "
-             f"256 tokens per step",
+             f"256 tokens per step, admitting a request where the free pages hold its prompt and half of every "
+             f"running request's remaining tokens (reserve=0.5, the default); {stats['steps']} steps, "
+             f"{stats['preemptions']} preemptions",
              "the target (continuous at least 2x static's throughput) is this row's ratio <= 0.5")
     return Section(title="continuous batching vs static batching on a trace of mixed lengths",
                    peer="generate on consecutive groups (padded, each decoded for its longest)", rows=(row,),
@@ -336,7 +350,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     time.sleep(2)
     _log("fp32 / bf16 / int8 ...")
     c, p = _model(args.quick, "large")
-    report.sections.append(dtype_section(c, p, batches=batches, prompt_len=prompt_len, new=new, reps=reps))
+    report.sections.extend(dtype_sections(c, p, batches=batches, prompt_len=prompt_len, new=new, reps=reps))
     del c, p
     _log("continuous vs static batching ...")
     report.sections.append(batching_section(params, n=8 if args.quick else 48, max_seqs=args.max_seqs,
