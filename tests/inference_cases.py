@@ -27,7 +27,8 @@ def params_of(name: str) -> dict:
 def decode(name: str, mesh_shape: dict | None, *, key: int | None = None, n: int = 8,
            int8: int | None = None, group_size: int | None = None) -> dict:
     """Greedy (or, with ``key``, sampled) tokens of the model ``name`` on ``mesh_shape``
-    (None: one device), and the cache's first layer gathered whole. ``int8``: the weights
+    (None: one device), and the cache's first and last layers' keys gathered whole (the
+    last layer's come after every layer's sums below it). ``int8``: the weights
     quantized for that tensor size (``quantize(..., tensor=int8)``; on real ranks each
     rank quantizes its own shards)."""
     params = params_of(name)
@@ -37,7 +38,7 @@ def decode(name: str, mesh_shape: dict | None, *, key: int | None = None, n: int
         if int8 is not None:
             params = fs.inference.quantize(params, group_size, tensor=int8)
         out = fs.inference.generate(params, PROMPTS, n, moe=moe, **kw)
-        return {"tokens": out.tokens, "k0": out.cache.k[0]}
+        return {"tokens": out.tokens, "k0": out.cache.k[0], "kL": out.cache.k[-1]}
     mesh = fs.Mesh(mesh_shape)
     specs = fs.inference.mesh_specs(params, mesh)
     if fs.distributed.is_initialized():
@@ -50,8 +51,9 @@ def decode(name: str, mesh_shape: dict | None, *, key: int | None = None, n: int
     rows = tuple(a for a in ("data", "expert") if a in mesh_shape)
     spec = fs.P(rows if len(rows) > 1 else (rows[0] if rows else None), None,
                 "tensor" if "tensor" in mesh_shape else None, None)
-    k0 = fs.unshard(out.cache.k[0], spec, mesh) if fs.distributed.is_initialized() else out.cache.k[0]
-    return {"tokens": out.tokens, "k0": k0}
+    whole = [fs.unshard(k, spec, mesh) if fs.distributed.is_initialized() else k for k in (out.cache.k[0],
+                                                                                           out.cache.k[-1])]
+    return {"tokens": out.tokens, "k0": whole[0], "kL": whole[1]}
 
 
 def decode_safetensors(path: str, name: str, mesh_shape: dict) -> dict:

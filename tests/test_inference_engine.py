@@ -5,6 +5,7 @@ and ``fsharded serve`` answers JSON lines and HTTP requests with the same tokens
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -196,11 +197,38 @@ def test_serve_answers_json_lines_as_generate_does(checkpoint):
     assert final["a"]["text"] == bytes(final["a"]["tokens"]).decode("utf-8", errors="replace")
     assert final["b"]["tokens"] == _want(checkpoint, "import o", 4)
     assert [o["token"] for o in out if o.get("id") == "b" and "token" in o] == final["b"]["tokens"]  # streamed
+    assert "".join(o["text"] for o in out if o.get("id") == "b" and "token" in o) == final["b"]["text"]
     assert "outside the vocabulary of 256" in final["c"]["error"]
     assert '"prompt" is text' in final["e"]["error"] and '"tokens" is a list of integer' in final["f"]["error"]
     assert '"stop" is a list of integer' in final["g"]["error"] and "finite" in final["h"]["error"]
     assert len(final["d"]["tokens"]) == 5 and final["d"]["time_to_first_token_s"] <= final["d"]["latency_s"]
     assert "not JSON" in final[None]["error"]
+
+
+def test_serve_runs_int8_weights_on_a_tensor_axis_and_sizes_its_default_cache(checkpoint, monkeypatch, capsys):
+    from fsharded.inference import _engine
+    from fsharded.tools import _serve as serve
+    from fsharded.tools._generate import load_model
+
+    m = load_model(checkpoint, int8=True, mesh=fs.Mesh({"tensor": 2}))  # quantized for the mesh
+    want = fs.inference.generate(fs.inference.quantize(load_model(checkpoint).params, tensor=2),
+                                 [list(b"def f(x")], 6).tokens[0]
+    server = serve.Server(m, max_new_tokens=6, max_batch_tokens=4, max_seqs=4, page_size=8, pages=None)
+    got = []
+    server.submit({"prompt": "def f(x"}, got.append)
+    server.close()
+    server.loop()
+    assert got[0]["tokens"] == want
+    # the default cache within half the memory available
+    ctx = m.params["pos"].shape[0]  # (learned positions)
+    full = fs.inference.Engine(m.params, max_seqs=4, page_size=8).cache
+    assert full.pages == 4 * ctx // 8 and fs.inference.Engine(m.params).cache_note is None
+    monkeypatch.setattr(_engine, "available_memory", lambda device: (full.nbytes, "a test limit"))
+    cut = fs.inference.Engine(m.params, max_seqs=4, page_size=8)
+    assert cut.cache.pages == full.pages // 2 and "more than half the memory available (a test limit)" in cut.cache_note
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # (no requests: it starts, says so and ends)
+    assert serve.main(["--checkpoint", checkpoint, "--max-seqs", "4", "--page-size", "8"], prog="serve") == 0
+    assert f"serve: the default cache (4 sequences of {ctx} tokens) would take more" in capsys.readouterr().err
 
 
 def test_serve_over_http_runs_concurrent_requests_in_one_batch(checkpoint):

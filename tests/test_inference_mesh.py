@@ -27,6 +27,7 @@ def test_every_mesh_decodes_the_one_device_tokens_on_the_virtual_mesh(name):
         got = C.decode(name, mesh)
         assert got["tokens"] == ref["tokens"], (name, mesh)
         torch.testing.assert_close(got["k0"], ref["k0"], rtol=1e-5, atol=1e-6)  # the cache too
+        torch.testing.assert_close(got["kL"], ref["kL"], rtol=1e-5, atol=1e-5)
         assert C.decode(name, mesh, key=3)["tokens"] == drawn["tokens"], (name, mesh)
     assert drawn["tokens"] != ref["tokens"]
 
@@ -73,6 +74,7 @@ def test_int8_weights_decode_on_the_mesh_as_on_one_device(name, mesh, group):
     got = C.decode(name, mesh, int8=t, group_size=group)
     assert got["tokens"] == ref["tokens"]
     torch.testing.assert_close(got["k0"], ref["k0"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["kL"], ref["kL"], rtol=1e-5, atol=1e-5)  # (after layer 0's int8 sums)
     q = fs.inference.quantize(C.params_of(name), group, tensor=t)
     wo = q["blocks"][0]["attn"]["wo"]  # row-parallel: a scale per output channel per shard (or per group)
     assert wo.scales.shape[1] == (t if group is None else wo.shape[0] * wo.shape[1] // group)
@@ -94,7 +96,7 @@ def test_int8_weights_decode_on_gloo_ranks_as_on_one_device():
     ref = C.decode("llama-style", None, int8=2)
     for r in run_on_ranks(C.decode, 2, "llama-style", {"tensor": 2}, int8=2):
         assert r["tokens"] == ref["tokens"]
-        torch.testing.assert_close(r["k0"], ref["k0"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r["kL"], ref["kL"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama", "gpt2"])

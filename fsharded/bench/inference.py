@@ -250,8 +250,9 @@ def batching_section(params, *, n: int, max_seqs: int, max_prompt: int, max_new:
              f"the same cache memory: static batching runs groups of {max_seqs} (each row's slots sized for the "
              f"longest prompt and continuation the trace may hold, {max_prompt + max_new}); the engine holds the same "
              f"{slots} slots as {slots // page} pages of {page} and runs up to {4 * max_seqs} requests at once, "
-             f"256 tokens per step, admitting a request where the free pages hold its prompt and half of every "
-             f"running request's remaining tokens (reserve=0.5, the default); {stats['steps']} steps, "
+             f"256 tokens per step, admitting a request where the free pages hold its prompt and half its remaining "
+             f"new tokens beyond what the running requests still need, counted alike (reserve=0.5, the default); "
+             f"{stats['steps']} steps, "
              f"{stats['preemptions']} preemptions",
              "the target (continuous at least 2x static's throughput) is this row's ratio <= 0.5")
     return Section(title="continuous batching vs static batching on a trace of mixed lengths",

@@ -13,7 +13,7 @@ gives its first new token, each decode token the next. A request ends at one of 
 Pages are taken when tokens are written. A request is admitted where the free pages hold
 its context and ``reserve`` (default 0.5) of the new tokens it may still produce, over
 what the running requests still need by the same count: ``reserve=1`` admits only what can
-run to its end, ``reserve=0`` admits as soon as its context fits, as vLLM does. Where a
+run to its end, ``reserve=0`` admits as soon as its first prompt chunk fits, as vLLM does. Where a
 decode finds no free page, the request admitted last is preempted: its pages are freed and it waits at the head of the queue to
 be prefilled again from its prompt and the tokens it has produced (which it keeps), as
 vLLM's recompute preemption does. A request that could never fit the cache is refused
@@ -46,8 +46,10 @@ from fsharded.inference._hf import HFDecoder
 from fsharded.inference._paged import PagedKVCache
 from fsharded.inference._sample import check_sampling, sample
 from fsharded.inference._sharded import GPTOnMesh, HFOnMesh
+from fsharded.inference._stream import block_meta
 from fsharded.mesh import Mesh
 from fsharded.models._gpt_config import MoEConfig
+from fsharded.step._estimate import available_memory
 
 __all__ = ["Engine", "Request", "Event"]
 
@@ -98,7 +100,8 @@ class Engine:
     ``max_batch_tokens``: the tokens one step runs (decodes and prompt chunks together);
     ``max_seqs``: the requests running at once; ``pages`` of ``page_size`` slots: the cache
     (default: room for ``max_seqs`` sequences of the model's learned positions, or of
-    2,048 tokens with rotary positions); ``reserve``: the share of each request's remaining
+    2,048 tokens with rotary positions, within half the memory available: ``cache_note``
+    says where that cut it); ``reserve``: the share of each request's remaining
     new tokens its admission counts on (see the module docstring)."""
 
     def __init__(self, params: Any, *, max_batch_tokens: int = 256, max_seqs: int = 32, page_size: int = 16,
@@ -120,19 +123,29 @@ class Engine:
         else:
             self.context = params["pos"].shape[0] if "pos" in params else None
             self.vocab, self.device = params["emb"].shape[0], params["emb"].device
-        if pages is None:
-            pages = max_seqs * -(-(self.context or 2048) // page_size)
         self.on_mesh = None
         if mesh is not None and mesh.size > 1:  # the heads over the tensor axis; one copy of the batch
             self.on_mesh = (HFOnMesh(self.hf, mesh) if self.hf is not None else
                             GPTOnMesh(params, mesh, moe=moe, model_state=model_state))
             layers, kv, dh, dtype = self.on_mesh.cache_shape()
-            self.cache = PagedKVCache(layers, kv, dh, pages, page_size, dtype=cache_dtype or dtype, device=self.device)
         elif self.hf is not None:
-            self.cache = PagedKVCache(self.hf.layers, self.hf.kv_heads, self.hf.head_dim, pages, page_size,
-                                      dtype=cache_dtype or self.hf.dtype, device=self.device)
+            layers, kv, dh, dtype = self.hf.layers, self.hf.kv_heads, self.hf.head_dim, self.hf.dtype
         else:
-            self.cache = PagedKVCache.for_model(params, pages, page_size, dtype=cache_dtype)
+            meta = block_meta(params)
+            wk = meta[0]["attn"]["wk"]  # (D, KV, Dh)
+            layers, kv, dh, dtype = len(meta), wk.shape[1], wk.shape[2], params["emb"].dtype
+        dtype = cache_dtype or dtype
+        self.cache_note = None
+        if pages is None:  # room for max_seqs sequences of the context, in at most half the free memory
+            pages = max_seqs * -(-(self.context or 2048) // page_size)
+            per_page = 2 * layers * kv * dh * page_size * torch.empty((), dtype=dtype).element_size()
+            free, source = available_memory("cuda" if self.device.type == "cuda" else "cpu")
+            if pages * per_page > free // 2:
+                pages = max(1, free // 2 // per_page)
+                self.cache_note = (f"the default cache ({max_seqs} sequences of {self.context or 2048} tokens) "
+                                   f"would take more than half the memory available ({source}): {pages} pages "
+                                   f"of {page_size} instead; give pages= to choose")
+        self.cache = PagedKVCache(layers, kv, dh, pages, page_size, dtype=dtype, device=self.device)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted (holding pages), in admission order
         self.requests: dict[int, Request] = {}

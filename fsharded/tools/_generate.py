@@ -78,6 +78,10 @@ class Loaded:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is not None:
             return list(self.tokenizer(text)["input_ids"])
+        if self.config is None:
+            raise ValueError(f"generate: {self.directory} holds no tokenizer (tokenizer.json, tokenizer_config.json, "
+                             f"tokenizer.model or vocab.json): give the prompt as token ids (--prompt-tokens; "
+                             f"serve: \"tokens\")")
         if self.encoding != "bytes":
             raise ValueError(f"generate: {self.directory} was trained on token ids of another tokenizer, which "
                              f"fsharded cannot encode: give --prompt-tokens")
@@ -141,8 +145,9 @@ def _config(directory: str, record: dict | None, preset: str | None, sets: Seque
 def load_model(path: str, *, dtype: torch.dtype = torch.float32, preset: str | None = None,
                sets: Sequence[str] = (), int8: bool = False, group_size: int | None = None,
                mesh: Mesh | None = None) -> Loaded:
-    """The GPT saved at ``path`` (a checkpoint or a save directory): its config from the
-    run's record (or ``preset`` and ``sets``, ``model.KEY=VALUE``), its parameters (the
+    """The GPT saved at ``path`` (a checkpoint or a save directory; or a Hugging Face
+    model's directory, loaded whole on every rank and split by its tensor-parallel plan
+    when it runs): its config from the run's record (or ``preset`` and ``sets``, ``model.KEY=VALUE``), its parameters (the
     checkpoint's ``params``, whatever layout they were trained in, as full tensors) cast
     to ``dtype``; with ``int8`` its projections quantized from the fp32 master weights
     (``fs.inference.quantize``, a scale per output channel or per ``group_size`` input
@@ -240,14 +245,21 @@ def _from_hf(path: str, dtype: torch.dtype, int8: bool, group_size: int | None, 
     if int8 or group_size is not None:
         raise NotImplementedError("generate: --int8 for a Hugging Face model is not implemented; its weights decode "
                                   "in --dtype (int8 weights are for fsharded's GPT)")
+    # (transformers takes the dtype as dtype= from 4.56, as torch_dtype= before)
+    new = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56)
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    except (OSError, ValueError, KeyError) as e:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, **{"dtype" if new else "torch_dtype": dtype}).eval()
+    except (OSError, ValueError, KeyError, TypeError, ImportError) as e:
         raise ValueError(f"generate: {path}: transformers cannot load a causal LM from it ({e})") from e
     tokenizer = None
     if any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
                                                              "tokenizer.model", "vocab.json")):
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, KeyError, TypeError, ImportError) as e:
+            raise ValueError(f"generate: {path}: transformers cannot load its tokenizer ({e}); give the prompts as "
+                             f"token ids, or install what it names") from e
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = () if eos is None else tuple(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]))
     if mesh is not None and mesh.size > 1:
@@ -276,7 +288,7 @@ def build_parser(prog: str = "fsharded generate") -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="the sampling key's seed (default 0)")
     p.add_argument("--stop", action="append", default=[], metavar="TOKEN",
                    help="a token id that ends a continuation (kept); repeatable (default: none, or a Hugging Face "
-                        "model's end-of-sequence ids)")
+                        "model's end-of-sequence ids; 'none': not those either)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                    help="weights and cache (default fp32; the checkpoint's master weights are cast)")
     p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
@@ -311,6 +323,18 @@ def _prompts(args: argparse.Namespace, model: Loaded) -> list[list[int]]:
     return rows
 
 
+def _stops(given: Sequence[str], model: Loaded) -> list[int]:
+    """``--stop``'s token ids: none given, the model's end-of-sequence ids; ``none``, no ids."""
+    if not given:
+        return list(model.eos)
+    if list(given) == ["none"]:
+        return []
+    try:
+        return [int(s) for s in given]
+    except ValueError as e:
+        raise ValueError(f"generate: --stop {' '.join(given)}: give token ids, or 'none' alone") from e
+
+
 def run(args: argparse.Namespace) -> dict:
     """Load, generate, and return what ``main`` prints (as its JSON form)."""
     sampled = not args.greedy and any(v is not None for v in (args.temperature, args.top_k, args.top_p))
@@ -324,12 +348,13 @@ def run(args: argparse.Namespace) -> dict:
                              key=R.key(args.seed) if sampled else None,
                              temperature=1.0 if args.temperature is None else args.temperature,
                              top_k=args.top_k, top_p=args.top_p,
-                             stop_tokens=[int(s) for s in args.stop] if args.stop else list(model.eos),
+                             stop_tokens=_stops(args.stop, model),
                              moe=model.moe, model_state=model.model_state, mesh=model.mesh,
                              compile=args.compile)
     return {"checkpoint": model.directory, "step": model.step,
             "samples": [{"prompt": model.decode(r), "prompt_tokens": r, "text": model.decode(t), "tokens": t,
-                         "stopped": s} for r, t, s in zip(rows, out.tokens, out.stopped)],
+                         "full_text": model.decode(r + t), "stopped": s}
+                        for r, t, s in zip(rows, out.tokens, out.stopped)],
             "prefill": {"tokens": out.prefill_tokens, "seconds": out.prefill_s,
                         "tokens_per_s": out.prefill_tokens_per_s},
             "decode": {"tokens": out.decode_tokens, "seconds": out.decode_s,
@@ -356,8 +381,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded generate") 
         print(json.dumps(res))
         return 0
     for s in res["samples"]:
-        if s["text"] is not None:
-            print(s["prompt"] + s["text"])
+        if s["text"] is not None:  # (the whole decoded at once: a tokenizer joins the words at the seam)
+            print(s["full_text"])
         else:
             print(f"{s['prompt_tokens']} -> {s['tokens']}")
         print("-" * 40)

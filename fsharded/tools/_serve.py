@@ -54,13 +54,14 @@ class Server:
     the engine stepped by ``loop`` in one thread."""
 
     def __init__(self, model: Loaded, *, max_new_tokens: int, max_batch_tokens: int, max_seqs: int,
-                 page_size: int, pages: int | None) -> None:
+                 page_size: int, pages: int | None, reserve: float = 0.5) -> None:
         self.model, self.max_new_tokens = model, max_new_tokens
         self.engine = inference.Engine(model.params, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                                        page_size=page_size, pages=pages, moe=model.moe,
-                                       model_state=model.model_state, mesh=model.mesh)
+                                       model_state=model.model_state, mesh=model.mesh, reserve=reserve)
         self.inbox: queue.Queue = queue.Queue()
         self.pending: dict[int, tuple[Any, Reply, bool]] = {}
+        self._sent: dict[int, str] = {}  # each streamed request's text sent so far
         self._ids = itertools.count()
 
     def submit(self, obj: Any, reply: Reply) -> None:
@@ -100,14 +101,29 @@ class Server:
         for rid, reply, _ in list(self.pending.values()):
             reply({"id": rid, "error": f"the batch this request ran in failed: {type(err).__name__}: {err}"})
         self.pending.clear()
+        self._sent.clear()
         for r in list(self.engine.running):
             self.engine.cache.release(r.id)
         self.engine.running.clear()
         self.engine.waiting.clear()
         self.engine.requests.clear()
 
+    def _piece(self, engine_id: int, finished: bool) -> str | None:
+        """The text a streamed token adds: the continuation decoded whole, less what was
+        sent (a token that ends inside a character or a word's bytes sends "" until the
+        next completes it)."""
+        text = self.model.decode(self.engine.requests[engine_id].tokens)
+        if text is None:
+            return None
+        if text.endswith("\ufffd") and not finished:
+            return ""
+        sent = self._sent.get(engine_id, "")
+        self._sent[engine_id] = text
+        return text[len(sent):] if text.startswith(sent) else text
+
     def _answer(self, engine_id: int) -> None:
         r = self.engine.requests.pop(engine_id)
+        self._sent.pop(engine_id, None)
         rid, reply, _ = self.pending.pop(engine_id)
         reply({"id": rid, "text": self.model.decode(r.tokens), "tokens": r.tokens, "stopped": r.stopped,
                "prompt_tokens": len(r.prompt), "time_to_first_token_s": r.first_token_s - r.added_s,
@@ -136,7 +152,7 @@ class Server:
             for ev in events:
                 rid, reply, stream = self.pending[ev.id]
                 if stream:
-                    reply({"id": rid, "token": ev.token, "text": self.model.decode([ev.token])})
+                    reply({"id": rid, "token": ev.token, "text": self._piece(ev.id, ev.finished)})
                 if ev.finished:
                     self._answer(ev.id)
 
@@ -157,16 +173,20 @@ def _stdio(server: Server) -> None:
             sys.stdout.flush()
 
     def read() -> None:
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                write({"id": None, "error": f"not JSON: {e}"})
-                continue
-            server.submit(obj, write)
-        server.close()
+        try:
+            for line in sys.stdin:
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    write({"id": None, "error": f"not JSON: {e}"})
+                    continue
+                server.submit(obj, write)
+        except (OSError, ValueError) as e:  # (stdin unreadable: the requests in flight still finish)
+            print(f"fsharded serve: reading stdin failed: {e}", file=sys.stderr)
+        finally:
+            server.close()
 
     threading.Thread(target=read, daemon=True).start()
     server.loop()
@@ -239,7 +259,12 @@ def build_parser(prog: str = "fsharded serve") -> argparse.ArgumentParser:
     p.add_argument("--max-seqs", type=int, default=32, metavar="N", help="requests running at once (default 32)")
     p.add_argument("--page-size", type=int, default=16, metavar="N", help="token slots per cache page (default 16)")
     p.add_argument("--pages", type=int, default=None, metavar="N",
-                   help="cache pages (default: --max-seqs sequences of the model's context)")
+                   help="cache pages (default: --max-seqs sequences of the model's context, or of 2,048 tokens "
+                        "without learned positions, within half the free memory)")
+    p.add_argument("--reserve", type=float, default=0.5, metavar="F",
+                   help="admit a request where the free pages hold its prompt and this share of every request's "
+                        "remaining new tokens (default 0.5; 1: never preempt; 0: admit as soon as a prompt chunk "
+                        "fits)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--int8", action="store_true", help="int8 weight-only projections and head")
     p.add_argument("--group-size", type=int, default=None, metavar="G")
@@ -259,10 +284,12 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded serve") -> 
         model = load_model(args.checkpoint, dtype=DTYPES[args.dtype], int8=args.int8, group_size=args.group_size,
                            mesh=mesh)
         server = Server(model, max_new_tokens=args.max_new_tokens, max_batch_tokens=args.max_batch_tokens,
-                        max_seqs=args.max_seqs, page_size=args.page_size, pages=args.pages)
+                        max_seqs=args.max_seqs, page_size=args.page_size, pages=args.pages, reserve=args.reserve)
     except (ValueError, OSError, NotImplementedError) as e:
         print(f"{prog}: {str(e).removeprefix('generate: ')}", file=sys.stderr)
         return 2
+    if server.engine.cache_note:
+        print(f"{prog}: {server.engine.cache_note}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     if args.http is not None:
         httpd = start_http(server, args.http, args.host)
