@@ -135,6 +135,13 @@ def _import(name: str, path: str) -> ModuleType:
     return mod
 
 
+def _load(name: str, path: str, ops_namespace: str | None) -> ModuleType:
+    if ops_namespace is None:
+        return _import(name, path)
+    torch.ops.load_library(path)
+    return getattr(torch.ops, ops_namespace)
+
+
 def _write_json(path: str, data: dict) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -167,9 +174,13 @@ def _forget_empty(bdir: str) -> None:
 
 def build(name: str, sources: Sequence[str], *, root: Path, what: str = "", took: str = "",
           extra_cflags: Sequence[str] = (), extra_ldflags: Sequence[str] = (),
-          extra_cuda_cflags: Sequence[str] | None = None) -> tuple[ModuleType | None, str]:
+          extra_cuda_cflags: Sequence[str] | None = None,
+          ops_namespace: str | None = None) -> tuple[ModuleType | None, str]:
     """The extension ``name`` built from ``sources`` (paths under ``root``, which is also
     the include path): ``(module, "")``, or ``(None, why)`` when it cannot be built.
+    ``ops_namespace``: the sources register dispatcher ops in it (``TORCH_LIBRARY``, no
+    Python module): the library is loaded with ``torch.ops.load_library`` and
+    ``torch.ops.<ops_namespace>`` is returned in place of a module.
 
     Loaded from this install's cached build when there is one; otherwise built once, under
     a file lock, by the first process to get there, which prints one line naming ``what``
@@ -191,7 +202,7 @@ def build(name: str, sources: Sequence[str], *, root: Path, what: str = "", took
     with _locked(os.path.join(bdir, "fsharded.lock")):
         if os.path.exists(marker) and os.path.exists(lib):
             try:
-                return _import(keyed, lib), ""
+                return _load(keyed, lib, ops_namespace), ""
             except Exception:  # noqa: BLE001 - a damaged library: build it again below
                 os.remove(marker)
         if os.path.exists(failed) and os.path.getmtime(failed) >= asked:
@@ -217,7 +228,9 @@ def build(name: str, sources: Sequence[str], *, root: Path, what: str = "", took
             mod = cpp_extension.load(name=keyed, sources=[str(root / s) for s in sources],
                                      extra_cflags=list(extra_cflags), extra_ldflags=list(extra_ldflags),
                                      extra_include_paths=[str(root)], build_directory=bdir, verbose=False,
-                                     **kwargs)
+                                     is_python_module=ops_namespace is None, **kwargs)
+            if ops_namespace is not None:
+                mod = getattr(torch.ops, ops_namespace)
         except Exception as e:  # noqa: BLE001 - any build failure means "not available"
             error = f"building {name} failed: {type(e).__name__}: {e}"
             _write_json(failed, {"error": error})

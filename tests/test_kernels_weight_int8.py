@@ -81,21 +81,57 @@ def test_auto_picks_the_cpu_products_and_leading_dims_pass_through(monkeypatch):
     assert y.shape == (2, 3, 12)
     torch.testing.assert_close(y, x @ dequantize_weight(q, s), rtol=1e-5, atol=1e-5)
     chosen = []
-    real = weight_int8._op
+    real, real_cpp = weight_int8._op, weight_int8._cpp
 
     def spy(x, q, s, impl):
         chosen.append(impl)
         return real(x, q, s, impl)
 
+    def spy_cpp(x, q, s):
+        chosen.append("cpp")
+        return real_cpp(x, q, s)
+
     monkeypatch.setattr(weight_int8, "_op", spy)
+    monkeypatch.setattr(weight_int8, "_cpp", spy_cpp)
     int8_matmul(torch.randn(16, 32), q, s)  # decoding rows: the C++ product
     int8_matmul(torch.randn(17, 32), q, s)  # more rows (a prefill): ATen's packed product
     int8_matmul(torch.randn(17, 32), *quantize_weight(w, 8))  # groups, many rows: the reference
     assert chosen == ["cpp", "cpu", "reference"]
     monkeypatch.setattr(weight_int8, "_op", real)
-    gm = make_fx(lambda x, q, s: int8_matmul(x, q, s), tracing_mode="fake")(x, q, s)
-    ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
-    assert "fsharded.int8_matmul.default" in ops
+    monkeypatch.setattr(weight_int8, "_cpp", real_cpp)
+    # Traced: the C++ product is a dispatcher op of its own (fsharded_cpu), the others the
+    # Python custom op.
+    for rows, op in ((x, "fsharded_cpu.int8_matmul.default"), (torch.randn(17, 32), "fsharded.int8_matmul.default")):
+        gm = make_fx(lambda x, q, s: int8_matmul(x, q, s), tracing_mode="fake")(rows, q, s)
+        assert op in [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_the_cpp_product_in_a_compiled_graph_and_under_vmap():
+    # A decode step compiled by Inductor calls the C++ op itself (no Python custom op in
+    # between), with the eager numbers; the virtual mesh's vmap batches it.
+    torch.manual_seed(0)
+    q, s = quantize_weight(torch.randn(64, 24))
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    calls = []
+
+    def backend(gm, inputs):
+        calls.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, inputs)
+
+    fn = torch.compile(lambda x: torch.relu(int8_matmul(x, q, s)) * 2, backend=backend, fullgraph=True)
+    torch.testing.assert_close(fn(x), torch.relu(int8_matmul_reference(x, q, s)) * 2, rtol=0, atol=0)
+    assert any("fsharded_cpu.int8_matmul" in c for c in calls) and not any("fsharded.int8_matmul" in c
+                                                                            for c in calls), calls
+    xs = torch.randn(3, 2, 64)  # shared weights: one product of every batch's rows
+    torch.testing.assert_close(torch.vmap(lambda x: int8_matmul(x, q, s))(xs),
+                               torch.stack([int8_matmul_reference(x, q, s) for x in xs]), rtol=1e-5, atol=1e-5)
+    qs = torch.stack([q, q.flip(0)])
+    ss = torch.stack([s, s.flip(0)])  # weights per batch entry: one product each
+    got = torch.vmap(lambda x, q, s: int8_matmul(x, q, s))(xs[:2], qs, ss)
+    torch.testing.assert_close(got, torch.stack([int8_matmul_reference(xs[i], qs[i], ss[i]) for i in range(2)]),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_input_widths_the_packed_cpu_product_gets_wrong_take_the_reference():

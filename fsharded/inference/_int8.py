@@ -18,6 +18,7 @@ from typing import Any
 import optree
 import torch
 
+from fsharded.kernels import weight_int8
 from fsharded.kernels.weight_int8 import dequantize_weight, int8_matmul, quantize_weight
 
 __all__ = ["Int8Weight", "quantize"]
@@ -34,6 +35,7 @@ class Int8Weight:
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...], inputs: int = 1) -> None:
         self.q, self.scales, self.shape, self.inputs = q, scales, tuple(shape), int(inputs)
+        weight_int8.prepare(q)
 
     @classmethod
     def of(cls, w: torch.Tensor, inputs: int = 1, group_size: int | None = None) -> Int8Weight:

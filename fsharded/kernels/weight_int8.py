@@ -30,7 +30,8 @@ product (never written out whole):
 
 By default Triton on CUDA; on CPU the C++ product for up to ``CPP_ROWS`` rows, the packed
 product for more where it applies, the reference otherwise; ``impl=`` or ``FSHARDED_KERNELS`` choose (``kernels._dispatch``). It is a
-custom op (``torch.ops.fsharded.int8_matmul``) with a fake rule, so it traces. It takes
+custom op (``torch.ops.fsharded.int8_matmul``; the C++ product ``torch.ops.fsharded_cpu.int8_matmul``,
+registered in C++) with fake and vmap rules, so it traces. It takes
 no gradient: the weights are frozen integers.
 
 >>> w = torch.randn(64, 32)
@@ -74,6 +75,7 @@ def quantize_weight(w: torch.Tensor, group_size: int | None = None) -> tuple[tor
     K = w.shape[0]
     G = _groups(K, group_size, "quantize_weight")
     q, scales = _quant_rows_ref(w.detach().T.contiguous(), G)  # rows: the output channels
+    prepare(q)
     return q.contiguous(), scales.contiguous()
 
 
@@ -112,14 +114,21 @@ CPP_ROWS = 16  # the C++ product up to this many rows of x (decoding); above, th
 
 @functools.cache
 def _build() -> tuple[ModuleType | None, str]:
-    return _cext.build("fsharded_int8_matmul", ("int8_matmul.cpp",), root=_cext.CSRC,
-                       what="the int8 weight-only CPU product", took="~30 s",
-                       extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    ops, why = _cext.build("fsharded_int8_matmul", ("int8_matmul.cpp",), root=_cext.CSRC,
+                           what="the int8 weight-only CPU product", took="~10 s",
+                           extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                           ops_namespace="fsharded_cpu")
+    if ops is not None:  # (the op's rules for tracing and for vmap, once it exists)
+        torch.library.register_fake("fsharded_cpu::int8_matmul", _fake)
+        torch.library.register_vmap("fsharded_cpu::int8_matmul", _vmap_rule(ops.int8_matmul))
+    return ops, why
 
 
 def load(required: bool = False) -> ModuleType | None:
-    """The compiled C++ product (built on first use), or None where it cannot be built
-    (with ``required``, a ``RuntimeError`` saying why)."""
+    """The compiled C++ product (built on first use): ``torch.ops.fsharded_cpu``, whose
+    ``int8_matmul(x, q, scales)`` is a dispatcher op (no Python between a compiled graph
+    and the kernel), or None where it cannot be built (with ``required``, a
+    ``RuntimeError`` saying why)."""
     mod, why = _build()
     if mod is None and required:
         raise RuntimeError(f"int8_matmul: the C++ product cannot be built here: {why}")
@@ -135,6 +144,15 @@ def _cpp_available() -> bool:
             return False
         _CPP.append(load() is not None)
     return _CPP[0]
+
+
+def prepare(q: torch.Tensor) -> None:
+    """Build or load the C++ product now where the int8 weight ``q`` is on the CPU, outside
+    any trace: a graph traced later (a compiled decode step) can only call a product that
+    is loaded already. Called where int8 weights are made (``quantize_weight``,
+    ``fs.inference.Int8Weight``)."""
+    if q.device.type == "cpu" and not torch.compiler.is_compiling():
+        _cpp_available()
 
 
 def _cpp_ok(x: torch.Tensor, q: torch.Tensor) -> bool:
@@ -156,34 +174,44 @@ def _op(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, impl: str) -> to
 
         return _triton_weight_int8.int8_matmul(x, q, scales)
     if impl == "cpp":
-        y = load(required=True).int8_matmul(x.float().contiguous(), q.contiguous(), scales.contiguous(),
-                                            torch.get_num_threads())
-        return y.to(x.dtype)
+        return load(required=True).int8_matmul(x, q, scales)
     if impl == "cpu":
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scales.view(-1).to(x.dtype))
     return int8_matmul_reference(x, q, scales)
 
 
-@_op.register_fake
-def _(x, q, scales, impl):
+def _cpp(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch.ops.fsharded_cpu.int8_matmul(x, q, scales)  # (loaded: the caller checked _cpp_available)
+
+
+def _fake(x, q, scales, *impl):
     return x.new_empty((x.shape[0], q.shape[0]))
 
 
-@_op.register_vmap
-def _(info, in_dims, x, q, scales, impl):
+_op.register_fake(_fake)
+
+
+def _vmap_rule(op):
     """Under ``vmap`` (the virtual mesh's devices): a weight shared by the batch takes every
-    batch's rows in one product; weights per batch entry, one product each."""
-    xd, qd, sd, _ = in_dims
-    if qd is None and sd is None:
-        xb = x.movedim(xd, 0) if xd is not None else x.expand(info.batch_size, *x.shape)
-        y = _op(xb.reshape(-1, xb.shape[-1]).contiguous(), q, scales, impl)
-        return y.view(xb.shape[0], xb.shape[1], q.shape[0]), 0
+    batch's rows in one product; weights per batch entry, one product each. ``op(x, q,
+    scales, *rest)``."""
 
-    def pick(t, d, i):
-        return t if d is None else t.select(d, i).contiguous()
+    def rule(info, in_dims, x, q, scales, *rest):
+        xd, qd, sd = in_dims[:3]
+        if qd is None and sd is None:
+            xb = x.movedim(xd, 0) if xd is not None else x.expand(info.batch_size, *x.shape)
+            y = op(xb.reshape(-1, xb.shape[-1]).contiguous(), q, scales, *rest)
+            return y.view(xb.shape[0], xb.shape[1], q.shape[0]), 0
 
-    return torch.stack([_op(pick(x, xd, i), pick(q, qd, i), pick(scales, sd, i), impl)
-                        for i in range(info.batch_size)]), 0
+        def pick(t, d, i):
+            return t if d is None else t.select(d, i).contiguous()
+
+        return torch.stack([op(pick(x, xd, i), pick(q, qd, i), pick(scales, sd, i), *rest)
+                            for i in range(info.batch_size)]), 0
+    return rule
+
+
+_op.register_vmap(_vmap_rule(_op))
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, impl: str | None = None) -> torch.Tensor:
@@ -219,5 +247,6 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, impl: st
             elif _packed_ok(x, q, scales) and _dispatch.forced() == "auto":
                 chosen = "cpu"
     lead = x.shape[:-1]
-    y = _op(x2, q, scales, chosen)
+    # The C++ product is a dispatcher op of its own: called straight, a compiled graph holds it.
+    y = _cpp(x2, q, scales) if chosen == "cpp" else _op(x2, q, scales, chosen)
     return y.view(*lead, q.shape[0])
