@@ -16,7 +16,9 @@
 // `open_file` reserves a new file's bytes with posix_fallocate, so a disk too small for
 // the state is an error when the tier is made, not in the middle of a step.
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
 #include <cerrno>
@@ -120,7 +122,7 @@ struct Request {
   uint32_t crc = 0;
   std::string error;
   bool done = false;
-  torch::Tensor keep;  // the buffer, alive until the request is waited for
+  at::Tensor keep;  // the buffer, alive until the request is waited for
 };
 
 std::string path_of(int fd);
@@ -296,17 +298,17 @@ void close_file(int64_t fd) {
 }
 
 // A byte tensor of `nbytes` (rounded up to the alignment) whose address is aligned for O_DIRECT.
-torch::Tensor aligned_empty(int64_t nbytes) {
+at::Tensor aligned_empty(int64_t nbytes) {
   TORCH_CHECK(nbytes >= 0, "aio: negative size");
   int64_t padded = std::max<int64_t>(kAlign, (nbytes + kAlign - 1) / kAlign * kAlign);
   void* p = nullptr;
   if (::posix_memalign(&p, kAlign, static_cast<size_t>(padded)) != 0) throw std::bad_alloc();
-  return torch::from_blob(p, {padded}, [](void* q) { std::free(q); }, torch::TensorOptions().dtype(torch::kUInt8));
+  return at::from_blob(p, {padded}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
 }
 
 // Queue a read (write=false) or a write of `io_bytes` at `offset` of `fd` into or from
 // `buf` (contiguous CPU; kept alive until waited for); `logical` <= io_bytes are checksummed.
-int64_t submit(int64_t fd, int64_t offset, torch::Tensor buf, int64_t io_bytes, int64_t logical, bool write,
+int64_t submit(int64_t fd, int64_t offset, at::Tensor buf, int64_t io_bytes, int64_t logical, bool write,
                bool checksum) {
   TORCH_CHECK(buf.device().is_cpu() && buf.is_contiguous(), "aio: buffers must be contiguous CPU tensors");
   int64_t have = buf.numel() * buf.element_size();
@@ -335,7 +337,7 @@ int64_t wait(int64_t ticket) {
   return static_cast<int64_t>(r.crc);
 }
 
-int64_t checksum(torch::Tensor t) {
+int64_t checksum(at::Tensor t) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "aio.checksum: a contiguous CPU tensor");
   return static_cast<int64_t>(crc32c(t.data_ptr(), static_cast<size_t>(t.numel() * t.element_size())));
 }

@@ -21,7 +21,9 @@
 // waited, the peer's description and call site), which names the ranks globally and the
 // program's lines in its message. One collective at a time per segment.
 
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/OpMathType.h>
 
 #include <Python.h>
@@ -175,7 +177,7 @@ class ShmComm {
 
   // In place; a sum is then divided by `divisor` (a mean), rounded as torch rounds
   // `psum(x) / n`: the sum to the tensor's dtype first, then the quotient.
-  void all_reduce_(torch::Tensor& t, bool max, double divisor, uint64_t site) {
+  void all_reduce_(at::Tensor& t, bool max, double divisor, uint64_t site) {
     std::lock_guard<std::mutex> lock(mu_);
     site_ = site;
     check(t, "all_reduce");
@@ -199,7 +201,7 @@ class ShmComm {
   // out (world * m) <- every rank's x (m), in rank order. `desc`, when not 0, is what the
   // round says this rank does instead of "all_gather of m elements" (an announcement of a
   // collective that runs elsewhere, such as a ppermute over torch.distributed).
-  void all_gather(const torch::Tensor& x, torch::Tensor& out, uint64_t site, uint64_t desc) {
+  void all_gather(const at::Tensor& x, at::Tensor& out, uint64_t site, uint64_t desc) {
     std::lock_guard<std::mutex> lock(mu_);
     site_ = site;
     check(x, "all_gather");
@@ -224,7 +226,7 @@ class ShmComm {
   }
 
   // out (m) <- sum over ranks of block `rank` of x (world * m).
-  void reduce_scatter(const torch::Tensor& x, torch::Tensor& out, uint64_t site) {
+  void reduce_scatter(const at::Tensor& x, at::Tensor& out, uint64_t site) {
     std::lock_guard<std::mutex> lock(mu_);
     site_ = site;
     check(x, "reduce_scatter");
@@ -247,7 +249,7 @@ class ShmComm {
   }
 
   // out block j (m elements) <- block `rank` of rank j's x (world * m).
-  void all_to_all(const torch::Tensor& x, torch::Tensor& out, uint64_t site) {
+  void all_to_all(const at::Tensor& x, at::Tensor& out, uint64_t site) {
     std::lock_guard<std::mutex> lock(mu_);
     site_ = site;
     check(x, "all_to_all");
@@ -320,7 +322,7 @@ class ShmComm {
     }
   }
 
-  void check(const torch::Tensor& t, const char* op) const {
+  void check(const at::Tensor& t, const char* op) const {
     TORCH_CHECK(!broken_, "fsharded shared-memory collectives: an earlier collective on segment ",
                 name_, " failed (", broken_why_, "); the ranks are out of step, start again");
     TORCH_CHECK(t.device().is_cpu(), "shm ", op, ": CPU tensors only");

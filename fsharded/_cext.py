@@ -21,7 +21,7 @@ running ninja at all (so neither the ninja nor the compiler on ``PATH`` matters 
 
 Processes that need the same build at once (the ranks of one host) take a file lock in
 its directory: the first compiles, printing one line to stderr ("building the
-shared-memory transport, once for this install, ~1 min ..."), the others wait on the lock
+shared-memory transport, once for this install, ~15 s ..."), the others wait on the lock
 — an untimed wait, not a collective — and then load what it built (or get its error,
 without compiling again). The lock is ``flock``: the kernel releases it when a process
 dies, so a killed build never leaves the others waiting. Callers that go on to a timed

@@ -102,7 +102,7 @@ def _module() -> tuple[Any, str]:
     ``fsharded._cext``): the first process compiles, the others on this host wait
     for the lock, untimed, then load its build."""
     return _cext.build("fsharded_shm_comm", ("shm_comm.cpp",), root=_cext.CSRC, what="the shared-memory transport",
-                       took="~1 min", extra_cflags=["-O3"], extra_ldflags=["-lrt"])
+                       took="~15 s", extra_cflags=["-O3"], extra_ldflags=["-lrt"])
 
 
 def _timeout(g: Any) -> float:

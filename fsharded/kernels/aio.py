@@ -30,7 +30,7 @@ ALIGN = 4096  # O_DIRECT's alignment of addresses, offsets and sizes (csrc/aio.c
 @functools.cache
 def _build() -> tuple[ModuleType | None, str]:
     return _cext.build("fsharded_aio", ("aio.cpp",), root=_cext.CSRC, what="the NVMe tier's file I/O",
-                       took="~40 s", extra_cflags=["-O3"], extra_ldflags=["-lpthread"])
+                       took="~15 s", extra_cflags=["-O3"], extra_ldflags=["-lpthread"])
 
 
 def load(required: bool = True) -> ModuleType | None:

@@ -27,7 +27,7 @@ across tensor boundaries; results do not depend on the thread count or on ``chec
 extension cannot be built). The C++ functions release the GIL and use
 ``torch.get_num_threads()`` threads; they are optimizer steps outside autograd, not custom
 ops, and do not bump autograd version counters (``fused_optim`` does, around them).
-``load()`` builds the extension on first use (~1 min on 2 cores; once per install, cached
+``load()`` builds the extension on first use (~15 s on 2 cores; once per install, cached
 under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions`` by a hash of its sources and
 flags, see ``fsharded._cext``); ``FSHARDED_CPU_OPTIM_ISA``
 (``avx512``, ``avx2``, ``scalar``) forces an instruction set, for tests.
@@ -97,7 +97,7 @@ def _build_cpu() -> tuple[ModuleType | None, str]:
         "fsharded_cpu_optim",
         _SOURCES,
         what="the C++ CPU optimizer",
-        took="~1 min",
+        took="~15 s",
         # -ffp-contract=off: only the explicit FMAs are fused, identically in every code path.
         extra_cflags=[
             "-O3",
