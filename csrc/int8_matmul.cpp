@@ -7,7 +7,10 @@
 // AVX2 intrinsics chosen at load time from the CPU's flags (a scalar loop otherwise).
 // Output channels are split across torch's intra-op threads (at::parallel_for).
 //
-// A dispatcher op, fsharded_cpu::int8_matmul(x, q, scales), registered with
+// Beside it, fsharded_cpu::rows_matmul(x, w): x @ w for 1 to 4 rows of x and a float
+// weight (fp32 or bf16), the same stream over the weight (see below).
+//
+// Dispatcher ops, fsharded_cpu::int8_matmul(x, q, scales) and rows_matmul, registered with
 // TORCH_LIBRARY and loaded by torch.ops.load_library: called from Python or from a
 // compiled graph without a Python frame in between (its fake and vmap rules are
 // registered in Python). It includes only ATen's core headers, so it builds in seconds.
@@ -19,6 +22,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -104,12 +109,21 @@ struct Tiles {
   Tile by_rows[4];  // R = 1..4
 };
 
+// FSHARDED_DECODE_ISA=avx2 or scalar caps the instruction set the products use (tests of
+// the other builds on a machine that has AVX-512).
+int isa_cap() {
+  const char* v = std::getenv("FSHARDED_DECODE_ISA");
+  if (v == nullptr) return 2;
+  const std::string s(v);
+  return s == "scalar" ? 0 : s == "avx2" ? 1 : 2;
+}
+
 Tiles pick() {
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+  if (isa_cap() >= 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
     return {{tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>}};
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+  if (isa_cap() >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
     return {{tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>}};
 #endif
   return {{tile_scalar<1>, tile_scalar<2>, tile_scalar<3>, tile_scalar<4>}};
@@ -198,13 +212,194 @@ at::Tensor int8_matmul(const at::Tensor& x_in, const at::Tensor& q_in, const at:
   return y;
 }
 
+// ---- float weights: y (R, N) = x (R, K) @ w (K, N), w row-major, R up to 4 rows --------
+// Decoding reads every weight once per token, so the product is a stream over w's rows:
+// each thread takes a contiguous block of w's rows (one linear stream), keeps R rows of
+// sums over all N columns in L1/L2, and adds 4 rows of w into them per pass (each w
+// vector loaded once for all R rows of x); the threads' partial sums are added at the
+// end. fp32 sums; w in fp32 or bf16 (widened in registers).
+constexpr int kRowsMax = 4;
+
+inline float widen(float v) { return v; }
+inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+
+template <typename W>
+void cols_scalar(const float* x, int R, int64_t xs, int64_t kn, const W* w, int64_t N, float* acc) {
+  for (int64_t k = 0; k < kn; ++k)
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * xs + k];
+      for (int64_t n = 0; n < N; ++n) acc[r * N + n] += xv * widen(w[k * N + n]);
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const float* p, __mmask16 m) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const void*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <typename W, int R>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void cols_avx512(const float* x, int64_t xs, int64_t kn, const W* w, int64_t N, float* acc) {
+  int64_t k = 0;
+  for (; k + 4 <= kn; k += 4) {
+    __m512 xv[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) xv[r][j] = _mm512_set1_ps(x[r * xs + k + j]);
+    for (int64_t n = 0; n < N; n += 16) {
+      const __mmask16 m = N - n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (N - n)) - 1);
+      __m512 a[R];
+      for (int r = 0; r < R; ++r) a[r] = _mm512_maskz_loadu_ps(m, acc + r * N + n);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 wv = load16(w + (k + j) * N + n, m);
+        for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(xv[r][j], wv, a[r]);
+      }
+      for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(acc + r * N + n, m, a[r]);
+    }
+  }
+  for (; k < kn; ++k)
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * xs + k];
+      for (int64_t n = 0; n < N; ++n) acc[r * N + n] += xv * widen(w[k * N + n]);
+    }
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma"))) inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <typename W, int R>
+__attribute__((target("avx2,fma")))
+void cols_avx2(const float* x, int64_t xs, int64_t kn, const W* w, int64_t N, float* acc) {
+  const int64_t N8 = N / 8 * 8;
+  int64_t k = 0;
+  for (; k + 4 <= kn; k += 4) {
+    __m256 xv[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) xv[r][j] = _mm256_set1_ps(x[r * xs + k + j]);
+    for (int64_t n = 0; n < N8; n += 8) {
+      __m256 a[R];
+      for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(acc + r * N + n);
+      for (int j = 0; j < 4; ++j) {
+        const __m256 wv = load8(w + (k + j) * N + n);
+        for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(xv[r][j], wv, a[r]);
+      }
+      for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * N + n, a[r]);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j)
+        for (int64_t n = N8; n < N; ++n) acc[r * N + n] += x[r * xs + k + j] * widen(w[(k + j) * N + n]);
+  }
+  for (; k < kn; ++k)
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * xs + k];
+      for (int64_t n = 0; n < N; ++n) acc[r * N + n] += xv * widen(w[k * N + n]);
+    }
+}
+#endif
+
+template <typename W>
+using Cols = void (*)(const float*, int64_t, int64_t, const W*, int64_t, float*);
+
+template <typename W>
+struct ColsTable {
+  Cols<W> by_rows[kRowsMax] = {nullptr, nullptr, nullptr, nullptr};
+};
+
+template <typename W>
+ColsTable<W> pick_cols() {
+  ColsTable<W> t;
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (isa_cap() >= 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl")) {
+    t.by_rows[0] = cols_avx512<W, 1>;
+    t.by_rows[1] = cols_avx512<W, 2>;
+    t.by_rows[2] = cols_avx512<W, 3>;
+    t.by_rows[3] = cols_avx512<W, 4>;
+  } else if (isa_cap() >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    t.by_rows[0] = cols_avx2<W, 1>;
+    t.by_rows[1] = cols_avx2<W, 2>;
+    t.by_rows[2] = cols_avx2<W, 3>;
+    t.by_rows[3] = cols_avx2<W, 4>;
+  }
+#endif
+  return t;
+}
+
+template <typename W>
+const ColsTable<W>& cols_table() {
+  static const ColsTable<W> t = pick_cols<W>();
+  return t;
+}
+
+template <typename W, typename T>
+void rows_run(const float* xp, int R, int64_t K, const W* wp, int64_t N, T* yp) {
+  // Each task sums a contiguous block of w's rows over every output column (one linear
+  // stream through memory); the tasks' partial sums are added at the end. At least 64
+  // rows of w per task.
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), K / 64));
+  std::vector<float> part(static_cast<size_t>(tasks * R * N), 0.f);
+  const Cols<W> f = cols_table<W>().by_rows[R - 1];
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t k0 = K * t / tasks, k1 = K * (t + 1) / tasks;
+      float* acc = part.data() + t * R * N;
+      // (x's rows k0..k1 of each of the R rows: x + k0 with row stride K)
+      if (f != nullptr)
+        f(xp + k0, K, k1 - k0, wp + k0 * N, N, acc);
+      else
+        cols_scalar<W>(xp + k0, R, K, k1 - k0, wp + k0 * N, N, acc);
+    }
+  });
+  for (int r = 0; r < R; ++r)
+    for (int64_t n = 0; n < N; ++n) {
+      float v = 0.f;
+      for (int64_t t = 0; t < tasks; ++t) v += part[(t * R + r) * N + n];
+      yp[r * N + n] = static_cast<T>(v);
+    }
+}
+
+at::Tensor rows_matmul(const at::Tensor& x_in, const at::Tensor& w_in) {
+  const auto dt = x_in.scalar_type();
+  TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu() && (dt == at::kFloat || dt == at::kBFloat16),
+              "rows_matmul: x must be a float32/bfloat16 CPU tensor (R, K)");
+  TORCH_CHECK(w_in.dim() == 2 && w_in.device().is_cpu() && w_in.scalar_type() == dt,
+              "rows_matmul: w must be a CPU tensor (K, N) of x's dtype");
+  const int64_t R = x_in.size(0), K = x_in.size(1), N = w_in.size(1);
+  TORCH_CHECK(w_in.size(0) == K, "rows_matmul: x has ", K, " features but w is (", w_in.size(0), ", ", N, ")");
+  TORCH_CHECK(R >= 1 && R <= kRowsMax, "rows_matmul: 1 to ", kRowsMax, " rows of x, got ", R);
+  const at::Tensor w = w_in.contiguous();
+  at::Tensor y = at::empty({R, N}, x_in.options());
+  if (dt == at::kFloat) {
+    const at::Tensor x = x_in.contiguous();
+    rows_run<float, float>(x.const_data_ptr<float>(), static_cast<int>(R), K, w.const_data_ptr<float>(), N,
+                           y.mutable_data_ptr<float>());
+  } else {
+    std::vector<float> xf(static_cast<size_t>(R * K));
+    const at::Tensor x = x_in.contiguous();
+    const c10::BFloat16* xb = x.const_data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < R * K; ++i) xf[i] = static_cast<float>(xb[i]);
+    rows_run<c10::BFloat16, c10::BFloat16>(xf.data(), static_cast<int>(R), K, w.const_data_ptr<c10::BFloat16>(),
+                                           N, y.mutable_data_ptr<c10::BFloat16>());
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fsharded_cpu, m) {
   m.set_python_module("fsharded.kernels.weight_int8");  // (its fake and vmap rules are there)
   m.def("int8_matmul(Tensor x, Tensor q, Tensor scales) -> Tensor");
+  m.def("rows_matmul(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fsharded_cpu, CPU, m) {
   m.impl("int8_matmul", &int8_matmul);
+  m.impl("rows_matmul", &rows_matmul);
 }

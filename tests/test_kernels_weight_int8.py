@@ -1,8 +1,11 @@
 """Int8 weight-only products (``kernels.weight_int8``): the quantisation's error bound and
 layout, Triton (interpreted on CPU) and ATen's packed CPU product against the fp32
-reference, the custom op under ``make_fx``, and bad input named."""
+reference, the custom op under ``make_fx``, and bad input named; the C++ row product of
+float weights (``rows_matmul``) against the exact product."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -124,6 +127,15 @@ def test_the_cpp_product_in_a_compiled_graph_and_under_vmap():
     torch.testing.assert_close(fn(x), torch.relu(int8_matmul_reference(x, q, s)) * 2, rtol=0, atol=0)
     assert any("fsharded_cpu.int8_matmul" in c for c in calls) and not any("fsharded.int8_matmul" in c
                                                                             for c in calls), calls
+    from fsharded.kernels.weight_int8 import rows_matmul
+
+    w = torch.randn(64, 24)
+    calls.clear()
+    with torch.no_grad():
+        fn = torch.compile(lambda x: torch.relu(rows_matmul(x, w)), backend=backend, fullgraph=True)
+        torch.testing.assert_close(fn(x.float()), torch.relu(torch.ops.fsharded_cpu.rows_matmul(x.float(), w)),
+                                   rtol=0, atol=0)
+    assert any("fsharded_cpu.rows_matmul" in c for c in calls), calls
     xs = torch.randn(3, 2, 64)  # shared weights: one product of every batch's rows
     torch.testing.assert_close(torch.vmap(lambda x: int8_matmul(x, q, s))(xs),
                                torch.stack([int8_matmul_reference(x, q, s) for x in xs]), rtol=1e-5, atol=1e-5)
@@ -159,3 +171,76 @@ def test_bad_input_is_named():
         int8_matmul(torch.randn(2, 32, requires_grad=True), q, s)
     with pytest.raises(RuntimeError, match="one scale per output channel"):
         int8_matmul(torch.randn(2, 32), q, s, impl="cpu")
+
+
+def _rows_cases():
+    # (rows of x, K, N): column tails past 16 and 8 lanes, K past the 4-row passes and the
+    # 64-row blocks of a thread
+    return [(1, 512, 1376), (2, 1376, 512), (3, 37, 23), (4, 5, 16), (1, 64, 17), (4, 300, 9), (2, 130, 70)]
+
+
+def _check_rows(rows_matmul):
+    torch.manual_seed(3)
+    for R, K, N in _rows_cases():
+        w = torch.randn(K, N)
+        for dtype in (torch.float32, torch.bfloat16):
+            x, wd = torch.randn(R, K).to(dtype), w.to(dtype)
+            got = rows_matmul(x, wd)
+            assert got.dtype == dtype and got.shape == (R, N)
+            exact = x.double() @ wd.double()
+            # fp32 sums in another order, and (bf16) one rounding of the result to bf16
+            mag = x.double().abs() @ wd.double().abs()
+            tol = mag * 1e-6 + exact.abs() * (ULP[dtype] if dtype != torch.float32 else 0) + 1e-6
+            assert bool(((got.double() - exact).abs() <= tol).all()), (R, K, N, dtype)
+
+
+def test_rows_matmul_equals_the_exact_product_and_falls_back_where_it_does_not_apply():
+    from fsharded.kernels import weight_int8
+
+    assert weight_int8.load() is not None, "the C++ products must build here (gcc is present)"
+    _check_rows(weight_int8.rows_matmul)
+    _check_rows(lambda x, w: torch.ops.fsharded_cpu.rows_matmul(x, w))
+    # torch's product where the C++ one does not apply: more rows, a gradient
+    real = torch.ops.fsharded_cpu.rows_matmul
+    w = torch.randn(32, 8)
+    x5 = torch.randn(5, 32)
+    torch.testing.assert_close(weight_int8.rows_matmul(x5, w), x5 @ w, rtol=0, atol=0)
+    x = torch.randn(2, 32, requires_grad=True)
+    y = weight_int8.rows_matmul(x, w)
+    y.sum().backward()  # (torch's product: it has a gradient)
+    torch.testing.assert_close(x.grad, w.sum(1).expand(2, 32))
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        real(torch.randn(5, 32), w)
+    with pytest.raises(RuntimeError, match="of x's dtype"):
+        real(torch.randn(2, 32), w.double())
+    # leading dims pass through; under vmap (the virtual mesh) a weight per batch entry
+    x3 = torch.randn(2, 1, 32)
+    torch.testing.assert_close(weight_int8.rows_matmul(x3, w), x3 @ w, rtol=1e-5, atol=1e-5)
+    ws = torch.randn(3, 32, 8)
+    xs = torch.randn(3, 1, 32)
+    with torch.no_grad():
+        got = torch.vmap(weight_int8.rows_matmul)(xs, ws)
+    torch.testing.assert_close(got, xs @ ws, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_the_other_instruction_set_builds_give_the_same_products(isa):
+    # The builds an older or a non-x86 CPU takes (chosen when the library loads), forced on
+    # this machine in a fresh process.
+    import subprocess
+    import sys
+
+    code = ("import torch, test_kernels_weight_int8 as T\n"
+            "from fsharded.kernels import weight_int8 as W\n"
+            "assert W.load() is not None\n"
+            "T._check_rows(W.rows_matmul)\n"
+            "for M, K, N, G in T._cases():\n"
+            "    q, s = W.quantize_weight(torch.randn(K, N), G)\n"
+            "    x = torch.randn(min(M, 16), K)\n"
+            "    torch.testing.assert_close(W.int8_matmul(x, q, s, impl='cpp'), W.int8_matmul_reference(x, q, s),"
+            " rtol=1e-5, atol=1e-4)\n"
+            "print('ok')\n")
+    env = {**os.environ, "FSHARDED_DECODE_ISA": isa}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                       cwd=os.path.dirname(__file__))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

@@ -16,6 +16,7 @@ from fsharded.inference._hf import HFDecoder
 from fsharded.inference._sample import sample
 from fsharded.inference._sharded import HFOnMesh, MeshRunner
 from fsharded.inference._stream import StreamedBlocks
+from fsharded.kernels import weight_int8
 from fsharded.mesh import Mesh
 from fsharded.models._gpt_config import MoEConfig
 
@@ -113,6 +114,7 @@ def generate(params: dict, prompts: torch.Tensor | Sequence[Sequence[int]], max_
     slots = longest + max_new_tokens
     if compile:
         slots = -(-slots // 64) * 64  # one compiled step for a range of lengths
+        weight_int8.prepare(params["emb"])  # (the C++ row products loaded before the step is traced)
     if hf is not None:
         if moe is not None or model_state is not None or param_specs is not None:
             raise NotImplementedError("generate: a Hugging Face model takes no moe=, model_state= or param_specs= "

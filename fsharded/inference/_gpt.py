@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from fsharded.inference._cache import KVCache
 from fsharded.inference._int8 import Int8Weight
 from fsharded.inference._stream import StreamedBlocks, block_meta
+from fsharded.kernels.weight_int8 import rows_matmul
 from fsharded.models import gpt
 from fsharded.models._gpt_config import MoEConfig
 
@@ -58,17 +59,16 @@ def _proj(h: torch.Tensor, w: Any) -> torch.Tensor:
     """(B, T, D) through a (D, heads, Dh) projection, float or int8."""
     if isinstance(w, Int8Weight):
         return w.matmul(h)
-    return (h @ w.reshape(w.shape[0], -1)).unflatten(-1, w.shape[1:])  # (one GEMM, not a batched one)
+    return rows_matmul(h, w.reshape(w.shape[0], -1)).unflatten(-1, w.shape[1:])  # (one GEMM, not a batched one)
 
 
 def _mlp(p: dict, x: torch.Tensor, tensor_axis: str | None) -> torch.Tensor:
-    """The dense MLP: the training one, or with int8 weights the same math through their
-    product (spelled out, so that torch.compile sees the int8 calls)."""
-    if not any(isinstance(w, Int8Weight) for w in p.values()):
-        return gpt._mlp(p, x, tensor_axis)
+    """The dense MLP: the training one's math (``gpt._mlp``) spelled out, each product
+    through the int8 product or, for a few rows (decoding), fsharded's row product, so that
+    torch.compile sees those calls."""
 
     def lin(x: torch.Tensor, w: Any, b: str | None) -> torch.Tensor:
-        y = w.matmul(x) if isinstance(w, Int8Weight) else x @ w
+        y = w.matmul(x) if isinstance(w, Int8Weight) else rows_matmul(x, w)
         return y + p[b] if b in p else y
 
     x = gpt._enter_tp(x, tensor_axis, _tensor_of(p["w_gate"] if "w_gate" in p else p["w_in"]))
@@ -196,7 +196,7 @@ def _blocks(blocks: Any, x: torch.Tensor, tables: Any, biases: Any, moe: MoEConf
             q, k = _rotary_rows(q, tables), _rotary_rows(k, tables)
         o = attend(i, q, k, v)
         wo = a["wo"]
-        y = wo.matmul(o) if isinstance(wo, Int8Weight) else o.flatten(-2) @ wo.reshape(-1, wo.shape[-1])
+        y = wo.matmul(o) if isinstance(wo, Int8Weight) else rows_matmul(o.flatten(-2), wo.reshape(-1, wo.shape[-1]))
         y = gpt._exit_tp(y, tensor_axis)
         x = x + (y + a["bo"] if "bo" in a else y)
         if gpt._is_moe(p):

@@ -54,7 +54,7 @@ from fsharded import _cext
 from fsharded.kernels import _dispatch
 from fsharded.kernels.quant import _quant_rows_ref
 
-__all__ = ["quantize_weight", "dequantize_weight", "int8_matmul", "int8_matmul_reference"]
+__all__ = ["quantize_weight", "dequantize_weight", "int8_matmul", "int8_matmul_reference", "rows_matmul"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -121,6 +121,8 @@ def _build() -> tuple[ModuleType | None, str]:
     if ops is not None:  # (the op's rules for tracing and for vmap, once it exists)
         torch.library.register_fake("fsharded_cpu::int8_matmul", _fake)
         torch.library.register_vmap("fsharded_cpu::int8_matmul", _vmap_rule(ops.int8_matmul))
+        torch.library.register_fake("fsharded_cpu::rows_matmul", _rows_fake)
+        torch.library.register_vmap("fsharded_cpu::rows_matmul", _rows_vmap)
     return ops, why
 
 
@@ -146,12 +148,12 @@ def _cpp_available() -> bool:
     return _CPP[0]
 
 
-def prepare(q: torch.Tensor) -> None:
-    """Build or load the C++ product now where the int8 weight ``q`` is on the CPU, outside
-    any trace: a graph traced later (a compiled decode step) can only call a product that
-    is loaded already. Called where int8 weights are made (``quantize_weight``,
-    ``fs.inference.Int8Weight``)."""
-    if q.device.type == "cpu" and not torch.compiler.is_compiling():
+def prepare(t: torch.Tensor) -> None:
+    """Build or load the C++ products now where the weight ``t`` is on the CPU, outside any
+    trace: a graph traced later (a compiled decode step) can only call a product that is
+    loaded already. Called where int8 weights are made (``quantize_weight``,
+    ``fs.inference.Int8Weight``) and before a decode step is compiled."""
+    if t.device.type == "cpu" and not torch.compiler.is_compiling():
         _cpp_available()
 
 
@@ -212,6 +214,37 @@ def _vmap_rule(op):
 
 
 _op.register_vmap(_vmap_rule(_op))
+
+
+ROWS_MAX = 4  # rows_matmul's C++ product takes up to this many rows of x
+
+
+def _rows_vmap(info, in_dims, x, w):
+    """Under vmap: the batch's rows through torch's product (batched weights, or more rows
+    than the C++ product takes)."""
+    xd, wd = in_dims
+    xb = x.movedim(xd, 0) if xd is not None else x
+    wb = w.movedim(wd, 0) if wd is not None else w
+    return torch.matmul(xb, wb), 0
+
+
+def _rows_fake(x, w):
+    return x.new_empty((x.shape[0], w.shape[1]))
+
+
+def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` for a float weight ``w`` ``(K, N)``: where ``x`` ``(..., K)`` is at most
+    ``ROWS_MAX`` rows on the CPU (decoding), ``w`` of ``x``'s dtype (fp32 or bf16) and no
+    gradient is asked for, fsharded's C++ product (``torch.ops.fsharded_cpu.rows_matmul``:
+    a stream over ``w``'s rows, each thread summing a range of output columns in fp32);
+    torch's product otherwise. Torch's small-row product reads fp32 weights at about a
+    third of this machine's memory bandwidth; a decoded token reads every weight once."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if (x2.shape[0] <= ROWS_MAX and x.device.type == "cpu" and w.device.type == "cpu" and w.dim() == 2
+            and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16)
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) and _cpp_available()):
+        return torch.ops.fsharded_cpu.rows_matmul(x2, w).view(*x.shape[:-1], w.shape[1])
+    return x @ w
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, impl: str | None = None) -> torch.Tensor:
