@@ -268,13 +268,24 @@ def _from_hf(path: str, dtype: torch.dtype, int8: bool, group_size: int | None, 
                   mesh if mesh is not None and mesh.size > 1 else None, tokenizer, eos)
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The flags that name a model and how its weights are held (``generate`` and ``serve``)."""
+    p.add_argument("--checkpoint", "--model", required=True, metavar="DIR", dest="checkpoint",
+                   help="a checkpoint (step-N), a save directory (its newest checkpoint), a .safetensors file "
+                        "(fsharded export's), or a Hugging Face causal LM's directory (save_pretrained's)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                   help="weights and cache (default fp32; the checkpoint's master weights are cast)")
+    p.add_argument("--int8", action="store_true", help="int8 weight-only projections and head (a scale per "
+                   "output channel; the activations and cache in --dtype)")
+    p.add_argument("--group-size", type=int, default=None, metavar="G",
+                   help="with --int8: a scale per G input features instead of per output channel")
+
+
 def build_parser(prog: str = "fsharded generate") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].split(": ", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    p.add_argument("--checkpoint", "--model", required=True, metavar="DIR", dest="checkpoint",
-                   help="a checkpoint (step-N), a save directory (its newest checkpoint), a .safetensors file "
-                        "(fsharded export's), or a Hugging Face causal LM's directory (save_pretrained's)")
+    add_model_args(p)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="a prompt (repeat for a batch of prompts)")
     p.add_argument("--prompt-tokens", action="append", default=[], metavar="IDS",
@@ -289,17 +300,11 @@ def build_parser(prog: str = "fsharded generate") -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], metavar="TOKEN",
                    help="a token id that ends a continuation (kept); repeatable (default: none, or a Hugging Face "
                         "model's end-of-sequence ids; 'none': not those either)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
-                   help="weights and cache (default fp32; the checkpoint's master weights are cast)")
     p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                    help="decode on a mesh: tensor=N splits the heads and hidden units, expert=N the experts, "
                         "data=N the prompts (virtual in one process; under torchrun the world size)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="under torchrun: how long a collective may wait (default 300)")
-    p.add_argument("--int8", action="store_true", help="int8 weight-only projections and head (a scale per "
-                   "output channel; the activations and cache in --dtype)")
-    p.add_argument("--group-size", type=int, default=None, metavar="G",
-                   help="with --int8: a scale per G input features instead of per output channel")
     p.add_argument("--compile", action="store_true", help="decode through a torch.compile'd step (compiled on the "
                    "first use: seconds; worth it for long continuations)")
     p.add_argument("--preset", default=None, help="for a checkpoint without a recorded model: the GPT preset")

@@ -41,7 +41,7 @@ from typing import Any
 from fsharded import inference
 from fsharded import random as R
 from fsharded.mesh import Mesh
-from fsharded.tools._generate import DTYPES, Loaded, load_model
+from fsharded.tools._generate import DTYPES, Loaded, add_model_args, load_model
 from fsharded.tools.train import parse_mesh
 
 __all__ = ["Server", "start_http", "build_parser", "main"]
@@ -246,9 +246,7 @@ def build_parser(prog: str = "fsharded serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].split(": ", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    p.add_argument("--checkpoint", "--model", required=True, metavar="DIR", dest="checkpoint",
-                   help="a checkpoint (step-N), a save directory (its newest checkpoint), a .safetensors file "
-                        "(fsharded export's) or a Hugging Face causal LM's directory (save_pretrained's)")
+    add_model_args(p)
     p.add_argument("--mesh", default=None, metavar="tensor=N",
                    help="serve on a virtual mesh in this process: tensor=N splits the heads and hidden units")
     p.add_argument("--http", type=int, default=None, metavar="PORT", help="serve HTTP on PORT (0: any free port) "
@@ -265,9 +263,6 @@ def build_parser(prog: str = "fsharded serve") -> argparse.ArgumentParser:
                    help="admit a request where the free pages hold its prompt and this share of every request's "
                         "remaining new tokens (default 0.5; 1: never preempt; 0: admit as soon as a prompt chunk "
                         "fits)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--int8", action="store_true", help="int8 weight-only projections and head")
-    p.add_argument("--group-size", type=int, default=None, metavar="G")
     return p
 
 
