@@ -23,13 +23,13 @@ from fsharded.inference._engine import Engine, Event, Request
 from fsharded.inference._export import to_transformers
 from fsharded.inference._generate import Generation, generate
 from fsharded.inference._gpt import extend
-from fsharded.inference._int8 import Int8Weight, quantize
+from fsharded.inference._int8 import Int8Linear, Int8Weight, quantize
 from fsharded.inference._paged import PagedKVCache
 from fsharded.inference._safetensors import load_safetensors, safetensors_config
 from fsharded.inference._sample import sample
 from fsharded.inference._sharded import mesh_specs
 from fsharded.inference._stream import StreamedBlocks, stream_weights
 
-__all__ = ["KVCache", "Generation", "generate", "extend", "sample", "quantize", "Int8Weight", "mesh_specs",
+__all__ = ["KVCache", "Generation", "generate", "extend", "sample", "quantize", "Int8Weight", "Int8Linear", "mesh_specs",
            "to_transformers", "Engine", "Request", "Event", "PagedKVCache",
            "stream_weights", "StreamedBlocks", "load_safetensors", "safetensors_config"]

@@ -23,7 +23,7 @@ from fsharded import comm
 from fsharded.inference._cache import KVCache
 from fsharded.inference._gpt import check_context, contiguous, extend, forward
 from fsharded.inference._hf import HFDecoder
-from fsharded.inference._int8 import Int8Weight
+from fsharded.inference._int8 import Int8Linear, Int8Weight
 from fsharded.mesh import Mesh, P
 from fsharded.mesh._spec import shard_shape
 from fsharded.mesh._tree import broadcast_prefix, tree_flatten_with_paths
@@ -255,6 +255,11 @@ class HFOnMesh(_OnMesh):
         if kind not in self.TABLES:
             raise NotImplementedError(f"generate: no tensor-parallel plan for a Hugging Face {kind!r} model here "
                                       f"(known: {', '.join(sorted(self.TABLES))})")
+        int8 = [n for n, m in hf.fm.module.named_modules() if isinstance(m, Int8Linear)]
+        if int8:
+            raise NotImplementedError(f"generate: {int8[0]} (and {len(int8) - 1} more) of this Hugging Face model are "
+                                      f"int8 layers (fs.inference.quantize), which decode on one device; decode the "
+                                      f"float model on the mesh, or the int8 one without it")
         self.hf, self.mesh = hf, mesh
         self.heads_split = self.TABLES[kind] == "LLAMA"
         if self.heads_split and (hf.kv_heads % t or hf.heads % t):

@@ -242,9 +242,11 @@ def _from_hf(path: str, dtype: torch.dtype, int8: bool, group_size: int | None, 
     except ImportError as e:
         raise ValueError(f"generate: {path} is a Hugging Face model: install transformers "
                          f"(pip install 'fsharded[hf]')") from e
-    if int8 or group_size is not None:
-        raise NotImplementedError("generate: --int8 for a Hugging Face model is not implemented; its weights decode "
-                                  "in --dtype (int8 weights are for fsharded's GPT)")
+    if group_size is not None and not int8:
+        raise ValueError("generate: --group-size is the int8 weights' group: give --int8 with it")
+    if int8 and mesh is not None and mesh.size > 1:
+        raise NotImplementedError("generate: --int8 for a Hugging Face model decodes on one device; drop --mesh, or "
+                                  "--int8 to decode it on a mesh in --dtype")
     # (transformers takes the dtype as dtype= from 4.56, as torch_dtype= before)
     new = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56)
     try:
@@ -264,6 +266,8 @@ def _from_hf(path: str, dtype: torch.dtype, int8: bool, group_size: int | None, 
     eos = () if eos is None else tuple(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]))
     if mesh is not None and mesh.size > 1:
         HFDecoder(model)  # (refuses a model fsharded cannot decode before any rank lays it out)
+    if int8:  # every linear layer (the head included) as int8 with fp32 scales, in place
+        model = inference.quantize(model, group_size=group_size, inplace=True)
     return Loaded(model, None, None, "tokenizer" if tokenizer is not None else None, None, path,
                   mesh if mesh is not None and mesh.size > 1 else None, tokenizer, eos)
 
