@@ -214,10 +214,11 @@ at::Tensor int8_matmul(const at::Tensor& x_in, const at::Tensor& q_in, const at:
 
 // ---- float weights: y (R, N) = x (R, K) @ w (K, N), w row-major, R up to 4 rows --------
 // Decoding reads every weight once per token, so the product is a stream over w's rows:
-// each thread takes a contiguous block of w's rows (one linear stream), keeps R rows of
-// sums over all N columns in L1/L2, and adds 4 rows of w into them per pass (each w
-// vector loaded once for all R rows of x); the threads' partial sums are added at the
-// end. fp32 sums; w in fp32 or bf16 (widened in registers).
+// w's rows go in fixed blocks of 256, each thread takes a run of whole blocks (one linear
+// stream), each block keeps R rows of sums over all N columns in L1/L2 and adds 4 rows
+// of w into them per pass (each w vector loaded once for all R rows of x); the blocks'
+// sums are added in block order, so the result does not depend on the thread count.
+// fp32 sums; w in fp32 or bf16 (widened in registers).
 constexpr int kRowsMax = 4;
 
 inline float widen(float v) { return v; }
@@ -340,16 +341,17 @@ const ColsTable<W>& cols_table() {
 
 template <typename W, typename T>
 void rows_run(const float* xp, int R, int64_t K, const W* wp, int64_t N, T* yp) {
-  // Each task sums a contiguous block of w's rows over every output column (one linear
-  // stream through memory); the tasks' partial sums are added at the end. At least 64
-  // rows of w per task.
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), K / 64));
-  std::vector<float> part(static_cast<size_t>(tasks * R * N), 0.f);
+  // w's rows in fixed blocks of kBlock; each thread streams a run of whole blocks (one
+  // linear pass through memory) into each block's own partial sums, which are then added
+  // in block order: the same result for any number of threads.
+  constexpr int64_t kBlock = 256;
+  const int64_t blocks = std::max<int64_t>(1, (K + kBlock - 1) / kBlock);
+  std::vector<float> part(static_cast<size_t>(blocks * R * N), 0.f);
   const Cols<W> f = cols_table<W>().by_rows[R - 1];
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t k0 = K * t / tasks, k1 = K * (t + 1) / tasks;
-      float* acc = part.data() + t * R * N;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t k0 = b * kBlock, k1 = std::min<int64_t>(K, k0 + kBlock);
+      float* acc = part.data() + b * R * N;
       // (x's rows k0..k1 of each of the R rows: x + k0 with row stride K)
       if (f != nullptr)
         f(xp + k0, K, k1 - k0, wp + k0 * N, N, acc);
@@ -360,7 +362,7 @@ void rows_run(const float* xp, int R, int64_t K, const W* wp, int64_t N, T* yp) 
   for (int r = 0; r < R; ++r)
     for (int64_t n = 0; n < N; ++n) {
       float v = 0.f;
-      for (int64_t t = 0; t < tasks; ++t) v += part[(t * R + r) * N + n];
+      for (int64_t b = 0; b < blocks; ++b) v += part[(b * R + r) * N + n];
       yp[r * N + n] = static_cast<T>(v);
     }
 }

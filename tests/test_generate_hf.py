@@ -225,3 +225,18 @@ def test_generate_and_serve_take_int8_for_a_hugging_face_directory(llama_dir, ca
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.splitlines()[-1])
     assert got["tokens"] == _theirs(model, tok("tokens are pieces")["input_ids"], 5)
+
+
+def test_an_int8_module_keeps_fp32_scales_through_a_cast_and_needs_no_no_grad():
+    import fsharded as fs
+
+    q = fs.inference.quantize(_llama(), dtype=torch.bfloat16)
+    layer = q.model.layers[0].self_attn.q_proj
+    assert layer.scales.dtype == torch.float32 and layer.q.dtype == torch.int8
+    assert q.model.embed_tokens.weight.dtype == torch.bfloat16
+    q.half()  # a later cast of the whole model: the scales stay fp32, the product still runs
+    assert layer.scales.dtype == torch.float32
+    q.float()
+    ids = torch.tensor([[5, 6, 7]])
+    assert q(ids).logits.shape == (1, 3, 320)  # (nothing requires grad: no torch.no_grad() needed)
+    assert not any(p.requires_grad for p in q.parameters())

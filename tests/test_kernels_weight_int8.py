@@ -244,3 +244,25 @@ def test_the_other_instruction_set_builds_give_the_same_products(isa):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
                        cwd=os.path.dirname(__file__))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_rows_matmul_gives_the_same_bits_for_any_thread_count():
+    # Fixed blocks of the weight's rows, added in block order: 1 and 2 threads agree
+    # bitwise (a virtual mesh and real ranks may run with different thread counts).
+    from fsharded.kernels import weight_int8
+
+    torch.manual_seed(5)
+    w, x = torch.randn(1100, 300), torch.randn(2, 1100)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = weight_int8.rows_matmul(x, w)
+        torch.set_num_threads(2)
+        two = weight_int8.rows_matmul(x, w)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, two)
+    # a weight that is not contiguous, and no rows: torch's product
+    wt = torch.randn(8, 32).T
+    torch.testing.assert_close(weight_int8.rows_matmul(x[:, :32], wt), x[:, :32] @ wt, rtol=0, atol=0)
+    assert weight_int8.rows_matmul(torch.randn(0, 32), wt).shape == (0, 8)

@@ -104,6 +104,14 @@ class Int8Linear(nn.Module):
     def group_size(self) -> int:
         return self.in_features // self.scales.shape[1]
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Int8Linear:
+        # A cast of the model (.to(torch.bfloat16), .half()) casts the bias; the scales stay
+        # fp32, as the product takes them (a device move still moves them).
+        super()._apply(fn, recurse)
+        if self.scales.dtype != torch.float32:
+            self.scales = self.scales.float()
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = int8_matmul(x, self.q, self.scales)
         return y + self.bias if self.bias is not None else y
@@ -120,8 +128,6 @@ def _linear(m: nn.Module) -> bool:
 
 def _quantize_module(model: nn.Module, group_size: int | None, dtype: torch.dtype | None, inplace: bool) -> nn.Module:
     out = model if inplace else copy.deepcopy(model)
-    if dtype is not None:
-        out = out.to(dtype)
     found = []
     for name, m in list(out.named_modules()):
         for child_name, child in list(m.named_children()):
@@ -136,7 +142,9 @@ def _quantize_module(model: nn.Module, group_size: int | None, dtype: torch.dtyp
     if not found:
         raise ValueError(f"quantize: {type(model).__name__} has no nn.Linear (or transformers Conv1D) layer to "
                          f"quantize")
-    return out.eval()
+    if dtype is not None:  # (after quantizing: the int8 weights come from the weights as given)
+        out = out.to(dtype)
+    return out.requires_grad_(False).eval()
 
 
 def quantize(params: Any, group_size: int | None = None, dtype: torch.dtype | None = None, *,
@@ -145,9 +153,10 @@ def quantize(params: Any, group_size: int | None = None, dtype: torch.dtype | No
     per output channel, or per ``group_size`` input features), the rest cast to ``dtype``.
 
     ``params`` may instead be a module (a Hugging Face causal LM): a copy of it (the model
-    itself with ``inplace=True``) in ``dtype`` with every ``nn.Linear`` and transformers
-    ``Conv1D`` an ``Int8Linear``, the output head included (an int8 copy of a tied
-    embedding); decoded on one device.
+    itself with ``inplace=True``) with every ``nn.Linear`` and transformers ``Conv1D`` an
+    ``Int8Linear`` quantized from the weights as given, the output head included (an int8
+    copy of a tied embedding), then the rest cast to ``dtype``; for inference (nothing
+    requires grad), on one device.
 
     ``tensor``: the tensor-parallel size the tree will be decoded on. The row-parallel
     projections (``wo``, ``w_out``, ``w_down``: their input features split over it) then

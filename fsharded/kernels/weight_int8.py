@@ -236,12 +236,14 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w`` for a float weight ``w`` ``(K, N)``: where ``x`` ``(..., K)`` is at most
     ``ROWS_MAX`` rows on the CPU (decoding), ``w`` of ``x``'s dtype (fp32 or bf16) and no
     gradient is asked for, fsharded's C++ product (``torch.ops.fsharded_cpu.rows_matmul``:
-    a stream over ``w``'s rows, each thread summing a range of output columns in fp32);
-    torch's product otherwise. Torch's small-row product reads fp32 weights at about a
+    ``w``'s rows in fixed blocks of 256, each thread streaming a run of blocks, each block's
+    fp32 sums over every column added in block order, so the result does not depend on
+    the thread count); torch's product otherwise (also for a weight that is not
+    contiguous, which the C++ product would copy). Torch's small-row product reads fp32 weights at about a
     third of this machine's memory bandwidth; a decoded token reads every weight once."""
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    if (x2.shape[0] <= ROWS_MAX and x.device.type == "cpu" and w.device.type == "cpu" and w.dim() == 2
-            and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16)
+    if (1 <= x2.shape[0] <= ROWS_MAX and x.device.type == "cpu" and w.device.type == "cpu" and w.dim() == 2
+            and w.is_contiguous() and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16)
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) and _cpp_available()):
         return torch.ops.fsharded_cpu.rows_matmul(x2, w).view(*x.shape[:-1], w.shape[1])
     return x @ w

@@ -151,7 +151,8 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, preset: str | N
     checkpoint's ``params``, whatever layout they were trained in, as full tensors) cast
     to ``dtype``; with ``int8`` its projections quantized from the fp32 master weights
     (``fs.inference.quantize``, a scale per output channel or per ``group_size`` input
-    features). With ``mesh`` the parameters are laid out for generation on it
+    features; a Hugging Face model: every linear layer, from its stored weights read in
+    fp32, the rest then cast to ``dtype``). With ``mesh`` the parameters are laid out for generation on it
     (``fs.inference.mesh_specs``): on real ranks each rank reads its own shards only. A
     checkpoint of another model is an error naming the leaves that differ."""
     if str(path).endswith(".safetensors"):
@@ -250,8 +251,8 @@ def _from_hf(path: str, dtype: torch.dtype, int8: bool, group_size: int | None, 
     # (transformers takes the dtype as dtype= from 4.56, as torch_dtype= before)
     new = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56)
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, **{"dtype" if new else "torch_dtype": dtype}).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(  # (int8: from the stored weights, then cast)
+            path, **{"dtype" if new else "torch_dtype": torch.float32 if int8 else dtype}).eval()
     except (OSError, ValueError, KeyError, TypeError, ImportError) as e:
         raise ValueError(f"generate: {path}: transformers cannot load a causal LM from it ({e})") from e
     tokenizer = None
@@ -267,7 +268,7 @@ def _from_hf(path: str, dtype: torch.dtype, int8: bool, group_size: int | None, 
     if mesh is not None and mesh.size > 1:
         HFDecoder(model)  # (refuses a model fsharded cannot decode before any rank lays it out)
     if int8:  # every linear layer (the head included) as int8 with fp32 scales, in place
-        model = inference.quantize(model, group_size=group_size, inplace=True)
+        model = inference.quantize(model, group_size=group_size, dtype=dtype, inplace=True)
     return Loaded(model, None, None, "tokenizer" if tokenizer is not None else None, None, path,
                   mesh if mesh is not None and mesh.size > 1 else None, tokenizer, eos)
 
