@@ -83,7 +83,10 @@ def steps(host_reads: bool, *, mesh: fs.Mesh, check_schedule: bool = True, donat
         state, metrics = step(state, b)
         losses.append(float(metrics["loss"]))
     man = manifest(step.collectives(state, b))
-    return {"losses": losses, "params": step.params(state), "manifest": man}
+    # This process's own: on real ranks the schedule check's record (or, unchecked, a dry
+    # run of its own), on the virtual mesh collectives().
+    own = manifest(step.own_collectives(state, b))
+    return {"losses": losses, "params": step.params(state), "manifest": man, "own": own}
 
 
 def on_ranks(world: int) -> dict:

@@ -102,24 +102,118 @@ def test_a_new_graph_only_for_a_new_shape_or_dtype(batches):
     assert step.compiles == 2
 
 
+def _decay(total: int):
+    return fs.optim.WarmupDecayLR(warmup_min_lr=0.0, warmup_max_lr=0.0123, warmup_num_steps=2,
+                                  total_num_steps=total)
+
+
+def _matmul_loss(p, b):
+    return ((b["x"] @ p["w"]) ** 2).mean()
+
+
+def test_the_learning_rate_is_an_input_of_the_graph_not_its_schedule():
+    # The rates are computed before the step and passed in: two schedules (another run
+    # length) capture the same graph, so a second job of another --steps compiles from the
+    # cache; each step still applies its own rate, as eagerly.
+    b = {"x": torch.randn(4, 3, generator=torch.Generator().manual_seed(0))}
+    codes = []
+    for total in (10, 20):
+        step = fs.train_step(_matmul_loss, fs.optim.adamw(_decay(total)), compile="eager")
+        codes.append(step.graph(step.init({"w": torch.ones(3, 2)}), b).code)
+    assert codes[0] == codes[1]
+    assert "0.0123" not in codes[0]  # (no rate is a constant of the graph)
+    # A schedule with Python branches on the step (a host read when traced) runs compiled.
+    branchy = lambda step: 1e-2 if int(step) < 2 else 1e-3  # noqa: E731
+    for opt in (fs.optim.adamw(_decay(6)), fs.optim.sgd(branchy, momentum=0.9)):
+        runs = {}
+        for c in ("eager", False):
+            step = fs.train_step(_matmul_loss, opt, compile=c)
+            state, got = step.init({"w": torch.ones(3, 2)}), []
+            for _ in range(5):
+                state, m = step(state, b)
+                got.append((float(m["lr"]), state.params["w"].clone()))
+            runs[c] = got
+            assert step.compiles == (1 if c else 0)
+        assert [r for r, _ in runs["eager"]] == [r for r, _ in runs[False]]
+        assert len({r for r, _ in runs[False]}) > 1  # (the rate changed along the steps)
+        for (_, a), (_, e) in zip(runs["eager"], runs[False]):
+            torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("same", [False, True])
+def test_two_rates_of_one_schedule_are_each_their_own_counters_as_eagerly(same):
+    # One schedule object in two transformations at different counts (the second counter
+    # ahead): each is given the rate of its own counter, not one rate per schedule. The
+    # same transformation twice (one token, two counters) computes its rates in the graph.
+    sched = _decay(8)
+    t = fs.optim.scale_by_learning_rate(sched)
+    opt = fs.optim.chain(t, t if same else fs.optim.scale_by_learning_rate(sched))
+    b = {"x": torch.randn(4, 3, generator=torch.Generator().manual_seed(1))}
+    finals = {}
+    for c in ("eager", False):
+        step = fs.train_step(_matmul_loss, opt, compile=c)
+        state = step.init({"w": torch.ones(3, 2)})
+        inner = list(state.opt_state)
+        inner[1] = inner[1]._replace(count=torch.tensor(3))
+        state = state._replace(opt_state=tuple(inner))
+        for _ in range(4):
+            state, _ = step(state, b)
+        finals[c] = state.params["w"]
+    assert not torch.equal(finals[False], torch.ones(3, 2))
+    torch.testing.assert_close(finals["eager"], finals[False], rtol=1e-6, atol=1e-7)
+
+
 def test_bad_input_is_the_eager_steps_error(batches):
     step, params = C.gpt_step("eager")
     with pytest.raises(RuntimeError, match="expected target dtype to be Long"):
         step(step.init(params), {"tokens": batches[0]["tokens"].to(torch.int32)})
 
 
-def test_a_nonfinite_step_is_refused_and_the_state_kept(batches):
-    step, params = C.gpt_step("eager")
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_nonfinite_step_is_refused_and_the_state_kept(batches, donate):
+    step, params = C.gpt_step("eager", donate=donate)
     state = step.init(params)
     state, _ = step(state, batches[0])
-    kept = [x.clone() for x in optree.tree_leaves(state.params)]
+    kept = [x.clone() for x in optree.tree_leaves((state.params, state.opt_state))]
     bad = dict(state.params, emb=state.params["emb"].clone())
     bad["emb"][0, 0] = float("nan")
     bad_state = state._replace(params=bad)
     with pytest.raises(FloatingPointError, match="not applied"):
         step(bad_state, batches[1])
-    assert all(torch.equal(a, b) for a, b in zip(kept, optree.tree_leaves(state.params)))
+    # (donated: the graph wrote its kept values back into the buffers passed in)
+    assert all(torch.equal(a, b) for a, b in zip(kept, optree.tree_leaves((state.params, state.opt_state))))
     assert torch.isnan(bad_state.params["emb"][0, 0])  # (the state passed in, as it was)
+
+
+def test_a_donated_compiled_step_updates_the_state_in_its_own_buffers(batches):
+    # The graph writes the new parameters and moments into the state passed in (inputs
+    # mutated at its end), as the eager donated step does, with its numbers; a skipped
+    # non-finite step leaves them as they were and advances the counters.
+    runs = {}
+    for c in (False, "eager"):
+        step, params = C.gpt_step(c, mesh={"data": 2}, donate=True, on_nonfinite="skip")
+        state = step.init(params)
+        buffers = [x.data_ptr() for x in optree.tree_leaves((state.params, state.opt_state)) if x.dim() > 0]
+        losses = []
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        assert [x.data_ptr() for x in optree.tree_leaves((state.params, state.opt_state)) if x.dim() > 0] == buffers
+        runs[c] = losses, state
+        if c:
+            gm = step.graph(state, batches[0])
+            copies = [n for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default]
+            assert copies and all(n.args[0].op == "placeholder" for n in copies)
+            bad = state._replace(params=dict(state.params, emb=state.params["emb"].clone()))
+            bad.params["emb"][0, 0] = float("inf")
+            kept = optree.tree_map(torch.clone, (bad.params, bad.opt_state))  # (as passed in)
+            after, m = step(bad, batches[0])
+            assert int(after.step) == int(state.step) + 1 and int(m["skipped"]) == 1
+            assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(kept),
+                                                         optree.tree_leaves((after.params, after.opt_state))))
+    assert runs["eager"][0] == pytest.approx(runs[False][0], rel=1e-6, abs=1e-6)
+    for a, b in zip(optree.tree_leaves(runs["eager"][1]), optree.tree_leaves(runs[False][1])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.multiprocess

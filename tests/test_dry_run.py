@@ -93,6 +93,7 @@ def test_gloo_two_ranks_host_reads():
     virtual = C.steps(True, mesh=MESH, n=0)["manifest"]
     for res in per_rank:
         assert res["checked"]["manifest"] == res["plain"]["manifest"] == virtual
+        assert all(r["own"] == virtual for r in res.values())
         assert res["checked"]["losses"] == res["unchecked"]["losses"] == res["plain"]["losses"]
         for k, v in res["unchecked"]["params"].items():
             assert torch.equal(res["checked"]["params"][k], v), k

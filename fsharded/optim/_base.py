@@ -301,6 +301,36 @@ def scheduled_lrs(tx: Any, state: Any) -> list[tuple[torch.Tensor, torch.Tensor]
     return list(probe(state)) if probe is not None else []
 
 
+class Rate(tuple):
+    """One ``(count, lr)`` pair of ``scheduled_lrs``, with the ``scale_by_learning_rate``
+    it belongs to (``token``: see ``given_rates``)."""
+
+    token: object
+
+    def __new__(cls, count: Any, lr: torch.Tensor, token: object) -> Rate:
+        self = super().__new__(cls, (count, lr))
+        self.token = token
+        return self
+
+
+# The rates computed before a step, by ``scale_by_learning_rate`` token (``given_rates``).
+_GIVEN: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fsharded_given_rates", default=None)
+
+
+@contextlib.contextmanager
+def given_rates(rates: dict) -> Iterator[None]:
+    """Inside, each ``scale_by_learning_rate`` whose token (``Rate.token``) is in ``rates``
+    multiplies by the value given there instead of computing its schedule. A step captured
+    as one graph passes the rates it computed before running (``scheduled_lrs``, from the
+    same counters) as inputs of the graph, so the graph holds no schedule: one graph for
+    every schedule and run length."""
+    tok = _GIVEN.set(rates)
+    try:
+        yield
+    finally:
+        _GIVEN.reset(tok)
+
+
 def scale_by_learning_rate(lr: ScalarOrSchedule, *, flip_sign: bool = True, who: str = "optimizer") -> Optimizer:
     """Multiply updates by ``-lr(count)`` (``+lr`` with ``flip_sign=False``).
 
@@ -309,12 +339,17 @@ def scale_by_learning_rate(lr: ScalarOrSchedule, *, flip_sign: bool = True, who:
     """
     sched = as_schedule(lr, who=who)
     sign = -1.0 if flip_sign else 1.0
+    token = object()  # (this transformation's own: a rate given for it, see given_rates)
+
+    def rate(count: torch.Tensor) -> torch.Tensor:
+        given = _GIVEN.get()
+        return given[token] if given is not None and token in given else sched(count)
 
     def init(params):
         return ScaleByScheduleState(_count0())
 
     def update(updates, state, params=None):
-        step_lr = sched(state.count) * sign
+        step_lr = rate(state.count) * sign
         if _foreach_ok(updates):
             u, tdef = optree.tree_flatten(updates)
             if len({x.dtype for x in u}) == 1:
@@ -323,7 +358,7 @@ def scale_by_learning_rate(lr: ScalarOrSchedule, *, flip_sign: bool = True, who:
         new = optree.tree_map(lambda u: u * step_lr.to(u.dtype), updates)
         return new, ScaleByScheduleState(state.count + 1)
 
-    update.lrs = lambda state: [(state.count, sched(state.count))]
+    update.lrs = lambda state: [Rate(state.count, rate(state.count), token)]
     return Optimizer(init, update, sched)
 
 

@@ -421,13 +421,15 @@ def _group_differences(lists: list[list[tuple]], mesh: Any) -> list[str]:
     return lines[:8]
 
 
-def dry_run(fn: Any, *args: Any, what: str = "train_step's schedule check",
-            fix: str = FIX + " Or pass check_schedule=False to train_step, which skips the "
-                             "cross-rank check.", peak: bool = False) -> Any:
+_CHECK_FIX = FIX + " Or pass check_schedule=False to train_step, which skips the cross-rank check."
+
+
+def dry_record(fn: Any, *args: Any, what: str = "train_step's schedule check", fix: str = _CHECK_FIX,
+               peak: bool = False) -> tuple[list, int]:
     """``fn(*args)`` on stand-ins of the same shapes (see the module doc) with the
-    collectives answering locally: this rank's schedule, ``(phase, op, axis, dtype,
-    shape)`` per collective. With ``peak``: ``(schedule, bytes)``, the most bytes the call
-    had allocated at once beyond its arguments (the memory tracker, counting meta tensors)."""
+    collectives answering locally: the manifest entries of this rank's collectives, and
+    with ``peak`` the most bytes the call had allocated at once beyond its arguments (the
+    memory tracker, counting meta tensors; else 0)."""
     def attempt(kind: Kind) -> tuple[list, int]:
         with stand_ins(kind) as convert, _manifest.recording(dry=True) as entries:
             stand = convert(args)
@@ -439,7 +441,22 @@ def dry_run(fn: Any, *args: Any, what: str = "train_step's schedule check",
             return entries, mem.peak_bytes
 
     _, (entries, most) = first_run(attempt, what=what, fix=fix)
-    schedule = [(e.phase, e.op, e.axis, str(e.dtype).replace("torch.", ""), tuple(e.shape)) for e in entries]
+    return entries, most
+
+
+def schedule_of(entries: list) -> list[tuple]:
+    """A rank's schedule from its manifest entries: ``(phase, op, axis, dtype, shape)`` per
+    collective, what ``agree`` compares."""
+    return [(e.phase, e.op, e.axis, str(e.dtype).replace("torch.", ""), tuple(e.shape)) for e in entries]
+
+
+def dry_run(fn: Any, *args: Any, what: str = "train_step's schedule check", fix: str = _CHECK_FIX,
+            peak: bool = False) -> Any:
+    """``fn(*args)`` on stand-ins of the same shapes (see ``dry_record``): this rank's
+    schedule (``schedule_of``). With ``peak``: ``(schedule, bytes)``, the most bytes the
+    call had allocated at once beyond its arguments."""
+    entries, most = dry_record(fn, *args, what=what, fix=fix, peak=peak)
+    schedule = schedule_of(entries)
     return (schedule, most) if peak else schedule
 
 

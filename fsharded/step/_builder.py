@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from fsharded import _memory_hooks as memory
 from fsharded import checkpoint, optim
@@ -33,6 +34,7 @@ from fsharded.comm import _trace
 from fsharded.mesh import Mesh, _tree
 from fsharded.mesh._layout import dims
 from fsharded.mesh._spec import PartitionSpec
+from fsharded.optim._base import given_rates
 from fsharded.parallel import offload as _offload
 from fsharded.parallel.pipeline import Pipelined
 from fsharded.parallel.remat import Budget
@@ -40,6 +42,7 @@ from fsharded.parallel.remat import policy as remat_policy
 from fsharded.parallel.zero import Placement, ZeroPlan
 from fsharded.precision import as_policy, cast_tree
 from fsharded.spmd import _env, _schedule, _vma
+from fsharded.spmd._manifest import Manifest
 from fsharded.spmd._transfer import backend_for, local_shards, unshard
 from fsharded.spmd.collectives import mark_varying, pmean
 from fsharded.spmd.shard_map import shard_map
@@ -235,6 +238,7 @@ class TrainStep:
         self._scaler = self.policy.loss_scaler()
         self.check_schedule = check_schedule
         self._agreed: set = set()
+        self._own: dict = {}  # per layout and shapes: this rank's manifest (own_collectives)
         self._trainable_checked: set = set()  # states whose trained leaves match trainable=
         self.staging = checkpoint.Staging()  # save_async's host buffer, reused between saves
         # ZenFlow's updates (parallel.offload.ZenFlow), per parameter structure and backend:
@@ -666,12 +670,12 @@ class TrainStep:
             key = optree.tree_structure((state, batch)), _shapes((state, batch))
             if self.check_schedule and key not in self._agreed:
                 with torch.no_grad():
-                    schedule, most = _schedule.dry_run(sm.local, state, batch, peak=True) \
-                        if self.check_memory else (_schedule.dry_run(sm.local, state, batch), 0)
-                _schedule.agree(schedule, "train_step", self.mesh)
+                    entries, most = _schedule.dry_record(sm.local, state, batch, peak=self.check_memory)
+                _schedule.agree(_schedule.schedule_of(entries), "train_step", self.mesh)
                 if self.check_memory:  # the same dry run measured what the step allocates
                     _step_memory.check_step_memory(self, most, state, batch)
                 self._agreed.add(key)
+                self._own[key] = Manifest(entries)  # (own_collectives: this rank's, listed once)
         try:
             with torch.no_grad(), _trace.span("step"):
                 if not self.compiling:
@@ -707,6 +711,7 @@ class TrainStep:
             self._compiled.clear()
             self._captured.clear()
             self._agreed.clear()
+            self._own.clear()
         return self
 
     def _graph_applies(self, pl: Any, eager: bool) -> str | None:
@@ -727,12 +732,35 @@ class TrainStep:
                 warnings.warn(f"train_step(compile=True): {why}; this step runs eagerly", stacklevel=4)
             new_state, metrics = sm.local(state, batch)
             return new_state, {**metrics, "compile_s": torch.tensor(0.0)}
-        key = id(sm)
-        if key not in self._captured:
-            self._captured[key] = (sm, Captured(sm.local, backend=self.compile_backend))  # (sm kept: its id stays)
-        run = self._captured[key][1]
-        new_state, metrics = run(state, batch)
+        run, rates = self._capture(sm, state)
+        new_state, metrics = run(state, batch, rates)
         return new_state, {**metrics, "compile_s": torch.tensor(run.last_compile_s)}
+
+    def _capture(self, sm: Any, state: TrainState) -> tuple[Captured, list]:
+        """The captured form of ``sm`` and the learning rates to pass it for ``state``.
+
+        The update's rates are computed here, before the graph runs, from the optimizer
+        state's counters (as the guard checks them), and passed as inputs of the graph
+        (``optim._base.given_rates``): the graph holds no schedule, so another schedule or
+        run length (``--steps``) runs the same graph, from Inductor's cache across runs. A
+        ``scale_by_learning_rate`` that ``optim.scheduled_lrs`` does not reach, or reaches
+        twice, computes its schedule in the graph as before."""
+        rates = optim.scheduled_lrs(self.optimizer, state.opt_state)
+        tokens = tuple(getattr(r, "token", None) for r in rates)
+        if None in tokens or len(set(tokens)) < len(tokens):
+            tokens = ()
+        key = id(sm), tokens
+        if key not in self._captured:
+            def local(state: TrainState, batch: Any, values: list, tokens: tuple = tokens) -> Any:
+                with given_rates(dict(zip(tokens, values))):
+                    new, metrics = sm.local(state, batch)
+                if self.donate and _tracing(state):
+                    new = _donated(state, new, self.guard.graph_verdict(metrics))
+                return new, metrics
+            self._captured[key] = (sm, Captured(local, backend=self.compile_backend))  # (sm kept: its id stays)
+        values = [torch.as_tensor(lr).to(torch.as_tensor(c).device).detach()
+                  for c, lr in rates] if tokens else []
+        return self._captured[key][1], values
 
     @property
     def compiles(self) -> int:
@@ -745,21 +773,57 @@ class TrainStep:
         step on real ranks exchanges its stages' shapes while tracing: call it on every
         rank."""
         state = counted(state)
-        sm = self._shard_mapped(state)
-        key = id(sm)
-        if key not in self._captured:
-            self._captured[key] = (sm, Captured(sm.local, backend=self.compile_backend))
+        run, rates = self._capture(self._shard_mapped(state), state)
         with torch.no_grad():
-            return self._captured[key][1].graph(state, batch)
+            return run.graph(state, batch, rates)
 
     def collectives(self, state: TrainState, batch: Any):
-        """The manifest of one step: every collective in order, with bytes per rank."""
+        """The manifest of one step: every collective in order, with bytes per rank (on
+        real ranks, as device 0 of the mesh runs it)."""
         state = counted(state)
         sm = self._shard_mapped(state)
         if self.distributed:
             specs = self.state_specs(state)
             state = _globalize(state, specs, self.mesh)
         return sm.collectives(state, batch)
+
+    def own_collectives(self, state: TrainState, batch: Any):
+        """The manifest of one step as this process runs it: on real ranks this rank's
+        collectives (a pipeline's stages differ), listed by the dry run the first step of a
+        layout runs for the cross-rank schedule check, else by one of its own; on the
+        virtual mesh ``collectives``."""
+        if not self.distributed:
+            return self.collectives(state, batch)
+        state = counted(state)
+        sm = self._shard_mapped(state)
+        batch = local_batch(sm, batch)
+        key = optree.tree_structure((state, batch)), _shapes((state, batch))
+        if key not in self._own:
+            with torch.no_grad():
+                self._own[key] = Manifest(_schedule.dry_record(sm.local, state, batch, what="own_collectives()")[0])
+        return self._own[key]
+
+
+def _tracing(state: TrainState) -> bool:
+    """Whether ``state`` is the fake stand-in of a capture (not a real call of the body:
+    the eager run that explains a failed capture consumes nothing)."""
+    return any(is_fake(x) for x in optree.tree_leaves(state.params) if isinstance(x, torch.Tensor))
+
+
+def _donated(old: TrainState, new: TrainState, ok: torch.Tensor | None) -> TrainState:
+    """``new`` written into ``old``'s parameters and optimizer moments (donated buffers, as
+    the eager step updates them in place) and returned as those buffers: in a captured
+    graph an input mutated at its end, so the compiler writes the update into the state's
+    own memory instead of a second copy of it. Where the step's verdict ``ok`` is false
+    (a non-finite step the guard refuses or skips) each keeps its old value. Counters and
+    other 0-d leaves stay new tensors (the guard advances a skipped step's from the old)."""
+    def into(o: Any, n: Any) -> Any:
+        if (not isinstance(o, torch.Tensor) or not isinstance(n, torch.Tensor) or o is n or o.dim() == 0
+                or o.shape != n.shape or o.dtype != n.dtype or o.device != n.device):
+            return n
+        return o.copy_(n if ok is None else torch.where(ok, n, o))
+    return new._replace(params=optree.tree_map(into, old.params, new.params, none_is_leaf=True),
+                        opt_state=optree.tree_map(into, old.opt_state, new.opt_state, none_is_leaf=True))
 
 
 def _mask_key(mask: list[bool] | None) -> tuple | None:

@@ -52,6 +52,11 @@ class Unguarded:
         """fp16's verdict, so an in-place update skips the overflow the loss scale drops."""
         return t.finite
 
+    def graph_verdict(self, metrics: dict) -> torch.Tensor | None:
+        """``verdict`` from the step's metrics (the loss averaged over the batch shards and
+        the gradient norm), for a captured step writing its new state into the donated one."""
+        return None
+
     def after(self, step: Any, state: Any, new: Any, metrics: dict, batch: Any) -> tuple[Any, dict]:
         return new, metrics
 
@@ -71,6 +76,9 @@ class Refuse(Unguarded):
         # fp32 / bf16: the loss and the norm are the same on every shard, so is the verdict;
         # an in-place update is skipped on it (the pure one is dropped after).
         return t.finite if t.finite is not None else torch.isfinite(t.norm) & torch.isfinite(loss)
+
+    def graph_verdict(self, metrics: dict) -> torch.Tensor:
+        return torch.isfinite(metrics["grad_norm"]) & torch.isfinite(metrics["loss"])
 
     def after(self, step: Any, state: Any, new: Any, metrics: dict, batch: Any) -> tuple[Any, dict]:
         loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])

@@ -628,7 +628,6 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     if compiling:
         step.compile()
     n_params = gpt.param_count(params)
-    manifest = step.collectives(state, seq.prepare(batches.batch_at(0)))
     if main_rank:
         print(f"fsharded train: GPT {n_params:,} params ({mcfg.n_layers} layers, d_model {mcfg.d_model}), "
               f"{mesh!r} on the {'distributed' if dist_on else 'virtual'} backend, "
@@ -701,7 +700,11 @@ def run(cfg, *, progress: str = "auto", save_dir: str = "checkpoints", save_ever
     elapsed = time.perf_counter() - t_start
     steady_steps = cfg.steps - start - 1 if t_steady is not None else cfg.steps - start
     steady_time = (time.perf_counter() - t_steady) if t_steady is not None else elapsed
-    full = step.params(step.settle(state))  # (ZenFlow: the last host update lands first)
+    state = step.settle(state)  # (ZenFlow: the last host update lands first)
+    full = step.params(state)
+    # What this process sends per step (on real ranks listed by the first step's schedule
+    # check: no dry run of its own).
+    manifest = step.own_collectives(state, seq.prepare(batches.batch_at(start)))
     with torch.no_grad():
         ms = step.model_state(state) if biased else None
         val_loss = sum(float(gpt.loss(full, val.batch_at(j), ms, moe=mcfg.moe, train=False)[0] if biased else
