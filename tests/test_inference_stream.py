@@ -52,6 +52,31 @@ def test_streamed_weights_generate_the_in_memory_tokens(name, tmp_path):
         blocks.close()
 
 
+@pytest.mark.parametrize("group_size", [None, 8])
+def test_streamed_int8_weights_generate_the_in_memory_int8_tokens(group_size, tmp_path):
+    # The int8 values and the scales of every projection go to the files (or host memory)
+    # and come back as int8 weights: the in-memory int8 model's logits bit for bit.
+    params = gpt.init(gpt.GPTConfig.tiny(n_layers=3, **MODELS["llama-style"]), 0)
+    q = fs.inference.quantize(params, group_size=group_size)
+    greedy = fs.inference.generate(q, PROMPTS, 8)
+    int8_bytes = sum(w.nbytes for b in q["blocks"] for w in fs.tree_flatten_with_paths(b)[1]
+                     if isinstance(w, fs.inference.Int8Weight))
+    for tier in ("nvme", "cpu"):
+        s = fs.inference.stream_weights(q, tier, str(tmp_path) if tier == "nvme" else None)
+        blocks = s["blocks"]
+        read = blocks[1]["attn"]["wq"]
+        assert isinstance(read, fs.inference.Int8Weight) and read.q.dtype == torch.int8
+        assert torch.equal(read.q, q["blocks"][1]["attn"]["wq"].q)
+        assert torch.equal(read.scales, q["blocks"][1]["attn"]["wq"].scales)
+        assert int8_bytes <= blocks.nbytes < 2 * int8_bytes  # (int8 and scales, not floats)
+        assert fs.inference.generate(s, PROMPTS, 8).tokens == greedy.tokens, tier
+        c1, c2 = fs.inference.KVCache.empty(q, 1, 4), fs.inference.KVCache.empty(s, 1, 4)
+        assert torch.equal(fs.inference.extend(q, torch.tensor([[1, 2, 3]]), c1),
+                           fs.inference.extend(s, torch.tensor([[1, 2, 3]]), c2))
+        assert fs.inference.Engine(s, page_size=4).generate(PROMPTS, 8) == greedy.tokens
+        blocks.close()
+
+
 def test_a_damaged_weights_file_is_named(tmp_path):
     params = gpt.init(gpt.GPTConfig.tiny(), 0)
     s = fs.inference.stream_weights(params, "nvme", str(tmp_path))
@@ -86,8 +111,9 @@ def test_what_streaming_does_not_take_is_named(tmp_path):
         fs.inference.stream_weights(params, "disk", str(tmp_path))
     with pytest.raises(ValueError, match="prefetch must be >= 1"):
         fs.inference.stream_weights(params, "cpu", prefetch=0)
-    with pytest.raises(ValueError, match="int8 weights are not streamed yet"):
-        fs.inference.stream_weights(fs.inference.quantize(params), "cpu")
+    odd = {**params, "blocks": [{**b, "note": "text"} for b in params["blocks"]]}
+    with pytest.raises(ValueError, match="a block holds a str; only tensors and int8 weights"):
+        fs.inference.stream_weights(odd, "cpu")
     s = fs.inference.stream_weights(params, "cpu")
     for kw in (dict(compile=True), dict(mesh=fs.Mesh({"tensor": 2}))):
         with pytest.raises(NotImplementedError, match="streamed weights"):

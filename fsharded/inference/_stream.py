@@ -31,6 +31,7 @@ from typing import Any
 import optree
 import torch
 
+from fsharded.inference._int8 import Int8Weight
 from fsharded.kernels import aio
 
 __all__ = ["StreamedBlocks", "stream_weights", "block_meta"]
@@ -38,33 +39,70 @@ __all__ = ["StreamedBlocks", "stream_weights", "block_meta"]
 
 @dataclass(frozen=True)
 class _Layout:
-    """Where each leaf of a block lies in the block's bytes."""
+    """Where each tensor of a block lies in the block's bytes, and how the block's leaves
+    are made of them (``int8[i]``: leaf ``i`` an ``Int8Weight`` of two tensors, its ``q``
+    and ``scales``, with its ``(shape, inputs)``; None: one tensor)."""
 
     treedef: Any
+    int8: tuple[tuple[tuple[int, ...], int] | None, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[torch.dtype, ...]
     offsets: tuple[int, ...]
     nbytes: int
 
 
-def _layout(block: dict) -> _Layout:
+def _tensors(block: dict) -> tuple[list[torch.Tensor], Any, tuple]:
+    """A block's tensors in order (an int8 weight's ``q`` then ``scales``), its tree, and
+    which leaves are int8 weights (``_Layout.int8``)."""
     leaves, treedef = optree.tree_flatten(block)
-    offsets, at = [], 0
+    tensors, int8 = [], []
     for x in leaves:
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"stream_weights: a block holds a {type(x).__name__}; only tensors can be streamed "
-                             f"(int8 weights are not streamed yet: stream the floating weights)")
-        at = -(-at // 64) * 64  # each leaf 64-byte aligned in the block's bytes
+        if isinstance(x, Int8Weight):
+            tensors += [x.q, x.scales]
+            int8.append((x.shape, x.inputs))
+        elif isinstance(x, torch.Tensor):
+            tensors.append(x)
+            int8.append(None)
+        else:
+            raise ValueError(f"stream_weights: a block holds a {type(x).__name__}; only tensors and int8 weights "
+                             f"(fs.inference.quantize) can be streamed")
+    return tensors, treedef, tuple(int8)
+
+
+def _leaves(tensors: list, int8: tuple) -> list:
+    """The block's leaves from its tensors (``_tensors`` undone)."""
+    out, i = [], 0
+    for recipe in int8:
+        if recipe is None:
+            out.append(tensors[i])
+            i += 1
+        else:
+            out.append(Int8Weight(tensors[i], tensors[i + 1], *recipe))
+            i += 2
+    return out
+
+
+def _layout(block: dict) -> _Layout:
+    tensors, treedef, int8 = _tensors(block)
+    offsets, at = [], 0
+    for x in tensors:
+        at = -(-at // 64) * 64  # each tensor 64-byte aligned in the block's bytes
         offsets.append(at)
         at += x.numel() * x.element_size()
-    return _Layout(treedef, tuple(tuple(x.shape) for x in leaves), tuple(x.dtype for x in leaves), tuple(offsets),
-                   aio.padded(at))
+    return _Layout(treedef, int8, tuple(tuple(x.shape) for x in tensors), tuple(x.dtype for x in tensors),
+                   tuple(offsets), aio.padded(at))
 
 
 def _views(buf: torch.Tensor, layout: _Layout) -> dict:
-    leaves = [buf[o:o + torch.Size(s).numel() * torch.empty((), dtype=d).element_size()].view(d).view(s)
-              for o, s, d in zip(layout.offsets, layout.shapes, layout.dtypes)]
-    return optree.tree_unflatten(layout.treedef, leaves)
+    tensors = [buf[o:o + torch.Size(s).numel() * torch.empty((), dtype=d).element_size()].view(d).view(s)
+               for o, s, d in zip(layout.offsets, layout.shapes, layout.dtypes)]
+    return optree.tree_unflatten(layout.treedef, _leaves(tensors, layout.int8))
+
+
+def _meta(layout: _Layout) -> dict:
+    """The block as meta tensors (and int8 weights of meta tensors): shapes, no data."""
+    tensors = [torch.empty(s, dtype=d, device="meta") for s, d in zip(layout.shapes, layout.dtypes)]
+    return optree.tree_unflatten(layout.treedef, _leaves(tensors, layout.int8))
 
 
 _DIRS: list[str] = []
@@ -92,7 +130,7 @@ class StreamedBlocks:
             raise ValueError("stream_weights: tier='nvme' needs path=, a directory on the disk to hold the weights")
         self.tier, self.prefetch, self.device = tier, int(prefetch), device
         self.layouts = [_layout(b) for b in blocks]
-        self.meta = [optree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta"), b) for b in blocks]
+        self.meta = [_meta(lay) for lay in self.layouts]
         self.nbytes = sum(lay.nbytes for lay in self.layouts)
         size = max(lay.nbytes for lay in self.layouts)
         self._buffers = [aio.aligned_empty(size) for _ in range(self.prefetch + 1)]
@@ -122,7 +160,7 @@ class StreamedBlocks:
 
     @staticmethod
     def _pack(block: dict, layout: _Layout, buf: torch.Tensor) -> None:
-        for x, o in zip(optree.tree_leaves(block), layout.offsets):
+        for x, o in zip(_tensors(block)[0], layout.offsets):
             n = x.numel() * x.element_size()
             buf[o:o + n].copy_(x.detach().contiguous().cpu().reshape(-1).view(torch.uint8))
 
