@@ -212,5 +212,27 @@ def test_a_compiled_decode_step_gives_the_eager_tokens_and_is_reused():
                                                  temperature=0.7).tokens
     q = fs.inference.quantize(gpt.init(gpt.GPTConfig.tiny(init_std=0.2), 0))  # int8, learned positions
     assert fs.inference.generate(q, PROMPTS, 6, compile=True).tokens == fs.inference.generate(q, PROMPTS, 6).tokens
-    with pytest.raises(NotImplementedError, match="compile=True decodes the bundled GPT's dense blocks"):
+    with pytest.raises(NotImplementedError, match="compile=True decodes the bundled GPT .dense or a mixture of experts. on one device"):
         fs.inference.generate(params, PROMPTS, 2, compile=True, mesh=fs.Mesh({"tensor": 2}))
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_a_compiled_decode_step_routes_a_mixture_of_experts_as_eagerly(biased):
+    # Dropless routing in static shapes (every expert's buffer as long as the batch), the
+    # experts' products row by row: the eager tokens, greedy and drawn, with routing biases
+    # (aux-loss-free balancing) from model_state too.
+    moe = MoEConfig(experts=4, top_k=2, every=2, bias_update_rate=1e-2 if biased else None)
+    params = gpt.init(gpt.GPTConfig.tiny(n_layers=4, moe=moe, init_std=1.0), 0)
+    kw = dict(moe=moe)
+    if biased:
+        ms = gpt.init_model_state(params)
+        ms = {"moe_bias": [torch.randn(b.shape, generator=torch.Generator().manual_seed(i)) for i, b in
+                           enumerate(ms["moe_bias"])]}
+        kw["model_state"] = ms
+    eager = fs.inference.generate(params, PROMPTS, 8, **kw)
+    got = fs.inference.generate(params, PROMPTS, 8, compile=True, **kw)
+    assert got.tokens == eager.tokens and got.compile_s > 0
+    assert len({t for row in eager.tokens for t in row}) > 3  # (not one token over and over)
+    drawn = dict(key=fs.random.key(2), temperature=0.8)
+    assert (fs.inference.generate(params, PROMPTS, 8, compile=True, **drawn, **kw).tokens
+            == fs.inference.generate(params, PROMPTS, 8, **drawn, **kw).tokens)

@@ -108,9 +108,9 @@ def generate(params: dict, prompts: torch.Tensor | Sequence[Sequence[int]], max_
     if hf is None and isinstance(params["blocks"], StreamedBlocks) and (compile or mesh is not None):
         raise NotImplementedError("generate: streamed weights (stream_weights) decode eagerly on one device; not "
                                   "with compile=True or a mesh")
-    if compile and (hf is not None or mesh is not None or moe is not None):
-        raise NotImplementedError("generate: compile=True decodes the bundled GPT's dense blocks on one device; not a "
-                                  "Hugging Face model, a mesh or a mixture of experts (their routing is not static)")
+    if compile and (hf is not None or mesh is not None):
+        raise NotImplementedError("generate: compile=True decodes the bundled GPT (dense or a mixture of experts) on "
+                                  "one device; not a Hugging Face model or a mesh")
     slots = longest + max_new_tokens
     if compile:
         slots = -(-slots // 64) * 64  # one compiled step for a range of lengths
@@ -137,7 +137,7 @@ def generate(params: dict, prompts: torch.Tensor | Sequence[Sequence[int]], max_
             if compile and tokens.shape[1] == 1:
                 check_context(params, cache, 1)
                 logits = compiled_decode()(params, tokens, cache.k, cache.v, torch.tensor(cache.length, device=dev),
-                                           cache.start.to(dev))
+                                           cache.start.to(dev), moe, model_state)
                 cache.length += 1
                 return logits[:, None]
             return extend(params, tokens, cache, moe=moe, model_state=model_state)

@@ -210,7 +210,7 @@ def _blocks(blocks: Any, x: torch.Tensor, tables: Any, biases: Any, moe: MoEConf
 
 
 def decode_step(params: dict, tokens: torch.Tensor, k: list[torch.Tensor], v: torch.Tensor, length: torch.Tensor,
-                start: torch.Tensor) -> torch.Tensor:
+                start: torch.Tensor, moe: MoEConfig | None = None, model_state: Any = None) -> torch.Tensor:
     """One decode step with static shapes, for ``torch.compile``: ``tokens`` ``(B, 1)`` into
     slot ``length`` (an int64 0-d tensor) of the caches ``k``, ``v`` (one ``(B, S, KV, Dh)``
     per layer, written in place), attending over all ``S`` slots with each row's mask
@@ -226,7 +226,7 @@ def decode_step(params: dict, tokens: torch.Tensor, k: list[torch.Tensor], v: to
         v[i].index_copy_(1, length.view(1), vn.to(v[i].dtype))
         return _attention(q, k[i].to(q.dtype), v[i].to(q.dtype), allowed)
 
-    return forward(params, tokens, pos, attend)[:, -1]
+    return forward(params, tokens, pos, attend, moe=moe, model_state=model_state)[:, -1]
 
 
 _COMPILED: list = []

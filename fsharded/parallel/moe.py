@@ -362,6 +362,15 @@ class _LoopedMLP(torch.autograd.Function):
         return (torch.stack(dh) if dh is not None else None), dw1, dw2, db1, db2
 
 
+def _function_applies(h: torch.Tensor, leaves: tuple) -> bool:
+    """Whether ``_LoopedMLP`` can run here: no torch.func transform, one dtype, no autocast."""
+    device = h.device.type
+    if device == "meta":  # a dry run's stand-in: autocast as on the device it stands for
+        device = stands_for()
+    return (not transforms_active() and len({t.dtype for t in leaves if t is not None}) == 1
+            and not torch.is_autocast_enabled(device))
+
+
 def _experts_looped(params: Params, h: torch.Tensor) -> torch.Tensor:
     """``h`` ``(G * E_l, C, d)``: row ``i`` through expert ``i % E_l``'s MLP, one matmul
     per row and projection (``G`` groups of rows, e.g. one per source shard)."""
@@ -369,11 +378,10 @@ def _experts_looped(params: Params, h: torch.Tensor) -> torch.Tensor:
     if h.shape[0] % E or not h.shape[0]:
         raise ValueError(f"expert_mlp: {h.shape[0]} buffer rows for {E} experts (give a positive multiple)")
     leaves = (h, params["w1"], params["w2"], params.get("b1"), params.get("b2"))
-    device = h.device.type
-    if device == "meta":  # a dry run's stand-in: autocast as on the device it stands for
-        device = stands_for()
-    if (not transforms_active() and len({t.dtype for t in leaves if t is not None}) == 1
-            and not torch.is_autocast_enabled(device)):
+    # The Function where autograd records (it keeps less for backward); with no gradient
+    # (inference, remat's forward) the plain loop below, the same products (and one that
+    # torch.compile traces: a decode step).
+    if torch.is_grad_enabled() and _function_applies(h, leaves):
         # The typing sees the Function's insides, not its application: the implicit pvary
         # of an input invariant over an axis another varies over (the tokens under expert
         # tensor parallelism: their gradient sums over it) is made here.
