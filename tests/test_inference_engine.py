@@ -205,6 +205,51 @@ def test_serve_answers_json_lines_as_generate_does(checkpoint):
     assert "not JSON" in final[None]["error"]
 
 
+@pytest.mark.multiprocess
+def test_serve_under_torchrun_answers_as_one_process_does(checkpoint, monkeypatch, capsys):
+    # 2 ranks, the model split over tensor=2: the first rank reads stdin and answers, both
+    # step the engine with the same requests; the answers are the one-process server's
+    # (greedy, drawn with a seed, streamed, refused), and the other rank prints nothing.
+    from fsharded.testing import free_port
+
+    lines = [{"id": "a", "prompt": "def f(x", "max_new_tokens": 6},
+             {"id": "b", "prompt": "import o", "max_new_tokens": 4, "stream": True},
+             {"id": "d", "prompt": "x", "seed": 1, "temperature": 0.9},
+             {"id": "c", "tokens": [1, 999]}]
+    text = "\n".join(json.dumps(x) for x in lines) + "\n"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+    cmd = ["-m", "fsharded", "serve", "--checkpoint", checkpoint, "--max-new-tokens", "5", "--mesh", "tensor=2"]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(free_port()), *cmd], input=text, capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    one = subprocess.run([sys.executable, *cmd], input=text, capture_output=True, text=True, timeout=120, env=env)
+    assert one.returncode == 0, one.stderr[-2000:]
+
+    def answers(out: str) -> dict:
+        got = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+        final = {o["id"]: o for o in got if "token" not in o}
+        for o in final.values():
+            o.pop("time_to_first_token_s", None)
+            o.pop("latency_s", None)
+        return {"final": final, "streamed": [o["token"] for o in got if "token" in o]}
+
+    ranks, alone = answers(r.stdout), answers(one.stdout)
+    assert ranks == alone and len(ranks["final"]) == 4  # (each answer once: one rank writes)
+    assert ranks["final"]["a"]["tokens"] == _want(checkpoint, "def f(x", 6)
+    assert "outside the vocabulary" in ranks["final"]["c"]["error"]
+    # One rank per tensor shard: under torchrun the mesh must match the world.
+    from fsharded.tools import _serve as serve
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(serve.distributed, "initialize", lambda **kw: None)
+    monkeypatch.setattr(serve.distributed, "shutdown", lambda: None)
+    monkeypatch.setattr(serve.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(serve.distributed, "rank", lambda: 0)
+    monkeypatch.setattr(serve.distributed, "world_size", lambda: 2)
+    assert serve.main(["--checkpoint", checkpoint], prog="serve") == 2
+    assert "under torchrun the model is split over the ranks: give --mesh tensor=2" in capsys.readouterr().err
+
+
 def test_serve_runs_int8_weights_on_a_tensor_axis_and_sizes_its_default_cache(checkpoint, monkeypatch, capsys):
     from fsharded.inference import _engine
     from fsharded.tools import _serve as serve

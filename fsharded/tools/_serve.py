@@ -10,7 +10,9 @@ stdin/stdout or a small HTTP endpoint.
 save directory, an exported ``.safetensors`` file or a Hugging Face model's directory
 (text prompts through its tokenizer; without ``"stop"`` a request ends at the model's
 end-of-sequence tokens). ``--mesh tensor=N`` splits the heads and hidden units over a
-virtual mesh of N devices in this process.
+virtual mesh of N devices in this process; under ``torchrun --nproc_per_node N`` with
+``--mesh tensor=N`` over the N ranks, the first of which reads the requests (stdin or
+HTTP) and answers while every rank runs the same steps.
 
 A request is a JSON object: ``"prompt"`` (text, encoded as the run's data was) or
 ``"tokens"`` (ids), and optionally ``"id"`` (echoed back; default a counter),
@@ -38,7 +40,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fsharded import inference
+import torch.distributed as dist
+
+from fsharded import distributed, inference
 from fsharded import random as R
 from fsharded.mesh import Mesh
 from fsharded.tools._generate import DTYPES, Loaded, add_model_args, load_model
@@ -49,13 +53,29 @@ __all__ = ["Server", "start_http", "build_parser", "main"]
 Reply = Callable[[dict], None]
 
 
+# Under torchrun, how long the first rank waits for a request before it tells the others
+# that none came (they wait for its word in a collective, which must not time out).
+HEARTBEAT_S = 5.0
+
+
+def _quiet(ans: dict) -> None:
+    """A follower rank's reply: the first rank answers."""
+
+
 class Server:
     """Requests in (``submit``, from any thread), answers out (each request's ``reply``),
-    the engine stepped by ``loop`` in one thread."""
+    the engine stepped by ``loop`` in one thread.
+
+    Under torchrun (a model on a real tensor axis) every rank runs ``loop``; requests reach
+    the first rank (its ``submit``), which passes each step's new requests (and the end of
+    the input) to the others before the step, so every rank adds the same requests in the
+    same order and steps the engine in lockstep; the first rank answers."""
 
     def __init__(self, model: Loaded, *, max_new_tokens: int, max_batch_tokens: int, max_seqs: int,
                  page_size: int, pages: int | None, reserve: float = 0.5) -> None:
         self.model, self.max_new_tokens = model, max_new_tokens
+        self.ranks = distributed.world_size() if distributed.is_initialized() else 1
+        self.leader = self.ranks == 1 or distributed.rank() == 0
         self.engine = inference.Engine(model.params, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
                                        page_size=page_size, pages=pages, moe=model.moe,
                                        model_state=model.model_state, mesh=model.mesh, reserve=reserve)
@@ -129,20 +149,35 @@ class Server:
                "prompt_tokens": len(r.prompt), "time_to_first_token_s": r.first_token_s - r.added_s,
                "latency_s": r.finished_s - r.added_s})
 
-    def loop(self) -> None:
-        """Take requests and step until ``close`` and every request has its answer."""
-        open_ = True
-        while open_ or self.engine.busy:
-            block = open_ and not self.engine.busy
+    def _arrived(self, block: bool, open_: bool) -> tuple[list, bool]:
+        """The requests that arrived since the last step (waiting for one where ``block``),
+        and whether more may come; on real ranks the first rank's, passed to every rank."""
+        items = []
+        if self.leader:
             while True:
-                try:
-                    item = self.inbox.get(block=block)
+                try:  # (on real ranks a wait is cut short: the others hear that nothing came)
+                    item = self.inbox.get(block=block, timeout=HEARTBEAT_S if block and self.ranks > 1 else None)
                 except queue.Empty:
                     break
                 block = False
                 if item is None:
                     open_ = False
                     continue
+                items.append(item)
+        if self.ranks > 1:
+            box = [([obj for obj, _ in items], open_)] if self.leader else [None]
+            dist.broadcast_object_list(box, src=0)
+            objs, open_ = box[0]
+            if not self.leader:
+                items = [(obj, _quiet) for obj in objs]
+        return items, open_
+
+    def loop(self) -> None:
+        """Take requests and step until ``close`` and every request has its answer."""
+        open_ = True
+        while open_ or self.engine.busy:
+            items, open_ = self._arrived(open_ and not self.engine.busy, open_)
+            for item in items:
                 self._add(*item)
             try:
                 events = self.engine.step() if self.engine.busy else []
@@ -248,7 +283,10 @@ def build_parser(prog: str = "fsharded serve") -> argparse.ArgumentParser:
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     add_model_args(p)
     p.add_argument("--mesh", default=None, metavar="tensor=N",
-                   help="serve on a virtual mesh in this process: tensor=N splits the heads and hidden units")
+                   help="tensor=N splits the heads and hidden units: over a virtual mesh in this process, or under "
+                        "torchrun over N ranks (the first takes the requests and answers)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help="under torchrun: how long a collective may wait (default 300)")
     p.add_argument("--http", type=int, default=None, metavar="PORT", help="serve HTTP on PORT (0: any free port) "
                    "instead of JSON lines on stdin/stdout")
     p.add_argument("--host", default="127.0.0.1", help="with --http: the address to listen on (default 127.0.0.1)")
@@ -268,24 +306,39 @@ def build_parser(prog: str = "fsharded serve") -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "fsharded serve") -> int:
     args = build_parser(prog).parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        print(f"{prog}: serving under torchrun is not implemented; serve in one process (--mesh tensor=N splits "
-              f"the model over a virtual mesh)", file=sys.stderr)
-        return 2
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched:
+        distributed.initialize(timeout_s=args.timeout)
+    try:
+        return _serve(args, prog, launched)
+    finally:
+        if launched:
+            distributed.shutdown()
+
+
+def _serve(args: argparse.Namespace, prog: str, launched: bool) -> int:
+    leader = not launched or distributed.rank() == 0
     try:
         mesh = Mesh(parse_mesh(args.mesh)) if args.mesh else None
         if mesh is not None and set(mesh.shape) - {"tensor"}:
             raise ValueError(f"--mesh {args.mesh}: the engine splits the model over a tensor axis only")
+        if launched and (mesh is None or mesh.size != distributed.world_size()):
+            raise ValueError(f"under torchrun the model is split over the ranks: give --mesh "
+                             f"tensor={distributed.world_size()} (one tensor shard per rank)")
         model = load_model(args.checkpoint, dtype=DTYPES[args.dtype], int8=args.int8, group_size=args.group_size,
                            mesh=mesh)
         server = Server(model, max_new_tokens=args.max_new_tokens, max_batch_tokens=args.max_batch_tokens,
                         max_seqs=args.max_seqs, page_size=args.page_size, pages=args.pages, reserve=args.reserve)
     except (ValueError, OSError, NotImplementedError) as e:
-        print(f"{prog}: {str(e).removeprefix('generate: ')}", file=sys.stderr)
+        if leader:
+            print(f"{prog}: {str(e).removeprefix('generate: ')}", file=sys.stderr)
         return 2
-    if server.engine.cache_note:
+    if server.engine.cache_note and leader:
         print(f"{prog}: {server.engine.cache_note}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
+    if not leader:  # the first rank takes the requests and answers; this one steps with it
+        server.loop()
+        return 0
     if args.http is not None:
         httpd = start_http(server, args.http, args.host)
         print(f"{prog}: http://{args.host}:{httpd.server_address[1]}/generate", file=sys.stderr, flush=True)
