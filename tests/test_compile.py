@@ -185,25 +185,38 @@ def test_a_nonfinite_step_is_refused_and_the_state_kept(batches, donate):
     assert torch.isnan(bad_state.params["emb"][0, 0])  # (the state passed in, as it was)
 
 
-def test_a_donated_compiled_step_updates_the_state_in_its_own_buffers(batches):
+@pytest.mark.parametrize("kw", [dict(on_nonfinite="skip"), dict(check_finite=False, accumulation=2)],
+                         ids=["guarded", "unguarded, accumulated"])
+def test_a_donated_compiled_step_updates_the_state_in_its_own_buffers(batches, kw):
     # The graph writes the new parameters and moments into the state passed in (inputs
     # mutated at its end), as the eager donated step does, with its numbers; a skipped
     # non-finite step leaves them as they were and advances the counters.
     runs = {}
     for c in (False, "eager"):
-        step, params = C.gpt_step(c, mesh={"data": 2}, donate=True, on_nonfinite="skip")
+        step, params = C.gpt_step(c, mesh={"data": 2}, donate=True, **kw)
         state = step.init(params)
-        buffers = [x.data_ptr() for x in optree.tree_leaves((state.params, state.opt_state)) if x.dim() > 0]
+        start = [x.clone() for x in optree.tree_leaves((state.params, state.opt_state))]
         losses = []
-        for b in batches:
+        for i, b in enumerate(batches):
+            before = state
             state, m = step(state, b)
             losses.append(float(m["loss"]))
-        assert [x.data_ptr() for x in optree.tree_leaves((state.params, state.opt_state)) if x.dim() > 0] == buffers
+            if i == 0 and c:  # (a graph's first run writes into copies: the state passed to it stays whole)
+                assert all(torch.equal(a, b) for a, b in zip(start, optree.tree_leaves((before.params,
+                                                                                        before.opt_state))))
+            if i == 0:
+                second = [x for x in optree.tree_leaves((state.params, state.opt_state)) if x.dim() > 0]
+                at_second = [x.clone() for x in second]
+        # The tensors passed in at the second step hold the last step's values.
+        final = [x for x in optree.tree_leaves((state.params, state.opt_state)) if x.dim() > 0]
+        assert all(torch.equal(a, b) for a, b in zip(second, final))
+        assert not all(torch.equal(a, b) for a, b in zip(at_second, final))  # (they did move)
         runs[c] = losses, state
         if c:
             gm = step.graph(state, batches[0])
             copies = [n for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default]
             assert copies and all(n.args[0].op == "placeholder" for n in copies)
+        if c and kw.get("on_nonfinite") == "skip":
             bad = state._replace(params=dict(state.params, emb=state.params["emb"].clone()))
             bad.params["emb"][0, 0] = float("inf")
             kept = optree.tree_map(torch.clone, (bad.params, bad.opt_state))  # (as passed in)
@@ -214,6 +227,23 @@ def test_a_donated_compiled_step_updates_the_state_in_its_own_buffers(batches):
     assert runs["eager"][0] == pytest.approx(runs[False][0], rel=1e-6, abs=1e-6)
     for a, b in zip(optree.tree_leaves(runs["eager"][1]), optree.tree_leaves(runs[False][1])):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_donating_graphs_first_run_failing_leaves_the_state_as_it_was(batches):
+    # The first run of a graph that writes into its inputs runs on copies of them: when it
+    # fails (here as it runs: a token past the vocabulary), the state passed in is whole
+    # and the eager step's own error is raised, as for a pure graph.
+    bad = {"tokens": batches[0]["tokens"].clone()}
+    bad["tokens"][0, 0] = 10**6
+    step, params = C.gpt_step("eager", donate=True)
+    state = step.init(params)
+    kept = optree.tree_map(torch.clone, (state.params, state.opt_state))
+    with pytest.raises(IndexError, match="out of bounds"):
+        step(state, bad)
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(kept),
+                                                 optree.tree_leaves((state.params, state.opt_state))))
+    state, _ = step(state, batches[0])  # (and it runs on)
+    assert step.compiles == 2  # (the failed capture was not kept)
 
 
 @pytest.mark.multiprocess

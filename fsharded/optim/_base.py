@@ -323,7 +323,9 @@ def given_rates(rates: dict) -> Iterator[None]:
     multiplies by the value given there instead of computing its schedule. A step captured
     as one graph passes the rates it computed before running (``scheduled_lrs``, from the
     same counters) as inputs of the graph, so the graph holds no schedule: one graph for
-    every schedule and run length."""
+    every schedule and run length. (A transformation reached by ``scheduled_lrs`` must
+    not also run elsewhere in the same update on another counter: it would be given the
+    reached one's rate.)"""
     tok = _GIVEN.set(rates)
     try:
         yield

@@ -697,6 +697,8 @@ class TrainStep:
         if not self.compiling:
             self.compiling = True
             self._compiled.clear()  # the plans take their graph forms
+            self._agreed.clear()  # (their schedules checked, and listed, anew)
+            self._own.clear()
         if backend != self.compile_backend:
             self.compile_backend = backend
             self._captured.clear()
@@ -800,7 +802,8 @@ class TrainStep:
         key = optree.tree_structure((state, batch)), _shapes((state, batch))
         if key not in self._own:
             with torch.no_grad():
-                self._own[key] = Manifest(_schedule.dry_record(sm.local, state, batch, what="own_collectives()")[0])
+                self._own[key] = Manifest(_schedule.dry_record(sm.local, state, batch, what="own_collectives()",
+                                                               fix=_schedule.FIX)[0])
         return self._own[key]
 
 
@@ -817,13 +820,23 @@ def _donated(old: TrainState, new: TrainState, ok: torch.Tensor | None) -> Train
     own memory instead of a second copy of it. Where the step's verdict ``ok`` is false
     (a non-finite step the guard refuses or skips) each keeps its old value. Counters and
     other 0-d leaves stay new tensors (the guard advances a skipped step's from the old)."""
+    copies: list = []
+
     def into(o: Any, n: Any) -> Any:
         if (not isinstance(o, torch.Tensor) or not isinstance(n, torch.Tensor) or o is n or o.dim() == 0
-                or o.shape != n.shape or o.dtype != n.dtype or o.device != n.device):
+                or o.shape != n.shape or o.dtype != n.dtype or o.device != n.device
+                or any(st == 0 and sz > 1 for st, sz in zip(o.stride(), o.shape))):  # (a broadcast placeholder)
             return n
-        return o.copy_(n if ok is None else torch.where(ok, n, o))
-    return new._replace(params=optree.tree_map(into, old.params, new.params, none_is_leaf=True),
-                        opt_state=optree.tree_map(into, old.opt_state, new.opt_state, none_is_leaf=True))
+        # The values first, all of them, then the writes: no write changes a value another
+        # leaf still takes (a new leaf that is a view of an old one).
+        src = torch.where(ok, n, o) if ok is not None else (n.clone() if n._is_view() else n)
+        copies.append((o, src))
+        return o
+    out = new._replace(params=optree.tree_map(into, old.params, new.params, none_is_leaf=True),
+                       opt_state=optree.tree_map(into, old.opt_state, new.opt_state, none_is_leaf=True))
+    for o, src in copies:
+        o.copy_(src)
+    return out
 
 
 def _mask_key(mask: list[bool] | None) -> tuple | None:

@@ -99,10 +99,12 @@ def _signature(leaves: list) -> tuple:
 
 
 class _Graph:
-    """One captured signature: the traced graph, its compiled form and the output tree."""
+    """One captured signature: the traced graph, its compiled form, the output tree and
+    ``mutated``, the positions of the arguments the graph writes into (``copy_`` to a
+    placeholder: a donated state's buffers)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, run: Callable, out_def: Any) -> None:
-        self.gm, self.run, self.out_def = gm, run, out_def
+    def __init__(self, gm: torch.fx.GraphModule, run: Callable, out_def: Any, mutated: frozenset = frozenset()) -> None:
+        self.gm, self.run, self.out_def, self.mutated = gm, run, out_def, mutated
 
 
 class Captured:
@@ -127,10 +129,22 @@ class Captured:
             t0 = time.perf_counter()
             try:
                 g = self._capture(leaves, tdef)
-                out = g.run(*leaves)
             except NotImplementedError:  # (a form not built: said as it is, nothing run)
                 raise
             except Exception as e:  # noqa: BLE001 - said below, with the eager step's own error if it has one
+                self._explain(args, e)
+                raise
+            # torch.compile compiles on this first call, then runs. A graph that writes into
+            # its inputs (donated state) runs it on copies of them: a failure, while
+            # compiling or running, leaves the state passed in as it was (explained from
+            # it, or run eagerly under compile=auto); this first step's peak is a pure
+            # step's, and the later ones write in place.
+            run_on = [x.clone() if i in g.mutated else x for i, x in enumerate(leaves)]
+            try:
+                out = g.run(*run_on)
+            except NotImplementedError:
+                raise
+            except Exception as e:  # noqa: BLE001 - said below
                 self._explain(args, e)
                 raise
             self.graphs[key] = g
@@ -140,10 +154,11 @@ class Captured:
         return optree.tree_unflatten(g.out_def, list(out))
 
     def _explain(self, args: tuple, e: Exception) -> None:
-        """After a capture or a first compiled run failed with ``e``: the eager step's own
-        error where it has one (bad input is said as eagerly: the traced stand-ins do not
-        check everything the kernels do), else ``e`` said as the capture's. The captured
-        graph is pure, so the state passed in is as it was."""
+        """After a capture or a first compiled run failed with ``e`` before changing
+        anything: the eager step's own error where it has one (bad input is said as
+        eagerly: the traced stand-ins do not check everything the kernels do), else ``e``
+        said as the capture's. The state passed in is as it was (a graph writing into
+        its inputs ran on copies of them)."""
         try:
             self.fn(*args)
         except Exception as eager:  # noqa: BLE001 - re-raised as it is
@@ -222,4 +237,7 @@ class Captured:
         def run(*xs: Any) -> Any:
             return list(compiled(*[xs[i] for i in positions]))[:n_out]
 
-        return _Graph(gm, run, out_def[-1])
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        written = {n.args[0] for n in _ops(gm) if n.target is torch.ops.aten.copy_.default}
+        mutated = frozenset(positions[k] for k, n in enumerate(placeholders) if n in written)
+        return _Graph(gm, run, out_def[-1], mutated)
