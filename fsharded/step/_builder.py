@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 import optree
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import is_fake
 
 from fsharded import _memory_hooks as memory
 from fsharded import checkpoint, optim
@@ -34,7 +33,6 @@ from fsharded.comm import _trace
 from fsharded.mesh import Mesh, _tree
 from fsharded.mesh._layout import dims
 from fsharded.mesh._spec import PartitionSpec
-from fsharded.optim._base import given_rates
 from fsharded.parallel import offload as _offload
 from fsharded.parallel.pipeline import Pipelined
 from fsharded.parallel.remat import Budget
@@ -54,11 +52,12 @@ from fsharded.step._batch import _batch_axes, _count_tokens, local_batch
 from fsharded.step._checks import (
     _check_batch_sizes,
     _check_grad_types,
+    _check_local_shapes,
     _check_loss,
     _check_optimizer,
     _check_param_leaves,
 )
-from fsharded.step._compile import Captured
+from fsharded.step._compile import Captured, StepGraphs
 from fsharded.step._gradients import GradientStrategy, Layout, choose_gradients, label
 from fsharded.step._guards import choose_guard
 from fsharded.step._keys import Keys
@@ -186,7 +185,7 @@ class TrainStep:
                             f"got {compile!r}")
         self.compiling = bool(compile)
         self.compile_backend = compile if isinstance(compile, str) else "inductor"
-        self._captured: dict = {}  # per state layout: the step captured and compiled (_compile.Captured)
+        self._captured = StepGraphs()  # per state layout: the step captured and compiled
         self._eager_said = False
         self.remat = remat_policy(remat)
         self.trainable = trainable
@@ -632,29 +631,11 @@ class TrainStep:
 
     def _validate(self, state: TrainState, batch: Any) -> None:
         """The state is laid out for this step and trains its leaves; every batch leaf has rows."""
-        self._check_layout(state)
+        if self.distributed:  # (the virtual mesh keeps global values: any placement reads them)
+            _check_local_shapes(state.params, self._local_shapes.get(optree.tree_structure(state.params)),
+                                lambda: f"{self.placement(state.params).describe()} on {self.mesh!r}")
         T.check_state(self.trainable, state, self._mask(state), self._trainable_checked)
         _check_batch_sizes(batch)
-
-    def _check_layout(self, state: TrainState) -> None:
-        """On real ranks, a state laid out for another placement (another ZeRO stage or
-        mesh) has other shard shapes: say so instead of computing garbage."""
-        if not self.distributed:
-            return  # the virtual mesh keeps global values: any placement reads them
-        expect = self._local_shapes.get(optree.tree_structure(state.params))
-        if expect is None:
-            return  # the state was not made by this step's init: nothing to compare with
-        paths, leaves, _ = _tree.tree_flatten_with_paths(state.params)
-        bad = [f"  params.{p}: local shape {tuple(x.shape)}, this step's placement expects {e}"
-               for p, x, e in zip(paths, leaves, expect) if tuple(x.shape) != e]
-        if bad:
-            raise ValueError(
-                f"train_step: the state is laid out for another placement than this step's "
-                f"({self.placement(state.params).describe()} on {self.mesh!r}):\n" + "\n".join(bad[:8])
-                + ("\n  ..." if len(bad) > 8 else "")
-                + "\nReshard it: full = old_step.params(state); state = step.init(full) "
-                  "(optimizer moments are not carried over that way)"
-            )
 
     def _run(self, sm: Any, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         """The shard-mapped step on this process's shards. On real ranks the batch is global
@@ -739,35 +720,15 @@ class TrainStep:
         return new_state, {**metrics, "compile_s": torch.tensor(run.last_compile_s)}
 
     def _capture(self, sm: Any, state: TrainState) -> tuple[Captured, list]:
-        """The captured form of ``sm`` and the learning rates to pass it for ``state``.
-
-        The update's rates are computed here, before the graph runs, from the optimizer
-        state's counters (as the guard checks them), and passed as inputs of the graph
-        (``optim._base.given_rates``): the graph holds no schedule, so another schedule or
-        run length (``--steps``) runs the same graph, from Inductor's cache across runs. A
-        ``scale_by_learning_rate`` that ``optim.scheduled_lrs`` does not reach, or reaches
-        twice, computes its schedule in the graph as before."""
-        rates = optim.scheduled_lrs(self.optimizer, state.opt_state)
-        tokens = tuple(getattr(r, "token", None) for r in rates)
-        if None in tokens or len(set(tokens)) < len(tokens):
-            tokens = ()
-        key = id(sm), tokens
-        if key not in self._captured:
-            def local(state: TrainState, batch: Any, values: list, tokens: tuple = tokens) -> Any:
-                with given_rates(dict(zip(tokens, values))):
-                    new, metrics = sm.local(state, batch)
-                if self.donate and _tracing(state):
-                    new = _donated(state, new, self.guard.graph_verdict(metrics))
-                return new, metrics
-            self._captured[key] = (sm, Captured(local, backend=self.compile_backend))  # (sm kept: its id stays)
-        values = [torch.as_tensor(lr).to(torch.as_tensor(c).device).detach()
-                  for c, lr in rates] if tokens else []
-        return self._captured[key][1], values
+        """The captured form of ``sm`` and the learning rates to pass it for ``state``
+        (``_compile.StepGraphs``)."""
+        return self._captured.get(sm, state, optimizer=self.optimizer, backend=self.compile_backend,
+                                  verdict=self.guard.graph_verdict if self.donate else None)
 
     @property
     def compiles(self) -> int:
         """How many input signatures this step captured and compiled so far."""
-        return sum(run.compiles for _, run in self._captured.values())
+        return self._captured.compiles
 
     def graph(self, state: TrainState, batch: Any) -> Any:
         """The graph ``compile=True`` captures for ``(state, batch)`` (a ``torch.fx``
@@ -805,38 +766,6 @@ class TrainStep:
                 self._own[key] = Manifest(_schedule.dry_record(sm.local, state, batch, what="own_collectives()",
                                                                fix=_schedule.FIX)[0])
         return self._own[key]
-
-
-def _tracing(state: TrainState) -> bool:
-    """Whether ``state`` is the fake stand-in of a capture (not a real call of the body:
-    the eager run that explains a failed capture consumes nothing)."""
-    return any(is_fake(x) for x in optree.tree_leaves(state.params) if isinstance(x, torch.Tensor))
-
-
-def _donated(old: TrainState, new: TrainState, ok: torch.Tensor | None) -> TrainState:
-    """``new`` written into ``old``'s parameters and optimizer moments (donated buffers, as
-    the eager step updates them in place) and returned as those buffers: in a captured
-    graph an input mutated at its end, so the compiler writes the update into the state's
-    own memory instead of a second copy of it. Where the step's verdict ``ok`` is false
-    (a non-finite step the guard refuses or skips) each keeps its old value. Counters and
-    other 0-d leaves stay new tensors (the guard advances a skipped step's from the old)."""
-    copies: list = []
-
-    def into(o: Any, n: Any) -> Any:
-        if (not isinstance(o, torch.Tensor) or not isinstance(n, torch.Tensor) or o is n or o.dim() == 0
-                or o.shape != n.shape or o.dtype != n.dtype or o.device != n.device
-                or any(st == 0 and sz > 1 for st, sz in zip(o.stride(), o.shape))):  # (a broadcast placeholder)
-            return n
-        # The values first, all of them, then the writes: no write changes a value another
-        # leaf still takes (a new leaf that is a view of an old one).
-        src = torch.where(ok, n, o) if ok is not None else (n.clone() if n._is_view() else n)
-        copies.append((o, src))
-        return o
-    out = new._replace(params=optree.tree_map(into, old.params, new.params, none_is_leaf=True),
-                       opt_state=optree.tree_map(into, old.opt_state, new.opt_state, none_is_leaf=True))
-    for o, src in copies:
-        o.copy_(src)
-    return out
 
 
 def _mask_key(mask: list[bool] | None) -> tuple | None:

@@ -212,3 +212,22 @@ def _check_scale(scale: Any, n: int) -> None:
             f"step(s) in all: the run has diverged (DeepSpeed stops here too). The state passed "
             f"in (after {n} step{'' if n == 1 else 's'}) is unchanged. Lower the learning rate, check the data for "
             f"inf/nan, or use bf16")
+
+
+def _check_local_shapes(params: Any, expect: list | None, placement: Callable[[], str]) -> None:
+    """On real ranks, a state laid out for another placement (another ZeRO stage or mesh)
+    has other shard shapes than ``expect`` (this step's, per leaf; None: the state was not
+    made by this step's init, nothing to compare with): say so, naming ``placement()``,
+    instead of computing garbage."""
+    if expect is None:
+        return
+    paths, leaves, _ = _tree.tree_flatten_with_paths(params)
+    bad = [f"  params.{p}: local shape {tuple(x.shape)}, this step's placement expects {e}"
+           for p, x, e in zip(paths, leaves, expect) if tuple(x.shape) != e]
+    if bad:
+        raise ValueError(
+            f"train_step: the state is laid out for another placement than this step's ({placement()}):\n"
+            + "\n".join(bad[:8]) + ("\n  ..." if len(bad) > 8 else "")
+            + "\nReshard it: full = old_step.params(state); state = step.init(full) "
+              "(optimizer moments are not carried over that way)"
+        )

@@ -34,12 +34,15 @@ from typing import Any
 
 import optree
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fsharded import optim
 from fsharded.comm import _graph_ops
+from fsharded.optim._base import given_rates
 from fsharded.spmd._wrappers import capturing
 
-__all__ = ["Captured", "host_reads", "global_draws", "eager_collectives"]
+__all__ = ["Captured", "StepGraphs", "host_reads", "global_draws", "eager_collectives"]
 
 _HOST_READS = ("aten._local_scalar_dense", "aten.item")
 
@@ -241,3 +244,79 @@ class Captured:
         written = {n.args[0] for n in _ops(gm) if n.target is torch.ops.aten.copy_.default}
         mutated = frozenset(positions[k] for k, n in enumerate(placeholders) if n in written)
         return _Graph(gm, run, out_def[-1], mutated)
+
+
+class StepGraphs:
+    """A train step's captured graphs: one ``Captured`` per shard-mapped step (a state
+    layout's plan) and per set of learning-rate inputs.
+
+    The update's rates are computed before each call, from the optimizer state's counters
+    (as the step's guard checks them), and passed as inputs of the graph
+    (``optim._base.given_rates``): the graph holds no schedule, so another schedule or run
+    length (``--steps``) runs the same graph, from Inductor's cache across runs. A
+    ``scale_by_learning_rate`` that ``optim.scheduled_lrs`` does not reach, or reaches
+    twice, computes its schedule in the graph. With a ``verdict`` (donated state) the
+    graph writes the new state into the one passed in (``donated``)."""
+
+    def __init__(self) -> None:
+        self._graphs: dict = {}
+
+    def clear(self) -> None:
+        self._graphs.clear()
+
+    @property
+    def compiles(self) -> int:
+        return sum(run.compiles for _, run in self._graphs.values())
+
+    def get(self, sm: Any, state: Any, *, optimizer: Any, backend: str,
+            verdict: Callable[[dict], torch.Tensor | None] | None) -> tuple[Captured, list]:
+        """The captured form of ``sm`` (its ``local``) for ``state``, and the rates to pass
+        it as its third argument."""
+        rates = optim.scheduled_lrs(optimizer, state.opt_state)
+        tokens = tuple(getattr(r, "token", None) for r in rates)
+        if None in tokens or len(set(tokens)) < len(tokens):
+            tokens = ()
+        key = id(sm), tokens
+        if key not in self._graphs:
+            def local(state: Any, batch: Any, values: list, tokens: tuple = tokens) -> Any:
+                with given_rates(dict(zip(tokens, values))):
+                    new, metrics = sm.local(state, batch)
+                if verdict is not None and _tracing(state):
+                    new = donated(state, new, verdict(metrics))
+                return new, metrics
+            self._graphs[key] = (sm, Captured(local, backend=backend))  # (sm kept: its id stays)
+        values = [torch.as_tensor(lr).to(torch.as_tensor(c).device).detach() for c, lr in rates] if tokens else []
+        return self._graphs[key][1], values
+
+
+def _tracing(state: Any) -> bool:
+    """Whether ``state`` is the fake stand-in of a capture (not a real call of the body:
+    the eager run that explains a failed capture consumes nothing)."""
+    return any(is_fake(x) for x in optree.tree_leaves(state.params) if isinstance(x, torch.Tensor))
+
+
+def donated(old: Any, new: Any, ok: torch.Tensor | None) -> Any:
+    """``new`` (a ``TrainState``) written into ``old``'s parameters and optimizer moments
+    (donated buffers, as the eager step updates them in place) and returned as those
+    buffers: in a captured graph an input mutated at its end, so the compiler writes the
+    update into the state's own memory instead of a second copy of it. Where the step's
+    verdict ``ok`` is false (a non-finite step the guard refuses or skips) each keeps its
+    old value. Counters and other 0-d leaves stay new tensors (the guard advances a skipped
+    step's from the old)."""
+    copies: list = []
+
+    def into(o: Any, n: Any) -> Any:
+        if (not isinstance(o, torch.Tensor) or not isinstance(n, torch.Tensor) or o is n or o.dim() == 0
+                or o.shape != n.shape or o.dtype != n.dtype or o.device != n.device
+                or any(st == 0 and sz > 1 for st, sz in zip(o.stride(), o.shape))):  # (a broadcast placeholder)
+            return n
+        # The values first, all of them, then the writes: no write changes a value another
+        # leaf still takes (a new leaf that is a view of an old one).
+        src = torch.where(ok, n, o) if ok is not None else (n.clone() if n._is_view() else n)
+        copies.append((o, src))
+        return o
+    out = new._replace(params=optree.tree_map(into, old.params, new.params, none_is_leaf=True),
+                       opt_state=optree.tree_map(into, old.opt_state, new.opt_state, none_is_leaf=True))
+    for o, src in copies:
+        o.copy_(src)
+    return out
